@@ -1,0 +1,35 @@
+"""adaptive_amp: faster and safer mixed-precision training.
+
+Native multi-tensor kernels (C++ and CUDA) for the per-element work of mixed
+precision, behind a torch.amp-style API. ``import adaptive_amp`` needs only
+numpy; the ops also take torch tensors, numpy arrays and DLPack arrays.
+"""
+
+from __future__ import annotations
+
+try:
+    from . import _C
+except ImportError as exc:  # pragma: no cover - only on a broken install
+    raise ImportError(
+        "adaptive_amp's native extension (adaptive_amp._C) is missing or broken: "
+        f"{exc}. Reinstall with `pip install .` (or `pip install -e .` in a checkout)."
+    ) from exc
+
+from .ops import UNSCALE_CHUNK, unscale_and_check_
+
+__version__ = "0.1.0"
+
+__all__ = ["UNSCALE_CHUNK", "build_info", "cuda_available", "unscale_and_check_", "__version__"]
+
+
+def cuda_available() -> bool:
+    """True when the CUDA kernels were built in and a CUDA GPU can be used."""
+    return _C.cuda_built() and _C.cuda_device_count() > 0
+
+
+def build_info() -> dict:
+    """How this copy was built: CUDA kernels and their architectures, OpenMP, compiler."""
+    info = dict(_C.build_info())
+    info["version"] = __version__
+    info["cuda_devices"] = _C.cuda_device_count()
+    return info

@@ -1,0 +1,112 @@
+"""The public functional API over the native kernels.
+
+Each op validates every argument first (errors name the argument, nothing is
+written on error), allocates outputs with the caller's framework, and runs on
+the caller's current stream. Each has a pure-torch twin in ``reference.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+from . import _C, _native
+from ._native import BFLOAT16, FLOAT16, FLOAT32
+
+_UNSCALE_INPUTS = (FLOAT32, FLOAT16, BFLOAT16)
+
+#: Elements per chunk of the unscale kernels (the unit of parallel work and of
+#: the deterministic reduction); useful to place values at chunk edges in tests.
+UNSCALE_CHUNK = _C.UNSCALE_CHUNK
+
+
+def _as_list(tensors, name):
+    if isinstance(tensors, (list, tuple)):
+        return tensors
+    if _native.is_torch_tensor(tensors) or hasattr(tensors, "__dlpack__") or hasattr(tensors, "__array_interface__"):
+        return [tensors]
+    raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
+
+
+def unscale_and_check_(
+    tensors: Sequence,
+    found_inf,
+    inv_scale,
+    *,
+    check_only: bool = False,
+    return_stats: bool = False,
+) -> Optional[Tuple[object, object]]:
+    """Multiply every tensor by ``inv_scale`` in place and flag NaN/inf in ``found_inf``.
+
+    The fused gradient-unscaling step of mixed-precision training, in the
+    argument order of ``torch._amp_foreach_non_finite_check_and_unscale_``.
+
+    Args:
+        tensors: arrays of one device (torch tensors on the CPU or a CUDA GPU,
+            numpy arrays, or DLPack arrays such as CuPy's), contiguous,
+            float32, float16 or bfloat16 in any mix. Empty and 0-dim arrays
+            are fine. One kernel launch covers the list (very long lists are
+            chunked into a few launches).
+        found_inf: 1-element float32 array on the same device. Set to 1.0 when
+            any element of any tensor is NaN or +-inf; left as it was otherwise.
+        inv_scale: 1-element float32 array on the same device, read there
+            (no host synchronization). Each element becomes
+            ``dtype(float(x) * inv_scale)``, rounded to nearest even; with
+            ``inv_scale == 1`` the tensors are left untouched.
+        check_only: read the tensors and set ``found_inf`` but write nothing
+            (for optimizers that unscale inside their own step).
+        return_stats: also return ``(sumsq, amax)``, two 1-D float32 arrays with
+            one entry per tensor: the sum of squares and the largest magnitude
+            of the unscaled values (NaN when a value is NaN), computed in the
+            same pass. ``sumsq.sum().sqrt()`` is the global gradient norm.
+
+    Returns:
+        ``None``, or ``(sumsq, amax)`` when ``return_stats`` is set.
+
+    Deterministic: the same inputs give bitwise the same outputs every run.
+    """
+    tensors = _as_list(tensors, "tensors")
+    if len(tensors) == 0:
+        return _empty_stats(found_inf) if return_stats else None
+    batch = _native.describe_many(tensors, "tensors", writable=not check_only, dtypes=_UNSCALE_INPUTS)
+    found = _native.describe(found_inf, "found_inf", writable=True, dtypes=(FLOAT32,))
+    _native.check_scalar(found, "found_inf", batch.device)
+    inv = _native.describe(inv_scale, "inv_scale", writable=False, dtypes=(FLOAT32,))
+    _native.check_scalar(inv, "inv_scale", batch.device)
+
+    sumsq = amax = ws_owner = None
+    sumsq_ptr = amax_ptr = ws_ptr = 0
+    ws_bytes = 0
+    if return_stats:
+        sumsq, sumsq_ptr = _native.empty(batch.framework, batch.device, len(tensors), FLOAT32)
+        amax, amax_ptr = _native.empty(batch.framework, batch.device, len(tensors), FLOAT32)
+        ws_bytes = _C.unscale_workspace_bytes(batch.numels, True)
+        ws_owner, ws_ptr = _native.workspace(batch.framework, batch.device, ws_bytes)
+
+    stream = _native.current_stream(batch.framework, batch.device, tensors[0])
+    _C.unscale_and_check(batch.ptrs, batch.numels, batch.dtypes, found.ptr, inv.ptr, check_only, sumsq_ptr,
+                         amax_ptr, ws_ptr, ws_bytes, batch.device, stream)
+    if not check_only:
+        _native.mark_written(batch)
+    _keep_until_done(ws_owner, batch.device)
+    return (sumsq, amax) if return_stats else None
+
+
+def _empty_stats(found_inf):
+    found = _native.describe(found_inf, "found_inf", writable=True, dtypes=(FLOAT32,))
+    sumsq, _ = _native.empty(found.framework, found.device, 0, FLOAT32)
+    amax, _ = _native.empty(found.framework, found.device, 0, FLOAT32)
+    return sumsq, amax
+
+
+def _keep_until_done(owner, device):
+    """A workspace freed right after an asynchronous launch must not be reused too early.
+
+    torch's caching allocator only hands a block back to the same stream, in
+    stream order, so freeing it after enqueueing is safe (as torch's own ops
+    do). Other frameworks' pools are not stream-ordered: wait for the work.
+    """
+    if owner is None or device == _native.CPU or _native.is_torch_tensor(owner):
+        return
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()

@@ -1,0 +1,135 @@
+// The one file that sees Python: turns plain integers (pointers, counts,
+// dtype codes, stream handles) into core arguments and core exceptions into
+// Python exceptions. Array-framework knowledge lives in adaptive_amp/_native.py.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core.h"
+#include "dlpack_abi.h"
+#include "unscale.h"
+
+namespace py = pybind11;
+
+namespace {
+
+std::vector<aamp::TensorRef> tensor_refs(const std::vector<std::uintptr_t>& ptrs,
+                                         const std::vector<std::int64_t>& numels, const std::vector<int>& dtypes) {
+  if (numels.size() != ptrs.size() || dtypes.size() != ptrs.size()) {
+    throw aamp::ArgumentError("tensors: pointer, size and dtype lists differ in length");
+  }
+  std::vector<aamp::TensorRef> refs(ptrs.size());
+  for (std::size_t i = 0; i < ptrs.size(); ++i) {
+    refs[i].data = reinterpret_cast<void*>(ptrs[i]);
+    refs[i].numel = numels[i];
+    refs[i].dtype = aamp::dtype_from_code(dtypes[i], aamp::item_name("tensors", i));
+  }
+  return refs;
+}
+
+template <class T>
+T* as_ptr(std::uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+void unscale_and_check(const std::vector<std::uintptr_t>& ptrs, const std::vector<std::int64_t>& numels,
+                       const std::vector<int>& dtypes, std::uintptr_t found_inf, std::uintptr_t inv_scale,
+                       bool check_only, std::uintptr_t sumsq, std::uintptr_t amax, std::uintptr_t workspace,
+                       std::size_t workspace_bytes, int device, std::uintptr_t stream) {
+  aamp::UnscaleArgs a;
+  a.tensors = tensor_refs(ptrs, numels, dtypes);
+  a.found_inf = as_ptr<float>(found_inf);
+  a.inv_scale = as_ptr<const float>(inv_scale);
+  a.check_only = check_only;
+  a.sumsq = as_ptr<float>(sumsq);
+  a.amax = as_ptr<float>(amax);
+  a.workspace = as_ptr<void>(workspace);
+  a.workspace_bytes = workspace_bytes;
+  a.place.device = device;
+  a.place.stream = stream;
+  // CPU work runs without the GIL so other Python threads go on; CUDA work
+  // only enqueues, which is quick either way.
+  py::gil_scoped_release release;
+  aamp::unscale_and_check(a);
+}
+
+std::size_t unscale_workspace_bytes(const std::vector<std::int64_t>& numels, bool stats) {
+  std::vector<aamp::TensorRef> refs(numels.size());
+  for (std::size_t i = 0; i < numels.size(); ++i) refs[i].numel = numels[i];
+  return aamp::unscale_workspace_bytes(refs, stats);
+}
+
+// Reads a DLPack capsule without consuming it: the capsule (held by the
+// caller until the op returns) keeps the memory alive and frees it itself.
+py::dict dlpack_describe(py::capsule capsule) {
+  const std::string name = capsule.name() ? capsule.name() : "";
+  const aamp::dlpack::DLTensor* t = nullptr;
+  bool read_only = false;
+  if (name == "dltensor") {
+    t = &static_cast<aamp::dlpack::DLManagedTensor*>(capsule.get_pointer())->dl_tensor;
+  } else if (name == "dltensor_versioned") {
+    auto* m = static_cast<aamp::dlpack::DLManagedTensorVersioned*>(capsule.get_pointer());
+    if (m->version.major != 1) {
+      throw aamp::ArgumentError("array: DLPack version " + std::to_string(m->version.major) +
+                                " is not supported (expected 1.x)");
+    }
+    t = &m->dl_tensor;
+    read_only = (m->flags & aamp::dlpack::kFlagReadOnly) != 0;
+  } else {
+    throw aamp::ArgumentError("array: '" + name + "' is not a DLPack capsule (already consumed?)");
+  }
+  py::tuple shape(t->ndim);
+  for (int i = 0; i < t->ndim; ++i) shape[i] = t->shape[i];
+  py::object strides = py::none();
+  if (t->strides != nullptr) {
+    py::tuple s(t->ndim);
+    for (int i = 0; i < t->ndim; ++i) s[i] = t->strides[i];
+    strides = s;
+  }
+  py::dict d;
+  d["data"] = reinterpret_cast<std::uintptr_t>(t->data) + t->byte_offset;
+  d["shape"] = shape;
+  d["strides"] = strides;
+  d["dtype"] = py::make_tuple(t->dtype.code, t->dtype.bits, t->dtype.lanes);
+  d["device_type"] = t->device.device_type;
+  d["device_id"] = t->device.device_id;
+  d["read_only"] = read_only;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "adaptive_amp native core (framework-agnostic; see csrc/*.h for the contracts)";
+
+  py::register_exception<aamp::DTypeError>(m, "DTypeError", PyExc_TypeError);
+  py::register_exception<aamp::ArgumentError>(m, "ArgumentError", PyExc_ValueError);
+  py::register_exception<aamp::CudaError>(m, "CudaError", PyExc_RuntimeError);
+
+  m.def("cuda_built", &aamp::cuda_built, "Whether the CUDA kernels were compiled in.");
+  m.def("cuda_device_count", &aamp::cuda_device_count, "CUDA devices this build can see (0 without CUDA).");
+  m.def("build_info", []() {
+    py::dict d;
+    d["cuda_built"] = aamp::cuda_built();
+    d["cuda_archs"] = aamp::cuda_archs();
+    d["cuda_runtime_version"] = aamp::cuda_runtime_version();
+#ifdef _OPENMP
+    d["openmp"] = _OPENMP;
+#else
+    d["openmp"] = 0;
+#endif
+    d["compiler"] = __VERSION__;
+    return d;
+  });
+
+  m.attr("UNSCALE_CHUNK") = aamp::kUnscaleChunk;
+  m.def("unscale_workspace_bytes", &unscale_workspace_bytes, py::arg("numels"), py::arg("stats"));
+  m.def("unscale_and_check", &unscale_and_check, py::arg("ptrs"), py::arg("numels"), py::arg("dtypes"),
+        py::arg("found_inf"), py::arg("inv_scale"), py::arg("check_only"), py::arg("sumsq"), py::arg("amax"),
+        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("device"), py::arg("stream"));
+
+  m.def("dlpack_describe", &dlpack_describe, py::arg("capsule"));
+}

@@ -1,0 +1,256 @@
+// CUDA implementation of the unscale family (contract in unscale.h).
+//
+// Stage 1: one block per chunk of kUnscaleChunk elements, 16-byte vector
+// loads when the tensor is aligned (a scalar path otherwise), the check, the
+// scaling and the store fused; with stats, each chunk writes one partial.
+// Stage 2 (stats only): one warp per tensor sums its partials in chunk order.
+// Both stages are deterministic; found_inf is only ever set to 1.0f.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda_utils.cuh"
+#include "multi_tensor.cuh"
+#include "unscale.h"
+
+namespace aamp {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
+
+struct F32 {
+  using T = float;
+  __device__ static bool nonfinite(T v) { return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u; }
+  __device__ static float load(T v) { return v; }
+  __device__ static T store(float y) { return y; }
+};
+
+struct F16 {
+  using T = unsigned short;
+  __device__ static bool nonfinite(T v) { return (v & 0x7c00u) == 0x7c00u; }
+  __device__ static float load(T v) { return __half2float(__ushort_as_half(v)); }
+  __device__ static T store(float y) { return __half_as_ushort(__float2half_rn(y)); }
+};
+
+struct BF16 {
+  using T = unsigned short;
+  __device__ static bool nonfinite(T v) { return (v & 0x7f80u) == 0x7f80u; }
+  __device__ static float load(T v) { return __uint_as_float(static_cast<unsigned>(v) << 16); }
+  __device__ static T store(float y) { return __bfloat16_as_ushort(__float2bfloat16_rn(y)); }
+};
+
+struct Accum {
+  bool bad = false;
+  float sumsq = 0.0f;
+  unsigned amax_bits = 0;
+};
+
+template <class E, bool kWrite, bool kStats>
+__device__ __forceinline__ typename E::T step(typename E::T v, float inv, bool one, Accum& acc) {
+  acc.bad |= E::nonfinite(v);
+  const float f = E::load(v);
+  const float y = one ? f : f * inv;
+  if (kStats) {
+    acc.sumsq = fmaf(y, y, acc.sumsq);
+    acc.amax_bits = max(acc.amax_bits, __float_as_uint(y) & 0x7fffffffu);
+  }
+  return kWrite ? E::store(y) : v;
+}
+
+// 16 bytes of E::T elements.
+template <class E>
+union Vec16 {
+  uint4 raw;
+  typename E::T e[16 / sizeof(typename E::T)];
+};
+
+template <class E, bool kWrite, bool kStats>
+__device__ __forceinline__ void run_chunk(typename E::T* __restrict__ x, int n, float inv, bool one, bool write,
+                                          Accum& acc) {
+  using T = typename E::T;
+  constexpr int kPer = 16 / sizeof(T);
+  int done = 0;
+  if ((reinterpret_cast<std::uintptr_t>(x) & 15u) == 0) {
+    uint4* xv = reinterpret_cast<uint4*>(x);
+    const int nvec = n / kPer;
+    for (int base = threadIdx.x; base < nvec; base += kThreads * kUnroll) {
+      Vec16<E> v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int idx = base + u * kThreads;
+        if (idx < nvec) v[u].raw = xv[idx];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int idx = base + u * kThreads;
+        if (idx < nvec) {
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) v[u].e[k] = step<E, kWrite, kStats>(v[u].e[k], inv, one, acc);
+          if (kWrite && write) xv[idx] = v[u].raw;
+        }
+      }
+    }
+    done = nvec * kPer;
+  }
+  for (int i = done + threadIdx.x; i < n; i += kThreads) {
+    T r = step<E, kWrite, kStats>(x[i], inv, one, acc);
+    if (kWrite && write) x[i] = r;
+  }
+}
+
+// Block-wide reduction in a fixed order: warps by shuffle, then warp 0 over
+// the warp results. Valid in thread 0.
+__device__ __forceinline__ void block_reduce(float& sumsq, unsigned& amax_bits) {
+  __shared__ float s_sum[kThreads / 32];
+  __shared__ unsigned s_max[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    sumsq += __shfl_down_sync(0xffffffffu, sumsq, o);
+    amax_bits = max(amax_bits, __shfl_down_sync(0xffffffffu, amax_bits, o));
+  }
+  if (lane == 0) {
+    s_sum[warp] = sumsq;
+    s_max[warp] = amax_bits;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    sumsq = lane < kThreads / 32 ? s_sum[lane] : 0.0f;
+    amax_bits = lane < kThreads / 32 ? s_max[lane] : 0u;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      sumsq += __shfl_down_sync(0xffffffffu, sumsq, o);
+      amax_bits = max(amax_bits, __shfl_down_sync(0xffffffffu, amax_bits, o));
+    }
+  }
+  __syncthreads();  // the next chunk reuses the shared arrays
+}
+
+template <class Table, bool kWrite, bool kStats>
+__global__ void __launch_bounds__(kThreads)
+    unscale_kernel(const __grid_constant__ Table table, float* __restrict__ found_inf,
+                   const float* __restrict__ inv_scale, UnscalePartial* __restrict__ partials) {
+  const float inv = *inv_scale;
+  const bool one = inv == 1.0f;
+  // Writing y == x back changes nothing; skip the stores (torch writes them).
+  const bool write = !one;
+  const unsigned total = table.chunk_begin[table.count];
+  bool bad = false;
+  for (unsigned c = blockIdx.x; c < total; c += gridDim.x) {
+    const int t = table_find(table, c);
+    const unsigned local = c - table.chunk_begin[t];
+    const unsigned last = table.chunk_begin[t + 1] - table.chunk_begin[t] - 1;
+    const unsigned meta = table.meta[t];
+    const int n = local == last ? static_cast<int>(meta >> 4) + 1 : static_cast<int>(kUnscaleChunk);
+    const std::int64_t offset = static_cast<std::int64_t>(local) * kUnscaleChunk;
+    Accum acc;
+    switch (static_cast<DType>(meta & 15u)) {
+      case DType::kFloat32:
+        run_chunk<F32, kWrite, kStats>(static_cast<float*>(table.data[t]) + offset, n, inv, one, write, acc);
+        break;
+      case DType::kFloat16:
+        run_chunk<F16, kWrite, kStats>(static_cast<unsigned short*>(table.data[t]) + offset, n, inv, one, write,
+                                       acc);
+        break;
+      default:
+        run_chunk<BF16, kWrite, kStats>(static_cast<unsigned short*>(table.data[t]) + offset, n, inv, one, write,
+                                        acc);
+        break;
+    }
+    bad |= acc.bad;
+    if (kStats) {
+      block_reduce(acc.sumsq, acc.amax_bits);
+      if (threadIdx.x == 0) partials[c] = UnscalePartial{acc.sumsq, acc.amax_bits};
+    }
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.0f;
+}
+
+// One warp per tensor: the tensor's partials in chunk order, in double.
+template <class Table>
+__global__ void __launch_bounds__(kThreads)
+    unscale_finish_kernel(const __grid_constant__ Table table, const UnscalePartial* __restrict__ partials,
+                          float* __restrict__ sumsq, float* __restrict__ amax) {
+  const int t = (blockIdx.x * kThreads + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (t >= table.count) return;
+  double s = 0.0;
+  unsigned m = 0;
+  for (unsigned c = table.chunk_begin[t] + lane; c < table.chunk_begin[t + 1]; c += 32) {
+    s += partials[c].sumsq;
+    m = max(m, partials[c].amax_bits);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    s += __shfl_down_sync(0xffffffffu, s, o);
+    m = max(m, __shfl_down_sync(0xffffffffu, m, o));
+  }
+  if (lane == 0) {
+    sumsq[t] = static_cast<float>(s);
+    amax[t] = __uint_as_float(m);
+  }
+}
+
+template <class Table, bool kWrite, bool kStats>
+void launch(const Table& table, const UnscaleArgs& a, std::size_t first, UnscalePartial* partials,
+            cudaStream_t stream, int device) {
+  const unsigned total = table.chunk_begin[table.count];
+  if (total > 0) {
+    // One block per chunk up to a cap; the kernel loops past it.
+    const unsigned cap = static_cast<unsigned>(multiprocessor_count(device)) * 256u;
+    const unsigned grid = std::min(total, cap);
+    unscale_kernel<Table, kWrite, kStats><<<grid, kThreads, 0, stream>>>(table, a.found_inf, a.inv_scale, partials);
+    AAMP_CUDA_CHECK_LAUNCH("unscale_kernel");
+  }
+  if (kStats) {
+    const unsigned grid = static_cast<unsigned>((table.count * 32 + kThreads - 1) / kThreads);
+    unscale_finish_kernel<Table><<<grid, kThreads, 0, stream>>>(table, partials, a.sumsq + first, a.amax + first);
+    AAMP_CUDA_CHECK_LAUNCH("unscale_finish_kernel");
+  }
+}
+
+template <class Table>
+void launch_table(const Table& table, const UnscaleArgs& a, std::size_t first, UnscalePartial* partials,
+                  cudaStream_t stream, int device) {
+  const bool stats = a.sumsq != nullptr;
+  if (a.check_only) {
+    stats ? launch<Table, false, true>(table, a, first, partials, stream, device)
+          : launch<Table, false, false>(table, a, first, partials, stream, device);
+  } else {
+    stats ? launch<Table, true, true>(table, a, first, partials, stream, device)
+          : launch<Table, true, false>(table, a, first, partials, stream, device);
+  }
+}
+
+}  // namespace
+
+void unscale_and_check_cuda(const UnscaleArgs& a) {
+  if (a.tensors.empty()) return;
+  DeviceGuard guard(a.place.device);
+  cudaStream_t stream = as_stream(a.place.stream);
+  auto* partials = static_cast<UnscalePartial*>(a.workspace);
+  // The tables are large; keep them off the stack.
+  static thread_local SmallTable small;
+  static thread_local LargeTable large;
+  std::size_t first = 0;
+  while (first < a.tensors.size()) {
+    std::size_t next;
+    if (a.tensors.size() - first <= static_cast<std::size_t>(SmallTable::capacity)) {
+      next = fill_table(small, a.tensors, first, kUnscaleChunk);
+      launch_table(small, a, first, partials, stream, a.place.device);
+    } else {
+      next = fill_table(large, a.tensors, first, kUnscaleChunk);
+      launch_table(large, a, first, partials, stream, a.place.device);
+    }
+    // Partials are indexed per launch; advance past this launch's chunks.
+    std::int64_t used = 0;
+    for (std::size_t i = first; i < next; ++i) used += (a.tensors[i].numel + kUnscaleChunk - 1) / kUnscaleChunk;
+    if (partials != nullptr) partials += used;
+    first = next;
+  }
+}
+
+}  // namespace aamp
