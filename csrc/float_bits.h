@@ -49,20 +49,21 @@ inline float f16_to_f32(std::uint16_t h) {
 }
 
 inline std::uint16_t f32_to_f16(float f) {
-  std::uint32_t u = f32_bits(f);
-  std::uint32_t sign = (u >> 16) & 0x8000u;
-  std::uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
-  if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to inf
-  if (a < 0x38800000u) {
-    // Result is subnormal or zero: adding 0.5 (as a float) aligns the
-    // mantissa so the FPU's own round-to-nearest-even does the rounding.
-    float r = f32_from_bits(a) + 0.5f;
-    return static_cast<std::uint16_t>(sign | (f32_bits(r) - 0x3f000000u));
-  }
-  std::uint32_t odd = (a >> 13) & 1u;
-  a += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round to nearest even
-  return static_cast<std::uint16_t>(sign | (a >> 13));
+  const std::uint32_t u = f32_bits(f);
+  const std::uint32_t sign = (u >> 16) & 0x8000u;
+  const std::uint32_t a = u & 0x7fffffffu;
+  // All candidates are computed and one is selected, so loops vectorize.
+  // Normal result: rebias the exponent (-112 << 23) and round to nearest even.
+  const std::uint32_t normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
+  // Subnormal or zero result: adding 0.5 aligns the mantissa so that the
+  // FPU's own round-to-nearest-even does the rounding.
+  const std::uint32_t subnormal = f32_bits(f32_from_bits(a) + 0.5f) - 0x3f000000u;
+  const std::uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);
+  const std::uint32_t r = a > 0x7f800000u   ? nan
+                          : a >= 0x477ff000u ? 0x7c00u  // rounds to inf
+                          : a < 0x38800000u  ? subnormal
+                                             : normal;
+  return static_cast<std::uint16_t>(sign | r);
 }
 
 }  // namespace aamp

@@ -38,10 +38,10 @@ struct BF16 {
 };
 
 // One chunk: check, scale, optionally write back and reduce. Returns whether
-// a NaN or inf was seen. `inv_is_one` reproduces torch's shortcut, which
-// returns the value itself (not value * 1) so NaN payloads survive.
+// a NaN or inf was seen. With inv_scale == 1 nothing is written (see below),
+// and x * 1 == x for every non-NaN x, so the loop needs no select.
 template <class E, bool kWrite, bool kStats>
-bool run_chunk(typename E::T* x, std::int64_t n, float inv, bool inv_is_one, UnscalePartial* partial) {
+bool run_chunk(typename E::T* x, std::int64_t n, float inv, UnscalePartial* partial) {
   unsigned bad = 0;
   float ss = 0.0f;
   std::uint32_t am = 0;
@@ -50,7 +50,7 @@ bool run_chunk(typename E::T* x, std::int64_t n, float inv, bool inv_is_one, Uns
     typename E::T v = x[i];
     bad |= E::nonfinite(v) ? 1u : 0u;
     float f = E::load(v);
-    float y = inv_is_one ? f : f * inv;
+    float y = f * inv;
     if (kWrite) x[i] = E::store(y);
     if (kStats) {
       ss += y * y;
@@ -68,13 +68,10 @@ bool run_chunk(typename E::T* x, std::int64_t n, float inv, bool inv_is_one, Uns
 template <class E>
 bool dispatch_chunk(void* data, std::int64_t n, float inv, bool write, UnscalePartial* partial) {
   auto* x = static_cast<typename E::T*>(data);
-  const bool one = inv == 1.0f;
   if (partial != nullptr) {
-    return write ? run_chunk<E, true, true>(x, n, inv, one, partial)
-                 : run_chunk<E, false, true>(x, n, inv, one, partial);
+    return write ? run_chunk<E, true, true>(x, n, inv, partial) : run_chunk<E, false, true>(x, n, inv, partial);
   }
-  return write ? run_chunk<E, true, false>(x, n, inv, one, nullptr)
-               : run_chunk<E, false, false>(x, n, inv, one, nullptr);
+  return write ? run_chunk<E, true, false>(x, n, inv, nullptr) : run_chunk<E, false, false>(x, n, inv, nullptr);
 }
 
 }  // namespace
@@ -82,7 +79,8 @@ bool dispatch_chunk(void* data, std::int64_t n, float inv, bool write, UnscalePa
 void unscale_and_check_cpu(const UnscaleArgs& a) {
   const std::size_t count = a.tensors.size();
   const float inv = *a.inv_scale;
-  // Writing y == x back changes nothing; skip the stores (torch writes them).
+  // With inv_scale == 1 torch returns each value itself, so writing back
+  // changes nothing: skip the stores (this also keeps NaN payloads intact).
   const bool write = !a.check_only && inv != 1.0f;
   const bool stats = a.sumsq != nullptr;
   auto* partials = static_cast<UnscalePartial*>(a.workspace);

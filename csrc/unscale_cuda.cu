@@ -2,8 +2,10 @@
 //
 // Stage 1: one block per chunk of kUnscaleChunk elements, 16-byte vector
 // loads when the tensor is aligned (a scalar path otherwise), the check, the
-// scaling and the store fused; with stats, each chunk writes one partial.
-// Stage 2 (stats only): one warp per tensor sums its partials in chunk order.
+// scaling and the store fused; with stats, each chunk writes one partial (or,
+// for a tensor of one chunk, the tensor's result itself).
+// Stage 2 (stats, only when some tensor has several chunks or none): one warp
+// per tensor sums its partials in chunk order.
 // Both stages are deterministic; found_inf is only ever set to 1.0f.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -20,6 +22,11 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
+// The register budget allows two resident blocks per SM on every dtype path
+// without spilling; lists of one dtype get a leaner kernel (kOnly below) that
+// fits four.
+constexpr int kMinBlocks = 2;
+constexpr int kAnyDType = -1;
 
 struct F32 {
   using T = float;
@@ -129,10 +136,13 @@ __device__ __forceinline__ void block_reduce(float& sumsq, unsigned& amax_bits) 
   __syncthreads();  // the next chunk reuses the shared arrays
 }
 
-template <class Table, bool kWrite, bool kStats>
-__global__ void __launch_bounds__(kThreads)
+// kOnly: the dtype of every tensor in the table, or kAnyDType for a mix
+// (each chunk then dispatches on its tensor's dtype).
+template <class Table, bool kWrite, bool kStats, int kOnly>
+__global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? kMinBlocks : 2 * kMinBlocks)
     unscale_kernel(const __grid_constant__ Table table, float* __restrict__ found_inf,
-                   const float* __restrict__ inv_scale, UnscalePartial* __restrict__ partials) {
+                   const float* __restrict__ inv_scale, UnscalePartial* __restrict__ partials,
+                   float* __restrict__ sumsq, float* __restrict__ amax) {
   const float inv = *inv_scale;
   const bool one = inv == 1.0f;
   // Writing y == x back changes nothing; skip the stores (torch writes them).
@@ -147,7 +157,7 @@ __global__ void __launch_bounds__(kThreads)
     const int n = local == last ? static_cast<int>(meta >> 4) + 1 : static_cast<int>(kUnscaleChunk);
     const std::int64_t offset = static_cast<std::int64_t>(local) * kUnscaleChunk;
     Accum acc;
-    switch (static_cast<DType>(meta & 15u)) {
+    switch (kOnly == kAnyDType ? static_cast<DType>(meta & 15u) : static_cast<DType>(kOnly)) {
       case DType::kFloat32:
         run_chunk<F32, kWrite, kStats>(static_cast<float*>(table.data[t]) + offset, n, inv, one, write, acc);
         break;
@@ -163,20 +173,28 @@ __global__ void __launch_bounds__(kThreads)
     bad |= acc.bad;
     if (kStats) {
       block_reduce(acc.sumsq, acc.amax_bits);
-      if (threadIdx.x == 0) partials[c] = UnscalePartial{acc.sumsq, acc.amax_bits};
+      if (threadIdx.x == 0) {
+        if (last == 0) {  // a one-chunk tensor: its partial is the result
+          sumsq[t] = static_cast<float>(static_cast<double>(acc.sumsq));
+          amax[t] = __uint_as_float(acc.amax_bits);
+        } else {
+          partials[c] = UnscalePartial{acc.sumsq, acc.amax_bits};
+        }
+      }
     }
   }
   if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.0f;
 }
 
-// One warp per tensor: the tensor's partials in chunk order, in double.
+// One warp per tensor of none or several chunks: its partials in chunk
+// order, in double. (One-chunk tensors were finished by unscale_kernel.)
 template <class Table>
 __global__ void __launch_bounds__(kThreads)
     unscale_finish_kernel(const __grid_constant__ Table table, const UnscalePartial* __restrict__ partials,
                           float* __restrict__ sumsq, float* __restrict__ amax) {
   const int t = (blockIdx.x * kThreads + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
-  if (t >= table.count) return;
+  if (t >= table.count || table.chunk_begin[t + 1] - table.chunk_begin[t] == 1) return;
   double s = 0.0;
   unsigned m = 0;
   for (unsigned c = table.chunk_begin[t] + lane; c < table.chunk_begin[t + 1]; c += 32) {
@@ -194,7 +212,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <class Table, bool kWrite, bool kStats>
+template <class Table, bool kWrite, bool kStats, int kOnly>
 void launch(const Table& table, const UnscaleArgs& a, std::size_t first, UnscalePartial* partials,
             cudaStream_t stream, int device) {
   const unsigned total = table.chunk_begin[table.count];
@@ -202,26 +220,44 @@ void launch(const Table& table, const UnscaleArgs& a, std::size_t first, Unscale
     // One block per chunk up to a cap; the kernel loops past it.
     const unsigned cap = static_cast<unsigned>(multiprocessor_count(device)) * 256u;
     const unsigned grid = std::min(total, cap);
-    unscale_kernel<Table, kWrite, kStats><<<grid, kThreads, 0, stream>>>(table, a.found_inf, a.inv_scale, partials);
+    unscale_kernel<Table, kWrite, kStats, kOnly><<<grid, kThreads, 0, stream>>>(
+        table, a.found_inf, a.inv_scale, partials, kStats ? a.sumsq + first : nullptr,
+        kStats ? a.amax + first : nullptr);
     AAMP_CUDA_CHECK_LAUNCH("unscale_kernel");
   }
-  if (kStats) {
+  bool all_one_chunk = true;
+  for (int i = 0; i < table.count; ++i) all_one_chunk &= table.chunk_begin[i + 1] - table.chunk_begin[i] == 1;
+  if (kStats && !all_one_chunk) {
     const unsigned grid = static_cast<unsigned>((table.count * 32 + kThreads - 1) / kThreads);
     unscale_finish_kernel<Table><<<grid, kThreads, 0, stream>>>(table, partials, a.sumsq + first, a.amax + first);
     AAMP_CUDA_CHECK_LAUNCH("unscale_finish_kernel");
   }
 }
 
-template <class Table>
-void launch_table(const Table& table, const UnscaleArgs& a, std::size_t first, UnscalePartial* partials,
+template <class Table, int kOnly>
+void launch_modes(const Table& table, const UnscaleArgs& a, std::size_t first, UnscalePartial* partials,
                   cudaStream_t stream, int device) {
   const bool stats = a.sumsq != nullptr;
   if (a.check_only) {
-    stats ? launch<Table, false, true>(table, a, first, partials, stream, device)
-          : launch<Table, false, false>(table, a, first, partials, stream, device);
+    stats ? launch<Table, false, true, kOnly>(table, a, first, partials, stream, device)
+          : launch<Table, false, false, kOnly>(table, a, first, partials, stream, device);
   } else {
-    stats ? launch<Table, true, true>(table, a, first, partials, stream, device)
-          : launch<Table, true, false>(table, a, first, partials, stream, device);
+    stats ? launch<Table, true, true, kOnly>(table, a, first, partials, stream, device)
+          : launch<Table, true, false, kOnly>(table, a, first, partials, stream, device);
+  }
+}
+
+// fp32-only lists (the common case: fp32 master gradients) get the
+// specialized kernel; anything else the mixed one.
+template <class Table>
+void launch_table(const Table& table, const UnscaleArgs& a, std::size_t first, UnscalePartial* partials,
+                  cudaStream_t stream, int device) {
+  bool all_f32 = true;
+  for (int i = 0; i < table.count; ++i) all_f32 &= (table.meta[i] & 15u) == static_cast<unsigned>(DType::kFloat32);
+  if (all_f32) {
+    launch_modes<Table, static_cast<int>(DType::kFloat32)>(table, a, first, partials, stream, device);
+  } else {
+    launch_modes<Table, kAnyDType>(table, a, first, partials, stream, device);
   }
 }
 

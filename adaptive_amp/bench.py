@@ -1,0 +1,298 @@
+"""Kernel microbenchmarks: our ops side by side with torch and the device ceiling.
+
+Every suite times, in one run: our kernel (each mode), the torch equivalent,
+the pure-torch reference, and the ceiling of the device measured in the same
+run (a large copy for read+write ops, a large reduction for read-only ops).
+GPU times come from CUDA events after a warm-up, as medians, in two forms:
+
+* ``eager``: one call as a training loop makes it, host overhead included;
+* ``graph``: the same calls captured in a CUDA graph and replayed, i.e. the
+  device time alone (how it runs inside a captured training step).
+
+Inputs are random (never zeros) and, where one set would fit in L2, rotated
+over several copies so that the cache does not flatter anyone.
+
+Run ``python -m adaptive_amp bench`` or ``python bench/bench_unscale.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, List, Optional
+
+import torch
+
+from . import ops, reference
+
+
+@dataclass
+class Row:
+    suite: str
+    name: str
+    mode: str  # "eager", "graph" or "cpu"
+    ms: float
+    bytes_moved: int
+    gbps: float
+    ceiling_fraction: Optional[float]  # of the copy (read+write) or read ceiling
+
+
+def gpt2_small_shapes() -> List[tuple]:
+    """The 148 parameter shapes of GPT-2 small (124M elements)."""
+    d, ff, vocab, ctx = 768, 3072, 50257, 1024
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(12):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, ff), (ff,), (ff, d), (d,)]
+    shapes += [(d,), (d,)]
+    return shapes
+
+
+def many_small_shapes(count: int = 2000, size: int = 4096) -> List[tuple]:
+    return [(size,)] * count
+
+
+SUITES = {
+    "gpt2": ("GPT-2 small gradients (148 tensors, fp32)", gpt2_small_shapes),
+    "many": ("2000 tensors of 4096 fp32", many_small_shapes),
+}
+
+
+def _make_sets(shapes, device, dtype, min_bytes):
+    """Enough copies of the tensor list to exceed `min_bytes` (outrun the L2 cache)."""
+    one = sum(torch.Size(s).numel() for s in shapes) * torch.tensor([], dtype=dtype).element_size()
+    copies = max(1, -(-min_bytes // one))
+    gen = torch.Generator(device=device).manual_seed(0)
+    return [[torch.randn(s, device=device, dtype=dtype, generator=gen) for s in shapes] for _ in range(copies)], one
+
+
+def _l2_bytes(device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "L2_cache_size", 50 << 20)
+
+
+class _GpuTimer:
+    def __init__(self, warmup: int, reps: int):
+        self.warmup, self.reps = warmup, reps
+
+    def eager(self, fn: Callable[[int], None]) -> float:
+        for i in range(self.warmup):
+            fn(i)
+        torch.cuda.synchronize()
+        times = []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for i in range(self.reps):
+            start.record()
+            fn(i)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    def graph(self, fn: Callable[[int], None], calls: int) -> Optional[float]:
+        """Median device time per call of `calls` calls captured in one graph."""
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm up off the capture
+                for i in range(calls):
+                    fn(i)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(calls):
+                    fn(i)
+        except RuntimeError:
+            return None  # not capturable (the pure-torch reference syncs)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(max(3, self.reps // 4)):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+        del graph
+        return statistics.median(times)
+
+
+def _ceilings(device, timer: _GpuTimer, nbytes: int = 1 << 30):
+    """(copy GB/s counting read+write, read-only GB/s) measured now on `device`."""
+    n = nbytes // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = timer.eager(lambda i: dst.copy_(src))
+    read_ms = timer.eager(lambda i: src.sum())
+    del src, dst
+    return 2 * nbytes / copy_ms / 1e6, nbytes / read_ms / 1e6
+
+
+def unscale_gpu(suites=("gpt2", "many"), device="cuda", warmup=10, reps=50, progress=print) -> List[Row]:
+    """The unscale-and-check suite on a CUDA device."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    timer = _GpuTimer(warmup, reps)
+    copy_gbps, read_gbps = _ceilings(device, timer)
+    rows = [Row("ceiling", "device copy (read+write)", "eager", 0.0, 0, copy_gbps, 1.0),
+            Row("ceiling", "device reduction (read)", "eager", 0.0, 0, read_gbps, 1.0)]
+    progress(f"ceilings: copy {copy_gbps:.0f} GB/s, read {read_gbps:.0f} GB/s")
+    found = torch.zeros(1, device=device)
+    # Alternating 0.5 and 2.0 keeps the data exactly as it was every two calls.
+    invs = [torch.tensor([0.5], device=device), torch.tensor([2.0], device=device)]
+    for key in suites:
+        title, shapes = SUITES[key]
+        sets, set_bytes = _make_sets(shapes(), device, torch.float32, 4 * _l2_bytes(device))
+        progress(f"{title}: {len(sets)} rotating set(s) of {set_bytes / 1e6:.0f} MB")
+
+        def pick(i):
+            return sets[(i // 2) % len(sets)], invs[i % 2]
+
+        def ours(check_only=False, stats=False):
+            def fn(i):
+                ts, inv = pick(i)
+                ops.unscale_and_check_(ts, found, inv, check_only=check_only, return_stats=stats)
+            return fn
+
+        def torch_unscale(i):
+            ts, inv = pick(i)
+            torch._amp_foreach_non_finite_check_and_unscale_(ts, found, inv)
+
+        def torch_norm(i):
+            ts, _ = pick(i)
+            torch._foreach_norm(ts)
+
+        def ref(i):
+            ts, inv = pick(i)
+            reference.unscale_and_check_(ts, found, inv)
+
+        candidates = [
+            ("adaptive_amp unscale", ours(), 2, copy_gbps),
+            ("adaptive_amp unscale+stats", ours(stats=True), 2, copy_gbps),
+            ("adaptive_amp check-only", ours(check_only=True), 1, read_gbps),
+            ("adaptive_amp check-only+stats", ours(check_only=True, stats=True), 1, read_gbps),
+            ("torch _amp_foreach_non_finite_check_and_unscale_", torch_unscale, 2, copy_gbps),
+            ("torch _foreach_norm", torch_norm, 1, read_gbps),
+            ("pure-torch reference", ref, 2, copy_gbps),
+        ]
+        calls = 2 * len(sets)
+        for name, fn, passes, ceiling in candidates:
+            moved = passes * set_bytes
+            is_ref = name.startswith("pure-torch")
+            eager_ms = _GpuTimer(2, 5).eager(fn) if is_ref else timer.eager(fn)
+            rows.append(Row(key, name, "eager", eager_ms, moved, moved / eager_ms / 1e6, moved / eager_ms / 1e6 / ceiling))
+            graph_ms = None if is_ref else timer.graph(fn, calls)
+            if graph_ms is not None:
+                rows.append(Row(key, name, "graph", graph_ms, moved, moved / graph_ms / 1e6,
+                                moved / graph_ms / 1e6 / ceiling))
+            progress(f"  {name}: eager {eager_ms:.3f} ms" + (f", graph {graph_ms:.3f} ms" if graph_ms else ""))
+        del sets
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _cpu_time(fn, warmup, reps):
+    for i in range(warmup):
+        fn(i)
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def unscale_cpu(suites=("gpt2", "many"), warmup=2, reps=7, progress=print) -> List[Row]:
+    """The CPU variants against torch's CPU kernel, with a large copy as the ceiling."""
+    n = 256 << 20
+    src, dst = torch.randn(n // 4), torch.empty(n // 4)
+    copy_ms = _cpu_time(lambda i: dst.copy_(src), warmup, reps)
+    copy_gbps = 2 * n / copy_ms / 1e6
+    del src, dst
+    rows = [Row("ceiling", "host copy (read+write)", "cpu", copy_ms, 2 * n, copy_gbps, 1.0)]
+    progress(f"host copy {copy_gbps:.1f} GB/s with {torch.get_num_threads()} threads")
+    found = torch.zeros(1)
+    invs = [torch.tensor([0.5]), torch.tensor([2.0])]
+    for key in suites:
+        title, shapes = SUITES[key]
+        sets, set_bytes = _make_sets(shapes(), "cpu", torch.float32, 0)
+        ts = sets[0]
+
+        def ours(check_only=False, stats=False):
+            return lambda i: ops.unscale_and_check_(ts, found, invs[i % 2], check_only=check_only, return_stats=stats)
+
+        candidates = [
+            ("adaptive_amp unscale", ours(), 2),
+            ("adaptive_amp unscale+stats", ours(stats=True), 2),
+            ("adaptive_amp check-only", ours(check_only=True), 1),
+            ("torch _amp_foreach_non_finite_check_and_unscale_",
+             lambda i: torch._amp_foreach_non_finite_check_and_unscale_(ts, found, invs[i % 2]), 2),
+            ("pure-torch reference", lambda i: reference.unscale_and_check_(ts, found, invs[i % 2]), 2),
+        ]
+        for name, fn, passes in candidates:
+            ms = _cpu_time(fn, warmup, reps)
+            moved = passes * set_bytes
+            rows.append(Row(key, name, "cpu", ms, moved, moved / ms / 1e6, moved / ms / 1e6 / copy_gbps))
+            progress(f"  {title}: {name}: {ms:.2f} ms")
+        del sets, ts
+    return rows
+
+
+def format_table(rows: List[Row]) -> str:
+    header = f"{'suite':8} {'mode':6} {'op':52} {'ms':>9} {'GB/s':>8} {'of ceiling':>10}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        ms = f"{r.ms:9.4f}" if r.ms else " " * 9
+        frac = f"{100 * r.ceiling_fraction:9.1f}%" if r.ceiling_fraction is not None else ""
+        lines.append(f"{r.suite:8} {r.mode:6} {r.name:52} {ms} {r.gbps:8.1f} {frac:>10}")
+    return "\n".join(lines)
+
+
+def speedups(rows: List[Row]) -> List[str]:
+    """The ratios the targets are stated in, per suite and mode."""
+    out = []
+    by = {(r.suite, r.mode, r.name): r for r in rows}
+    for suite in SUITES:
+        for mode in ("eager", "graph", "cpu"):
+            base = by.get((suite, mode, "torch _amp_foreach_non_finite_check_and_unscale_"))
+            if base is None:
+                continue
+            for name in ("adaptive_amp unscale", "adaptive_amp unscale+stats", "adaptive_amp check-only"):
+                r = by.get((suite, mode, name))
+                if r is not None:
+                    out.append(f"{suite} {mode}: {name} takes {r.ms / base.ms:.2f}x torch's time "
+                               f"({base.ms / r.ms:.2f}x faster)")
+    return out
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m adaptive_amp bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--suites", default="gpt2,many", help="comma-separated: " + ",".join(SUITES))
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--json", help="write the rows to this JSON file")
+    parser.add_argument("--cpu", action="store_true", help="also time the CPU variants")
+    args = parser.parse_args(argv)
+    suites = [s for s in args.suites.split(",") if s]
+    rows = []
+    if args.device.startswith("cuda"):
+        rows += unscale_gpu(suites, device=args.device, reps=args.reps)
+    if args.cpu or args.device == "cpu":
+        rows += unscale_cpu(suites)
+    print(format_table(rows))
+    print("\n".join(speedups(rows)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                       "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
