@@ -22,6 +22,14 @@ inline float f32_from_bits(std::uint32_t u) {
   return f;
 }
 
+// cond ? a : b on words, written so that compilers keep both sides computed
+// and blend (a branch would stop loops from vectorizing: with trapping math on,
+// gcc will not evaluate a floating-point operation the source made conditional).
+inline std::uint32_t select_u32(bool cond, std::uint32_t a, std::uint32_t b) {
+  const std::uint32_t mask = 0u - static_cast<std::uint32_t>(cond);
+  return (a & mask) | (b & ~mask);
+}
+
 inline bool f32_bits_nonfinite(std::uint32_t u) { return (u & 0x7f800000u) == 0x7f800000u; }
 
 inline float bf16_to_f32(std::uint16_t h) { return f32_from_bits(static_cast<std::uint32_t>(h) << 16); }
@@ -35,17 +43,19 @@ inline std::uint16_t f32_to_bf16(float f) {
 }
 
 inline float f16_to_f32(std::uint16_t h) {
-  std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  std::uint32_t exp = (h >> 10) & 0x1fu;
-  std::uint32_t mant = h & 0x3ffu;
-  // Normal: rebias the exponent. Inf/NaN: all-ones exponent.
-  std::uint32_t normal = sign | ((exp + 112u) << 23) | (mant << 13);
-  std::uint32_t special = sign | 0x7f800000u | (mant << 13);
-  // Subnormal: mant * 2^-24 is exact in fp32.
-  float sub = static_cast<float>(mant) * 5.9604644775390625e-08f;
-  std::uint32_t subnormal = sign | f32_bits(sub);
-  std::uint32_t u = exp == 0 ? subnormal : (exp == 31 ? special : normal);
-  return f32_from_bits(u);
+  // Arithmetic only (no int->float conversion of a variable, no branches) so
+  // that loops over it vectorize. The magnitude bits shifted to the top of a
+  // word line up with fp32's fields after a shift right by 4; adding 224 to
+  // the exponent field and scaling by 2^-112 rebiases normals and maps the
+  // all-ones exponent to inf/NaN (payload kept). Subnormals are rebuilt by
+  // placing the mantissa under the exponent of 0.5 and subtracting 0.5.
+  const std::uint32_t w = static_cast<std::uint32_t>(h) << 16;
+  const std::uint32_t sign = w & 0x80000000u;
+  const std::uint32_t two_w = w + w;  // drops the sign
+  const float normal = f32_from_bits((two_w >> 4) + (224u << 23)) * 0x1.0p-112f;
+  const float subnormal = f32_from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  const std::uint32_t magnitude = select_u32(two_w < (1u << 27), f32_bits(subnormal), f32_bits(normal));
+  return f32_from_bits(sign | magnitude);
 }
 
 inline std::uint16_t f32_to_f16(float f) {
@@ -59,10 +69,9 @@ inline std::uint16_t f32_to_f16(float f) {
   // FPU's own round-to-nearest-even does the rounding.
   const std::uint32_t subnormal = f32_bits(f32_from_bits(a) + 0.5f) - 0x3f000000u;
   const std::uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);
-  const std::uint32_t r = a > 0x7f800000u   ? nan
-                          : a >= 0x477ff000u ? 0x7c00u  // rounds to inf
-                          : a < 0x38800000u  ? subnormal
-                                             : normal;
+  std::uint32_t r = select_u32(a < 0x38800000u, subnormal, normal);
+  r = select_u32(a >= 0x477ff000u, 0x7c00u, r);  // rounds to inf
+  r = select_u32(a > 0x7f800000u, nan, r);
   return static_cast<std::uint16_t>(sign | r);
 }
 
