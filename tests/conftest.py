@@ -1,0 +1,109 @@
+"""Shared fixtures and helpers for the adaptive_amp test suite.
+
+CPU tests run everywhere; tests that need a GPU carry the ``cuda`` marker
+(declared in pyproject.toml) and skip cleanly unless both this build of
+adaptive_amp and torch can use a CUDA device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import adaptive_amp
+
+
+def cuda_ok() -> bool:
+    """True when adaptive_amp's CUDA kernels and torch's CUDA are both usable."""
+    try:
+        return bool(adaptive_amp.cuda_available()) and torch.cuda.is_available()
+    except Exception:  # pragma: no cover - a broken driver is a skip, not an error
+        return False
+
+
+CUDA_OK = cuda_ok()
+NO_CUDA_REASON = "needs a CUDA GPU, a CUDA build of adaptive_amp and a CUDA build of torch"
+
+#: Decorator for tests that need CUDA: the ``cuda`` marker plus a clean skip.
+requires_cuda = pytest.mark.skipif(not CUDA_OK, reason=NO_CUDA_REASON)
+
+
+def cuda_param():
+    return pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda], id="cuda")
+
+
+@pytest.fixture(params=["cpu", cuda_param()])
+def device(request):
+    """The device a test runs on: "cpu" always, "cuda" when a GPU can be used."""
+    if request.param == "cuda" and not CUDA_OK:  # belt and braces: the skipif mark covers it
+        pytest.skip(NO_CUDA_REASON)
+    return request.param
+
+
+_INT_VIEW = {
+    torch.float32: torch.int32,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float64: torch.int64,
+}
+
+
+def assert_bitwise_equal(actual, expected, msg: str = ""):
+    """Bit-for-bit equality of two float tensors, NaN compared as a class.
+
+    Shapes and dtypes must match; every NaN of one must be a NaN of the other
+    (the payload and sign of a NaN may differ); every other element must have
+    the identical bit pattern (so -0.0 != +0.0 and subnormals are exact).
+    Accepts torch tensors on any device and numpy arrays.
+    """
+    actual = _as_cpu_tensor(actual)
+    expected = _as_cpu_tensor(expected)
+    prefix = f"{msg}: " if msg else ""
+    assert actual.dtype == expected.dtype, f"{prefix}dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{prefix}shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a_nan = torch.isnan(actual)
+    e_nan = torch.isnan(expected)
+    if not torch.equal(a_nan, e_nan):
+        idx = torch.nonzero(a_nan != e_nan).flatten()[:5].tolist()
+        raise AssertionError(f"{prefix}NaN positions differ (first flat indices {idx})")
+    int_dtype = _INT_VIEW[actual.dtype]
+    a_bits = actual.reshape(-1).view(int_dtype)
+    e_bits = expected.reshape(-1).view(int_dtype)
+    keep = ~a_nan.reshape(-1)
+    diff = (a_bits != e_bits) & keep
+    if bool(diff.any()):
+        idx = torch.nonzero(diff).flatten()[:5].tolist()
+        a_flat, e_flat = actual.reshape(-1), expected.reshape(-1)
+        shown = ", ".join(
+            f"[{i}] {a_flat[i].item()!r} (0x{a_bits[i].item() & _mask(int_dtype):x}) != "
+            f"{e_flat[i].item()!r} (0x{e_bits[i].item() & _mask(int_dtype):x})"
+            for i in idx
+        )
+        raise AssertionError(f"{prefix}{int(diff.sum())} element(s) differ bitwise: {shown}")
+
+
+def _mask(int_dtype):
+    return {torch.int16: 0xFFFF, torch.int32: 0xFFFFFFFF, torch.int64: 0xFFFFFFFFFFFFFFFF}[int_dtype]
+
+
+def _as_cpu_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    import numpy as np
+
+    arr = np.asarray(x)
+    if arr.dtype.name == "bfloat16":  # ml_dtypes: reinterpret the bits
+        return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(arr.copy())
+
+
+def assert_lists_bitwise_equal(actual, expected, msg: str = ""):
+    assert len(actual) == len(expected), f"{msg}: list lengths {len(actual)} != {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert_bitwise_equal(a, e, f"{msg} tensors[{i}]" if msg else f"tensors[{i}]")
+
+
+@pytest.fixture
+def bitwise():
+    """The bitwise comparison helper as a fixture (also importable from conftest)."""
+    return assert_bitwise_equal
