@@ -15,11 +15,24 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         f"{exc}. Reinstall with `pip install .` (or `pip install -e .` in a checkout)."
     ) from exc
 
-from .ops import UNSCALE_CHUNK, unscale_and_check_
+from .ops import UNSCALE_CHUNK, unscale_and_check_, update_scale_
 
 __version__ = "0.1.0"
 
-__all__ = ["UNSCALE_CHUNK", "build_info", "cuda_available", "unscale_and_check_", "__version__"]
+__all__ = ["GradScaler", "UNSCALE_CHUNK", "build_info", "cuda_available", "unscale_and_check_", "update_scale_",
+           "__version__"]
+
+# Modules that need torch load on first use, so `import adaptive_amp` works with numpy alone.
+_LAZY = {"GradScaler": "scaler"}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'adaptive_amp' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{module}", __name__), name)
 
 
 def cuda_available() -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple
 
 from . import _C, _native
-from ._native import BFLOAT16, FLOAT16, FLOAT32
+from ._native import BFLOAT16, FLOAT16, FLOAT32, INT32
 
 _UNSCALE_INPUTS = (FLOAT32, FLOAT16, BFLOAT16)
 
@@ -65,12 +65,14 @@ def unscale_and_check_(
     Deterministic: the same inputs give bitwise the same outputs every run.
     """
     tensors = _as_list(tensors, "tensors")
-    if len(tensors) == 0:
-        return _empty_stats(found_inf) if return_stats else None
-    batch = _native.describe_many(tensors, "tensors", writable=not check_only, dtypes=_UNSCALE_INPUTS)
     found = _native.describe(found_inf, "found_inf", writable=True, dtypes=(FLOAT32,))
-    _native.check_scalar(found, "found_inf", batch.device)
     inv = _native.describe(inv_scale, "inv_scale", writable=False, dtypes=(FLOAT32,))
+    if len(tensors) == 0:
+        _native.check_scalar(found, "found_inf", found.device)
+        _native.check_scalar(inv, "inv_scale", found.device)
+        return _empty_stats(found) if return_stats else None
+    batch = _native.describe_many(tensors, "tensors", writable=not check_only, dtypes=_UNSCALE_INPUTS)
+    _native.check_scalar(found, "found_inf", batch.device)
     _native.check_scalar(inv, "inv_scale", batch.device)
 
     sumsq = amax = ws_owner = None
@@ -91,8 +93,94 @@ def unscale_and_check_(
     return (sumsq, amax) if return_stats else None
 
 
-def _empty_stats(found_inf):
-    found = _native.describe(found_inf, "found_inf", writable=True, dtypes=(FLOAT32,))
+def update_scale_(
+    scale,
+    growth_tracker,
+    found_inf,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    *,
+    counters=None,
+    hysteresis: int = 1,
+    min_scale: float = 0.0,
+    max_scale: Optional[float] = None,
+    step_amax=None,
+    amax_history=None,
+    margin: int = 0,
+    fmt_max: float = 65504.0,
+    inv_scale=None,
+):
+    """Update the loss scale on its device after a step (no host synchronization).
+
+    With the defaults this is ``torch._amp_update_scale_``: on NaN/inf
+    (``found_inf != 0``) the scale is multiplied by ``backoff_factor`` and
+    ``growth_tracker`` reset; after ``growth_interval`` clean steps in a row it
+    is multiplied by ``growth_factor`` (only to a finite value).
+
+    Beyond torch:
+        counters: 4-element int32 array ``[hysteresis_left, skipped_steps,
+            history_position, extra_margin]`` kept between calls (start it at
+            ``[hysteresis, 0, 0, 0]``); needed for ``hysteresis > 1`` and
+            predictive mode, and counts skipped steps.
+        hysteresis: overflows tolerated before backing off, counted since the
+            last growth (Megatron-LM's rule; see csrc/scale_update.h).
+        min_scale, max_scale: bounds of the scale.
+        amax_history, step_amax: predictive mode. ``step_amax`` (1 element) is
+            the largest unscaled gradient magnitude of this step; it enters the
+            ring buffer ``amax_history`` and the scale becomes
+            ``2**(floor(log2(fmt_max / max(history))) - margin - extra_margin)``,
+            where ``extra_margin`` grows by one at each back-off and shrinks by
+            one every ``growth_interval`` clean steps.
+        inv_scale: optional 1-element float32 array that receives
+            ``float(1 / double(scale))``, as torch's GradScaler computes it.
+    """
+    sc = _native.describe(scale, "scale", writable=True, dtypes=(FLOAT32,))
+    gt = _native.describe(growth_tracker, "growth_tracker", writable=True, dtypes=(INT32,))
+    fi = _native.describe(found_inf, "found_inf", writable=False, dtypes=(FLOAT32,))
+    for arr, name in ((sc, "scale"), (gt, "growth_tracker"), (fi, "found_inf")):
+        _native.check_scalar(arr, name, sc.device)
+    owner = None
+    if counters is None:
+        if hysteresis != 1 or amax_history is not None:
+            raise ValueError("counters is needed with hysteresis > 1 or amax_history (it carries their state)")
+        owner, counters_ptr = _native.empty(sc.framework, sc.device, 4, INT32)
+        _fill_counters(owner, hysteresis)
+    else:
+        ct = _native.describe(counters, "counters", writable=True, dtypes=(INT32,))
+        if ct.numel != 4 or ct.device != sc.device:
+            raise ValueError(f"counters must be a 4-element int32 array on {_native.device_name(sc.device)}")
+        counters_ptr = ct.ptr
+    amax_ptr = hist_ptr = history = 0
+    if amax_history is not None:
+        hist = _native.describe(amax_history, "amax_history", writable=True, dtypes=(FLOAT32,))
+        if hist.device != sc.device or hist.numel < 1:
+            raise ValueError(f"amax_history must be a non-empty float32 array on {_native.device_name(sc.device)}")
+        if step_amax is None:
+            raise ValueError("step_amax is needed with amax_history (predictive mode)")
+        am = _native.describe(step_amax, "step_amax", writable=False, dtypes=(FLOAT32,))
+        _native.check_scalar(am, "step_amax", sc.device)
+        amax_ptr, hist_ptr, history = am.ptr, hist.ptr, hist.numel
+    inv_ptr = 0
+    if inv_scale is not None:
+        inv = _native.describe(inv_scale, "inv_scale", writable=True, dtypes=(FLOAT32,))
+        _native.check_scalar(inv, "inv_scale", sc.device)
+        inv_ptr = inv.ptr
+    stream = _native.current_stream(sc.framework, sc.device, scale)
+    _C.update_scale(sc.ptr, gt.ptr, fi.ptr, counters_ptr, float(growth_factor), float(backoff_factor),
+                    int(growth_interval), int(hysteresis), float(min_scale), float(max_scale or 0.0),
+                    amax_history is not None, amax_ptr, hist_ptr, history, int(margin), float(fmt_max),
+                    inv_ptr, sc.device, stream)
+    del owner  # torch's allocator keeps stream order; see _keep_until_done
+    return scale
+
+
+def _fill_counters(counters, hysteresis):
+    counters[0] = hysteresis
+    counters[1:] = 0
+
+
+def _empty_stats(found):
     sumsq, _ = _native.empty(found.framework, found.device, 0, FLOAT32)
     amax, _ = _native.empty(found.framework, found.device, 0, FLOAT32)
     return sumsq, amax

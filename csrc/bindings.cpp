@@ -10,6 +10,7 @@
 
 #include "core.h"
 #include "dlpack_abi.h"
+#include "scale_update.h"
 #include "unscale.h"
 
 namespace py = pybind11;
@@ -60,6 +61,34 @@ std::size_t unscale_workspace_bytes(const std::vector<std::int64_t>& numels, boo
   std::vector<aamp::TensorRef> refs(numels.size());
   for (std::size_t i = 0; i < numels.size(); ++i) refs[i].numel = numels[i];
   return aamp::unscale_workspace_bytes(refs, stats);
+}
+
+void update_scale(std::uintptr_t scale, std::uintptr_t growth_tracker, std::uintptr_t found_inf,
+                  std::uintptr_t counters, double growth_factor, double backoff_factor, int growth_interval,
+                  int hysteresis, float min_scale, float max_scale, bool predictive, std::uintptr_t step_amax,
+                  std::uintptr_t amax_history, int history, int margin, float fmt_max, std::uintptr_t inv_scale,
+                  int device, std::uintptr_t stream) {
+  aamp::ScaleUpdateArgs a;
+  a.scale = as_ptr<float>(scale);
+  a.growth_tracker = as_ptr<std::int32_t>(growth_tracker);
+  a.found_inf = as_ptr<const float>(found_inf);
+  a.counters = as_ptr<std::int32_t>(counters);
+  a.growth_factor = growth_factor;
+  a.backoff_factor = backoff_factor;
+  a.growth_interval = growth_interval;
+  a.hysteresis = hysteresis;
+  a.min_scale = min_scale;
+  a.max_scale = max_scale;
+  a.predictive = predictive;
+  a.step_amax = as_ptr<const float>(step_amax);
+  a.amax_history = as_ptr<float>(amax_history);
+  a.history = history;
+  a.margin = margin;
+  a.fmt_max = fmt_max;
+  a.inv_scale = as_ptr<float>(inv_scale);
+  a.place.device = device;
+  a.place.stream = stream;
+  aamp::update_scale(a);
 }
 
 // Reads a DLPack capsule without consuming it: the capsule (held by the
@@ -131,5 +160,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("found_inf"), py::arg("inv_scale"), py::arg("check_only"), py::arg("sumsq"), py::arg("amax"),
         py::arg("workspace"), py::arg("workspace_bytes"), py::arg("device"), py::arg("stream"));
 
+  m.def("update_scale", &update_scale, py::arg("scale"), py::arg("growth_tracker"), py::arg("found_inf"),
+        py::arg("counters"), py::arg("growth_factor"), py::arg("backoff_factor"), py::arg("growth_interval"),
+        py::arg("hysteresis"), py::arg("min_scale"), py::arg("max_scale"), py::arg("predictive"),
+        py::arg("step_amax"), py::arg("amax_history"), py::arg("history"), py::arg("margin"), py::arg("fmt_max"),
+        py::arg("inv_scale"), py::arg("device"), py::arg("stream"));
   m.def("dlpack_describe", &dlpack_describe, py::arg("capsule"));
 }

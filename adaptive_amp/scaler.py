@@ -1,0 +1,693 @@
+"""GradScaler: a faster drop-in replacement for ``torch.amp.GradScaler``.
+
+Same constructor, methods, errors, ``state_dict`` format and, in mode
+``"dynamic"`` (the default), bitwise the same scale trajectory and parameters.
+What differs is the cost and what you can ask of it:
+
+* The grouping of an optimizer's parameters by device is built once; a step
+  only collects the gradients' pointers, and each device gets one native
+  launch for all its gradients, fp32, fp16 and bf16 mixed.
+* ``unscale_`` also yields each gradient's sum of squares and amax from the
+  same read, so :meth:`clip_grad_norm_` needs no second pass and the last
+  gradient norm is always at hand as a device tensor.
+* Optimizers that unscale inside their own step (``fused=True``) get a
+  read-only check pass instead of torch's read-write pass; with
+  :meth:`clip_grad_norm_` the clip coefficient is folded into their
+  ``grad_scale`` instead of rewriting the gradients.
+* ``update()`` is one native call on the device, and ``scale``, ``unscale_``,
+  ``update`` and the amp-aware ``step`` never synchronize with the host: the
+  whole step can be captured in a CUDA graph.
+* Beyond torch: ``min_scale``, ``max_scale``, ``hysteresis``, a
+  ``"predictive"`` mode, skipped-step counting, ``process_group`` for sharded
+  or replicated data-parallel training.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections import abc, defaultdict
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import _C, _native, ops
+from ._native import FLOAT16
+
+__all__ = ["GradScaler", "OptState"]
+
+_MODES = ("dynamic", "predictive")
+
+
+class OptState(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _refresh_per_optimizer_state() -> Dict[str, Any]:
+    return {"stage": OptState.READY, "found_inf_per_device": {}, "stats_per_device": {}}
+
+
+class _DeviceGroup:
+    """The parameters of one optimizer on one device, with what stays fixed."""
+
+    __slots__ = ("device", "params", "numels", "codes", "has_fp16", "plain")
+
+    def __init__(self, device: torch.device, params: List[torch.Tensor]):
+        self.device = device
+        self.params = params
+        # A gradient has its parameter's dtype, device and size (torch enforces
+        # it on assignment and autograd produces it so), so these hold per step.
+        self.numels = [p.numel() for p in params]
+        self.codes = [_native.torch_dtype_code(p.dtype) for p in params]
+        self.has_fp16 = any(c == FLOAT16 for c in self.codes)
+        # DTensor (FSDP2) gradients hold a local shard: the slow path unwraps them.
+        self.plain = all(c is not None for c in self.codes) and not any(_is_dtensor(p) for p in params)
+
+    def dense_grads(self):
+        """(grads, ptrs, numels, codes) when every gradient is present, dense and contiguous, else None."""
+        if not self.plain:
+            return None
+        grads = [p.grad for p in self.params]
+        if any(g is None for g in grads) or not all([g.is_contiguous() for g in grads]):  # False for sparse
+            return None
+        return grads, [g.data_ptr() for g in grads], self.numels, self.codes
+
+
+class _Plan:
+    """An optimizer's parameters grouped by device, built once and reused."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.signature = _signature(optimizer)
+        by_device: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if not isinstance(param, torch.Tensor):
+                    raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
+                by_device[param.device].append(param)
+        self.groups = [_DeviceGroup(device, params) for device, params in by_device.items()]
+        self.sharded = any(_is_dtensor(p) for g in self.groups for p in g.params)
+
+
+def _signature(optimizer):
+    return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _local(grad):
+    """The local shard of a DTensor gradient (FSDP2), else the gradient itself."""
+    return grad.to_local() if _is_dtensor(grad) else grad
+
+
+class GradScaler:
+    """Drop-in ``torch.amp.GradScaler`` with native kernels; see the module docstring.
+
+    Args (torch's first, same meaning and defaults):
+        device: device type of the scale, "cuda" or "cpu".
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as torch.
+        mode: "dynamic" (torch's rule, bitwise) or "predictive": after each clean
+            step the scale becomes the largest power of two that keeps the
+            recent unscaled gradients' amax times the scale ``2**margin`` under
+            ``fmt_max`` (fp16's 65504); an overflow still backs off and skips.
+        min_scale, max_scale: bounds of the scale (None: unbounded).
+        hysteresis: overflows tolerated before backing off, counted since the
+            last growth (Megatron-LM's rule); 1 (default) backs off at every
+            overflow, as torch. Every overflowing step is skipped either way.
+        margin, history: predictive mode's headroom exponent and the number of
+            steps whose amax it remembers.
+        process_group: a torch.distributed group; ``found_inf`` is all-reduced
+            over it (so every rank skips together), and with sharded gradients
+            (FSDP2 DTensors, or ``sharded_grads=True``) so is the gradient norm.
+        sharded_grads: each rank holds a different part of the gradients
+            (ZeRO-style optimizers whose gradients are plain tensors).
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        mode: str = "dynamic",
+        min_scale: Optional[float] = None,
+        max_scale: Optional[float] = None,
+        hysteresis: int = 1,
+        margin: int = 4,
+        history: int = 16,
+        fmt_max: float = 65504.0,
+        process_group=None,
+        sharded_grads: bool = False,
+    ) -> None:
+        self._device = device
+        self._enabled = enabled
+        if self._device == "cuda" and enabled and not torch.cuda.is_available():
+            warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
+            self._enabled = False
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
+        if hysteresis < 1:
+            raise ValueError(f"hysteresis must be >= 1 (1 backs off at every overflow, as torch), got {hysteresis}")
+        if min_scale is not None and max_scale is not None and max_scale < min_scale:
+            raise ValueError(f"max_scale ({max_scale}) must be >= min_scale ({min_scale})")
+        if history < 1:
+            raise ValueError(f"history must be >= 1, got {history}")
+        self._mode = mode
+        self._min_scale = float(min_scale or 0.0)
+        self._max_scale = max_scale
+        self._hysteresis = int(hysteresis)
+        self._margin = int(margin)
+        self._history = int(history)
+        self._fmt_max = float(fmt_max)
+        self._process_group = process_group
+        self._sharded_grads = sharded_grads
+        if self._enabled:
+            if growth_factor <= 1.0:
+                raise AssertionError("The growth factor must be > 1.0.")
+            if backoff_factor >= 1.0:
+                raise AssertionError("The backoff factor must be < 1.0.")
+            self._init_scale = init_scale
+            self._scale: Optional[torch.Tensor] = None
+            self._growth_factor = growth_factor
+            self._backoff_factor = backoff_factor
+            self._growth_interval = growth_interval
+            self._init_growth_tracker = 0
+            self._growth_tracker: Optional[torch.Tensor] = None
+            self._per_optimizer_states: Dict[int, Dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+            self._plans: Dict[int, _Plan] = {}
+            # Beyond torch, all on the scale's device: 1/scale, the counters of
+            # scale_update.h, predictive mode's amax history, the last step's
+            # found_inf and gradient statistics.
+            self._init_counters = [self._hysteresis, 0, 0, 0]
+            self._init_amax_history: Optional[List[float]] = None
+            self._inv_scale: Optional[torch.Tensor] = None
+            self._counters: Optional[torch.Tensor] = None
+            self._amax_history: Optional[torch.Tensor] = None
+            self._last_found_inf: Optional[torch.Tensor] = None
+            self._last_stats: List = []
+
+    # ------------------------------------------------------------------ state
+    def _check_scale_growth_tracker(self, funcname: str):
+        fix = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return self._scale, self._growth_tracker
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        if self._growth_tracker is not None:
+            raise AssertionError("_growth_tracker initialized before _scale")
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=dev)
+        self._inv_scale = self._scale.double().reciprocal().float()
+        self._counters = torch.tensor(self._init_counters, dtype=torch.int32, device=dev)
+        if self._mode == "predictive":
+            hist = self._init_amax_history or [0.0] * self._history
+            self._amax_history = torch.tensor(hist, dtype=torch.float32, device=dev)
+
+    def _refresh_inv_scale(self):
+        self._inv_scale = self._scale.double().reciprocal().float()
+
+    # ------------------------------------------------------------------ scale
+    def scale(self, outputs):
+        """Multiply a tensor or (nested) lists/tuples of tensors by the scale factor."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
+            return outputs * self._scale.to(device=outputs.device, non_blocking=True)
+
+        per_device: Dict[torch.device, torch.Tensor] = {}
+
+        def scale_on(device):
+            if device not in per_device:
+                if self._scale is None:
+                    self._lazy_init_scale_growth_tracker(device)
+                per_device[device] = self._scale.to(device=device, non_blocking=True, copy=True)
+            return per_device[device]
+
+        def apply_scale(val):
+            if isinstance(val, torch.Tensor):
+                return val * scale_on(val.device)
+            if isinstance(val, abc.Iterable):
+                iterable = map(apply_scale, val)
+                if isinstance(val, (list, tuple)):
+                    return type(val)(iterable)
+                return iterable
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply_scale(outputs)
+
+    # ---------------------------------------------------------------- unscale
+    def _plan(self, optimizer) -> _Plan:
+        plan = self._plans.get(id(optimizer))
+        if plan is None or plan.signature != _signature(optimizer):
+            plan = self._plans[id(optimizer)] = _Plan(optimizer)
+        return plan
+
+    def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, allow_fp16: bool, check_only: bool):
+        """One native pass per device: unscale (or only check) and take statistics.
+
+        Everything is collected (and refused, for fp16 gradients where torch
+        refuses them) before anything is written. Returns
+        ({device: found_inf}, {device: (sumsq, amax)}).
+        """
+        found_per_device: Dict[torch.device, torch.Tensor] = {}
+        stats_per_device: Dict[torch.device, tuple] = {}
+        with torch.no_grad():
+            work = []
+            for group in self._plan(optimizer).groups:
+                fast = group.dense_grads() if not (group.has_fp16 and not allow_fp16) else None
+                if fast is None:
+                    grads = self._collect_slow(group, allow_fp16)
+                    fast = (grads, None, None, None) if grads else None
+                if fast is not None:
+                    work.append((group.device, fast))
+            for device, (grads, ptrs, numels, codes) in work:
+                inv = inv_scale.to(device, non_blocking=True)
+                found = found_per_device[device] = torch.zeros((), dtype=torch.float32, device=device)
+                stats_per_device[device] = self._launch(grads, ptrs, numels, codes, device, found, inv, check_only)
+        if self._process_group is not None:
+            for found in found_per_device.values():
+                torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
+        return found_per_device, stats_per_device
+
+    @staticmethod
+    def _collect_slow(group: _DeviceGroup, allow_fp16: bool) -> List[torch.Tensor]:
+        """Gradients one by one, as torch does: None skipped, sparse ones by their values."""
+        grads = []
+        for param in group.params:
+            grad = param.grad
+            if grad is None:
+                continue
+            if (not allow_fp16) and grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            if grad.is_sparse:
+                if grad.dtype is torch.float16:
+                    param.grad = grad = grad.coalesce()
+                grad = grad._values()
+            grads.append(_local(grad))
+        return grads
+
+    @staticmethod
+    def _launch(grads, ptrs, numels, codes, device, found, inv, check_only):
+        if ptrs is None:  # slow path: full validation; non-contiguous gradients through a copy
+            dense = [g if g.is_contiguous() else g.contiguous() for g in grads]
+            stats = ops.unscale_and_check_(dense, found, inv, check_only=check_only, return_stats=True)
+            if not check_only:
+                for g, d in zip(grads, dense):
+                    if d is not g:
+                        g.copy_(d)
+            return stats
+        index = -1 if device.type == "cpu" else (device.index if device.index is not None else
+                                                  torch.cuda.current_device())
+        n = len(ptrs)
+        sumsq = torch.empty(n, dtype=torch.float32, device=device)
+        amax = torch.empty(n, dtype=torch.float32, device=device)
+        ws_bytes = _C.unscale_workspace_bytes(numels, True)
+        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=device) if ws_bytes else None
+        stream = torch.cuda.current_stream(device).cuda_stream if index >= 0 else 0
+        _C.unscale_and_check(ptrs, numels, codes, found.data_ptr(), inv.data_ptr(), check_only, sumsq.data_ptr(),
+                             amax.data_ptr(), workspace.data_ptr() if workspace is not None else 0, ws_bytes,
+                             index, stream)
+        return sumsq, amax
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale, in place (no host sync).
+
+        Also takes each gradient's sum of squares and amax in the same pass, for
+        :meth:`clip_grad_norm_` and :attr:`last_grad_norm`.
+        """
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        elif state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        state["found_inf_per_device"], state["stats_per_device"] = self._unscale_grads_(
+            optimizer, self._inv_scale, allow_fp16=False, check_only=False)
+        state["stage"] = OptState.UNSCALED
+
+    def _check_inf_per_device(self, optimizer):
+        """Read-only pass for optimizers that unscale in their own step."""
+        self._check_scale_growth_tracker("_check_inf_per_device")
+        state = self._per_optimizer_states[id(optimizer)]
+        # The real inv_scale (not torch's 1.0): nothing is written, and the
+        # statistics come out unscaled.
+        state["found_inf_per_device"], state["stats_per_device"] = self._unscale_grads_(
+            optimizer, self._inv_scale, allow_fp16=True, check_only=True)
+        return state["found_inf_per_device"]
+
+    def _found_inf_per_device(self, optimizer):
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    # ------------------------------------------------------------------- clip
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the optimizer's gradients to ``max_norm``; return the total norm as a device tensor.
+
+        Replaces ``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(params, max_norm)``:
+        the norm comes from the unscale pass (no second read of the gradients).
+        For optimizers that unscale in their own step (``fused=True``) the clip
+        coefficient is folded into the ``grad_scale`` they receive, so the
+        gradients are not rewritten at all. Norm types 2 and inf use the
+        statistics; others fall back to torch's clip on the unscaled gradients.
+        The norm is accumulated per chunk and in fp64 across chunks, so it can
+        differ from torch's in the last bits.
+        """
+        if not self._enabled:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        state = self._per_optimizer_states[id(optimizer)]
+        supports_scaling = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if state["stage"] is OptState.READY:
+            if supports_scaling:
+                self._check_inf_per_device(optimizer)
+                state["stage"] = OptState.READY  # still to be unscaled, by the optimizer itself
+            else:
+                self.unscale_(optimizer)
+        elif state["stage"] is OptState.STEPPED:
+            raise RuntimeError("clip_grad_norm_() is being called after step().")
+        norm_type = float(norm_type)
+        if norm_type not in (2.0, float("inf")):
+            if state["stage"] is not OptState.UNSCALED:
+                self.unscale_(optimizer)
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        total = self._total_norm(state["stats_per_device"], norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):  # syncs, as torch's does
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be "
+                               "clipped. To disable this error and scale the gradients by the non-finite norm "
+                               "anyway, set `error_if_nonfinite=False`")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if supports_scaling and state["stage"] is OptState.READY:
+            state["clip_coef"] = coef  # folded into grad_scale by step()
+        else:
+            with torch.no_grad():
+                for group in self._plan(optimizer).groups:
+                    grads = [_local(p.grad) for p in group.params if p.grad is not None and not p.grad.is_sparse]
+                    if grads:
+                        torch._foreach_mul_(grads, coef.to(group.device))
+        return total
+
+    def _total_norm(self, stats_per_device, norm_type):
+        device = self._scale.device
+        if norm_type == 2.0:
+            parts = [sumsq.sum(dtype=torch.float32).to(device) for sumsq, _ in stats_per_device.values()]
+            total = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
+            if self._reduce_norm():
+                torch.distributed.all_reduce(total, group=self._process_group)
+            return total.sqrt()
+        parts = [amax.max().to(device) for _, amax in stats_per_device.values() if amax.numel()]
+        total = torch.stack(parts).max() if parts else torch.zeros((), device=device)
+        if self._reduce_norm():
+            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
+        return total
+
+    def _reduce_norm(self) -> bool:
+        sharded = self._sharded_grads or any(plan.sharded for plan in self._plans.values())
+        return self._process_group is not None and sharded
+
+    # ------------------------------------------------------------------- step
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
+        """Unscale (unless done), then ``optimizer.step()`` unless a gradient was NaN/inf.
+
+        Returns what ``optimizer.step`` returned when it returned something;
+        otherwise whether the optimizer stepped: a Python bool when that was
+        decided on the host, a 0-dim bool tensor on the device (no sync) for
+        optimizers that skip by themselves (``fused=True``).
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            kwargs_ = kwargs
+            has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
+            if has_grad_scaler_kwarg:
+                warnings.warn(
+                    "GradScaler is going to stop passing itself as a keyword argument to the passed "
+                    "optimizer. In the near future GradScaler registers `grad_scale: Tensor` and "
+                    "`found_inf: Tensor` to the passed optimizer and let the optimizer use them directly.",
+                    FutureWarning, stacklevel=2)
+                kwargs_.update({"grad_scaler": self})
+                found_inf = None
+            else:
+                if not state["found_inf_per_device"]:
+                    self._check_inf_per_device(optimizer)
+                scale = self._scale
+                found_inf = self._combine(state["found_inf_per_device"].values(), scale.device)
+                if state["stage"] == OptState.UNSCALED:
+                    optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
+                else:
+                    grad_scale = scale * getattr(optimizer, "grad_scale", 1)
+                    coef = state.pop("clip_coef", None)
+                    optimizer.grad_scale = grad_scale if coef is None else grad_scale / coef
+                optimizer.found_inf = found_inf
+            retval = optimizer.step(*args, **kwargs_)
+            state["stage"] = OptState.STEPPED
+            if not has_grad_scaler_kwarg:
+                del optimizer.grad_scale
+                del optimizer.found_inf
+            if retval is None and found_inf is not None:
+                return found_inf == 0
+            return retval
+
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        if len(state["found_inf_per_device"]) == 0:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        retval = None
+        # The one host synchronization of a step, as in torch.
+        stepped = not sum(v.item() for v in state["found_inf_per_device"].values())
+        if stepped:
+            retval = optimizer.step(*args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        return stepped if retval is None else retval
+
+    @staticmethod
+    def _combine(found_infs, device) -> torch.Tensor:
+        found = [f.to(device, non_blocking=True) for f in found_infs]
+        return found[0] if len(found) == 1 else torch.stack(found).sum()
+
+    # ----------------------------------------------------------------- update
+    def update(self, new_scale=None) -> None:
+        """Update the scale: back off after NaN/inf, grow after ``growth_interval`` clean steps.
+
+        One native call on the device (no host sync). ``new_scale`` (a float or
+        a 1-element tensor) sets the scale instead, as in torch.
+        """
+        if not self._enabled:
+            return
+        _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            if isinstance(new_scale, float):
+                self._scale.fill_(new_scale)
+            else:
+                reason = ("new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                          "torch.FloatTensor with requires_grad=False.")
+                if new_scale.device.type != self._device:
+                    raise AssertionError(reason)
+                if new_scale.numel() != 1:
+                    raise AssertionError(reason)
+                if new_scale.requires_grad is True:
+                    raise AssertionError(reason)
+                self._scale.copy_(new_scale)
+            self._refresh_inv_scale()
+        else:
+            states = self._per_optimizer_states.values()
+            found_infs = [f for s in states for f in s["found_inf_per_device"].values()]
+            if len(found_infs) == 0:
+                raise AssertionError("No inf checks were recorded prior to update.")
+            found = self._combine(found_infs, _scale.device)
+            step_amax = None
+            if self._mode == "predictive":
+                amaxes = [amax.max().to(_scale.device) for s in states
+                          for _, amax in s["stats_per_device"].values() if amax.numel()]
+                step_amax = torch.stack(amaxes).max() if amaxes else torch.zeros((), device=_scale.device)
+            self._native_update(found, step_amax)
+            self._last_found_inf = found
+            self._last_stats = [st for s in states for st in s["stats_per_device"].values()]
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _native_update(self, found: torch.Tensor, step_amax: Optional[torch.Tensor]):
+        device = self._scale.device
+        index = -1 if device.type == "cpu" else device.index
+        stream = torch.cuda.current_stream(device).cuda_stream if index >= 0 else 0
+        hist = self._amax_history
+        _C.update_scale(self._scale.data_ptr(), self._growth_tracker.data_ptr(), found.data_ptr(),
+                        self._counters.data_ptr(), float(self._growth_factor), float(self._backoff_factor),
+                        int(self._growth_interval), self._hysteresis, self._min_scale,
+                        float(self._max_scale or 0.0), hist is not None,
+                        step_amax.data_ptr() if step_amax is not None else 0,
+                        hist.data_ptr() if hist is not None else 0, hist.numel() if hist is not None else 0,
+                        self._margin, self._fmt_max, self._inv_scale.data_ptr(), index, stream)
+
+    # ------------------------------------------------------- observability
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @property
+    def found_inf(self) -> Optional[torch.Tensor]:
+        """The last updated step's combined found_inf (device tensor; nonzero: skipped)."""
+        return self._last_found_inf
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for NaN/inf since this scaler started (one device read)."""
+        if not self._enabled:
+            return 0
+        if self._counters is None:
+            return self._init_counters[1]
+        return int(self._counters[1].item())
+
+    @property
+    def skipped_steps_tensor(self) -> Optional[torch.Tensor]:
+        """The skipped-step count as a device tensor (no sync)."""
+        return None if self._counters is None else self._counters[1]
+
+    @property
+    def last_grad_norm(self) -> Optional[torch.Tensor]:
+        """The L2 norm of the unscaled gradients of the last updated step, as a device tensor (no sync).
+
+        Taken from the unscale pass, before clipping; None before the first
+        update. With sharded gradients it is this rank's part (no collective
+        runs here); clip_grad_norm_ returns the global norm.
+        """
+        if not self._last_stats:
+            return None
+        device = self._scale.device
+        parts = [sumsq.sum(dtype=torch.float32).to(device) for sumsq, _ in self._last_stats]
+        return torch.stack(parts).sum().sqrt()
+
+    # -------------------------------------------------------------- getters
+    def _get_scale_async(self) -> Optional[torch.Tensor]:
+        return self._scale
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled); syncs."""
+        if self._enabled:
+            return self._init_scale if (scale := self._get_scale_async()) is None else float(scale.item())
+        return 1.0
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = new_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = new_factor
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = new_interval
+
+    def _get_growth_tracker(self) -> int:
+        if self._enabled:
+            return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+        return 0
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    # ----------------------------------------------------------- checkpoint
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's five entries (a torch GradScaler loads it), plus ours under "adaptive_amp"."""
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+            "adaptive_amp": self._extra_state(),
+        }
+
+    def _extra_state(self) -> Dict[str, Any]:
+        counters = self._init_counters if self._counters is None else [int(v) for v in self._counters.tolist()]
+        hist = self._init_amax_history if self._amax_history is None else self._amax_history.tolist()
+        return {"mode": self._mode, "hysteresis": self._hysteresis, "min_scale": self._min_scale,
+                "max_scale": self._max_scale, "margin": self._margin, "counters": counters,
+                "amax_history": hist}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state saved by this class or by torch.amp.GradScaler."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved "
+                               "from a disabled instance of GradScaler.")
+        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+                   if k not in state_dict]
+        if missing:
+            raise KeyError(f"GradScaler state_dict lacks {missing}; it does not come from GradScaler.state_dict()")
+        extra = state_dict.get("adaptive_amp")
+        if extra is not None:
+            counters = list(extra.get("counters", self._init_counters))
+            if len(counters) != 4:
+                raise ValueError(f"state_dict['adaptive_amp']['counters'] must have 4 entries, got {counters}")
+        self._init_scale = float(state_dict["scale"])
+        if self._scale is not None:
+            self._scale.fill_(state_dict["scale"])
+            self._refresh_inv_scale()
+        self._growth_factor = float(state_dict["growth_factor"])
+        self._backoff_factor = float(state_dict["backoff_factor"])
+        self._growth_interval = int(state_dict["growth_interval"])
+        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        if self._growth_tracker is not None:
+            self._growth_tracker.fill_(state_dict["_growth_tracker"])
+        if extra is not None:
+            self._init_counters = counters
+            if self._counters is not None:
+                self._counters.copy_(torch.tensor(counters, dtype=torch.int32))
+            hist = extra.get("amax_history")
+            if hist is not None and self._mode == "predictive":
+                self._init_amax_history = list(hist)
+                if self._amax_history is not None and len(hist) == self._amax_history.numel():
+                    self._amax_history.copy_(torch.tensor(hist, dtype=torch.float32))
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise AssertionError("A GradScaler instance may only be pickled at the beginning "
+                                     "of an iteration, or at the end after scaler.update().")
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            extra = self._extra_state()
+            state["_init_counters"] = extra["counters"]
+            state["_init_amax_history"] = extra["amax_history"]
+            for key in ("_scale", "_growth_tracker", "_inv_scale", "_counters", "_amax_history",
+                        "_last_found_inf"):
+                state[key] = None
+            state["_last_stats"] = []
+            state["_plans"] = {}
+            state["_process_group"] = None
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
