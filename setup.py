@@ -9,6 +9,7 @@ Needs only setuptools and pybind11 (no torch). Environment variables:
   CUDA_HOME / CUDA_PATH    The CUDA toolkit. Otherwise /usr/local/cuda, then whatever
                            `nvcc` on PATH reports with --dryrun.
   ADAPTIVE_AMP_BUILD_JOBS  Parallel nvcc jobs (default: the number of CPUs).
+  ADAPTIVE_AMP_NVCC_FLAGS  Extra nvcc flags (e.g. "-DAAMP_UNSCALE_THREADS=512" for tuning sweeps).
 """
 
 import os
@@ -148,6 +149,7 @@ class BuildExt(build_ext):
             "-O3", "-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "-lineinfo",
             "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
             f"-I{CSRC}", *defines, *gencode_flags(archs),
+            *os.environ.get("ADAPTIVE_AMP_NVCC_FLAGS", "").split(),
         ]
 
         def compile_one(src):

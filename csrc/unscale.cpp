@@ -19,7 +19,7 @@ std::size_t unscale_workspace_bytes(const std::vector<TensorRef>& tensors, bool 
   if (!stats) return 0;
   std::int64_t chunks = 0;
   for (const TensorRef& t : tensors) chunks += chunks_of(t.numel);
-  return static_cast<std::size_t>(chunks) * sizeof(UnscalePartial);
+  return static_cast<std::size_t>(chunks) * kUnscalePartialsPerChunk * sizeof(UnscalePartial);
 }
 
 void validate_unscale(const UnscaleArgs& a) {

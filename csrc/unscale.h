@@ -60,6 +60,10 @@ struct UnscalePartial {
   std::uint32_t amax_bits;
 };
 
+// Workspace slots per chunk: the CUDA kernel keeps one partial per warp (no
+// block-wide barrier on the hot path), the CPU one per chunk.
+constexpr int kUnscalePartialsPerChunk = 16;
+
 std::size_t unscale_workspace_bytes(const std::vector<TensorRef>& tensors, bool stats);
 
 // Validates everything; throws before any write.

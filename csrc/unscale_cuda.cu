@@ -2,9 +2,9 @@
 //
 // Stage 1: one block per chunk of kUnscaleChunk elements, 16-byte vector
 // loads when the tensor is aligned (a scalar path otherwise), the check, the
-// scaling and the store fused; with stats, each chunk writes one partial (or,
-// for a tensor of one chunk, the tensor's result itself).
-// Stage 2 (stats, only when some tensor has several chunks or none): one warp
+// scaling and the store fused; with stats, each warp of a chunk writes one
+// partial (or, for a tensor of one chunk, the block writes the tensor's result).
+// Stage 2 (stats, only when some tensor has several chunks or none): one block
 // per tensor sums its partials in chunk order.
 // Both stages are deterministic; found_inf is only ever set to 1.0f.
 #include <cuda_bf16.h>
@@ -20,8 +20,15 @@ namespace aamp {
 
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
+#ifndef AAMP_UNSCALE_THREADS
+#define AAMP_UNSCALE_THREADS 256
+#endif
+#ifndef AAMP_UNSCALE_UNROLL
+#define AAMP_UNSCALE_UNROLL 4
+#endif
+// Both are build-time knobs for tuning sweeps (ADAPTIVE_AMP_NVCC_FLAGS).
+constexpr int kThreads = AAMP_UNSCALE_THREADS;
+constexpr int kUnroll = AAMP_UNSCALE_UNROLL;  // 16-byte loads in flight per thread
 // The register budget allows two resident blocks per SM on every dtype path
 // without spilling; lists of one dtype get a leaner kernel (kOnly below) that
 // fits four.
@@ -108,17 +115,25 @@ __device__ __forceinline__ void run_chunk(typename E::T* __restrict__ x, int n, 
   }
 }
 
+constexpr int kWarps = kThreads / 32;
+static_assert(kWarps <= kUnscalePartialsPerChunk, "workspace holds kUnscalePartialsPerChunk partials a chunk");
+
+// Warp-wide reduction in a fixed order (shuffle tree). Valid in lane 0.
+__device__ __forceinline__ void warp_reduce(float& sumsq, unsigned& amax_bits) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    sumsq += __shfl_down_sync(0xffffffffu, sumsq, o);
+    amax_bits = max(amax_bits, __shfl_down_sync(0xffffffffu, amax_bits, o));
+  }
+}
+
 // Block-wide reduction in a fixed order: warps by shuffle, then warp 0 over
 // the warp results. Valid in thread 0.
 __device__ __forceinline__ void block_reduce(float& sumsq, unsigned& amax_bits) {
   __shared__ float s_sum[kThreads / 32];
   __shared__ unsigned s_max[kThreads / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    sumsq += __shfl_down_sync(0xffffffffu, sumsq, o);
-    amax_bits = max(amax_bits, __shfl_down_sync(0xffffffffu, amax_bits, o));
-  }
+  warp_reduce(sumsq, amax_bits);
   if (lane == 0) {
     s_sum[warp] = sumsq;
     s_max[warp] = amax_bits;
@@ -172,13 +187,17 @@ __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? kMinBlocks : 2 
     }
     bad |= acc.bad;
     if (kStats) {
-      block_reduce(acc.sumsq, acc.amax_bits);
-      if (threadIdx.x == 0) {
-        if (last == 0) {  // a one-chunk tensor: its partial is the result
+      if (last == 0) {  // a one-chunk tensor: reduce the block, write the result
+        block_reduce(acc.sumsq, acc.amax_bits);
+        if (threadIdx.x == 0) {
           sumsq[t] = static_cast<float>(static_cast<double>(acc.sumsq));
           amax[t] = __uint_as_float(acc.amax_bits);
-        } else {
-          partials[c] = UnscalePartial{acc.sumsq, acc.amax_bits};
+        }
+      } else {  // one partial per warp, no barrier; unscale_finish_kernel sums them
+        warp_reduce(acc.sumsq, acc.amax_bits);
+        if ((threadIdx.x & 31) == 0) {
+          partials[static_cast<std::size_t>(c) * kWarps + (threadIdx.x >> 5)] =
+              UnscalePartial{acc.sumsq, acc.amax_bits};
         }
       }
     }
@@ -186,27 +205,42 @@ __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? kMinBlocks : 2 
   if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.0f;
 }
 
-// One warp per tensor of none or several chunks: its partials in chunk
-// order, in double. (One-chunk tensors were finished by unscale_kernel.)
+// One block per tensor of none or several chunks: its partials (chunk by
+// chunk, warp by warp) in a fixed order, in double. (One-chunk tensors were finished by unscale_kernel.) A
+// whole block, not a warp, so that the largest tensors' thousands of partials
+// are read with many loads in flight rather than one latency at a time.
 template <class Table>
 __global__ void __launch_bounds__(kThreads)
     unscale_finish_kernel(const __grid_constant__ Table table, const UnscalePartial* __restrict__ partials,
                           float* __restrict__ sumsq, float* __restrict__ amax) {
-  const int t = (blockIdx.x * kThreads + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (t >= table.count || table.chunk_begin[t + 1] - table.chunk_begin[t] == 1) return;
+  const int t = blockIdx.x;
+  const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
+  if (end - begin == 1) return;
   double s = 0.0;
   unsigned m = 0;
-  for (unsigned c = table.chunk_begin[t] + lane; c < table.chunk_begin[t + 1]; c += 32) {
-    s += partials[c].sumsq;
-    m = max(m, partials[c].amax_bits);
+  const std::size_t last = static_cast<std::size_t>(end) * kWarps;
+  for (std::size_t p = static_cast<std::size_t>(begin) * kWarps + threadIdx.x; p < last; p += kThreads) {
+    s += partials[p].sumsq;
+    m = max(m, partials[p].amax_bits);
   }
+  __shared__ double s_sum[kThreads / 32];
+  __shared__ unsigned s_max[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     s += __shfl_down_sync(0xffffffffu, s, o);
     m = max(m, __shfl_down_sync(0xffffffffu, m, o));
   }
   if (lane == 0) {
+    s_sum[warp] = s;
+    s_max[warp] = m;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) {
+      s += s_sum[w];
+      m = max(m, s_max[w]);
+    }
     sumsq[t] = static_cast<float>(s);
     amax[t] = __uint_as_float(m);
   }
@@ -228,8 +262,7 @@ void launch(const Table& table, const UnscaleArgs& a, std::size_t first, Unscale
   bool all_one_chunk = true;
   for (int i = 0; i < table.count; ++i) all_one_chunk &= table.chunk_begin[i + 1] - table.chunk_begin[i] == 1;
   if (kStats && !all_one_chunk) {
-    const unsigned grid = static_cast<unsigned>((table.count * 32 + kThreads - 1) / kThreads);
-    unscale_finish_kernel<Table><<<grid, kThreads, 0, stream>>>(table, partials, a.sumsq + first, a.amax + first);
+    unscale_finish_kernel<Table><<<static_cast<unsigned>(table.count), kThreads, 0, stream>>>(table, partials, a.sumsq + first, a.amax + first);
     AAMP_CUDA_CHECK_LAUNCH("unscale_finish_kernel");
   }
 }
@@ -284,7 +317,7 @@ void unscale_and_check_cuda(const UnscaleArgs& a) {
     // Partials are indexed per launch; advance past this launch's chunks.
     std::int64_t used = 0;
     for (std::size_t i = first; i < next; ++i) used += (a.tensors[i].numel + kUnscaleChunk - 1) / kUnscaleChunk;
-    if (partials != nullptr) partials += used;
+    if (partials != nullptr) partials += used * kWarps;
     first = next;
   }
 }
