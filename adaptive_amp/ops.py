@@ -198,3 +198,102 @@ def _keep_until_done(owner, device):
     import cupy
 
     cupy.cuda.get_current_stream().synchronize()
+
+
+# --------------------------------------------------------------------------- stochastic rounding
+# Argument handling lives in _sround.py; the torch custom op in sround_torch.py.
+
+
+def stochastic_round(x, dtype, *, generator=None, seed=None, offset=None, scale=None, saturate=False, out=None,
+                     random_bits=None, return_amax=False):
+    """Round ``x * scale`` to ``dtype`` stochastically: up or down with probabilities that make it unbiased.
+
+    Each element becomes one of its two neighbours in the target format: the
+    one away from zero with probability ``|y - RZ(y)| / ulp`` (``y = x * scale``,
+    ``RZ`` rounding toward zero, ``ulp`` the target's spacing at ``y``), else
+    ``RZ(y)``. So ``E[stochastic_round(x)] == x``: small updates accumulate
+    instead of vanishing as they do with round-to-nearest.
+
+    Args:
+        x: float32, float16 or bfloat16; a torch tensor (CPU or CUDA, on the
+            current stream), a numpy array, or a DLPack array such as CuPy's.
+            Contiguous; any shape; empty is fine.
+        dtype: ``torch.bfloat16``, ``torch.float16``, ``torch.float8_e4m3fn``
+            or ``torch.float8_e5m2``, or their names as strings (also numpy /
+            ml_dtypes dtypes).
+        generator: torch generator to draw (seed, offset) from; default: the
+            default generator of x's device (numpy/DLPack arrays: numpy's
+            global generator; a CPU ``torch.Generator`` or a
+            ``numpy.random.Generator`` may be passed). It is advanced, so
+            ``torch.manual_seed`` reproduces a run and successive calls differ.
+        seed, offset: key Philox directly (integers in [0, 2**64); offset
+            defaults to 0): the result is then a pure function of (x, seed,
+            offset), bitwise the same on the CPU and on CUDA.
+        scale: multiply by this before rounding (per-tensor scaled fp8
+            casts): a number (rounded to fp32) or a 1-element float32 tensor
+            on x's device, read there (no host sync). The product is taken
+            in fp32 (rounded to nearest), then stochastically rounded.
+        saturate: fp16, bf16 and e5m2 values beyond the largest finite value
+            go to +-max instead of (stochastically) to +-inf; +-inf inputs
+            stay +-inf.
+        out: write the result here (target dtype, x's shape, x's device).
+        random_bits: int32 array of x's shape: the 32 random bits of each
+            element (read as unsigned), used instead of Philox.
+        return_amax: also return ``max |x|`` (before scaling; NaN if x has a
+            NaN, 0 if empty) as a 1-element float32 array, from the same pass.
+
+    Returns:
+        The rounded array (torch tensor for torch input; for numpy input an
+        ml_dtypes array, or numpy float16; for CuPy a float16 array, or the
+        bit patterns as uint16/uint8 for bf16/fp8, which CuPy lacks), or
+        ``(out, amax)`` with ``return_amax``.
+
+    Rounding rule, exactly: with ``f = |y - RZ(y)| / ulp`` in [0, 1) and
+    ``F = floor(2**32 * f)``, the result is the neighbour away from zero iff
+    ``F + r >= 2**32``, ``r`` the element's 32 random bits as unsigned. So
+    ``P(away) = F / 2**32``, exactly ``f`` whenever ``y`` is a multiple of
+    ``ulp * 2**-32`` (all bf16 targets; fp16/fp8 unless ``y`` lies far below
+    their smallest subnormal). Subnormal targets are kept (no flush to zero).
+    Element ``i`` takes word ``i % 4`` of Philox4x32-10 with key ``seed`` and
+    counter ``offset + 2**64 * (i // 4)``, independent of threads and blocks.
+
+    Specials: NaN -> NaN; +-inf -> +-inf (bf16, fp16, e5m2) or NaN (e4m3fn,
+    which has no inf; as torch's cast). Beyond the largest finite value M:
+    bf16, fp16 and e5m2 round to inf with the SR probability, counting the
+    gap from M to inf as one more ulp (or give +-M with ``saturate``);
+    e4m3fn gives +-448 (never NaN from a finite value). +-0 keep their sign.
+
+    Not differentiable (the result does not require grad); for a
+    straight-through gradient use :func:`stochastic_round_ste`. Works under
+    ``torch.compile(fullgraph=True)`` (a ``torch.library`` custom op).
+    """
+    if _native.is_torch_tensor(x):
+        from . import sround_torch
+
+        return sround_torch.stochastic_round(x, dtype, generator=generator, seed=seed, offset=offset, scale=scale,
+                                             saturate=saturate, out=out, random_bits=random_bits,
+                                             return_amax=return_amax)
+    from . import _sround
+
+    return _sround.stochastic_round_array(x, dtype, generator=generator, seed=seed, offset=offset, scale=scale,
+                                          saturate=saturate, out=out, random_bits=random_bits,
+                                          return_amax=return_amax)
+
+
+def stochastic_round_ste(x, dtype, *, generator=None, seed=None, offset=None, scale=None, saturate=False,
+                         random_bits=None):
+    """:func:`stochastic_round` of a torch tensor with a straight-through gradient, for use inside models.
+
+    The forward pass is exactly ``stochastic_round(x, dtype, ...)`` (same
+    arguments, same bits). The backward pass treats the rounding as the
+    identity: the gradient passes through unchanged (times ``scale`` when
+    one is given) and comes back in x's dtype. Note that torch keeps a
+    gradient in the dtype of its tensor, so the gradient arriving at an fp8
+    result is itself fp8.
+    """
+    from . import sround_torch
+
+    if not _native.is_torch_tensor(x):
+        raise TypeError(f"x is a {type(x).__name__}; stochastic_round_ste needs a torch tensor (autograd)")
+    return sround_torch.stochastic_round(x, dtype, generator=generator, seed=seed, offset=offset, scale=scale,
+                                         saturate=saturate, random_bits=random_bits, ste=True)

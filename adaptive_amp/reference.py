@@ -81,3 +81,101 @@ def update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_facto
     if inv_scale is not None:
         inv_scale.copy_(scale.double().reciprocal().float())
     return scale
+
+
+# --------------------------------------------------------------------------- stochastic rounding
+# Philox4x32-10 in int64 tensors holding uint32 values. Products of two
+# 32-bit words are split into 16-bit halves so that nothing exceeds 2**50.
+_PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+_PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+_MASK32 = 0xFFFFFFFF
+
+
+def _mulhilo32(a, b: int):
+    lo_part = a * (b & 0xFFFF)
+    hi_part = a * (b >> 16)
+    low = lo_part + ((hi_part & 0xFFFF) << 16)
+    return (hi_part >> 16) + (low >> 32), low & _MASK32
+
+
+def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int):
+    """Philox4x32-10 of counter words c0..c3 (least significant first) under key (k0, k1).
+
+    Counter words are int64 tensors (or ints) holding unsigned 32-bit values;
+    returns four such tensors.
+    """
+    for _ in range(10):
+        hi0, lo0 = _mulhilo32(c0, _PHILOX_M0)
+        hi1, lo1 = _mulhilo32(c2, _PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + _PHILOX_W0) & _MASK32, (k1 + _PHILOX_W1) & _MASK32
+    return c0, c1, c2, c3
+
+
+def philox_random_bits(shape, seed: int, offset: int = 0, device="cpu"):
+    """The int32 random words ``stochastic_round(x, ..., seed=seed, offset=offset)`` uses for x of `shape`.
+
+    Element i takes word i % 4 of Philox4x32-10 with key seed and counter
+    offset + 2**64 * (i // 4).
+    """
+    n = torch.Size(shape).numel()
+    groups = torch.arange((n + 3) // 4, dtype=torch.int64, device=device)
+    c0 = torch.full_like(groups, offset & _MASK32)
+    c1 = torch.full_like(groups, (offset >> 32) & _MASK32)
+    words = philox4x32_10(c0, c1, groups & _MASK32, groups >> 32, seed & _MASK32, (seed >> 32) & _MASK32)
+    w = torch.stack(words, dim=1).reshape(-1)[:n]
+    return torch.where(w >= 1 << 31, w - (1 << 32), w).to(torch.int32).reshape(shape)
+
+
+# mantissa bits, smallest normal exponent, largest finite value, has inf
+_SR_FORMATS = {
+    "bfloat16": (7, -126, 3.3895313892515355e38, True),
+    "float16": (10, -14, 65504.0, True),
+    "float8_e4m3fn": (3, -6, 448.0, False),
+    "float8_e5m2": (2, -14, 57344.0, True),
+}
+
+
+def stochastic_round(x, dtype, *, random_bits=None, seed=None, offset=None, scale=None, saturate=False):
+    """Twin of :func:`adaptive_amp.ops.stochastic_round`, in float64 arithmetic.
+
+    Takes its random bits from ``random_bits`` (int32, x's shape) or, with
+    ``seed`` (and ``offset``), from :func:`philox_random_bits`. Written from
+    the definition, not from the kernel: ulp from frexp, the fractional
+    position f = |y|/ulp - floor(|y|/ulp), all exact in float64; away from
+    zero iff floor(2**32 f) + r >= 2**32.
+    """
+    name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+    name = name.replace("torch.", "")
+    mant, emin, max_finite, has_inf = _SR_FORMATS[name]
+    target = getattr(torch, name)
+    v = x.float()
+    negative = torch.signbit(v)
+    if scale is not None:
+        s = scale.float().reshape(()) if isinstance(scale, torch.Tensor) else torch.tensor(scale, dtype=torch.float32)
+        s = s.to(v.device)
+        v = v * s  # the fp32 product, rounded once
+        negative = negative ^ torch.signbit(s)
+    if random_bits is None:
+        random_bits = philox_random_bits(x.shape, seed, offset or 0, device=x.device)
+    # Everything below is float64 and exact (no integer tensors: compiles cleanly).
+    r = random_bits.double()
+    r = torch.where(r < 0, r + 2.0**32, r)  # the bits as unsigned
+
+    a = v.double().abs()
+    m, _ = torch.frexp(a)  # a = m * 2**e with m in [0.5, 1)
+    binade = torch.where(a > 0, a / (2 * m), 0.0)  # 2**(e - 1), exactly
+    # The target's spacing at a: 2**-mant of the binade, or of the smallest
+    # normal binade below it (subnormals are kept).
+    ulp = torch.clamp(binade, min=2.0**emin) * 2.0**-mant
+    q = a / ulp
+    k = torch.floor(q)
+    f = q - k
+    big_f = torch.floor(f * 2.0**32)
+    away = (big_f + r) >= 2.0**32
+    mag = torch.where(away, k + 1, k) * ulp
+    over = mag > max_finite
+    mag = torch.where(over, float("inf") if has_inf and not saturate else max_finite, mag)
+    mag = torch.where(torch.isinf(a), float("inf") if has_inf else float("nan"), mag)
+    mag = torch.where(torch.isnan(a), float("nan"), mag)
+    return torch.where(negative, -mag, mag).float().to(target)

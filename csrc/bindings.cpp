@@ -11,6 +11,7 @@
 #include "core.h"
 #include "dlpack_abi.h"
 #include "scale_update.h"
+#include "sround.h"
 #include "unscale.h"
 
 namespace py = pybind11;
@@ -129,6 +130,31 @@ py::dict dlpack_describe(py::capsule capsule) {
   return d;
 }
 
+// Stochastic rounding (csrc/sround.h). bits == 0 and bits_numel < 0: Philox.
+void stochastic_round(std::uintptr_t x, std::int64_t numel, int x_dtype, std::uintptr_t out, std::int64_t out_numel,
+                      int out_dtype, std::uintptr_t bits, std::int64_t bits_numel, int bits_dtype,
+                      std::uint64_t seed, std::uint64_t offset, std::uintptr_t seed_offset, std::uintptr_t scale,
+                      bool has_scale_value, float scale_value, bool saturate, std::uintptr_t amax, int device,
+                      std::uintptr_t stream) {
+  aamp::SroundArgs a;
+  a.x = {as_ptr<void>(x), numel, aamp::dtype_from_code(x_dtype, "x")};
+  a.out = {as_ptr<void>(out), out_numel, aamp::dtype_from_code(out_dtype, "out")};
+  a.has_random_bits = bits_numel >= 0;
+  if (a.has_random_bits) a.random_bits = {as_ptr<void>(bits), bits_numel, aamp::dtype_from_code(bits_dtype, "random_bits")};
+  a.seed = seed;
+  a.offset = offset;
+  a.seed_offset = as_ptr<const std::uint64_t>(seed_offset);
+  a.scale = as_ptr<const float>(scale);
+  a.has_scale_value = has_scale_value;
+  a.scale_value = scale_value;
+  a.saturate = saturate;
+  a.amax = as_ptr<float>(amax);
+  a.place.device = device;
+  a.place.stream = stream;
+  py::gil_scoped_release release;
+  aamp::stochastic_round(a);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -166,4 +192,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("step_amax"), py::arg("amax_history"), py::arg("history"), py::arg("margin"), py::arg("fmt_max"),
         py::arg("inv_scale"), py::arg("device"), py::arg("stream"));
   m.def("dlpack_describe", &dlpack_describe, py::arg("capsule"));
+
+  m.attr("SROUND_GROUP") = aamp::kSroundGroup;
+  m.def("stochastic_round", &stochastic_round, py::arg("x"), py::arg("numel"), py::arg("x_dtype"), py::arg("out"),
+        py::arg("out_numel"), py::arg("out_dtype"), py::arg("bits"), py::arg("bits_numel"), py::arg("bits_dtype"),
+        py::arg("seed"), py::arg("offset"), py::arg("seed_offset"), py::arg("scale"), py::arg("has_scale_value"),
+        py::arg("scale_value"), py::arg("saturate"), py::arg("amax"), py::arg("device"), py::arg("stream"));
 }

@@ -1,0 +1,205 @@
+"""Stochastic rounding for torch tensors: ``torch.library`` custom ops and a straight-through autograd rule.
+
+Two custom ops carry the native kernel into torch:
+
+* ``adaptive_amp::stochastic_round`` (functional; returns ``(out, amax)``),
+  with a fake implementation, so ``torch.compile(fullgraph=True)`` traces it
+  without a graph break, and a straight-through gradient (registered with
+  ``torch.library.register_autograd``) that :func:`adaptive_amp.stochastic_round_ste`
+  uses;
+* ``adaptive_amp::stochastic_round_out`` (writes ``out``; returns ``amax``).
+
+Both are tagged ``nondeterministic_seeded`` so that graph passes never merge
+two calls. The Python wrapper below validates the arguments (without
+touching data, so that it traces) and draws (seed, offset) from torch's
+generator as a 2-element int64 tensor on x's device, so the draw needs no
+host synchronization and is safe inside CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import _native, _sround
+from ._native import FLOAT32, INT32
+
+_TAGS = (torch.Tag.nondeterministic_seeded,)
+_SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_I64_LIMIT = 1 << 63
+
+
+def _as_i64(value: int) -> int:
+    """uint64 -> the int64 with the same bits (op schemas carry int64)."""
+    return value - (1 << 64) if value >= _I64_LIMIT else value
+
+
+def _as_u64(value: int) -> int:
+    return value + (1 << 64) if value < 0 else value
+
+
+def _fp32(value: float) -> float:
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
+def _run(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, random_bits, return_amax, out) -> Tensor:
+    """The eager body of both ops: describe, allocate amax, call the core."""
+    code = _native.torch_dtype_code(dtype)
+    xa = _native.describe(x, "x", writable=False, dtypes=_sround.SOURCES)
+    oa = _native.describe(out, "out", writable=True, dtypes=(code,))
+    bits = None
+    if random_bits is not None:
+        bits = _native.describe(random_bits, "random_bits", writable=False, dtypes=(INT32,))
+    amax = torch.empty(1 if return_amax else 0, dtype=torch.float32, device=x.device)
+    _sround.call_native(
+        x=xa, out_ptr=oa.ptr, out_numel=oa.numel, out_code=code, bits=bits,
+        seed=_as_u64(seed) if seed is not None else 0, offset=_as_u64(offset) if offset is not None else 0,
+        seed_offset_ptr=seed_offset.data_ptr() if seed_offset is not None else 0,
+        scale_ptr=scale.data_ptr() if scale is not None else 0,
+        scale_value=_fp32(scale_value) if scale_value is not None else None,
+        saturate=saturate, amax_ptr=amax.data_ptr() if return_amax else 0,
+        device=xa.device, stream=_native.current_stream("torch", xa.device))
+    return amax
+
+
+@torch.library.custom_op("adaptive_amp::stochastic_round", mutates_args=(), tags=_TAGS)
+def stochastic_round_op(
+    x: Tensor,
+    dtype: torch.dtype,
+    seed: Optional[int],
+    offset: Optional[int],
+    seed_offset: Optional[Tensor],
+    scale: Optional[Tensor],
+    scale_value: Optional[float],
+    saturate: bool,
+    random_bits: Optional[Tensor],
+    return_amax: bool,
+) -> Tuple[Tensor, Tensor]:
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    amax = _run(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, random_bits, return_amax, out)
+    return out, amax
+
+
+@stochastic_round_op.register_fake
+def _stochastic_round_fake(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, random_bits,
+                           return_amax):
+    return torch.empty_like(x, dtype=dtype), x.new_empty((1 if return_amax else 0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("adaptive_amp::stochastic_round_out", mutates_args=("out",), tags=_TAGS)
+def stochastic_round_out_op(
+    x: Tensor,
+    dtype: torch.dtype,
+    seed: Optional[int],
+    offset: Optional[int],
+    seed_offset: Optional[Tensor],
+    scale: Optional[Tensor],
+    scale_value: Optional[float],
+    saturate: bool,
+    random_bits: Optional[Tensor],
+    return_amax: bool,
+    out: Tensor,
+) -> Tensor:
+    return _run(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, random_bits, return_amax, out)
+
+
+@stochastic_round_out_op.register_fake
+def _stochastic_round_out_fake(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, random_bits,
+                               return_amax, out):
+    return x.new_empty((1 if return_amax else 0,), dtype=torch.float32)
+
+
+# Straight-through: the rounding counts as the identity, so d out / d x is the
+# scale (1 without one); the gradient comes back in x's dtype.
+def _setup_context(ctx, inputs, output):
+    x, scale, scale_value = inputs[0], inputs[5], inputs[6]
+    ctx.x_dtype = x.dtype
+    ctx.scale_value = scale_value
+    ctx.save_for_backward(scale)
+
+
+def _backward(ctx, grad_out, grad_amax):
+    (scale,) = ctx.saved_tensors
+    grad = grad_out
+    if scale is not None:
+        grad = grad.float() * scale
+    elif ctx.scale_value is not None:
+        grad = grad.float() * _fp32(ctx.scale_value)
+    return grad.to(ctx.x_dtype), None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("adaptive_amp::stochastic_round", _backward, setup_context=_setup_context)
+
+
+def _check_tensor_arg(t, name, x, dtype, shape=True):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} is a {type(t).__name__}; pass a torch tensor like x")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype}")
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if shape and t.shape != x.shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; x has shape {tuple(x.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} is not contiguous; pass {name}.contiguous()")
+
+
+def stochastic_round(x: Tensor, dtype, *, generator=None, seed=None, offset=None, scale=None, saturate=False,
+                     out=None, random_bits=None, return_amax=False, ste=False):
+    """The torch path of :func:`adaptive_amp.stochastic_round` (see its docstring)."""
+    code = _sround.target_code(dtype)
+    target = getattr(torch, _native.DTYPE_NAMES[code])
+    _sround.check_choice(generator, seed, offset, random_bits)
+    if x.dtype not in _SOURCE_DTYPES:
+        raise TypeError(f"x has dtype {x.dtype}; expected float32, float16 or bfloat16")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"x is on device '{x.device}'; adaptive_amp runs on the CPU and on CUDA GPUs")
+    if x.layout != torch.strided:
+        raise ValueError(f"x is a {x.layout} tensor; pass a dense tensor")
+    if not x.is_contiguous():
+        raise ValueError("x is not contiguous; pass x.contiguous()")
+    if random_bits is not None:
+        _check_tensor_arg(random_bits, "random_bits", x, torch.int32)
+    scale_t = scale_value = None
+    if scale is not None:
+        if isinstance(scale, Tensor):
+            _check_tensor_arg(scale, "scale", x, torch.float32, shape=False)
+            if scale.numel() != 1:
+                raise ValueError(f"scale has {scale.numel()} elements; pass a 1-element float32 tensor or a number")
+            scale_t = scale
+        elif isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+            scale_value = float(scale)
+        else:
+            raise TypeError(f"scale is a {type(scale).__name__}; pass a number or a 1-element float32 tensor")
+    seed_offset = None
+    if seed is not None:
+        seed = _as_i64(_sround.u64(seed, "seed"))
+        offset = _as_i64(_sround.u64(offset if offset is not None else 0, "offset"))
+    elif random_bits is None:
+        if generator is not None:
+            if not isinstance(generator, torch.Generator):
+                raise TypeError(f"generator is a {type(generator).__name__}; pass a torch.Generator")
+            if generator.device.type != x.device.type:
+                raise ValueError(f"generator is on {generator.device} but x is on {x.device}; pass a generator "
+                                 "of x's device")
+        # Two 63-bit draws, on x's device: no host sync, and capturable.
+        if generator is None:  # (torch.compile traces randint, but not a generator argument)
+            seed_offset = torch.randint(0, _I64_LIMIT - 1, (2,), dtype=torch.int64, device=x.device)
+        else:
+            seed_offset = torch.randint(0, _I64_LIMIT - 1, (2,), dtype=torch.int64, device=x.device,
+                                        generator=generator)
+    if out is not None:
+        if ste:
+            raise ValueError("out is not supported by stochastic_round_ste (autograd needs a fresh output)")
+        _check_tensor_arg(out, "out", x, target)
+        amax = stochastic_round_out_op(x.detach(), target, seed, offset, seed_offset, scale_t, scale_value,
+                                       bool(saturate), random_bits, bool(return_amax), out)
+        return (out, amax) if return_amax else out
+    result, amax = stochastic_round_op(x if ste else x.detach(), target, seed, offset, seed_offset, scale_t,
+                                       scale_value, bool(saturate), random_bits, bool(return_amax))
+    return (result, amax) if return_amax else result

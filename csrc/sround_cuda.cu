@@ -1,0 +1,286 @@
+// CUDA implementation of stochastic rounding (contract in sround.h).
+//
+// Built for bandwidth, in the pattern of torch's vectorized casts: a thread
+// takes 16 bytes of the source per vector (4 fp32 or 8 fp16/bf16 elements)
+// and stores the same elements of the target (4 to 16 bytes); lanes take
+// consecutive vectors, so each load and store instruction of a warp covers
+// one contiguous span, and Step::kUnroll vectors per thread are loaded before any
+// is computed. One Philox call yields the words of 4 consecutive elements.
+// Unaligned data (views with storage offsets) and the tail take a scalar
+// path, one Philox group per thread step. The random words depend only on
+// the element index, never on the thread that handles it, so both paths and
+// every grid size give the same bits; the per-element rule is shared with the
+// CPU kernel (sround_rule.h). One launch per call, 64-bit indexing, no
+// allocation, no synchronization; with amax, one asynchronous memset first.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <type_traits>
+
+#include "cuda_utils.cuh"
+#include "philox.h"
+#include "sround.h"
+#include "sround_rule.h"
+
+namespace aamp {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+struct SrcF32 {
+  using T = float;
+  __device__ static float load(T v) { return v; }
+};
+struct SrcF16 {
+  using T = unsigned short;
+  __device__ static float load(T v) { return __half2float(__ushort_as_half(v)); }
+};
+struct SrcBF16 {
+  using T = unsigned short;
+  __device__ static float load(T v) { return __uint_as_float(static_cast<unsigned>(v) << 16); }
+};
+
+struct KernelParams {
+  const void* x;
+  void* out;
+  const std::uint32_t* bits;
+  std::int64_t n;
+  std::uint64_t seed;
+  std::uint64_t offset;
+  const std::uint64_t* seed_offset;
+  const float* scale;
+  float scale_value;
+  bool saturate;
+  bool vec;
+  float* amax;
+};
+
+// One vector of a thread: 16 bytes of the source (4 fp32 or 8 fp16/bf16
+// elements, one or two Philox groups) and the same elements of the target (4
+// to 16 bytes). Lanes take consecutive vectors, so every load and store
+// instruction of a warp covers one contiguous span, as torch's own
+// vectorized casts do.
+template <class Src, class Fmt>
+struct Step {
+  static constexpr int kElems = 16 / static_cast<int>(sizeof(typename Src::T));
+  static constexpr int kGroups = kElems / static_cast<int>(kSroundGroup);
+  static constexpr int kOutBytes = kElems * static_cast<int>(sizeof(typename Fmt::T));
+  // Vectors in flight per thread: 16 elements (64 or 32 bytes of x; with
+  // random_bits, another 64 bytes) per thread and tile.
+  static constexpr int kUnroll = 16 / kElems;
+  using OutVec = typename std::conditional<
+      kOutBytes == 16, uint4, typename std::conditional<kOutBytes == 8, uint2, unsigned>::type>::type;
+};
+
+// Four resident blocks (1024 threads, 64 registers each) keep 32 to 64 KB of
+// loads in flight per SM, enough to cover HBM latency, without spilling.
+constexpr int kMinBlocks = 4;
+
+template <class Src, class Fmt>
+__device__ __forceinline__ typename Fmt::T round_one(typename Src::T xv, std::uint32_t r, float s, unsigned s_sign,
+                                                     bool saturate, unsigned& amax_bits) {
+  const float v = Src::load(xv);
+  const unsigned vb = __float_as_uint(v);
+  amax_bits = max(amax_bits, vb & 0x7fffffffu);
+  // __fmul_rn: a product rounded once, never contracted into anything else.
+  return static_cast<typename Fmt::T>(sround_element<Fmt>(__float_as_uint(__fmul_rn(v, s)), vb ^ s_sign, r, saturate));
+}
+
+// Block-wide max of the |v| patterns, then one integer atomicMax: exact and
+// independent of the order in which blocks arrive.
+__device__ __forceinline__ void block_amax(unsigned m, float* amax) {
+  __shared__ unsigned s_max[kThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if ((threadIdx.x & 31) == 0) s_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) m = max(m, s_max[w]);
+    if (m != 0) atomicMax(reinterpret_cast<unsigned*>(amax), m);
+  }
+}
+
+// The kUnroll vectors base, base + kThreads, ... of one thread: all loads
+// first (16 elements and their random words in flight), then the rounding.
+template <class Src, class Fmt, bool kBits, bool kCheck>
+__device__ __forceinline__ void vector_tile(const uint4* __restrict__ xv, const uint4* __restrict__ rv,
+                                            typename Step<Src, Fmt>::OutVec* __restrict__ ov, std::int64_t base,
+                                            std::int64_t nvec, std::uint64_t seed, std::uint64_t offset, float s,
+                                            unsigned s_sign, bool saturate, unsigned& amax_bits) {
+  using St = Step<Src, Fmt>;
+  union In {
+    uint4 raw;
+    typename Src::T e[St::kElems];
+  } in[St::kUnroll];
+  union Rnd {
+    uint4 raw[St::kGroups];
+    std::uint32_t w[St::kElems];
+  } rnd[kBits ? St::kUnroll : 1];
+#pragma unroll
+  for (int u = 0; u < St::kUnroll; ++u) {
+    const std::int64_t v = base + u * kThreads;
+    if (!kCheck || v < nvec) {
+      in[u].raw = __ldcs(xv + v);
+      if (kBits) {
+#pragma unroll
+        for (int k = 0; k < St::kGroups; ++k) rnd[kBits ? u : 0].raw[k] = __ldcs(rv + v * St::kGroups + k);
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < St::kUnroll; ++u) {
+    const std::int64_t v = base + u * kThreads;
+    if (!kCheck || v < nvec) {
+      Rnd& r = rnd[kBits ? u : 0];
+      if (!kBits) {
+#pragma unroll
+        for (int k = 0; k < St::kGroups; ++k) {
+          const PhiloxBits w = philox_group(seed, offset, static_cast<std::uint64_t>(v * St::kGroups + k));
+          r.raw[k] = make_uint4(w.w[0], w.w[1], w.w[2], w.w[3]);
+        }
+      }
+      union {
+        typename St::OutVec raw;
+        typename Fmt::T e[St::kElems];
+      } res;
+#pragma unroll
+      for (int e = 0; e < St::kElems; ++e) {
+        res.e[e] = round_one<Src, Fmt>(in[u].e[e], r.w[e], s, s_sign, saturate, amax_bits);
+      }
+      __stcs(ov + v, res.raw);
+    }
+  }
+}
+
+template <class Src, class Fmt, bool kBits>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) sround_kernel(const KernelParams p) {
+  using S = typename Src::T;
+  using D = typename Fmt::T;
+  using St = Step<Src, Fmt>;
+  using OutVec = typename St::OutVec;
+  std::uint64_t seed = p.seed, offset = p.offset;
+  if (!kBits && p.seed_offset != nullptr) {
+    seed = p.seed_offset[0];
+    offset = p.seed_offset[1];
+  }
+  const float s = p.scale != nullptr ? *p.scale : p.scale_value;
+  const unsigned s_sign = __float_as_uint(s) & 0x80000000u;
+  const bool saturate = p.saturate;
+  const S* __restrict__ x = static_cast<const S*>(p.x);
+  D* __restrict__ out = static_cast<D*>(p.out);
+  const std::uint32_t* __restrict__ bits = p.bits;
+  unsigned amax_bits = 0;
+
+  std::int64_t first_group = 0;
+  if (p.vec) {
+    const std::int64_t nvec = p.n / St::kElems;
+    const uint4* __restrict__ xv = reinterpret_cast<const uint4*>(x);
+    const uint4* __restrict__ rv = reinterpret_cast<const uint4*>(bits);
+    OutVec* __restrict__ ov = reinterpret_cast<OutVec*>(out);
+    const std::int64_t tile = static_cast<std::int64_t>(kThreads) * St::kUnroll;
+    std::int64_t base = blockIdx.x * tile + threadIdx.x;
+    // Whole tiles need no bounds checks; the last one, if partial, does.
+    for (; base + (St::kUnroll - 1) * kThreads < nvec; base += gridDim.x * tile) {
+      vector_tile<Src, Fmt, kBits, false>(xv, rv, ov, base, nvec, seed, offset, s, s_sign, saturate, amax_bits);
+    }
+    if (base < nvec) {
+      vector_tile<Src, Fmt, kBits, true>(xv, rv, ov, base, nvec, seed, offset, s, s_sign, saturate, amax_bits);
+    }
+    first_group = nvec * St::kGroups;
+  }
+
+  // Scalar path (unaligned data, and the tail): one Philox group per step.
+  const std::int64_t groups = (p.n + kSroundGroup - 1) / kSroundGroup;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kThreads;
+  for (std::int64_t g = first_group + static_cast<std::int64_t>(blockIdx.x) * kThreads + threadIdx.x; g < groups;
+       g += stride) {
+    PhiloxBits w = {{0u, 0u, 0u, 0u}};
+    if (!kBits) w = philox_group(seed, offset, static_cast<std::uint64_t>(g));
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(kSroundGroup); ++k) {
+      const std::int64_t i = g * kSroundGroup + k;
+      if (i < p.n) out[i] = round_one<Src, Fmt>(x[i], kBits ? bits[i] : w.w[k], s, s_sign, saturate, amax_bits);
+    }
+  }
+
+  if (p.amax != nullptr) block_amax(amax_bits, p.amax);
+}
+
+bool aligned(const void* ptr, unsigned bytes) { return reinterpret_cast<std::uintptr_t>(ptr) % bytes == 0; }
+
+template <class Src, class Fmt, bool kBits>
+void launch(const KernelParams& p, cudaStream_t stream, int device) {
+  auto kernel = sround_kernel<Src, Fmt, kBits>;
+  // Resident blocks per SM of this kernel, asked once per device.
+  static std::atomic<int> resident[64];
+  int blocks_per_sm = device < 64 ? resident[device].load(std::memory_order_relaxed) : 0;
+  if (blocks_per_sm == 0) {
+    AAMP_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, 0));
+    blocks_per_sm = std::max(blocks_per_sm, 1);
+    if (device < 64) resident[device].store(blocks_per_sm, std::memory_order_relaxed);
+  }
+  using St = Step<Src, Fmt>;
+  const std::int64_t groups = (p.n + kSroundGroup - 1) / kSroundGroup;
+  const std::int64_t tail = p.vec ? groups - (p.n / St::kElems) * St::kGroups : groups;
+  const std::int64_t units = std::max<std::int64_t>(p.vec ? (p.n / St::kElems + St::kUnroll - 1) / St::kUnroll : 0, tail);
+  const std::int64_t wanted = (units + kThreads - 1) / kThreads;
+  // One full wave at most; the kernel strides over the rest.
+  const std::int64_t wave = static_cast<std::int64_t>(multiprocessor_count(device)) * blocks_per_sm;
+  const unsigned grid = static_cast<unsigned>(std::max<std::int64_t>(1, std::min(wanted, wave)));
+  kernel<<<grid, kThreads, 0, stream>>>(p);
+  AAMP_CUDA_CHECK_LAUNCH("sround_kernel");
+}
+
+template <class Src, class Fmt>
+void launch_bits(const KernelParams& p, bool bits, cudaStream_t stream, int device) {
+  bits ? launch<Src, Fmt, true>(p, stream, device) : launch<Src, Fmt, false>(p, stream, device);
+}
+
+template <class Src>
+void launch_target(const KernelParams& p, DType target, bool bits, cudaStream_t stream, int device) {
+  switch (target) {
+    case DType::kBFloat16: return launch_bits<Src, SrBF16>(p, bits, stream, device);
+    case DType::kFloat16: return launch_bits<Src, SrF16>(p, bits, stream, device);
+    case DType::kFloat8E4M3FN: return launch_bits<Src, SrE4M3>(p, bits, stream, device);
+    case DType::kFloat8E5M2: return launch_bits<Src, SrE5M2>(p, bits, stream, device);
+    default: return;  // rejected by validate_sround
+  }
+}
+
+}  // namespace
+
+void stochastic_round_cuda(const SroundArgs& a) {
+  DeviceGuard guard(a.place.device);
+  cudaStream_t stream = as_stream(a.place.stream);
+  if (a.amax != nullptr) AAMP_CUDA_CHECK(cudaMemsetAsync(a.amax, 0, sizeof(float), stream));
+  if (a.x.numel == 0) return;
+  KernelParams p;
+  p.x = a.x.data;
+  p.out = a.out.data;
+  p.bits = a.has_random_bits ? static_cast<const std::uint32_t*>(a.random_bits.data) : nullptr;
+  p.n = a.x.numel;
+  p.seed = a.seed;
+  p.offset = a.offset;
+  p.seed_offset = a.seed_offset;
+  p.scale = a.scale;
+  p.scale_value = a.has_scale_value ? a.scale_value : 1.0f;
+  p.saturate = a.saturate;
+  p.amax = a.amax;
+  // The vector path needs x and random_bits on 16 bytes and out on the
+  // bytes of one output vector (4 to 16; see Step).
+  const unsigned out_vec = 16u / static_cast<unsigned>(dtype_size(a.x.dtype)) *
+                           static_cast<unsigned>(dtype_size(a.out.dtype));
+  p.vec = aligned(p.x, 16) && aligned(p.out, out_vec) && (!a.has_random_bits || aligned(p.bits, 16));
+  switch (a.x.dtype) {
+    case DType::kFloat32: return launch_target<SrcF32>(p, a.out.dtype, a.has_random_bits, stream, a.place.device);
+    case DType::kFloat16: return launch_target<SrcF16>(p, a.out.dtype, a.has_random_bits, stream, a.place.device);
+    case DType::kBFloat16: return launch_target<SrcBF16>(p, a.out.dtype, a.has_random_bits, stream, a.place.device);
+    default: return;  // rejected by validate_sround
+  }
+}
+
+}  // namespace aamp
