@@ -269,28 +269,152 @@ def speedups(rows: List[Row]) -> List[str]:
     return out
 
 
+# --------------------------------------------------------------------------- stochastic rounding suite
+SROUND_TARGETS = (("bf16", torch.bfloat16), ("fp16", torch.float16), ("e4m3", torch.float8_e4m3fn),
+                  ("e5m2", torch.float8_e5m2))
+SROUND_OURS, SROUND_TO = "adaptive_amp stochastic_round", "torch .to(dtype) (round to nearest)"
+SROUND_REF, SROUND_REF_COMPILED = "pure-torch reference, eager", "pure-torch reference, torch.compile"
+
+
+def _sround_candidates(x, dtype):
+    """(name, fn, capturable) of the suite; the reference draws its random bits inside the timed call, as ours does."""
+
+    def reference_call(i):
+        bits = torch.randint(-(2**31), 2**31, x.shape, dtype=torch.int32, device=x.device)
+        return reference.stochastic_round(x, dtype, random_bits=bits)
+
+    return [
+        (SROUND_OURS, lambda i: ops.stochastic_round(x, dtype), True),
+        (SROUND_TO, lambda i: x.to(dtype), True),
+        (SROUND_REF, reference_call, False),
+        (SROUND_REF_COMPILED, torch.compile(reference_call, dynamic=False), False),
+    ]
+
+
+def sround_gpu(device="cuda", numel=256 << 20, warmup=10, reps=50, targets=SROUND_TARGETS, progress=print) -> List[Row]:
+    """fp32 -> each target, `numel` elements: ours, `.to(dtype)`, the pure-torch reference (eager and compiled),
+    and the copy ceiling, in one run. Bytes moved count 4 read + the target's size written per element."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    timer = _GpuTimer(warmup, reps)
+    copy_gbps, _ = _ceilings(device, timer)
+    rows = [Row("sround", "device copy (read+write)", "eager", 0.0, 0, copy_gbps, 1.0)]
+    progress(f"ceiling: copy {copy_gbps:.0f} GB/s; {numel / 2**20:.0f}M fp32 elements per call")
+    x = torch.randn(numel, device=device, generator=torch.Generator(device=device).manual_seed(0))
+    for tag, dtype in targets:
+        moved = numel * (4 + torch.tensor([], dtype=dtype).element_size())
+        for name, fn, capturable in _sround_candidates(x, dtype):
+            full = f"{name} -> {tag}"
+            try:
+                is_ref = name.startswith("pure-torch")
+                eager_ms = _GpuTimer(2, 5).eager(fn) if is_ref else timer.eager(fn)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # e.g. the reference's fp64 temporaries
+                progress(f"  {full}: skipped ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
+                torch.cuda.empty_cache()
+                continue
+            rows.append(Row("sround", full, "eager", eager_ms, moved, moved / eager_ms / 1e6,
+                            moved / eager_ms / 1e6 / copy_gbps))
+            graph_ms = timer.graph(fn, 4) if capturable else None
+            if graph_ms is not None:
+                rows.append(Row("sround", full, "graph", graph_ms, moved, moved / graph_ms / 1e6,
+                                moved / graph_ms / 1e6 / copy_gbps))
+            progress(f"  {full}: eager {eager_ms:.3f} ms" + (f", graph {graph_ms:.3f} ms" if graph_ms else ""))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sround_cpu(numel=16 << 20, warmup=1, reps=5, targets=SROUND_TARGETS, progress=print) -> List[Row]:
+    """The same suite on the host (no compiled reference), against a host copy."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    dst = torch.empty_like(x)
+    copy_ms = _cpu_time(lambda i: dst.copy_(x), warmup, reps)
+    copy_gbps = 8 * numel / copy_ms / 1e6
+    rows = [Row("sround", "host copy (read+write)", "cpu", copy_ms, 8 * numel, copy_gbps, 1.0)]
+    for tag, dtype in targets:
+        moved = numel * (4 + torch.tensor([], dtype=dtype).element_size())
+        for name, fn, _ in _sround_candidates(x, dtype)[:3]:
+            ms = _cpu_time(fn, warmup, reps)
+            rows.append(Row("sround", f"{name} -> {tag}", "cpu", ms, moved, moved / ms / 1e6, moved / ms / 1e6 / copy_gbps))
+            progress(f"  {name} -> {tag}: {ms:.2f} ms")
+    return rows
+
+
+def sround_summary(rows: List[Row]) -> List[str]:
+    """The issue's targets: fp32->bf16 at >= 85% of copy and >= 2x the compiled reference; every target <= 1.25x .to."""
+    by = {(r.mode, r.name): r for r in rows if r.suite == "sround"}
+    out = []
+    for mode in ("eager", "graph", "cpu"):
+        for tag, _ in SROUND_TARGETS:
+            ours, to = by.get((mode, f"{SROUND_OURS} -> {tag}")), by.get((mode, f"{SROUND_TO} -> {tag}"))
+            if ours is None:
+                continue
+            line = f"sround {mode} fp32->{tag}: {ours.ms:.3f} ms, {100 * ours.ceiling_fraction:.1f}% of copy"
+            if to is not None:
+                line += f"; {ours.ms / to.ms:.2f}x the time of .to() (target <= 1.25x)"
+            ref = by.get(("eager", f"{SROUND_REF_COMPILED} -> {tag}"))
+            if ref is not None:
+                line += f"; {ref.ms / ours.ms:.2f}x faster than the compiled reference"
+            if tag == "bf16":
+                line += " (targets: >= 85% of copy, >= 2x the compiled reference)"
+            out.append(line)
+    return out
+
+
 def main(argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m adaptive_amp bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--suites", default="gpt2,many", help="comma-separated: " + ",".join(SUITES))
+    parser.add_argument("--suites", default="gpt2,many", help="comma-separated: " + ",".join(SUITES) + ",sround")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--json", help="write the rows to this JSON file")
     parser.add_argument("--cpu", action="store_true", help="also time the CPU variants")
+    parser.add_argument("--scaler", action="store_true",
+                        help="GradScaler per-step overhead against torch's on the same sets (GPU)")
+    parser.add_argument("--lm", type=int, metavar="STEPS", default=0,
+                        help="train the demo LM in fp16 for STEPS steps per scaler mode (GPU)")
+    parser.add_argument("--no-unscale", action="store_true", help="skip the unscale kernel suites")
     args = parser.parse_args(argv)
     suites = [s for s in args.suites.split(",") if s]
+    sround = "sround" in suites  # the stochastic-rounding suite; the others are unscale suites
+    suites = [s for s in suites if s != "sround"]
+    cuda = args.device.startswith("cuda")
+    report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     rows = []
-    if args.device.startswith("cuda"):
-        rows += unscale_gpu(suites, device=args.device, reps=args.reps)
-    if args.cpu or args.device == "cpu":
-        rows += unscale_cpu(suites)
-    print(format_table(rows))
-    print("\n".join(speedups(rows)))
+    if not args.no_unscale and suites:
+        if cuda:
+            rows += unscale_gpu(suites, device=args.device, reps=args.reps)
+        if args.cpu or not cuda:
+            rows += unscale_cpu(suites)
+        print(format_table(rows))
+        print("\n".join(speedups(rows)))
+        report["rows"] = [asdict(r) for r in rows]
+    if args.scaler and cuda:
+        from .bench_scaler import format_overhead, scaler_overhead_gpu
+
+        overhead = scaler_overhead_gpu(suites)
+        print(format_overhead(overhead))
+        report["scaler_overhead"] = [dict(asdict(r), torch_overhead=r.torch_overhead, ours_overhead=r.ours_overhead)
+                                     for r in overhead]
+    if args.lm and cuda:
+        from .bench_scaler import format_lm, lm_modes_gpu
+
+        results = lm_modes_gpu(steps=args.lm)
+        print(format_lm(results))
+        report["lm"] = [{"scaler": name, "seed": seed, "skipped_steps": r.skipped_steps, "final_loss": r.final_loss,
+                         "seconds": r.seconds, "entropy_floor": r.entropy_floor}
+                        for (name, seed), r in results.items()]
+    if sround:
+        sround_rows = sround_gpu(device=args.device, reps=args.reps) if cuda else sround_cpu()
+        print(format_table(sround_rows))
+        print("\n".join(sround_summary(sround_rows)))
+        report["sround"] = [asdict(r) for r in sround_rows]
+        rows += sround_rows
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                       "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, f, indent=1)
+            json.dump(report, f, indent=1)
     return rows
 
 
