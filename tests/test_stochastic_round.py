@@ -607,7 +607,7 @@ def test_cuda_amax_generator_and_stream():
     x = spread(2_000_000, 33).cuda()
     x[12345] = -7e30
     out, amax = SR(x, torch.bfloat16, return_amax=True)
-    assert amax.device == x.device and amax.item() == 7e30 * 1.0
+    assert amax.device == x.device and amax.item() == torch.tensor(7e30).item()  # 7e30 rounded to fp32
     torch.manual_seed(0)
     a, b = SR(x, torch.float16), SR(x, torch.float16)
     torch.manual_seed(0)
