@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections import abc, defaultdict
 from enum import Enum
 from typing import Any, Dict, List, Optional
@@ -51,35 +52,35 @@ def _refresh_per_optimizer_state() -> Dict[str, Any]:
 
 
 class _DeviceGroup:
-    """The parameters of one optimizer on one device, with what stays fixed."""
+    """The parameters of one optimizer on one device, with what stays fixed between steps."""
 
-    __slots__ = ("device", "params", "numels", "codes", "has_fp16", "plain")
+    __slots__ = ("device", "index", "params", "has_fp16", "native")
 
     def __init__(self, device: torch.device, params: List[torch.Tensor]):
         self.device = device
+        self.index = -1 if device.type == "cpu" else (device.index if device.index is not None
+                                                      else torch.cuda.current_device())
         self.params = params
         # A gradient has its parameter's dtype, device and size (torch enforces
-        # it on assignment and autograd produces it so), so these hold per step.
-        self.numels = [p.numel() for p in params]
-        self.codes = [_native.torch_dtype_code(p.dtype) for p in params]
-        self.has_fp16 = any(c == FLOAT16 for c in self.codes)
-        # DTensor (FSDP2) gradients hold a local shard: the slow path unwraps them.
-        self.plain = all(c is not None for c in self.codes) and not any(_is_dtensor(p) for p in params)
+        # it on assignment and autograd produces it so), so the native plan
+        # keeps them and a step only reads the gradients' pointers.
+        codes = [_native.torch_dtype_code(p.dtype) for p in params]
+        self.has_fp16 = any(c == FLOAT16 for c in codes)
+        plain = all(c is not None for c in codes) and not any(_is_dtensor(p) for p in params)
+        # DTensor (FSDP2) gradients hold a local shard: the general path unwraps them.
+        self.native = _C.GradPlan(list(params), [p.numel() for p in params], codes) if plain else None
 
-    def dense_grads(self):
-        """(grads, ptrs, numels, codes) when every gradient is present, dense and contiguous, else None."""
-        if not self.plain:
-            return None
-        grads = [p.grad for p in self.params]
-        if any(g is None for g in grads) or not all([g.is_contiguous() for g in grads]):  # False for sparse
-            return None
-        return grads, [g.data_ptr() for g in grads], self.numels, self.codes
+    def stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream if self.index >= 0 else 0
 
 
 class _Plan:
     """An optimizer's parameters grouped by device, built once and reused."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
+        # Plans are kept by id(optimizer); the weak reference tells a new
+        # optimizer that reuses a dead one's id from the one the plan is for.
+        self.optimizer = weakref.ref(optimizer)
         self.signature = _signature(optimizer)
         by_device: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
         for group in optimizer.param_groups:
@@ -89,6 +90,21 @@ class _Plan:
                 by_device[param.device].append(param)
         self.groups = [_DeviceGroup(device, params) for device, params in by_device.items()]
         self.sharded = any(_is_dtensor(p) for g in self.groups for p in g.params)
+
+
+_grad_scaler_kwarg: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
+def _takes_grad_scaler(step) -> bool:
+    """Whether optimizer.step accepts grad_scaler=, asked once per step function (inspect is slow)."""
+    key = getattr(step, "__func__", step)
+    try:
+        known = _grad_scaler_kwarg.get(key)
+    except TypeError:  # not weak-referenceable: ask every time
+        return "grad_scaler" in inspect.signature(step).parameters
+    if known is None:
+        known = _grad_scaler_kwarg[key] = "grad_scaler" in inspect.signature(step).parameters
+    return known
 
 
 def _signature(optimizer):
@@ -250,32 +266,39 @@ class GradScaler:
     # ---------------------------------------------------------------- unscale
     def _plan(self, optimizer) -> _Plan:
         plan = self._plans.get(id(optimizer))
-        if plan is None or plan.signature != _signature(optimizer):
+        if plan is None or plan.optimizer() is not optimizer or plan.signature != _signature(optimizer):
             plan = self._plans[id(optimizer)] = _Plan(optimizer)
         return plan
 
     def _unscale_grads_(self, optimizer, inv_scale: torch.Tensor, allow_fp16: bool, check_only: bool):
         """One native pass per device: unscale (or only check) and take statistics.
 
-        Everything is collected (and refused, for fp16 gradients where torch
-        refuses them) before anything is written. Returns
+        Groups that need the general path (missing, sparse or non-contiguous
+        gradients; fp16 ones where torch refuses them) are collected, and
+        refused, before any group is written. Returns
         ({device: found_inf}, {device: (sumsq, amax)}).
         """
         found_per_device: Dict[torch.device, torch.Tensor] = {}
         stats_per_device: Dict[torch.device, tuple] = {}
+        groups = self._plan(optimizer).groups
         with torch.no_grad():
-            work = []
-            for group in self._plan(optimizer).groups:
-                fast = group.dense_grads() if not (group.has_fp16 and not allow_fp16) else None
-                if fast is None:
-                    grads = self._collect_slow(group, allow_fp16)
-                    fast = (grads, None, None, None) if grads else None
-                if fast is not None:
-                    work.append((group.device, fast))
-            for device, (grads, ptrs, numels, codes) in work:
+            general = {id(g): self._collect_slow(g, allow_fp16) for g in groups
+                       if g.native is None or (g.has_fp16 and not allow_fp16)}
+            for group in groups:
+                device = group.device
                 inv = inv_scale.to(device, non_blocking=True)
-                found = found_per_device[device] = torch.zeros((), dtype=torch.float32, device=device)
-                stats_per_device[device] = self._launch(grads, ptrs, numels, codes, device, found, inv, check_only)
+                found = torch.zeros((), dtype=torch.float32, device=device)
+                grads = general.get(id(group))
+                if grads is None:
+                    stats = self._launch_plan(group, found, inv, check_only)
+                    if stats is None:  # a gradient is missing or not dense: the general path
+                        grads = self._collect_slow(group, allow_fp16)
+                if grads is not None:
+                    if not grads:
+                        continue
+                    stats = self._launch_general(grads, found, inv, check_only)
+                found_per_device[device] = found
+                stats_per_device[device] = stats
         if self._process_group is not None:
             for found in found_per_device.values():
                 torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
@@ -299,27 +322,28 @@ class GradScaler:
         return grads
 
     @staticmethod
-    def _launch(grads, ptrs, numels, codes, device, found, inv, check_only):
-        if ptrs is None:  # slow path: full validation; non-contiguous gradients through a copy
-            dense = [g if g.is_contiguous() else g.contiguous() for g in grads]
-            stats = ops.unscale_and_check_(dense, found, inv, check_only=check_only, return_stats=True)
-            if not check_only:
-                for g, d in zip(grads, dense):
-                    if d is not g:
-                        g.copy_(d)
-            return stats
-        index = -1 if device.type == "cpu" else (device.index if device.index is not None else
-                                                  torch.cuda.current_device())
-        n = len(ptrs)
+    def _launch_plan(group: _DeviceGroup, found, inv, check_only):
+        """The fast path: the native plan reads the gradients' pointers itself. None if it declined."""
+        n, device = len(group.native), group.device
         sumsq = torch.empty(n, dtype=torch.float32, device=device)
         amax = torch.empty(n, dtype=torch.float32, device=device)
-        ws_bytes = _C.unscale_workspace_bytes(numels, True)
+        ws_bytes = group.native.workspace_bytes
         workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=device) if ws_bytes else None
-        stream = torch.cuda.current_stream(device).cuda_stream if index >= 0 else 0
-        _C.unscale_and_check(ptrs, numels, codes, found.data_ptr(), inv.data_ptr(), check_only, sumsq.data_ptr(),
-                             amax.data_ptr(), workspace.data_ptr() if workspace is not None else 0, ws_bytes,
-                             index, stream)
-        return sumsq, amax
+        done = group.native.unscale(found.data_ptr(), inv.data_ptr(), check_only, sumsq.data_ptr(),
+                                    amax.data_ptr(), workspace.data_ptr() if workspace is not None else 0,
+                                    ws_bytes, group.index, group.stream())
+        return (sumsq, amax) if done else None
+
+    @staticmethod
+    def _launch_general(grads, found, inv, check_only):
+        """Full validation through ops; non-contiguous gradients go through a contiguous copy."""
+        dense = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        stats = ops.unscale_and_check_(dense, found, inv, check_only=check_only, return_stats=True)
+        if not check_only:
+            for g, d in zip(grads, dense):
+                if d is not g:
+                    g.copy_(d)
+        return stats
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place (no host sync).
@@ -439,7 +463,7 @@ class GradScaler:
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             kwargs_ = kwargs
-            has_grad_scaler_kwarg = "grad_scaler" in inspect.signature(optimizer.step).parameters
+            has_grad_scaler_kwarg = _takes_grad_scaler(optimizer.step)
             if has_grad_scaler_kwarg:
                 warnings.warn(
                     "GradScaler is going to stop passing itself as a keyword argument to the passed "

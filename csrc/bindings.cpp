@@ -92,6 +92,79 @@ void update_scale(std::uintptr_t scale, std::uintptr_t growth_tracker, std::uint
   aamp::update_scale(a);
 }
 
+// The fixed part of one optimizer's gradients on one device, kept between
+// steps: the parameters and each one's element count and dtype (torch makes a
+// gradient match its parameter in both). A step then only reads each
+// parameter's .grad and its pointer, in one C++ loop instead of several
+// Python passes. Objects are only asked for `.grad`, `.is_contiguous()` and
+// `.data_ptr()`; no framework header is involved.
+class GradPlan {
+ public:
+  GradPlan(py::list params, const std::vector<std::int64_t>& numels, const std::vector<int>& dtypes)
+      : params_(std::move(params)) {
+    std::vector<std::uintptr_t> none(numels.size(), 0);
+    refs_ = tensor_refs(none, numels, dtypes);
+    if (static_cast<std::size_t>(py::len(params_)) != refs_.size()) {
+      throw aamp::ArgumentError("params: the list and the numels/dtypes differ in length");
+    }
+    workspace_bytes_ = aamp::unscale_workspace_bytes(refs_, true);
+  }
+
+  std::size_t workspace_bytes() const { return workspace_bytes_; }
+  std::size_t size() const { return refs_.size(); }
+
+  // Fills the pointers; false when a gradient is missing or not a dense
+  // contiguous tensor (the caller then takes its general path).
+  bool collect() {
+    static PyObject* grad_name = PyUnicode_InternFromString("grad");
+    static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
+    static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    for (std::size_t i = 0; i < refs_.size(); ++i) {
+      py::object grad = py::reinterpret_steal<py::object>(PyObject_GetAttr(params_[i].ptr(), grad_name));
+      if (!grad) throw py::error_already_set();
+      if (grad.is_none()) return false;
+      py::object contiguous =
+          py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(grad.ptr(), contiguous_name));
+      if (!contiguous) {  // sparse layouts raise here
+        PyErr_Clear();
+        return false;
+      }
+      if (contiguous.ptr() != Py_True) return false;
+      py::object ptr = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(grad.ptr(), data_ptr_name));
+      if (!ptr) throw py::error_already_set();
+      refs_[i].data = reinterpret_cast<void*>(PyLong_AsUnsignedLongLong(ptr.ptr()));
+      if (refs_[i].numel > 0 && refs_[i].data == nullptr) return false;
+    }
+    return true;
+  }
+
+  // collect(), then one native pass over the gradients; false if collect() was.
+  bool unscale(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
+               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, int device,
+               std::uintptr_t stream) {
+    if (!collect()) return false;
+    aamp::UnscaleArgs a;
+    a.tensors = refs_;
+    a.found_inf = as_ptr<float>(found_inf);
+    a.inv_scale = as_ptr<const float>(inv_scale);
+    a.check_only = check_only;
+    a.sumsq = as_ptr<float>(sumsq);
+    a.amax = as_ptr<float>(amax);
+    a.workspace = as_ptr<void>(workspace);
+    a.workspace_bytes = workspace_bytes;
+    a.place.device = device;
+    a.place.stream = stream;
+    py::gil_scoped_release release;
+    aamp::unscale_and_check(a);
+    return true;
+  }
+
+ private:
+  py::list params_;
+  std::vector<aamp::TensorRef> refs_;
+  std::size_t workspace_bytes_ = 0;
+};
+
 // Reads a DLPack capsule without consuming it: the capsule (held by the
 // caller until the op returns) keeps the memory alive and frees it itself.
 py::dict dlpack_describe(py::capsule capsule) {
@@ -191,6 +264,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("hysteresis"), py::arg("min_scale"), py::arg("max_scale"), py::arg("predictive"),
         py::arg("step_amax"), py::arg("amax_history"), py::arg("history"), py::arg("margin"), py::arg("fmt_max"),
         py::arg("inv_scale"), py::arg("device"), py::arg("stream"));
+  py::class_<GradPlan>(m, "GradPlan")
+      .def(py::init<py::list, const std::vector<std::int64_t>&, const std::vector<int>&>(), py::arg("params"),
+           py::arg("numels"), py::arg("dtypes"))
+      .def_property_readonly("workspace_bytes", &GradPlan::workspace_bytes)
+      .def("__len__", &GradPlan::size)
+      .def("unscale", &GradPlan::unscale, py::arg("found_inf"), py::arg("inv_scale"), py::arg("check_only"),
+           py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("device"),
+           py::arg("stream"));
   m.def("dlpack_describe", &dlpack_describe, py::arg("capsule"));
 
   m.attr("SROUND_GROUP") = aamp::kSroundGroup;
