@@ -56,39 +56,43 @@ class _DeviceGroup:
 
     __slots__ = ("device", "index", "params", "has_fp16", "native")
 
-    def __init__(self, device: torch.device, params: List[torch.Tensor]):
+    def __init__(self, device: torch.device, slots: List[tuple]):
         self.device = device
         self.index = -1 if device.type == "cpu" else (device.index if device.index is not None
                                                       else torch.cuda.current_device())
-        self.params = params
-        # A gradient has its parameter's dtype, device and size (torch enforces
-        # it on assignment and autograd produces it so), so the native plan
-        # keeps them and a step only reads the gradients' pointers.
-        codes = [_native.torch_dtype_code(p.dtype) for p in params]
+        self.params = [group_params[i] for group_params, i in slots]
+        codes = [_native.torch_dtype_code(p.dtype) for p in self.params]
         self.has_fp16 = any(c == FLOAT16 for c in codes)
-        plain = all(c is not None for c in codes) and not any(_is_dtensor(p) for p in params)
-        # DTensor (FSDP2) gradients hold a local shard: the general path unwraps them.
-        self.native = _C.GradPlan(list(params), [p.numel() for p in params], codes) if plain else None
+        plain = all(c is not None for c in codes) and not any(_is_dtensor(p) for p in self.params)
+        # The native plan keeps each gradient's expected dtype, size and device
+        # and re-checks them every step (a gradient matches its parameter, and
+        # a parameter that changed makes the plan report itself stale). DTensor
+        # (FSDP2) gradients hold a local shard: the general path unwraps them.
+        self.native = None
+        if plain:
+            self.native = _C.GradPlan(slots, list(self.params), [p.numel() for p in self.params],
+                                      [p.dtype for p in self.params], codes, self.index)
 
     def stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self.index >= 0 else 0
 
 
 class _Plan:
-    """An optimizer's parameters grouped by device, built once and reused."""
+    """An optimizer's parameters grouped by device, built once and reused while it holds."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         # Plans are kept by id(optimizer); the weak reference tells a new
         # optimizer that reuses a dead one's id from the one the plan is for.
         self.optimizer = weakref.ref(optimizer)
         self.signature = _signature(optimizer)
-        by_device: Dict[torch.device, List[torch.Tensor]] = defaultdict(list)
+        by_device: Dict[torch.device, List[tuple]] = defaultdict(list)
         for group in optimizer.param_groups:
-            for param in group["params"]:
+            params = group["params"]
+            for i, param in enumerate(params):
                 if not isinstance(param, torch.Tensor):
                     raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
-                by_device[param.device].append(param)
-        self.groups = [_DeviceGroup(device, params) for device, params in by_device.items()]
+                by_device[param.device].append((params, i))
+        self.groups = [_DeviceGroup(device, slots) for device, slots in by_device.items()]
         self.sharded = any(_is_dtensor(p) for g in self.groups for p in g.params)
 
 
@@ -136,7 +140,8 @@ class GradScaler:
             overflow, as torch. Every overflowing step is skipped either way.
         margin, history: predictive mode's headroom exponent and the number of
             steps whose amax it remembers.
-        process_group: a torch.distributed group; ``found_inf`` is all-reduced
+        process_group: a torch.distributed group (not pickled: set it again
+            after unpickling); ``found_inf`` is all-reduced
             over it (so every rank skips together), and with sharded gradients
             (FSDP2 DTensors, or ``sharded_grads=True``) so is the gradient norm.
         sharded_grads: each rank holds a different part of the gradients
@@ -171,6 +176,8 @@ class GradScaler:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
         if hysteresis < 1:
             raise ValueError(f"hysteresis must be >= 1 (1 backs off at every overflow, as torch), got {hysteresis}")
+        if max_scale is not None and not max_scale > 0:
+            raise ValueError(f"max_scale must be > 0 (None for no bound), got {max_scale}")
         if min_scale is not None and max_scale is not None and max_scale < min_scale:
             raise ValueError(f"max_scale ({max_scale}) must be >= min_scale ({min_scale})")
         if history < 1:
@@ -280,22 +287,28 @@ class GradScaler:
         """
         found_per_device: Dict[torch.device, torch.Tensor] = {}
         stats_per_device: Dict[torch.device, tuple] = {}
-        groups = self._plan(optimizer).groups
         with torch.no_grad():
-            general = {id(g): self._collect_slow(g, allow_fp16) for g in groups
-                       if g.native is None or (g.has_fp16 and not allow_fp16)}
+            for _ in range(2):  # a stale plan is rebuilt once; nothing is written before all groups are read
+                groups = self._plan(optimizer).groups
+                general = {id(g): self._collect_slow(g, allow_fp16) for g in groups
+                           if g.native is None or (g.has_fp16 and not allow_fp16)}
+                outcomes = {id(g): g.native.collect() for g in groups if id(g) not in general}
+                if _C.PLAN_STALE not in outcomes.values():
+                    break
+                self._plans.pop(id(optimizer), None)
+            for group in groups:  # (a plan still stale after its rebuild takes the general path too)
+                if outcomes.get(id(group), _C.PLAN_DONE) != _C.PLAN_DONE:
+                    general[id(group)] = self._collect_slow(group, allow_fp16)
             for group in groups:
                 device = group.device
+                grads = general.get(id(group))
+                if grads is not None and not grads:
+                    continue
                 inv = inv_scale.to(device, non_blocking=True)
                 found = torch.zeros((), dtype=torch.float32, device=device)
-                grads = general.get(id(group))
                 if grads is None:
                     stats = self._launch_plan(group, found, inv, check_only)
-                    if stats is None:  # a gradient is missing or not dense: the general path
-                        grads = self._collect_slow(group, allow_fp16)
-                if grads is not None:
-                    if not grads:
-                        continue
+                else:
                     stats = self._launch_general(grads, found, inv, check_only)
                 found_per_device[device] = found
                 stats_per_device[device] = stats
@@ -323,16 +336,15 @@ class GradScaler:
 
     @staticmethod
     def _launch_plan(group: _DeviceGroup, found, inv, check_only):
-        """The fast path: the native plan reads the gradients' pointers itself. None if it declined."""
+        """The fast path: one native pass over the pointers the plan collected."""
         n, device = len(group.native), group.device
         sumsq = torch.empty(n, dtype=torch.float32, device=device)
         amax = torch.empty(n, dtype=torch.float32, device=device)
         ws_bytes = group.native.workspace_bytes
         workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=device) if ws_bytes else None
-        done = group.native.unscale(found.data_ptr(), inv.data_ptr(), check_only, sumsq.data_ptr(),
-                                    amax.data_ptr(), workspace.data_ptr() if workspace is not None else 0,
-                                    ws_bytes, group.index, group.stream())
-        return (sumsq, amax) if done else None
+        group.native.launch(found.data_ptr(), inv.data_ptr(), check_only, sumsq.data_ptr(), amax.data_ptr(),
+                            workspace.data_ptr() if workspace is not None else 0, ws_bytes, group.stream())
+        return sumsq, amax
 
     @staticmethod
     def _launch_general(grads, found, inv, check_only):
@@ -403,6 +415,9 @@ class GradScaler:
                 self.unscale_(optimizer)
         elif state["stage"] is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step().")
+        if any(p.grad is not None and p.grad.is_sparse for g in optimizer.param_groups for p in g["params"]):
+            raise NotImplementedError("clip_grad_norm_ does not support sparse gradients "
+                                      "(nor does torch.nn.utils.clip_grad_norm_)")
         norm_type = float(norm_type)
         if norm_type not in (2.0, float("inf")):
             if state["stage"] is not OptState.UNSCALED:
@@ -690,8 +705,14 @@ class GradScaler:
                 self._counters.copy_(torch.tensor(counters, dtype=torch.int32))
             hist = extra.get("amax_history")
             if hist is not None and self._mode == "predictive":
+                if len(hist) != self._history:
+                    # Another history length: keep its largest amax in every slot (conservative).
+                    hist = [max(hist, default=0.0)] * self._history
+                    self._init_counters[2] = 0
+                    if self._counters is not None:
+                        self._counters[2] = 0
                 self._init_amax_history = list(hist)
-                if self._amax_history is not None and len(hist) == self._amax_history.numel():
+                if self._amax_history is not None:
                     self._amax_history.copy_(torch.tensor(hist, dtype=torch.float32))
 
     def __getstate__(self) -> Dict[str, Any]:

@@ -93,19 +93,32 @@ void update_scale(std::uintptr_t scale, std::uintptr_t growth_tracker, std::uint
 }
 
 // The fixed part of one optimizer's gradients on one device, kept between
-// steps: the parameters and each one's element count and dtype (torch makes a
-// gradient match its parameter in both). A step then only reads each
-// parameter's .grad and its pointer, in one C++ loop instead of several
-// Python passes. Objects are only asked for `.grad`, `.is_contiguous()` and
-// `.data_ptr()`; no framework header is involved.
+// steps: where each parameter sits in its param group's list, and its element
+// count, dtype and device. A step then reads each parameter's .grad and its
+// pointer in one C++ loop instead of several Python passes. Objects are only
+// asked for `.grad`, `.dtype`, `.numel()`, `.get_device()`,
+// `.is_contiguous()` and `.data_ptr()`; no framework header is involved.
+//
+// Every step checks that the plan still holds: the same parameter object at
+// the same place, a gradient of the planned dtype, size and device. Anything
+// else (a model moved with .half() or .to(), a resized .data, a parameter
+// replaced in its group) makes the step report kStale and the caller builds
+// a new plan, so a stale plan never hands a wrong pointer to the kernels.
 class GradPlan {
  public:
-  GradPlan(py::list params, const std::vector<std::int64_t>& numels, const std::vector<int>& dtypes)
-      : params_(std::move(params)) {
+  enum Outcome { kDone = 0, kGeneral = 1, kStale = 2 };
+
+  // slots: (group's params list, index) per parameter; dtypes: the dtype
+  // objects the gradients must have, codes their native codes.
+  GradPlan(const std::vector<std::pair<py::list, std::size_t>>& slots, py::list params,
+           const std::vector<std::int64_t>& numels, py::list dtypes, const std::vector<int>& codes, int device)
+      : slots_(slots), params_(std::move(params)), dtypes_(std::move(dtypes)), device_(device) {
     std::vector<std::uintptr_t> none(numels.size(), 0);
-    refs_ = tensor_refs(none, numels, dtypes);
-    if (static_cast<std::size_t>(py::len(params_)) != refs_.size()) {
-      throw aamp::ArgumentError("params: the list and the numels/dtypes differ in length");
+    refs_ = tensor_refs(none, numels, codes);
+    const std::size_t n = refs_.size();
+    if (slots_.size() != n || static_cast<std::size_t>(py::len(params_)) != n ||
+        static_cast<std::size_t>(py::len(dtypes_)) != n) {
+      throw aamp::ArgumentError("params: slots, params, numels and dtypes differ in length");
     }
     workspace_bytes_ = aamp::unscale_workspace_bytes(refs_, true);
   }
@@ -113,36 +126,48 @@ class GradPlan {
   std::size_t workspace_bytes() const { return workspace_bytes_; }
   std::size_t size() const { return refs_.size(); }
 
-  // Fills the pointers; false when a gradient is missing or not a dense
-  // contiguous tensor (the caller then takes its general path).
-  bool collect() {
+  Outcome collect() {
     static PyObject* grad_name = PyUnicode_InternFromString("grad");
+    static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
+    static PyObject* numel_name = PyUnicode_InternFromString("numel");
+    static PyObject* device_name = PyUnicode_InternFromString("get_device");
     static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
     static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    auto call = [](PyObject* obj, PyObject* name) {
+      return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(obj, name));
+    };
     for (std::size_t i = 0; i < refs_.size(); ++i) {
-      py::object grad = py::reinterpret_steal<py::object>(PyObject_GetAttr(params_[i].ptr(), grad_name));
+      PyObject* list = slots_[i].first.ptr();
+      const std::size_t at = slots_[i].second;
+      PyObject* param = params_[i].ptr();
+      if (at >= static_cast<std::size_t>(PyList_GET_SIZE(list)) || PyList_GET_ITEM(list, at) != param) return kStale;
+      py::object grad = py::reinterpret_steal<py::object>(PyObject_GetAttr(param, grad_name));
       if (!grad) throw py::error_already_set();
-      if (grad.is_none()) return false;
-      py::object contiguous =
-          py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(grad.ptr(), contiguous_name));
+      if (grad.is_none()) return kGeneral;
+      py::object dtype = py::reinterpret_steal<py::object>(PyObject_GetAttr(grad.ptr(), dtype_name));
+      if (!dtype) throw py::error_already_set();
+      if (dtype.ptr() != dtypes_[i].ptr()) return kStale;
+      py::object contiguous = call(grad.ptr(), contiguous_name);
       if (!contiguous) {  // sparse layouts raise here
         PyErr_Clear();
-        return false;
+        return kGeneral;
       }
-      if (contiguous.ptr() != Py_True) return false;
-      py::object ptr = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(grad.ptr(), data_ptr_name));
+      if (contiguous.ptr() != Py_True) return kGeneral;
+      py::object numel = call(grad.ptr(), numel_name);
+      py::object device = call(grad.ptr(), device_name);
+      if (!numel || !device) throw py::error_already_set();
+      if (PyLong_AsLongLong(numel.ptr()) != refs_[i].numel || PyLong_AsLong(device.ptr()) != device_) return kStale;
+      py::object ptr = call(grad.ptr(), data_ptr_name);
       if (!ptr) throw py::error_already_set();
       refs_[i].data = reinterpret_cast<void*>(PyLong_AsUnsignedLongLong(ptr.ptr()));
-      if (refs_[i].numel > 0 && refs_[i].data == nullptr) return false;
+      if (refs_[i].numel > 0 && refs_[i].data == nullptr) return kGeneral;
     }
-    return true;
+    return kDone;
   }
 
-  // collect(), then one native pass over the gradients; false if collect() was.
-  bool unscale(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
-               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, int device,
-               std::uintptr_t stream) {
-    if (!collect()) return false;
+  // One native pass over the gradients that the last collect() found.
+  void launch(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
+              std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
     aamp::UnscaleArgs a;
     a.tensors = refs_;
     a.found_inf = as_ptr<float>(found_inf);
@@ -152,15 +177,17 @@ class GradPlan {
     a.amax = as_ptr<float>(amax);
     a.workspace = as_ptr<void>(workspace);
     a.workspace_bytes = workspace_bytes;
-    a.place.device = device;
+    a.place.device = device_;
     a.place.stream = stream;
     py::gil_scoped_release release;
     aamp::unscale_and_check(a);
-    return true;
   }
 
  private:
+  std::vector<std::pair<py::list, std::size_t>> slots_;
   py::list params_;
+  py::list dtypes_;
+  int device_;
   std::vector<aamp::TensorRef> refs_;
   std::size_t workspace_bytes_ = 0;
 };
@@ -265,13 +292,18 @@ PYBIND11_MODULE(_C, m) {
         py::arg("step_amax"), py::arg("amax_history"), py::arg("history"), py::arg("margin"), py::arg("fmt_max"),
         py::arg("inv_scale"), py::arg("device"), py::arg("stream"));
   py::class_<GradPlan>(m, "GradPlan")
-      .def(py::init<py::list, const std::vector<std::int64_t>&, const std::vector<int>&>(), py::arg("params"),
-           py::arg("numels"), py::arg("dtypes"))
+      .def(py::init<const std::vector<std::pair<py::list, std::size_t>>&, py::list,
+                    const std::vector<std::int64_t>&, py::list, const std::vector<int>&, int>(),
+           py::arg("slots"), py::arg("params"), py::arg("numels"), py::arg("dtypes"), py::arg("codes"),
+           py::arg("device"))
       .def_property_readonly("workspace_bytes", &GradPlan::workspace_bytes)
       .def("__len__", &GradPlan::size)
-      .def("unscale", &GradPlan::unscale, py::arg("found_inf"), py::arg("inv_scale"), py::arg("check_only"),
-           py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("device"),
-           py::arg("stream"));
+      .def("collect", [](GradPlan& p) { return static_cast<int>(p.collect()); })
+      .def("launch", &GradPlan::launch, py::arg("found_inf"), py::arg("inv_scale"), py::arg("check_only"),
+           py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"));
+  m.attr("PLAN_DONE") = static_cast<int>(GradPlan::kDone);
+  m.attr("PLAN_GENERAL") = static_cast<int>(GradPlan::kGeneral);
+  m.attr("PLAN_STALE") = static_cast<int>(GradPlan::kStale);
   m.def("dlpack_describe", &dlpack_describe, py::arg("capsule"));
 
   m.attr("SROUND_GROUP") = aamp::kSroundGroup;

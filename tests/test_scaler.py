@@ -1,0 +1,1459 @@
+"""adaptive_amp.GradScaler: drop-in parity with torch.amp.GradScaler, and what it adds.
+
+Oracles: torch's own ``torch.amp.GradScaler`` (errors, state_dict, scale
+trajectory and parameters bit for bit in mode "dynamic"), ``torch._amp_update_scale_``
+and ``adaptive_amp.reference.update_scale_`` (the native update rule),
+``torch.nn.utils.clip_grad_norm_`` (clipping), hand-computed trajectories for
+hysteresis, min/max and predictive mode (csrc/scale_update.h), and eager runs
+for CUDA-graph replays. Distributed tests start two gloo processes.
+
+Every test uses fixed seeds and data that is never all zero.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import pickle
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adaptive_amp
+from adaptive_amp import GradScaler, reference
+from conftest import assert_bitwise_equal, requires_cuda
+
+TorchScaler = torch.amp.GradScaler
+INF = float("inf")
+NAN = float("nan")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(adaptive_amp.__file__)))
+
+
+def cuda_test(fn):
+    """CUDA-only: the `cuda` marker plus a clean skip without a GPU."""
+    return pytest.mark.cuda(requires_cuda(fn))
+
+
+# =========================================================================== helpers
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """Tiny tensors: one intra-op thread is as fast, and immune to a busy 2-core machine's thread stalls."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_mlp(seed=0, device="cpu", dtype=torch.float32, width=32):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, width), torch.nn.Tanh(),
+        torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, 4),
+    )
+    return model.to(device=device, dtype=dtype)
+
+
+def make_opt(kind, params, **extra):
+    params = list(params)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9, **extra)
+    if kind == "adam_foreach":
+        return torch.optim.Adam(params, lr=1e-3, foreach=True, **extra)
+    if kind == "adamw_fused":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True, **extra)
+    raise ValueError(kind)
+
+
+def batches(n, seed, device="cpu", bs=8, accum=1):
+    """n steps of `accum` micro-batches (x, y), generated on the CPU from a fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        micro = []
+        for _ in range(accum):
+            x = torch.randn(bs, 16, generator=gen)
+            y = torch.randn(bs, 4, generator=gen)
+            micro.append((x.to(device), y.to(device)))
+        out.append(micro)
+    return out
+
+
+def inject_kind(step):
+    """The injection schedule of the parity runs: loss * inf, loss * nan, or an inf in a gradient."""
+    if step % 23 == 12:
+        return "loss_inf"
+    if step % 31 == 17:
+        return "loss_nan"
+    if step % 37 == 29:
+        return "grad_inf"
+    return None
+
+
+def train(scaler, model, opt, data, *, recipe="plain", max_norm=0.5, inject=True, autocast=None,
+          device="cpu", on_step=None, start=0):
+    """The torch.amp recipe; returns (scale after each update, step return values)."""
+    scales, rets = [], []
+    clip = "clip" in recipe
+    for k, micro in enumerate(data):
+        i = start + k
+        opt.zero_grad(set_to_none=True)
+        kind = inject_kind(i) if inject else None
+        for a, (x, y) in enumerate(micro):
+            if autocast is not None:
+                with torch.autocast(device_type=torch.device(device).type, dtype=autocast):
+                    out = model(x)
+                    loss = F.mse_loss(out.float(), y)
+            else:
+                loss = F.mse_loss(model(x), y)
+            loss = loss / len(micro)
+            if a == 0 and kind == "loss_inf":
+                loss = loss * INF
+            if a == 0 and kind == "loss_nan":
+                loss = loss * NAN
+            scaler.scale(loss).backward()
+        if kind == "grad_inf":
+            with torch.no_grad():
+                params = [p for p in model.parameters() if p.grad is not None]
+                params[len(params) // 2].grad.view(-1)[3] = INF
+        if clip:  # torch's recipe, for both scalers
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        rets.append(scaler.step(opt))
+        scaler.update()
+        scales.append(scaler.get_scale())
+        if on_step is not None:
+            on_step(i, scaler)
+    return scales, rets
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_params_equal(a, b, msg=""):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert_bitwise_equal(x, y, f"{msg} param[{i}]")
+
+
+def assert_opt_state_equal(opt_a, opt_b):
+    sa, sb = opt_a.state_dict(), opt_b.state_dict()
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys()
+    assert sa["state"], "the optimizer never stepped"
+    for pid in sa["state"]:
+        ea, eb = sa["state"][pid], sb["state"][pid]
+        assert ea.keys() == eb.keys(), pid
+        for key in ea:
+            if isinstance(ea[key], torch.Tensor):
+                assert torch.equal(ea[key], eb[key]), f"optimizer state[{pid}][{key!r}] differs"
+                if ea[key].is_floating_point():
+                    assert_bitwise_equal(ea[key], eb[key], f"state[{pid}][{key!r}]")
+            else:
+                assert ea[key] == eb[key], (pid, key)
+
+
+def assert_interesting_trajectory(scales, init):
+    """The run must exercise growth and back-off, or the parity check proves little."""
+    seq = [init, *scales]
+    assert any(b > a for a, b in zip(seq, seq[1:])), f"the scale never grew: {scales[:40]}"
+    assert any(b < a for a, b in zip(seq, seq[1:])), f"the scale never backed off: {scales[:40]}"
+
+
+def rets_as_bools(rets):
+    out = []
+    for r in rets:
+        if isinstance(r, torch.Tensor):
+            out.append(bool(r.item()))
+        else:
+            out.append(r)
+    return out
+
+
+def pair(kind, device="cpu", dtype=torch.float32, seed=0, opt_extra=None):
+    """Two identical (model, optimizer) pairs."""
+    opt_extra = opt_extra or {}
+    m1, m2 = make_mlp(seed, device, dtype), make_mlp(seed, device, dtype)
+    return (m1, make_opt(kind, m1.parameters(), **opt_extra)), (m2, make_opt(kind, m2.parameters(), **opt_extra))
+
+
+# ======================================================================== 1. drop-in API
+
+
+def test_constructor_defaults_and_getters_match_torch():
+    ours, theirs = GradScaler("cpu"), TorchScaler("cpu")
+    for name in ("get_scale", "get_growth_factor", "get_backoff_factor", "get_growth_interval", "is_enabled"):
+        a, b = getattr(ours, name)(), getattr(theirs, name)()
+        assert a == b and type(a) is type(b), name
+    assert ours.get_scale() == 2.0**16
+    assert ours.get_growth_factor() == 2.0 and ours.get_backoff_factor() == 0.5
+    assert ours.get_growth_interval() == 2000 and ours.is_enabled()
+    assert ours.state_dict().keys() - {"adaptive_amp"} == theirs.state_dict().keys()
+
+
+def test_positional_constructor_arguments():
+    s = GradScaler("cpu", 8.0, 3.0, 0.25, 5, True)
+    assert (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval(),
+            s.is_enabled()) == (8.0, 3.0, 0.25, 5, True)
+
+
+def test_setters_change_behaviour_like_torch():
+    """set_* mid-run and update(new_scale=...) (float and tensor) give torch's trajectory."""
+    (m1, o1), (m2, o2) = pair("sgd")
+    data = batches(60, seed=5)
+    s1 = TorchScaler("cpu", init_scale=2.0**10, growth_interval=7)
+    s2 = GradScaler("cpu", init_scale=2.0**10, growth_interval=7)
+
+    def tweak(i, s):
+        if i == 20:
+            s.set_growth_factor(3.0)
+            s.set_backoff_factor(0.3)
+            s.set_growth_interval(3)
+            assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == (3.0, 0.3, 3)
+        if i == 35:
+            s.update(new_scale=1000.0)
+        if i == 45:
+            s.update(new_scale=torch.tensor(24.5))
+
+    a = train(s1, m1, o1, data, on_step=tweak)
+    b = train(s2, m2, o2, data, on_step=tweak)
+    assert a[0] == b[0]
+    assert any(math.frexp(v)[0] != 0.5 for v in a[0][21:35]), "the non-power-of-2 factors had no effect"
+    assert a[0][36] in (1000.0, 3000.0, 300.0) and a[0][46] in (24.5, 73.5, float(torch.tensor(24.5 * 0.3)))
+    assert_params_equal(params_of(m1), params_of(m2))
+    assert s1._get_growth_tracker() == s2._get_growth_tracker()
+
+
+def test_new_scale_is_used_for_unscaling():
+    """After update(new_scale) the next unscale_ divides by the new scale."""
+    w = torch.nn.Parameter(torch.tensor([1.5, -2.0, 3.25]))
+    opt = torch.optim.SGD([w], lr=0.1)
+    s = GradScaler("cpu", init_scale=4.0)
+    s.scale((w * 2.0).sum()).backward()
+    s.step(opt)
+    s.update(new_scale=16.0)
+    assert s.get_scale() == 16.0
+    opt.zero_grad()
+    s.scale((w * torch.tensor([1.0, 2.0, 3.0])).sum()).backward()
+    assert torch.equal(w.grad, torch.tensor([16.0, 32.0, 48.0]))
+    s.unscale_(opt)
+    assert torch.equal(w.grad, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def _scenario_errors():
+    def fwd(m, s):
+        s.scale(m(torch.linspace(-1, 1, 8).reshape(2, 4)).sum()).backward()
+
+    return {
+        "unscale_twice": lambda m, o, s: (fwd(m, s), s.unscale_(o), s.unscale_(o)),
+        "unscale_after_step": lambda m, o, s: (fwd(m, s), s.step(o), s.unscale_(o)),
+        "step_twice": lambda m, o, s: (fwd(m, s), s.step(o), s.step(o)),
+        "closure": lambda m, o, s: (fwd(m, s), s.step(o, closure=lambda: 0.0)),
+        "unscale_before_scale": lambda m, o, s: s.unscale_(o),
+        "step_before_scale": lambda m, o, s: s.step(o),
+        "update_before_scale": lambda m, o, s: s.update(),
+        "update_without_step": lambda m, o, s: (fwd(m, s), s.update()),
+        "pickle_mid_iteration": lambda m, o, s: (fwd(m, s), s.unscale_(o), pickle.dumps(s)),
+        "pickle_after_step": lambda m, o, s: (fwd(m, s), s.step(o), pickle.dumps(s)),
+        "load_empty_state": lambda m, o, s: s.load_state_dict({}),
+        "new_scale_wrong_device": lambda m, o, s: (fwd(m, s), s.step(o), s.update(torch.ones((), device="meta"))),
+        "new_scale_two_elements": lambda m, o, s: (fwd(m, s), s.step(o), s.update(torch.ones(2))),
+        "new_scale_requires_grad": lambda m, o, s: (fwd(m, s), s.step(o),
+                                                    s.update(torch.ones(1, requires_grad=True))),
+        "scale_non_tensor": lambda m, o, s: s.scale([torch.ones(2), 3]),
+        "step_without_any_grad": lambda m, o, s: (s.scale(torch.ones(())), s.step(o)),
+        "fp16_grads_step": lambda m, o, s: (m.half(), s.scale(m(torch.ones(2, 4).half()).float().sum()).backward(),
+                                            s.step(o)),
+        "fp16_grads_unscale": lambda m, o, s: (m.half(), s.scale(m(torch.ones(2, 4).half()).float().sum()).backward(),
+                                               s.unscale_(o)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_scenario_errors()))
+def test_errors_match_torch(name):
+    scenario = _scenario_errors()[name]
+
+    def outcome(cls):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(4, 3)
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        s = cls("cpu", init_scale=4.0)
+        try:
+            scenario(m, o, s)
+        except Exception as exc:  # noqa: BLE001 - the point is to compare them
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in m.parameters()]
+            return (type(exc), str(exc)), grads
+        return None, None
+
+    theirs, t_grads = outcome(TorchScaler)
+    ours, o_grads = outcome(GradScaler)
+    assert theirs is not None, "the scenario should raise in torch"
+    assert ours == theirs
+    # Nothing written before refusing (fp16 refusal): the gradients are those torch left.
+    for a, b in zip(o_grads, t_grads):
+        if a is not None or b is not None:
+            assert_bitwise_equal(a, b, name)
+
+
+@pytest.mark.parametrize("kw", [{"growth_factor": 1.0}, {"growth_factor": 0.5}, {"backoff_factor": 1.0},
+                                {"backoff_factor": 1.5}])
+def test_constructor_errors_match_torch(kw):
+    with pytest.raises(AssertionError) as theirs:
+        TorchScaler("cpu", **kw)
+    with pytest.raises(AssertionError) as ours:
+        GradScaler("cpu", **kw)
+    assert str(ours.value) == str(theirs.value)
+    # Disabled: no validation, as torch.
+    assert not GradScaler("cpu", enabled=False, **kw).is_enabled()
+
+
+@pytest.mark.parametrize("kw", [{"mode": "static"}, {"hysteresis": 0}, {"min_scale": 4.0, "max_scale": 2.0},
+                                {"history": 0}])
+def test_constructor_rejects_bad_extensions(kw):
+    with pytest.raises(ValueError):
+        GradScaler("cpu", **kw)
+
+
+def test_scale_of_nested_outputs_matches_torch():
+    gen = torch.Generator().manual_seed(3)
+    t = lambda *shape, dtype=torch.float32: torch.randn(*shape, generator=gen).to(dtype)  # noqa: E731
+    outputs = [t(3), (t(2, 2), [t(4, dtype=torch.float16), t(())]), (t(5, dtype=torch.bfloat16),)]
+    ours = GradScaler("cpu", init_scale=3.0).scale(outputs)
+    theirs = TorchScaler("cpu", init_scale=3.0).scale(outputs)
+
+    def walk(a, b):
+        assert type(a) is type(b)
+        if isinstance(a, torch.Tensor):
+            assert_bitwise_equal(a, b)
+            assert a.dtype == b.dtype
+        else:
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                walk(x, y)
+
+    walk(ours, theirs)
+    assert_bitwise_equal(ours[0], outputs[0] * 3.0)
+    # A generator comes back as an iterator, as torch's does.
+    it = GradScaler("cpu", init_scale=3.0).scale(x for x in [outputs[0], outputs[1][0]])
+    assert not isinstance(it, (list, tuple))
+    got = list(it)
+    assert_bitwise_equal(got[0], outputs[0] * 3.0)
+    assert_bitwise_equal(got[1], outputs[1][0] * 3.0)
+
+
+def test_scale_single_tensor_keeps_dtype_and_grad():
+    s, ts = GradScaler("cpu", init_scale=2.0**10), TorchScaler("cpu", init_scale=2.0**10)
+    x = torch.tensor([1.5, -2.0, 60.0], dtype=torch.float16, requires_grad=True)
+    a, b = s.scale(x), ts.scale(x)
+    assert a.dtype == b.dtype == torch.float16
+    assert_bitwise_equal(a, b)
+    assert a.requires_grad
+    assert s.get_scale() == 2.0**10
+
+
+def _run_plain(scaler, steps=6, seed=0):
+    model = make_mlp(seed)
+    opt = make_opt("sgd", model.parameters())
+    rets = []
+    data = batches(steps, seed=1)
+    for micro in data:
+        opt.zero_grad()
+        (x, y), = micro
+        out = scaler.scale(F.mse_loss(model(x), y))
+        out.backward()
+        scaler.unscale_(opt)
+        rets.append(scaler.step(opt))
+        scaler.update()
+    return model, rets
+
+
+def test_disabled_is_a_no_op():
+    s = GradScaler("cpu", init_scale=2.0**10, enabled=False)
+    assert not s.is_enabled()
+    x = torch.randn(3)
+    assert s.scale(x) is x
+    nested = [x, (x,)]
+    assert s.scale(nested) is nested
+    model, rets = _run_plain(s)
+    # Plain training without any scaler.
+    ref = make_mlp(0)
+    opt = make_opt("sgd", ref.parameters())
+    for micro in batches(6, seed=1):
+        opt.zero_grad()
+        (xx, yy), = micro
+        F.mse_loss(ref(xx), yy).backward()
+        opt.step()
+    assert_params_equal(params_of(model), params_of(ref))
+    assert rets == [None] * 6, "disabled step() returns optimizer.step()'s value, as torch"
+    assert s.get_scale() == 1.0
+    assert s.state_dict() == {} == TorchScaler("cpu", enabled=False).state_dict()
+    s.load_state_dict({})  # no-op, no error
+    s.load_state_dict({"scale": 5.0})
+    assert s.get_scale() == 1.0
+    assert s.skipped_steps == 0
+    # Pickles, as torch's disabled scaler does.
+    assert not pickle.loads(pickle.dumps(s)).is_enabled()
+
+
+def test_disabled_clip_grad_norm_falls_back_to_torch():
+    torch.manual_seed(0)
+    m1, m2 = make_mlp(0), make_mlp(0)
+    o1 = make_opt("sgd", m1.parameters())
+    (x, y), = batches(1, seed=2)[0]
+    F.mse_loss(m1(x), y).backward()
+    F.mse_loss(m2(x), y).backward()
+    s = GradScaler("cpu", enabled=False)
+    norm = s.clip_grad_norm_(o1, 0.1)
+    ref = torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.1)
+    assert_bitwise_equal(norm, ref)
+    assert_params_equal([p.grad for p in m1.parameters()], [p.grad for p in m2.parameters()])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
+def test_cuda_scaler_without_cuda_warns_and_disables_like_torch():
+    with pytest.warns(UserWarning) as theirs:
+        t = TorchScaler("cuda")
+    with pytest.warns(UserWarning) as ours:
+        o = GradScaler("cuda")
+    assert not t.is_enabled() and not o.is_enabled()
+    assert [str(w.message) for w in ours] == [str(w.message) for w in theirs]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_sparse_gradients_match_torch(dtype):
+    """nn.Embedding(sparse=True) with SGD: same trajectory and params; fp16 refused as torch does."""
+
+    def run(cls):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(20, 5, sparse=True).to(dtype)
+        lin = torch.nn.Linear(5, 2)
+        params = list(emb.parameters()) + list(lin.parameters())
+        opt = torch.optim.SGD(params, lr=0.1)
+        s = cls("cpu", init_scale=2.0**10, growth_interval=3)
+        gen = torch.Generator().manual_seed(2)
+        scales, rets = [], []
+        for i in range(24):
+            opt.zero_grad()
+            idx = torch.randint(0, 20, (8,), generator=gen)
+            loss = lin(emb(idx).float()).pow(2).mean()
+            if i in (5, 11):
+                loss = loss * INF
+            s.scale(loss).backward()
+            assert emb.weight.grad.is_sparse
+            if i == 17:
+                with torch.no_grad():
+                    emb.weight.grad._values().view(-1)[2] = NAN
+            try:
+                rets.append(s.step(opt))
+            except ValueError as exc:
+                return ("raised", str(exc))
+            s.update()
+            scales.append(s.get_scale())
+        return scales, [p.detach().clone() for p in params], rets
+
+    theirs, ours = run(TorchScaler), run(GradScaler)
+    if dtype == torch.float16:
+        assert theirs == ("raised", "Attempting to unscale FP16 gradients.")
+        assert ours == theirs
+        return
+    assert ours[0] == theirs[0]
+    assert_interesting_trajectory(theirs[0], 2.0**10)
+    assert_params_equal(ours[1], theirs[1])
+    skipped = [i for i, r in enumerate(ours[2]) if r is False]
+    assert skipped == [5, 11, 17]
+
+
+def test_none_noncontiguous_grads_and_two_optimizers_match_torch():
+    """Unused parameters (grad None), non-contiguous gradients, two optimizers with one update()."""
+
+    def run(cls):
+        torch.manual_seed(0)
+        l1, l2, unused = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3), torch.nn.Linear(2, 2)
+        o1 = torch.optim.SGD(list(l1.parameters()) + list(unused.parameters()), lr=0.1, momentum=0.9)
+        o2 = torch.optim.Adam(l2.parameters(), lr=1e-2)
+        s = cls("cpu", init_scale=2.0**10, growth_interval=3)
+        gen = torch.Generator().manual_seed(3)
+        scales, rets = [], []
+        for i in range(25):
+            o1.zero_grad()
+            o2.zero_grad()
+            x = torch.randn(5, 4, generator=gen)
+            s.scale(l2(torch.relu(l1(x))).pow(2).mean()).backward()
+            l1.weight.grad = l1.weight.grad.t().contiguous().t()
+            assert not l1.weight.grad.is_contiguous()
+            if i in (4, 9):
+                l2.weight.grad[1, 2] = INF
+            if i == 13:
+                l1.bias.grad[0] = NAN
+            rets.append((s.step(o1), s.step(o2)))
+            s.update()
+            scales.append(s.get_scale())
+        return scales, [p.detach().clone() for p in [*l1.parameters(), *l2.parameters(), *unused.parameters()]], rets
+
+    theirs, ours = run(TorchScaler), run(GradScaler)
+    assert ours[0] == theirs[0]
+    assert_interesting_trajectory(theirs[0], 2.0**10)
+    assert_params_equal(ours[1], theirs[1])
+    # Each optimizer skips only for its own gradients, as torch.
+    assert ours[2][4] == (True, False) and ours[2][13] == (False, True)
+
+
+def test_fused_optimizer_receives_grad_scale_and_found_inf():
+    """The _step_supports_amp_scaling path: grad_scale and found_inf are set on the optimizer, then removed."""
+
+    class Recording(torch.optim.AdamW):
+        def step(self, closure=None):
+            self.seen.append((self.grad_scale if self.grad_scale is None else self.grad_scale.clone(),
+                              self.found_inf.clone()))
+            return super().step(closure)
+
+    def run(cls, explicit_unscale):
+        model = make_mlp(0)
+        opt = Recording(model.parameters(), lr=1e-3, fused=True)
+        opt.seen = []
+        assert opt._step_supports_amp_scaling
+        s = cls("cpu", init_scale=2.0**10, growth_interval=2)
+        rets = []
+        for i, micro in enumerate(batches(6, seed=4)):
+            opt.zero_grad()
+            (x, y), = micro
+            loss = F.mse_loss(model(x), y)
+            s.scale(loss * (INF if i == 3 else 1.0)).backward()
+            if explicit_unscale:
+                s.unscale_(opt)
+            rets.append(s.step(opt))
+            assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+            s.update()
+        return opt.seen, params_of(model), rets
+
+    for explicit in (False, True):
+        theirs, ours = run(TorchScaler, explicit), run(GradScaler, explicit)
+        assert len(ours[0]) == len(theirs[0]) == 6, "step() reaches the fused optimizer even on overflow"
+        for (gs_o, fi_o), (gs_t, fi_t) in zip(ours[0], theirs[0]):
+            if explicit:
+                assert gs_o is None and gs_t is None
+            else:
+                assert_bitwise_equal(gs_o, gs_t)
+            assert bool(fi_o != 0) == bool(fi_t != 0)
+        assert [bool(fi != 0) for _, fi in ours[0]] == [False, False, False, True, False, False]
+        assert_params_equal(ours[1], theirs[1])
+
+
+def test_legacy_grad_scaler_kwarg_optimizer_like_torch():
+    """An amp-aware optimizer whose step takes grad_scaler= gets the scaler itself, with a FutureWarning."""
+
+    class Legacy(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure=None, grad_scaler=None):
+            self.got = grad_scaler
+            return "stepped"
+
+    for cls in (TorchScaler, GradScaler):
+        w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+        opt = Legacy([w], lr=0.1)
+        s = cls("cpu", init_scale=2.0)
+        s.scale((w * 3).sum()).backward()
+        with pytest.warns(FutureWarning, match="stop passing itself"):
+            assert s.step(opt) == "stepped"
+        assert opt.got is s
+
+
+def test_fp16_params_with_fused_adamw_match_torch():
+    """Fused optimizers unscale by themselves: fp16 gradients are allowed there, as in torch."""
+
+    def run(cls):
+        torch.manual_seed(0)
+        m = torch.nn.Linear(8, 4).half()
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+        s = cls("cpu", init_scale=2.0**10, growth_interval=2)
+        gen = torch.Generator().manual_seed(0)
+        scales = []
+        for i in range(30):
+            o.zero_grad()
+            loss = m(torch.randn(4, 8, generator=gen).half()).float().pow(2).mean()
+            s.scale(loss).backward()
+            s.step(o)
+            s.update()
+            scales.append(s.get_scale())
+        return scales, params_of(m), o
+
+    theirs, ours = run(TorchScaler), run(GradScaler)
+    assert ours[0] == theirs[0]
+    assert any(b < a for a, b in zip(theirs[0], theirs[0][1:])), "fp16 gradients should overflow at some point"
+    assert_params_equal(ours[1], theirs[1])
+    assert_opt_state_equal(ours[2], theirs[2])
+
+
+# --------------------------------------------------------------------- state_dict / pickle
+
+
+def test_state_dict_has_torchs_format():
+    (m1, o1), (m2, o2) = pair("sgd")
+    data = batches(31, seed=6)
+    s1 = TorchScaler("cpu", init_scale=2.0**10, growth_interval=7)
+    s2 = GradScaler("cpu", init_scale=2.0**10, growth_interval=7)
+    train(s1, m1, o1, data)
+    train(s2, m2, o2, data)
+    theirs, ours = s1.state_dict(), s2.state_dict()
+    assert "adaptive_amp" in ours
+    stripped = {k: v for k, v in ours.items() if k != "adaptive_amp"}
+    assert stripped == theirs
+    assert {k: type(v) for k, v in stripped.items()} == {k: type(v) for k, v in theirs.items()}
+    assert theirs["_growth_tracker"] != 0, "pick a step count that leaves a nonzero tracker"
+    # A fresh (never used) scaler too.
+    fresh = GradScaler("cpu", init_scale=8.0).state_dict()
+    assert {k: v for k, v in fresh.items() if k != "adaptive_amp"} == TorchScaler("cpu", init_scale=8.0).state_dict()
+
+
+@pytest.mark.parametrize("direction", ["ours_to_torch", "torch_to_ours"])
+def test_checkpoint_loads_in_the_other(tmp_path, direction):
+    """Save after 30 steps, torch.save/torch.load(weights_only=True), load into the other class, train on."""
+    src_cls, dst_cls = (GradScaler, TorchScaler) if direction == "ours_to_torch" else (TorchScaler, GradScaler)
+    model, opt = make_mlp(0), None
+    opt = make_opt("sgd", model.parameters())
+    data = batches(60, seed=7)
+    src = src_cls("cpu", init_scale=2.0**10, growth_interval=7)
+    train(src, model, opt, data[:30])
+    path = tmp_path / "ckpt.pt"
+    torch.save({"scaler": src.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()}, path)
+    ckpt = torch.load(path, weights_only=True)
+
+    def resume(cls):
+        # A private copy: Optimizer.load_state_dict keeps the loaded tensors, which steps then mutate.
+        c = copy.deepcopy(ckpt)
+        m = make_mlp(99)
+        m.load_state_dict(c["model"])
+        o = make_opt("sgd", m.parameters())
+        o.load_state_dict(c["opt"])
+        s = cls("cpu", init_scale=1.0, growth_factor=5.0, backoff_factor=0.1, growth_interval=100)
+        s.load_state_dict(c["scaler"])
+        scales, _ = train(s, m, o, data[30:], start=30)
+        return scales, params_of(m)
+
+    a = resume(dst_cls)
+    b = resume(src_cls)
+    assert a[0] == b[0]
+    assert_interesting_trajectory(a[0], ckpt["scaler"]["scale"])
+    assert_params_equal(a[1], b[1])
+
+
+def test_pickle_round_trip_at_start_of_iteration():
+    """A scaler pickled after update() (hysteresis state included) continues exactly like the original."""
+    model = make_mlp(0)
+    opt = make_opt("sgd", model.parameters())
+    data = batches(40, seed=8)
+    s = GradScaler("cpu", init_scale=2.0**10, growth_interval=50, hysteresis=3)
+    overflow_at = {5, 15, 25}
+
+    def run(scaler, m, o, part, start):
+        scales = []
+        for k, micro in enumerate(part):
+            i = start + k
+            o.zero_grad()
+            (x, y), = micro
+            loss = F.mse_loss(m(x), y)
+            scaler.scale(loss * (INF if i in overflow_at else 1.0)).backward()
+            scaler.step(o)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales
+
+    run(s, model, opt, data[:20], 0)
+    blob = pickle.dumps(s)
+    s2 = pickle.loads(blob)
+    m2 = copy.deepcopy(model)
+    o2 = make_opt("sgd", m2.parameters())
+    o2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    a = run(s, model, opt, data[20:], 20)
+    b = run(s2, m2, o2, data[20:], 20)
+    assert a == b
+    assert a[5] == a[4] / 2, "the third overflow since growth (step 25) backs off: hysteresis state was kept"
+    assert s.skipped_steps == s2.skipped_steps == 3
+    assert_params_equal(params_of(model), params_of(m2))
+    # Before any use, and torch's pickled scaler still pickles too.
+    assert pickle.loads(pickle.dumps(GradScaler("cpu", init_scale=3.0))).get_scale() == 3.0
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "predictive"])
+def test_state_dict_resume_is_bitwise_identical(mode):
+    """Train 20, save; train 20 more; vs load into fresh objects and train the same 20."""
+    kw = dict(init_scale=2.0**10, growth_interval=50, hysteresis=3, mode=mode, history=8, margin=2,
+              min_scale=1.0, max_scale=2.0**20)
+    overflow_at = {5, 15, 25}
+    data = batches(40, seed=9)
+
+    def run(scaler, m, o, part, start):
+        scales = []
+        for k, micro in enumerate(part):
+            i = start + k
+            o.zero_grad()
+            (x, y), = micro
+            x = x * (100.0 if 14 <= i < 20 else 1.0)
+            loss = F.mse_loss(m(x), y)
+            scaler.scale(loss * (INF if i in overflow_at else 1.0)).backward()
+            scaler.step(o)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales
+
+    model = make_mlp(0)
+    opt = make_opt("adam_foreach", model.parameters())
+    s = GradScaler("cpu", **kw)
+    run(s, model, opt, data[:20], 0)
+    ckpt = copy.deepcopy({"scaler": s.state_dict(), "model": model.state_dict(), "opt": opt.state_dict()})
+    cont = run(s, model, opt, data[20:], 20)
+
+    def resumed(scaler_state):
+        c = copy.deepcopy(ckpt)  # steps mutate the loaded optimizer state in place
+        m = make_mlp(1)
+        m.load_state_dict(c["model"])
+        o = make_opt("adam_foreach", m.parameters())
+        o.load_state_dict(c["opt"])
+        s2 = GradScaler("cpu", **kw)
+        s2.load_state_dict(scaler_state)
+        return run(s2, m, o, data[20:], 20), params_of(m), s2
+
+    scales, params, s2 = resumed(ckpt["scaler"])
+    assert scales == cont
+    assert_params_equal(params, params_of(model))
+    assert s2.skipped_steps == s.skipped_steps == 3
+    # The extra state matters: without it (a torch-format checkpoint) the run differs.
+    torch_only = {k: v for k, v in ckpt["scaler"].items() if k != "adaptive_amp"}
+    assert resumed(torch_only)[0] != cont
+
+
+def test_load_state_dict_rejects_foreign_dicts():
+    s = GradScaler("cpu")
+    with pytest.raises(KeyError):
+        s.load_state_dict({"scale": 2.0})
+    good = GradScaler("cpu").state_dict()
+    good["adaptive_amp"]["counters"] = [1, 2]
+    with pytest.raises(ValueError):
+        s.load_state_dict(good)
+
+
+# ============================================================= 2. bitwise parity, mode "dynamic"
+
+PARITY_OPTS = ["sgd", "adam_foreach", "adamw_fused"]
+PARITY_RECIPES = [("plain", 1), ("clip", 1), ("accum", 3), ("clip_accum", 2)]
+
+
+def _parity(kind, recipe, accum, device="cpu", autocast=None, steps=200):
+    (m1, o1), (m2, o2) = pair(kind, device)
+    data = batches(steps, seed=11, device=device, accum=accum)
+    s1 = TorchScaler(torch.device(device).type, init_scale=2.0**10, growth_interval=7)
+    s2 = GradScaler(torch.device(device).type, init_scale=2.0**10, growth_interval=7)
+    theirs = train(s1, m1, o1, data, recipe=recipe, autocast=autocast, device=device)
+    ours = train(s2, m2, o2, data, recipe=recipe, autocast=autocast, device=device)
+    assert ours[0] == theirs[0], "scale histories differ"
+    assert_interesting_trajectory(theirs[0], 2.0**10)
+    assert_params_equal(params_of(m2), params_of(m1), f"{kind}/{recipe}")
+    assert_opt_state_equal(o2, o1)
+    # Skips agree (torch returns None for plain optimizers; we return the decision).
+    skipped_t = [i for i, v in enumerate(theirs[0]) if i and v < theirs[0][i - 1]]
+    skipped_o = [i for i, r in enumerate(rets_as_bools(ours[1])) if r is False]
+    assert set(skipped_t) <= set(skipped_o)
+    assert s2.skipped_steps == len(skipped_o)
+    return skipped_o
+
+
+@pytest.mark.parametrize("recipe,accum", PARITY_RECIPES, ids=[r for r, _ in PARITY_RECIPES])
+@pytest.mark.parametrize("kind", PARITY_OPTS)
+def test_bitwise_parity_with_torch_cpu(kind, recipe, accum):
+    skipped = _parity(kind, recipe, accum)
+    assert skipped == [i for i in range(200) if inject_kind(i) is not None]
+
+
+def test_bitwise_parity_with_torch_cpu_bf16_autocast():
+    _parity("sgd", "clip", 1, autocast=torch.bfloat16)
+
+
+@cuda_test
+@pytest.mark.parametrize("autocast", [None, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("recipe,accum", [("plain", 1), ("clip_accum", 2)], ids=["plain", "clip_accum"])
+@pytest.mark.parametrize("kind", PARITY_OPTS)
+def test_bitwise_parity_with_torch_cuda(kind, recipe, accum, autocast):
+    _parity(kind, recipe, accum, device="cuda", autocast=autocast)
+
+
+@cuda_test
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+def test_gradients_on_two_cuda_devices_match_torch(kind):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    d0, d1 = torch.device("cuda", 0), torch.device("cuda", 1)
+
+    def run(cls):
+        torch.manual_seed(0)
+        a = torch.nn.Linear(16, 32).to(d0)
+        b = torch.nn.Linear(32, 4).to(d1)
+        params = [*a.parameters(), *b.parameters()]
+        opt = make_opt(kind, params)
+        s = cls("cuda", init_scale=2.0**10, growth_interval=3)
+        scales, rets = [], []
+        for i, micro in enumerate(batches(40, seed=12)):
+            opt.zero_grad()
+            (x, y), = micro
+            loss = F.mse_loss(b(torch.tanh(a(x.to(d0))).to(d1)), y.to(d1))
+            s.scale(loss).backward()
+            if i in (4, 17):  # an inf on one device only
+                a.weight.grad[0, 1] = INF
+            if i == 9:
+                b.bias.grad[2] = NAN
+            rets.append(s.step(opt))
+            s.update()
+            scales.append(s.get_scale())
+        return scales, [p.detach().cpu() for p in params], rets
+
+    theirs, ours = run(TorchScaler), run(GradScaler)
+    assert ours[0] == theirs[0]
+    assert_interesting_trajectory(theirs[0], 2.0**10)
+    assert_params_equal(ours[1], theirs[1])
+    assert [i for i, r in enumerate(rets_as_bools(ours[2])) if r is False] == [4, 9, 17]
+
+
+# ================================================================== 3. beyond torch: clipping
+
+
+def _clip_run(kind, device, ours, max_norm, norm_type=2.0, steps=8, opt_extra=None):
+    model = make_mlp(0, device)
+    opt = make_opt(kind, model.parameters(), **(opt_extra or {}))
+    cls = GradScaler if ours else TorchScaler
+    s = cls(device, init_scale=2.0**12, growth_interval=3)
+    norms, grads_before = [], []
+    for i, micro in enumerate(batches(steps, seed=13, device=device)):
+        opt.zero_grad()
+        (x, y), = micro
+        loss = F.mse_loss(model(x) * 4.0, y)
+        s.scale(loss * (INF if i == 5 else 1.0)).backward()
+        if ours:
+            before = [p.grad.clone() for p in model.parameters()]
+            norm = s.clip_grad_norm_(opt, max_norm, norm_type=norm_type)
+            grads_before.append((before, [p.grad.clone() for p in model.parameters()]))
+        else:
+            s.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
+        norms.append(norm)
+        s.step(opt)
+        s.update()
+    return norms, params_of(model), s, grads_before
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF], ids=["l2", "linf"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+def test_clip_grad_norm_matches_torch_recipe(device, kind, norm_type):
+    opt_extra = {"eps": 1e-2} if kind == "adamw_fused" else {}  # a large eps makes Adam feel the clipping
+    max_norm = 0.05
+    t_norms, t_params, t_s, _ = _clip_run(kind, device, False, max_norm, norm_type, opt_extra=opt_extra)
+    o_norms, o_params, o_s, grads = _clip_run(kind, device, True, max_norm, norm_type, opt_extra=opt_extra)
+    for i, (a, b) in enumerate(zip(o_norms, t_norms)):
+        assert isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type == torch.device(device).type
+        if i == 5:
+            assert not math.isfinite(float(a)) and not math.isfinite(float(b))
+        else:
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=0)
+            assert float(b) > 4 * max_norm, "the test must actually clip"
+    assert t_s.get_scale() == o_s.get_scale()
+    for a, b in zip(o_params, t_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # Clipping had a visible effect (the comparison above is not vacuous).
+    _, free_params, _, _ = _clip_run(kind, device, True, 1e9, norm_type, opt_extra=opt_extra)
+    assert max(float((a - b).abs().max()) for a, b in zip(free_params, t_params)) > 1e-4
+    if kind == "adamw_fused":
+        # Folded into grad_scale: the gradients are not rewritten.
+        for before, after in grads:
+            for x, y in zip(before, after):
+                assert_bitwise_equal(y, x)
+    else:
+        before, after = grads[0]
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in after]),
+                                         norm_type)
+        assert float(total) == pytest.approx(max_norm, rel=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+@pytest.mark.parametrize("norm_type", [1.0, 3.0])
+def test_clip_grad_norm_other_norm_types_fall_back(kind, norm_type):
+    t_norms, t_params, _, _ = _clip_run(kind, "cpu", False, 0.05, norm_type)
+    o_norms, o_params, _, _ = _clip_run(kind, "cpu", True, 0.05, norm_type)
+    for i, (a, b) in enumerate(zip(o_norms, t_norms)):
+        if i != 5:
+            assert_bitwise_equal(a, b)
+    assert_params_equal(o_params, t_params)
+
+
+def test_clip_grad_norm_errors(device):
+    model = make_mlp(0, device)
+    opt = make_opt("sgd", model.parameters())
+    s = GradScaler(device, init_scale=2.0**10)
+    (x, y), = batches(1, seed=14, device=device)[0]
+    s.scale(F.mse_loss(model(x), y) * INF).backward()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        s.clip_grad_norm_(opt, 1.0, error_if_nonfinite=True)
+    s.step(opt)
+    with pytest.raises(RuntimeError):
+        s.clip_grad_norm_(opt, 1.0)
+
+
+def test_last_grad_norm_and_found_inf_are_device_tensors(device):
+    for kind in ("sgd", "adamw_fused"):
+        model = make_mlp(0, device)
+        opt = make_opt(kind, model.parameters())
+        s = GradScaler(device, init_scale=2.0**8, growth_interval=100)
+        assert s.found_inf is None and s.last_grad_norm is None
+        for i, micro in enumerate(batches(3, seed=15, device=device)):
+            opt.zero_grad()
+            (x, y), = micro
+            s.scale(F.mse_loss(model(x), y) * (INF if i == 1 else 1.0)).backward()
+            scale = s.get_scale()
+            grads = [p.grad.detach().double() / scale for p in model.parameters()]  # exact: power of 2
+            s.step(opt)
+            s.update()
+            fi, norm = s.found_inf, s.last_grad_norm
+            for t in (fi, norm):
+                assert isinstance(t, torch.Tensor) and t.numel() == 1
+                assert t.device.type == torch.device(device).type
+            assert (float(fi) != 0) == (i == 1)
+            if i != 1:
+                ref = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))
+                assert float(norm) == pytest.approx(float(ref), rel=1e-5)
+                assert float(norm) > 0
+
+
+def test_clip_grad_norm_with_sparse_gradient_is_right_or_refused():
+    """torch.nn.utils.clip_grad_norm_ raises on sparse gradients; silently wrong is the one bad outcome."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    s = GradScaler("cpu", init_scale=4.0)
+    idx = torch.tensor([1, 1, 2, 1])  # duplicate indices: an uncoalesced gradient
+    s.scale(emb(idx).sum()).backward()
+    true_norm = float((emb.weight.grad.to_dense() / 4.0).norm())  # sqrt(3 * 3^2 + 3 * 1^2) = sqrt(30)
+    assert true_norm == pytest.approx(math.sqrt(30.0))
+    try:
+        norm = s.clip_grad_norm_(opt, 0.1)
+    except (NotImplementedError, RuntimeError, ValueError):
+        return  # refusing, as torch does, is fine
+    assert float(norm) == pytest.approx(true_norm, rel=1e-5)
+    assert float(emb.weight.grad.to_dense().norm()) == pytest.approx(0.1, rel=1e-4)
+
+
+# ================================================================ 3. beyond torch: the rule
+
+
+class Probe:
+    """One parameter whose scaled gradient is exactly c * scale (power-of-two scales)."""
+
+    def __init__(self, device, kind="sgd"):
+        self.w = torch.nn.Parameter(torch.tensor([0.5, -1.0, 0.25, 2.0, -0.125], device=device))
+        self.opt = torch.optim.SGD([self.w], lr=0.01) if kind == "sgd" else \
+            torch.optim.AdamW([self.w], lr=0.01, fused=True)
+        self.device = device
+
+    def step(self, s, c, overflow=False):
+        self.opt.zero_grad()
+        c = torch.tensor(c, dtype=torch.float32, device=self.device)
+        s.scale((self.w * c).sum()).backward()
+        if overflow:
+            self.w.grad[1] = INF
+        before = self.w.detach().clone()
+        ret = s.step(self.opt)
+        s.update()
+        moved = not torch.equal(before, self.w.detach())
+        return ret, moved
+
+
+def test_hysteresis_counts_overflows_since_last_growth(device):
+    s = GradScaler(device, init_scale=1024.0, growth_interval=3, hysteresis=3)
+    probe = Probe(device)
+    events = "OOOOCCCOCOCCOCCC"
+    expected = [1024, 1024, 512, 256, 256, 256, 512, 512, 512, 512, 512, 512, 256, 256, 256, 512]
+    scales = []
+    for i, e in enumerate(events):
+        ret, moved = probe.step(s, [1.0, 2.0, 3.0, 4.0, 5.0], overflow=(e == "O"))
+        assert ret is (e == "C") and moved is (e == "C"), f"event {i} ({e}): every overflow is skipped"
+        scales.append(s.get_scale())
+    assert scales == expected
+    assert s.skipped_steps == events.count("O")
+    assert int(s.skipped_steps_tensor) == events.count("O")
+
+
+def test_min_and_max_scale_bound_the_scale(device):
+    s = GradScaler(device, init_scale=8.0, growth_interval=1, min_scale=2.0, max_scale=32.0)
+    probe = Probe(device)
+    scales = []
+    for e in "CCCOOOOOC":
+        probe.step(s, [1.0, 1.0, 1.0, 1.0, 1.0], overflow=(e == "O"))
+        scales.append(s.get_scale())
+    assert scales == [16, 32, 32, 16, 8, 4, 2, 2, 4]
+    s = GradScaler(device, init_scale=8.0, growth_factor=3.0, growth_interval=1, max_scale=32.0)
+    probe = Probe(device)
+    for _ in range(3):
+        probe.step(s, [1.0] * 5)
+    assert s.get_scale() == 32.0
+
+
+def _predictive_target(amax, margin, extra, fmt_max=65504.0):
+    e = math.frexp(fmt_max / amax)[1] - 1  # floor(log2), exact
+    return 2.0 ** (e - margin - extra)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+def test_predictive_mode_sets_power_of_two_from_amax_history(device, kind):
+    s = GradScaler(device, init_scale=2.0**16, growth_interval=3, mode="predictive", margin=4, history=4)
+    assert s.mode == "predictive"
+    probe = Probe(device, kind)
+    big = [0.5, -3.0, 1.25, 0.1, 2.0]  # amax 3.0
+    small = [0.01, -0.004, 0.0025, 0.001, 0.003]  # amax 0.01
+    amax_big = 3.0
+    amax_small = float(torch.tensor(0.01, dtype=torch.float32))
+    hi, lo = _predictive_target(amax_big, 4, 0), _predictive_target(amax_small, 4, 0)
+    assert (hi, lo) == (2.0**10, 2.0**18)
+    plan = [  # (c, overflow, expected scale after update, stepped)
+        (big, False, hi, True),
+        (small, False, hi, True),
+        (small, False, hi, True),  # tracker reaches 3: extra margin stays 0
+        (small, False, hi, True),
+        (small, False, lo, True),  # the 3.0 left the 4-entry history
+        (small, True, lo / 2, False),  # real overflow: back off, skip, extra margin 1
+        (small, False, _predictive_target(amax_small, 4, 1), True),
+        (small, False, _predictive_target(amax_small, 4, 1), True),
+        (small, False, lo, True),  # growth_interval clean steps: extra margin back to 0
+    ]
+    for i, (c, overflow, want, stepped) in enumerate(plan):
+        ret, moved = probe.step(s, c, overflow)
+        assert bool(ret) is stepped and moved is stepped, i
+        assert s.get_scale() == want, f"step {i}: {s.get_scale()} != {want}"
+    assert s.skipped_steps == 1
+
+
+def test_predictive_respects_bounds():
+    s = GradScaler("cpu", init_scale=2.0**16, mode="predictive", margin=4, history=2, max_scale=2.0**12,
+                   min_scale=2.0**5)
+    probe = Probe("cpu")
+    probe.step(s, [0.01, 0.0, 0.0, 0.0, 0.001])
+    assert s.get_scale() == 2.0**12
+    probe.step(s, [3000.0, 1.0, 1.0, 1.0, 1.0])  # target 2^(4-4) = 1 -> min
+    assert s.get_scale() == 2.0**5
+
+
+def test_step_return_values(device):
+    for kind in ("sgd", "adamw_fused"):
+        probe = Probe(device, kind)
+        s = GradScaler(device, init_scale=4.0)
+        rets = [probe.step(s, [1.0, 2.0, 3.0, 4.0, 5.0], overflow=o)[0] for o in (False, True, False)]
+        if kind == "sgd":
+            assert all(type(r) is bool for r in rets)
+            assert rets == [True, False, True]
+        else:
+            for r, want in zip(rets, (True, False, True)):
+                assert isinstance(r, torch.Tensor) and r.dim() == 0 and r.dtype == torch.bool
+                assert r.device.type == torch.device(device).type
+                assert bool(r) is want
+        assert s.skipped_steps == 1
+
+
+# ================================================================== native update vs oracles
+
+
+FACTORS = [(2.0, 0.5), (1.7, 0.3), (3.0, 0.25), (1.0001, 0.9999), (65536.0, 2.0**-20), (1.1, 0.7)]
+START_SCALES = [2.0**16, 3.0e38, 1.0e-38, 1.0, 0.1, 1.4e-45]
+
+
+@pytest.mark.parametrize("gf,bf", FACTORS)
+def test_update_scale_op_matches_torch_amp_update_scale(device, gf, bf):
+    rng = random.Random(int(gf * 1000) ^ int(bf * 1000))
+    for start in START_SCALES:
+        interval = rng.choice([1, 2, 3, 7])
+        sa = torch.tensor([start], device=device)
+        sb = sa.clone()
+        ga = torch.zeros(1, dtype=torch.int32, device=device)
+        gb = ga.clone()
+        inv = torch.zeros(1, device=device)
+        values = []
+        for step in range(120):
+            f = rng.choice([0.0, 0.0, 0.0, 0.0, 1.0, 2.0, NAN]) if step % 40 < 30 else 0.0
+            found = torch.tensor([f], device=device)
+            adaptive_amp.update_scale_(sa, ga, found, gf, bf, interval, inv_scale=inv)
+            torch._amp_update_scale_(sb, gb, found, gf, bf, interval)
+            assert_bitwise_equal(sa, sb, f"start={start} step={step}")
+            assert int(ga) == int(gb), f"start={start} step={step}"
+            assert_bitwise_equal(inv, sb.double().reciprocal().float())
+            values.append(float(sa))
+        assert len(set(values)) > 2 or start == 1.4e-45, "the sequence must move the scale"
+
+
+def test_update_scale_op_growth_only_to_finite_values(device):
+    for gf, grows in ((2.0, False), (1.5, False), (1.1, True)):
+        s = torch.tensor([3.0e38], device=device)
+        g = torch.zeros(1, dtype=torch.int32, device=device)
+        t_s, t_g = s.clone(), g.clone()
+        found = torch.zeros(1, device=device)
+        adaptive_amp.update_scale_(s, g, found, gf, 0.5, 1)
+        torch._amp_update_scale_(t_s, t_g, found, gf, 0.5, 1)
+        assert_bitwise_equal(s, t_s)
+        assert torch.equal(g, t_g) and int(g) == 0
+        assert math.isfinite(float(s))
+        assert (float(s) != float(torch.tensor(3.0e38))) is grows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_update_scale_op_matches_reference_with_extensions(device, seed):
+    rng = random.Random(seed)
+    predictive = seed % 2 == 1
+    hysteresis = rng.choice([1, 2, 3, 5])
+    min_scale = rng.choice([0.0, 1.0, 0.25, 128.0])
+    max_scale = rng.choice([None, 2.0**20, 2.0**24, 3.0e38])
+    gf, bf = rng.choice(FACTORS)
+    interval = rng.choice([1, 2, 4, 9])
+    margin = rng.choice([0, 2, 4])
+    fmt_max = rng.choice([65504.0, 448.0, 57344.0])
+    history = rng.choice([1, 3, 8])
+    start = rng.choice([2.0**16, 1000.0, 7.0])
+
+    def state():
+        return dict(
+            scale=torch.tensor([start], device=device),
+            growth_tracker=torch.zeros(1, dtype=torch.int32, device=device),
+            counters=torch.tensor([hysteresis, 0, 0, 0], dtype=torch.int32, device=device),
+            amax_history=torch.zeros(history, device=device) if predictive else None,
+            inv_scale=torch.zeros(1, device=device),
+        )
+
+    a, b = state(), state()
+    amaxes = [0.0, INF, NAN, 1e-45, 3.0e-8, 1e-3, 0.37, 1.0, 5.5, 100.0, 7.0e4, 3.0e38]
+    for step in range(300):
+        f = 1.0 if rng.random() < 0.25 else 0.0
+        found = torch.tensor([f], device=device)
+        step_amax = torch.tensor([rng.choice(amaxes) * rng.uniform(0.5, 2.0)], device=device) if predictive else None
+        kw = dict(hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale, margin=margin, fmt_max=fmt_max)
+        adaptive_amp.update_scale_(a["scale"], a["growth_tracker"], found, gf, bf, interval,
+                                   counters=a["counters"], step_amax=step_amax, amax_history=a["amax_history"],
+                                   inv_scale=a["inv_scale"], **kw)
+        reference.update_scale_(b["scale"], b["growth_tracker"], found, gf, bf, interval,
+                                counters=b["counters"], step_amax=step_amax, amax_history=b["amax_history"],
+                                inv_scale=b["inv_scale"], **kw)
+        where = f"seed={seed} step={step}"
+        assert_bitwise_equal(a["scale"], b["scale"], where)
+        assert_bitwise_equal(a["inv_scale"], b["inv_scale"], where)
+        assert torch.equal(a["growth_tracker"], b["growth_tracker"]), where
+        assert torch.equal(a["counters"], b["counters"]), where
+        if predictive:
+            assert_bitwise_equal(a["amax_history"], b["amax_history"], where)
+    assert int(a["counters"][1]) > 10, "skipped steps are counted"
+
+
+def test_update_scale_op_argument_errors():
+    s = torch.tensor([4.0])
+    g = torch.zeros(1, dtype=torch.int32)
+    f = torch.zeros(1)
+    with pytest.raises(ValueError):
+        adaptive_amp.update_scale_(s, g, f, 2.0, 0.5, 1, hysteresis=2)  # needs counters
+    with pytest.raises(Exception):
+        adaptive_amp.update_scale_(s, g, f, 1.0, 0.5, 1)
+    with pytest.raises(Exception):
+        adaptive_amp.update_scale_(s, g, f, 2.0, 1.0, 1)
+    assert float(s) == 4.0 and int(g) == 0, "nothing written on error"
+
+
+# ============================================================== adaptive_amp-only corner cases
+
+
+_HALF_AFTER_FIRST_STEP = textwrap.dedent("""
+    import torch
+    from adaptive_amp import GradScaler
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = GradScaler("cpu", init_scale=4.0)
+    s.scale(m(torch.ones(2, 4)).sum()).backward(); s.step(o); s.update(); o.zero_grad()
+    m.half()
+    s.scale(m(torch.ones(2, 4).half()).float().sum()).backward()
+    try:
+        s.step(o)
+    except ValueError as exc:
+        assert str(exc) == "Attempting to unscale FP16 gradients.", exc
+        print("OK")
+""")
+
+
+
+def _one_sgd_step_then():
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    s = GradScaler("cpu", init_scale=4.0)
+    s.scale(m(torch.ones(2, 4)).sum()).backward()
+    s.step(o)
+    s.update()
+    o.zero_grad()
+    return m, o, s
+
+
+def test_model_half_after_first_step_is_refused_like_torch():
+    """torch raises 'Attempting to unscale FP16 gradients.'; a subprocess, since ours corrupts memory."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _HALF_AFTER_FIRST_STEP], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", (proc.returncode, proc.stdout, proc.stderr[-2000:])
+
+
+def test_parameter_resized_after_first_step_is_fully_unscaled():
+    m, o, s = _one_sgd_step_then()
+    with torch.no_grad():
+        m.weight.data = torch.randn(300, 4)
+        m.bias.data = torch.randn(300)
+    s.scale(m(torch.ones(2, 4)).sum()).backward()
+    assert torch.equal(m.weight.grad, torch.full((300, 4), 8.0))
+    s.unscale_(o)
+    assert torch.equal(m.weight.grad, torch.full((300, 4), 2.0)), m.weight.grad.unique()
+
+
+def test_parameter_replaced_in_param_group_is_unscaled():
+    m, o, s = _one_sgd_step_then()
+    newp = torch.nn.Parameter(torch.randn(3, 4))
+    o.param_groups[0]["params"][0] = newp
+    s.scale((newp * torch.full((3, 4), 1.5)).sum() + m.bias.sum()).backward()
+    s.unscale_(o)
+    assert torch.equal(newp.grad, torch.full((3, 4), 1.5)), newp.grad
+
+
+# ======================================================================== 4. CUDA graphs
+
+
+@cuda_test
+def test_cuda_graph_whole_step_matches_eager():
+    dev = torch.device("cuda")
+    warm, steps = 3, 14
+    inf_at = {4, 9}
+    data = [m[0] for m in batches(warm + steps, seed=16, device=dev)]
+    for i in inf_at:
+        x, y = data[warm + i]
+        x = x.clone()
+        x[0, 0] = INF
+        data[warm + i] = (x, y)
+
+    def build():
+        model = make_mlp(0, dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+        s = GradScaler("cuda", init_scale=2.0**10, growth_interval=3)
+        return model, opt, s
+
+    def one_step(model, opt, s, x, y):
+        loss = F.mse_loss(model(x), y)
+        s.scale(loss).backward()
+        ret = s.step(opt)
+        s.update()
+        return ret
+
+    # Eager.
+    me, oe, se = build()
+    eager_scales, eager_rets = [], []
+    for i, (x, y) in enumerate(data):
+        oe.zero_grad(set_to_none=True)
+        r = one_step(me, oe, se, x, y)
+        if i >= warm:
+            eager_scales.append(se.get_scale())
+            eager_rets.append(bool(r))
+    assert_interesting_trajectory(eager_scales, 2.0**10)
+
+    # Captured: warm up on a side stream, then capture the whole step and replay.
+    mg, og, sg = build()
+    static_x = data[0][0].clone()
+    static_y = data[0][1].clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(warm):
+            og.zero_grad(set_to_none=True)
+            static_x.copy_(data[i][0])
+            static_y.copy_(data[i][1])
+            one_step(mg, og, sg, static_x, static_y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    og.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        static_ret = one_step(mg, og, sg, static_x, static_y)
+    graph_scales, graph_rets = [], []
+    for i in range(steps):
+        static_x.copy_(data[warm + i][0])
+        static_y.copy_(data[warm + i][1])
+        graph.replay()
+        graph_scales.append(sg.get_scale())
+        graph_rets.append(bool(static_ret))
+    torch.cuda.synchronize()
+    assert graph_scales == eager_scales
+    assert graph_rets == eager_rets
+    assert [i for i, r in enumerate(graph_rets) if not r] == sorted(inf_at)
+    assert sg.skipped_steps == se.skipped_steps == len(inf_at)
+    for a, b in zip(params_of(mg), params_of(me)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert max(float((a - b).abs().max()) for a, b in zip(params_of(mg), params_of(make_mlp(0, dev)))) > 0
+
+
+# ========================================================================= 5. distributed
+
+_WORKER = r'''
+import os, sys, traceback
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from datetime import timedelta
+from adaptive_amp import GradScaler
+
+rank, init_file, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.set_num_threads(1)
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+def skip_sync():
+    # (a) no DDP: each rank its own data; an inf in rank 1's gradients only.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    s = GradScaler("cpu", init_scale=2.0**10, growth_interval=3, process_group=dist.group.WORLD)
+    gen = torch.Generator().manual_seed(100 + rank)
+    scales, rets, moved, found = [], [], [], []
+    for i in range(10):
+        opt.zero_grad()
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        s.scale(F.mse_loss(model(x), y)).backward()
+        if rank == 1 and i in (3, 7):
+            model[0].weight.grad[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        rets.append(s.step(opt))
+        s.update()
+        moved.append(any(not torch.equal(a, p) for a, p in zip(before, model.parameters())))
+        scales.append(s.get_scale())
+        found.append(float(s.found_inf))
+    return {"scales": scales, "rets": rets, "moved": moved, "found": found}
+
+def ddp_run():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    s = GradScaler("cpu", init_scale=2.0**10, growth_interval=4, process_group=dist.group.WORLD)
+    gen = torch.Generator().manual_seed(123)
+    scales, rets = [], []
+    for i in range(20):
+        X, Y = torch.randn(16, 16, generator=gen), torch.randn(16, 4, generator=gen)
+        if i == 6:
+            X[12, 3] = float("inf")  # in rank 1's half
+        x, y = X[rank * 8:(rank + 1) * 8], Y[rank * 8:(rank + 1) * 8]
+        opt.zero_grad()
+        s.scale(F.mse_loss(model(x), y)).backward()
+        rets.append(s.step(opt))
+        s.update()
+        scales.append(s.get_scale())
+    return {"scales": scales, "rets": rets, "params": [p.detach().clone() for p in model.module.parameters()]}
+
+try:
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=45))
+    result = {"skip_sync": skip_sync(), "ddp": ddp_run()}
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+except BaseException:
+    traceback.print_exc()
+    sys.exit(1)
+'''
+
+
+def _single_process_ddp_reference():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    s = GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+    gen = torch.Generator().manual_seed(123)
+    scales, rets = [], []
+    for i in range(20):
+        X, Y = torch.randn(16, 16, generator=gen), torch.randn(16, 4, generator=gen)
+        if i == 6:
+            X[12, 3] = INF
+        opt.zero_grad()
+        s.scale(F.mse_loss(model(X), Y)).backward()
+        rets.append(s.step(opt))
+        s.update()
+        scales.append(s.get_scale())
+    return {"scales": scales, "rets": rets, "params": params_of(model)}
+
+
+_dist_ok = torch.distributed.is_available() and torch.distributed.is_gloo_available()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Run the 2-process gloo worker once; both distributed tests read its results."""
+    if not _dist_ok:
+        pytest.skip("torch.distributed with gloo is not available")
+    tmp = tmp_path_factory.mktemp("dist")
+    worker = tmp / "worker.py"
+    worker.write_text(_WORKER)
+    init_file = tmp / "init"
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(init_file), str(tmp)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, err = p.communicate()
+            err = "TIMEOUT after 60 s\n" + err
+        logs.append((p.returncode, out, err[-3000:]))
+    results = []
+    for r in range(2):
+        path = tmp / f"rank{r}.pt"
+        results.append(torch.load(path, weights_only=False) if path.exists() else None)
+    return {"logs": logs, "results": results}
+
+
+def _check_ranks(two_ranks):
+    assert all(rc == 0 for rc, _, _ in two_ranks["logs"]), two_ranks["logs"]
+    assert all(r is not None for r in two_ranks["results"]), two_ranks["logs"]
+    return two_ranks["results"]
+
+
+@pytest.mark.skipif(not _dist_ok, reason="torch.distributed with gloo is not available")
+def test_process_group_makes_all_ranks_skip_together(two_ranks):
+    r0, r1 = (r["skip_sync"] for r in _check_ranks(two_ranks))
+    assert r0["scales"] == r1["scales"]
+    assert r0["rets"] == r1["rets"]
+    skipped = [i for i, r in enumerate(r0["rets"]) if r is False]
+    assert skipped == [3, 7], r0["rets"]
+    # Rank 0's gradients were finite, yet it skipped: found_inf came over the group.
+    assert r0["moved"] == [i not in (3, 7) for i in range(10)]
+    assert [f != 0 for f in r0["found"]] == [i in (3, 7) for i in range(10)]
+    assert r0["scales"][3] == r0["scales"][2] / 2 and r0["scales"][7] == r0["scales"][6] / 2
+    assert max(r0["scales"]) > 2.0**10
+
+
+@pytest.mark.skipif(not _dist_ok, reason="torch.distributed with gloo is not available")
+def test_ddp_run_matches_single_process(two_ranks):
+    r0, r1 = (r["ddp"] for r in _check_ranks(two_ranks))
+    ref = _single_process_ddp_reference()
+    assert r0["scales"] == r1["scales"] == ref["scales"]
+    assert r0["rets"] == r1["rets"] == ref["rets"]
+    assert ref["rets"][6] is False and sum(r is False for r in ref["rets"]) == 1
+    assert_params_equal(r0["params"], r1["params"], "rank0 vs rank1")
+    for a, b in zip(r0["params"], ref["params"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(0)
+    init = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    assert max(float((a - b).abs().max()) for a, b in zip(ref["params"], params_of(init))) > 1e-3
