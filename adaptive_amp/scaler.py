@@ -141,7 +141,8 @@ class GradScaler:
         margin, history: predictive mode's headroom exponent and the number of
             steps whose amax it remembers.
         process_group: a torch.distributed group (not pickled: set it again
-            after unpickling); ``found_inf`` is all-reduced
+            after unpickling; DTensor gradients use the default group when
+            none is given); ``found_inf`` is all-reduced
             over it (so every rank skips together), and with sharded gradients
             (FSDP2 DTensors, or ``sharded_grads=True``) so is the gradient norm.
         sharded_grads: each rank holds a different part of the gradients
@@ -312,9 +313,10 @@ class GradScaler:
                     stats = self._launch_general(grads, found, inv, check_only)
                 found_per_device[device] = found
                 stats_per_device[device] = stats
-        if self._process_group is not None:
+        group = self._group(sharded=self._plan(optimizer).sharded)
+        if group is not None:
             for found in found_per_device.values():
-                torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
+                torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
         return found_per_device, stats_per_device
 
     @staticmethod
@@ -446,17 +448,31 @@ class GradScaler:
             parts = [sumsq.sum(dtype=torch.float32).to(device) for sumsq, _ in stats_per_device.values()]
             total = torch.stack(parts).sum() if parts else torch.zeros((), device=device)
             if self._reduce_norm():
-                torch.distributed.all_reduce(total, group=self._process_group)
+                torch.distributed.all_reduce(total, group=self._group(sharded=True))
             return total.sqrt()
         parts = [amax.max().to(device) for _, amax in stats_per_device.values() if amax.numel()]
         total = torch.stack(parts).max() if parts else torch.zeros((), device=device)
         if self._reduce_norm():
-            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX, group=self._process_group)
+            torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MAX, group=self._group(sharded=True))
         return total
 
     def _reduce_norm(self) -> bool:
         sharded = self._sharded_grads or any(plan.sharded for plan in self._plans.values())
-        return self._process_group is not None and sharded
+        return sharded and self._group(sharded=True) is not None
+
+    def _group(self, sharded: bool):
+        """The group to agree over: the one given, else, for DTensor (FSDP2) gradients, the default group.
+
+        Sharded gradients give each rank only part of the overflow picture, so
+        ranks must all-reduce found_inf to skip together even when the user
+        named no group (torch's ShardedGradScaler does the same).
+        """
+        if self._process_group is not None:
+            return self._process_group
+        dist = torch.distributed
+        if sharded and dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return None
 
     # ------------------------------------------------------------------- step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
