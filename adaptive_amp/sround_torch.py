@@ -29,6 +29,10 @@ from . import _native, _sround
 from ._native import FLOAT32, INT32
 
 _TAGS = (torch.Tag.nondeterministic_seeded,)
+try:
+    _is_compiling = torch.compiler.is_compiling
+except AttributeError:  # torch < 2.3
+    _is_compiling = torch._dynamo.is_compiling
 _SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _I64_LIMIT = 1 << 63
 
@@ -47,6 +51,16 @@ def _fp32(value: float) -> float:
         return float(np.float32(value))
 
 
+# The current stream as a raw handle, without building a torch.cuda.Stream per call.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(device: int) -> int:
+    if device == _native.CPU:
+        return 0
+    return _raw_stream(device) if _raw_stream is not None else _native.current_stream("torch", device)
+
+
 def _run(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, random_bits, return_amax, out) -> Tensor:
     """The eager body of both ops: describe, allocate amax, call the core."""
     code = _native.torch_dtype_code(dtype)
@@ -63,7 +77,7 @@ def _run(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, rand
         scale_ptr=scale.data_ptr() if scale is not None else 0,
         scale_value=_fp32(scale_value) if scale_value is not None else None,
         saturate=saturate, amax_ptr=amax.data_ptr() if return_amax else 0,
-        device=xa.device, stream=_native.current_stream("torch", xa.device))
+        device=xa.device, stream=_stream(xa.device))
     return amax
 
 
@@ -193,13 +207,24 @@ def stochastic_round(x: Tensor, dtype, *, generator=None, seed=None, offset=None
         else:
             seed_offset = torch.randint(0, _I64_LIMIT - 1, (2,), dtype=torch.int64, device=x.device,
                                         generator=generator)
+    # Plain eager calls skip the custom-op dispatch (tens of microseconds per
+    # call): the ops exist for torch.compile (which traces this function, so
+    # _is_compiling() is true there), for the straight-through gradient and for
+    # tensor subclasses (fake tensors, modes). The kernel call is the same.
+    direct = type(x) is Tensor and not _is_compiling() and not (ste and x.requires_grad and torch.is_grad_enabled())
     if out is not None:
         if ste:
             raise ValueError("out is not supported by stochastic_round_ste (autograd needs a fresh output)")
         _check_tensor_arg(out, "out", x, target)
-        amax = stochastic_round_out_op(x.detach(), target, seed, offset, seed_offset, scale_t, scale_value,
-                                       bool(saturate), random_bits, bool(return_amax), out)
+        args = (x.detach(), target, seed, offset, seed_offset, scale_t, scale_value, bool(saturate), random_bits,
+                bool(return_amax), out)
+        amax = _run(*args) if direct else stochastic_round_out_op(*args)
         return (out, amax) if return_amax else out
-    result, amax = stochastic_round_op(x if ste else x.detach(), target, seed, offset, seed_offset, scale_t,
-                                       scale_value, bool(saturate), random_bits, bool(return_amax))
+    if direct:
+        result = torch.empty(x.shape, dtype=target, device=x.device)
+        amax = _run(x.detach(), target, seed, offset, seed_offset, scale_t, scale_value, bool(saturate), random_bits,
+                    bool(return_amax), result)
+    else:
+        result, amax = stochastic_round_op(x if ste else x.detach(), target, seed, offset, seed_offset, scale_t,
+                                           scale_value, bool(saturate), random_bits, bool(return_amax))
     return (result, amax) if return_amax else result

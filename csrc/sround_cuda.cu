@@ -6,6 +6,10 @@
 // consecutive vectors, so each load and store instruction of a warp covers
 // one contiguous span, and Step::kUnroll vectors per thread are loaded before any
 // is computed. One Philox call yields the words of 4 consecutive elements.
+// The vector loop rounds with cheaper forms of the rule that are exact on
+// the common values (see "fast forms" below) and redoes a vector with the
+// full rule when one of its values is outside them; amax is a template
+// argument, so calls without it keep no running max.
 // Unaligned data (views with storage offsets) and the tail take a scalar
 // path, one Philox group per thread step. The random words depend only on
 // the element index, never on the thread that handles it, so both paths and
@@ -104,14 +108,159 @@ __device__ __forceinline__ void block_amax(unsigned m, float* amax) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// The vector loop's fast forms of the rule (sround_rule.h states it; the
+// forms below are checked against sround_element over every fp32 pattern).
+// Each turns kPack scaled values y (fp32 bits) and their random words into
+// one 32-bit word of output and sets `bad` when some value is outside the
+// set where the form is exact; the caller then redoes the whole vector with
+// sround_element, so specials, overflow and the rare tiny values cost
+// nothing on the common path. Outside NaN, the sign of y is the sign the
+// contract asks for (sign(x) XOR sign(scale)).
+//
+// Most forms add the random word's top bits to the fp32 pattern below the
+// cut: with F the 32-bit fraction and r the word, F + r carries out of 32
+// bits exactly when (low bits of y) + (r >> (32 - drop)) carries out of the
+// low `drop` bits, so truncating y + (r >> (32 - drop)) is RZ plus the carry.
+// Where the target's ulp is a fixed number of fp32 ulps (its normal range),
+// the truncation is a plain conversion toward zero, which the hardware does
+// for two elements in one instruction (cvt.rz for fp16; cvt.rn of a value
+// already cut to the grid, hence exact, for fp8).
+
+struct FastArgs {
+  float hi;  // bf16: |y| above it (or NaN) leaves the fast form
+};
+
+// 0 < |y| < lo (2 * |y| - 2 below 2 * lo - 2, unsigned; 0 wraps to the top): the
+// nonzero values below the fast form's range. One IMAD and one compare.
+__device__ __forceinline__ bool tiny_nonzero(unsigned y, unsigned lo) { return (y << 1) - 2u < (lo << 1) - 2u; }
+
+template <class Fmt, bool kHw>
+struct Fast;
+
+// v, as a value the compiler cannot see through. Used (1) on the seed once
+// per tile with 16-bit sources, so that the Philox key schedule is added up
+// per tile (18 adds shared by the tile's 4 groups) rather than hoisted out of
+// the loop into 18 live registers, which spill there (fp32 sources already
+// get the per-tile form); (2) on the inputs of the rare exact path, so
+// that its subexpressions are not shared with, and computed on, the common
+// path.
+__device__ __forceinline__ std::uint64_t opaque(std::uint64_t v) {
+  asm volatile("" : "+l"(v));
+  return v;
+}
+__device__ __forceinline__ uint4 opaque(uint4 v) {
+  asm volatile("" : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w));
+  return v;
+}
+
+// bf16 has fp32's exponent range: the cut is the same at every |y| (fp32
+// subnormals included), and with the sign bit left in place the top half of
+// y + (r >> 16) is the whole result. Exact for every |y| <= hi (inf included
+// unless saturating); only NaN and, with saturate, |y| > max leave.
+template <bool kHw>
+struct Fast<SrBF16, kHw> {
+  static constexpr int kPack = 2;
+  __device__ static unsigned word(const unsigned (&y)[2], const std::uint32_t (&r)[2], const FastArgs& fa, bool& bad) {
+    bad |= !(fabsf(__uint_as_float(y[0])) <= fa.hi) | !(fabsf(__uint_as_float(y[1])) <= fa.hi);
+    return __byte_perm(y[0] + (r[0] >> 16), y[1] + (r[1] >> 16), 0x7632);
+  }
+};
+
+// fp16: y + (r >> 19) converted toward zero, exact on the normal range up to
+// the largest finite value (and for +-0: the added bits stay far below the
+// smallest subnormal). Subnormal targets, values above 65504 (inf with
+// probability f, or saturation) and NaN leave.
+template <bool kHw>
+struct Fast<SrF16, kHw> {
+  static constexpr int kPack = 2;
+  __device__ static unsigned word(const unsigned (&y)[2], const std::uint32_t (&r)[2], const FastArgs&, bool& bad) {
+    constexpr unsigned kMinNormal = 0x38800000u;  // 2^-14
+#pragma unroll
+    for (int i = 0; i < 2; ++i) bad |= !(fabsf(__uint_as_float(y[i])) <= 65504.0f) | tiny_nonzero(y[i], kMinNormal);
+    const float z0 = __uint_as_float(y[0] + (r[0] >> 19)), z1 = __uint_as_float(y[1] + (r[1] >> 19));
+    unsigned out;
+    asm("cvt.rz.f16x2.f32 %0, %1, %2;" : "=r"(out) : "f"(z1), "f"(z0));
+    return out;
+  }
+};
+
+// Packs four magnitude patterns (< 0x80) with the signs of their y.
+__device__ __forceinline__ unsigned pack_fp8(const unsigned (&t)[4], const unsigned (&y)[4]) {
+  const unsigned mag = __byte_perm(__byte_perm(t[0], t[1], 0x0040), __byte_perm(t[2], t[3], 0x0040), 0x5410);
+  const unsigned sgn = __byte_perm(__byte_perm(y[0], y[1], 0x0073), __byte_perm(y[2], y[3], 0x0073), 0x5410);
+  return mag | (sgn & 0x80808080u);
+}
+
+// fp8 in integers (sround_magnitude_fast): exact for every |y| from 2^-17
+// (e4m3) / 2^-24 (e5m2) up to the largest finite value, subnormal targets
+// included, and for +-0. e4m3's subnormals are common in practice (|y| <
+// 2^-6), so this form serves e4m3 everywhere, and e5m2 where the GPU has no
+// fp8 conversion. Overflow leaves too (the exact rule clamps it), so no clamp
+// here.
+template <class Fmt>
+struct FastInt {
+  static constexpr int kPack = 4;
+  // |y| pattern of the largest finite value: RZ plus carry stays within it.
+  static constexpr unsigned kMaxBits =
+      (Fmt::kMax << (23 - Fmt::kMant)) + (static_cast<unsigned>(127 - Fmt::kBias) << 23);
+  __device__ static unsigned word(const unsigned (&y)[4], const std::uint32_t (&r)[4], const FastArgs&, bool& bad) {
+    unsigned t[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const unsigned na = ~y[i] & 0x7fffffffu;  // 0x7fffffff - |y|
+      bad |= (na < 0x7fffffffu - kMaxBits) | tiny_nonzero(y[i], SroundFast<Fmt>::kLo);
+      t[i] = sround_magnitude_fast_na<Fmt>(na, r[i]);
+    }
+    return pack_fp8(t, y);
+  }
+};
+
+template <bool kHw>
+struct Fast<SrE4M3, kHw> : FastInt<SrE4M3> {};
+
+// e5m2 with an fp8 conversion (sm_89+): y + (r >> 11) cut to the e5m2 grid
+// (low 21 bits cleared) is exactly representable, so the round-to-nearest
+// conversion returns it; normal range up to 57344 and +-0, as fp16 above.
+template <bool kHw>
+struct Fast<SrE5M2, kHw> : FastInt<SrE5M2> {};
+template <>
+struct Fast<SrE5M2, true> {
+  static constexpr int kPack = 4;
+  __device__ static unsigned word(const unsigned (&y)[4], const std::uint32_t (&r)[4], const FastArgs&, bool& bad) {
+    constexpr unsigned kMinNormal = 0x38800000u;  // 2^-14
+    float z[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      bad |= !(fabsf(__uint_as_float(y[i])) <= 57344.0f) | tiny_nonzero(y[i], kMinNormal);
+      z[i] = __uint_as_float((y[i] + (r[i] >> 11)) & ~0x1fffffu);
+    }
+    unsigned out;
+    asm("{\n\t.reg .b16 lo, hi;\n\t"
+        "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n\t"
+        "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n\t"
+        "mov.b32 %0, {lo, hi};\n\t}"
+        : "=r"(out) : "f"(z[0]), "f"(z[1]), "f"(z[2]), "f"(z[3]));
+    return out;
+  }
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr bool kHasFp8Cvt = true;
+#else
+constexpr bool kHasFp8Cvt = false;
+#endif
+
 // The kUnroll vectors base, base + kThreads, ... of one thread: all loads
 // first (16 elements and their random words in flight), then the rounding.
-template <class Src, class Fmt, bool kBits, bool kCheck>
+template <class Src, class Fmt, bool kBits, bool kAmax, bool kCheck>
 __device__ __forceinline__ void vector_tile(const uint4* __restrict__ xv, const uint4* __restrict__ rv,
                                             typename Step<Src, Fmt>::OutVec* __restrict__ ov, std::int64_t base,
                                             std::int64_t nvec, std::uint64_t seed, std::uint64_t offset, float s,
-                                            unsigned s_sign, bool saturate, unsigned& amax_bits) {
+                                            unsigned s_sign, bool saturate, const FastArgs& fa, unsigned& amax_bits) {
   using St = Step<Src, Fmt>;
+  using F = Fast<Fmt, kHasFp8Cvt>;
+  constexpr int kWords = St::kElems / F::kPack;
   union In {
     uint4 raw;
     typename Src::T e[St::kElems];
@@ -120,6 +269,7 @@ __device__ __forceinline__ void vector_tile(const uint4* __restrict__ xv, const 
     uint4 raw[St::kGroups];
     std::uint32_t w[St::kElems];
   } rnd[kBits ? St::kUnroll : 1];
+  if (!kBits && sizeof(typename Src::T) == 2) seed = opaque(seed);
 #pragma unroll
   for (int u = 0; u < St::kUnroll; ++u) {
     const std::int64_t v = base + u * kThreads;
@@ -136,6 +286,7 @@ __device__ __forceinline__ void vector_tile(const uint4* __restrict__ xv, const 
     const std::int64_t v = base + u * kThreads;
     if (!kCheck || v < nvec) {
       Rnd& r = rnd[kBits ? u : 0];
+      if (!kBits && sizeof(typename Src::T) == 2 && u > 0) seed = opaque(seed);
       if (!kBits) {
 #pragma unroll
         for (int k = 0; k < St::kGroups; ++k) {
@@ -145,18 +296,47 @@ __device__ __forceinline__ void vector_tile(const uint4* __restrict__ xv, const 
       }
       union {
         typename St::OutVec raw;
-        typename Fmt::T e[St::kElems];
+        unsigned word[kWords];
       } res;
+      bool bad = false;
 #pragma unroll
-      for (int e = 0; e < St::kElems; ++e) {
-        res.e[e] = round_one<Src, Fmt>(in[u].e[e], r.w[e], s, s_sign, saturate, amax_bits);
+      for (int w = 0; w < kWords; ++w) {
+        unsigned y[F::kPack];
+        std::uint32_t rw[F::kPack];
+#pragma unroll
+        for (int i = 0; i < F::kPack; ++i) {
+          const float xval = Src::load(in[u].e[w * F::kPack + i]);
+          if (kAmax) amax_bits = max(amax_bits, __float_as_uint(xval) & 0x7fffffffu);
+          y[i] = __float_as_uint(__fmul_rn(xval, s));
+          rw[i] = r.w[w * F::kPack + i];
+        }
+        res.word[w] = F::word(y, rw, fa, bad);
+      }
+      if (bad) {  // rare: a special, an overflow or a tiny value somewhere in the vector
+        // Whole words, built by shifts: writing single bytes or halves of
+        // `res` would make the compiler split every word on the common path.
+        constexpr int kPer = 4 / static_cast<int>(sizeof(typename Fmt::T));
+        unsigned unused = 0;
+        In xin;
+        xin.raw = opaque(in[u].raw);
+#pragma unroll
+        for (int w = 0; w < St::kElems / kPer; ++w) {
+          unsigned word = 0;
+#pragma unroll
+          for (int i = 0; i < kPer; ++i) {
+            const int e = w * kPer + i;
+            const unsigned t = round_one<Src, Fmt>(xin.e[e], r.w[e], s, s_sign, saturate, unused);
+            word |= t << (8 * static_cast<int>(sizeof(typename Fmt::T)) * i);
+          }
+          res.word[w] = word;
+        }
       }
       __stcs(ov + v, res.raw);
     }
   }
 }
 
-template <class Src, class Fmt, bool kBits>
+template <class Src, class Fmt, bool kBits, bool kAmax>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) sround_kernel(const KernelParams p) {
   using S = typename Src::T;
   using D = typename Fmt::T;
@@ -170,6 +350,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) sround_kernel(const Kern
   const float s = p.scale != nullptr ? *p.scale : p.scale_value;
   const unsigned s_sign = __float_as_uint(s) & 0x80000000u;
   const bool saturate = p.saturate;
+  FastArgs fa;
+  fa.hi = saturate ? __uint_as_float(SrBF16::kMax << 16) : __uint_as_float(0x7f800000u);
   const S* __restrict__ x = static_cast<const S*>(p.x);
   D* __restrict__ out = static_cast<D*>(p.out);
   const std::uint32_t* __restrict__ bits = p.bits;
@@ -185,10 +367,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) sround_kernel(const Kern
     std::int64_t base = blockIdx.x * tile + threadIdx.x;
     // Whole tiles need no bounds checks; the last one, if partial, does.
     for (; base + (St::kUnroll - 1) * kThreads < nvec; base += gridDim.x * tile) {
-      vector_tile<Src, Fmt, kBits, false>(xv, rv, ov, base, nvec, seed, offset, s, s_sign, saturate, amax_bits);
+      vector_tile<Src, Fmt, kBits, kAmax, false>(xv, rv, ov, base, nvec, seed, offset, s, s_sign, saturate, fa,
+                                                 amax_bits);
     }
     if (base < nvec) {
-      vector_tile<Src, Fmt, kBits, true>(xv, rv, ov, base, nvec, seed, offset, s, s_sign, saturate, amax_bits);
+      vector_tile<Src, Fmt, kBits, kAmax, true>(xv, rv, ov, base, nvec, seed, offset, s, s_sign, saturate, fa,
+                                                amax_bits);
     }
     first_group = nvec * St::kGroups;
   }
@@ -207,14 +391,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) sround_kernel(const Kern
     }
   }
 
-  if (p.amax != nullptr) block_amax(amax_bits, p.amax);
+  if (kAmax) block_amax(amax_bits, p.amax);
 }
 
 bool aligned(const void* ptr, unsigned bytes) { return reinterpret_cast<std::uintptr_t>(ptr) % bytes == 0; }
 
-template <class Src, class Fmt, bool kBits>
+template <class Src, class Fmt, bool kBits, bool kAmax>
 void launch(const KernelParams& p, cudaStream_t stream, int device) {
-  auto kernel = sround_kernel<Src, Fmt, kBits>;
+  auto kernel = sround_kernel<Src, Fmt, kBits, kAmax>;
   // Resident blocks per SM of this kernel, asked once per device.
   static std::atomic<int> resident[64];
   int blocks_per_sm = device < 64 ? resident[device].load(std::memory_order_relaxed) : 0;
@@ -237,7 +421,12 @@ void launch(const KernelParams& p, cudaStream_t stream, int device) {
 
 template <class Src, class Fmt>
 void launch_bits(const KernelParams& p, bool bits, cudaStream_t stream, int device) {
-  bits ? launch<Src, Fmt, true>(p, stream, device) : launch<Src, Fmt, false>(p, stream, device);
+  // amax is a template argument: without it the vector loop has no max to keep.
+  if (p.amax != nullptr) {
+    bits ? launch<Src, Fmt, true, true>(p, stream, device) : launch<Src, Fmt, false, true>(p, stream, device);
+  } else {
+    bits ? launch<Src, Fmt, true, false>(p, stream, device) : launch<Src, Fmt, false, false>(p, stream, device);
+  }
 }
 
 template <class Src>

@@ -85,4 +85,68 @@ AAMP_HD std::uint32_t sround_element(std::uint32_t y, std::uint32_t sign, std::u
   return ((sign >> 31) << (Fmt::kBits - 1)) | t;
 }
 
+// ---------------------------------------------------------------------------
+// A cheaper form of the same rule for the CUDA kernel's vector loop, exact on
+// the values where it is valid (the kernel sends every other value through
+// sround_element). It returns the magnitude pattern only (the caller adds
+// sign(y)) and works in 32-bit integers with no 64-bit shift:
+//
+// m is the number of fp32 mantissa bits below the target's ulp at |y| (kDrop
+// in the target's normal range, more below it). With X the significand of
+// |y| aligned so that its low m bits are the fraction (the exponent moved to
+// the target's bias in the normal range), F + r carries out of 32 bits
+// exactly when (X mod 2^m) + (r >> (32 - m)) carries out of m bits, so
+// t = (X + (r >> (32 - m))) >> m is RZ plus the carry, for any m <= 31.
+// Valid for finite |y| >= sround_fast_lo<Fmt>() (m <= 31) and for +-0 (the
+// clamped shift yields 0); the caller clamps t to its limit (overflow is
+// exact that way: RZ plus carry beyond the limit is the limit) and sends NaN,
+// inf and the nonzero values below sround_fast_lo (m >= 32, where F needs
+// more than 32 bits of alignment) to sround_element.
+template <class Fmt>
+struct SroundFast {
+  static constexpr int kDrop = 23 - Fmt::kMant;
+  static constexpr int kMTop = kDrop + 128 - Fmt::kBias;  // m = max(kMTop - e, kDrop), e the fp32 exponent field
+  // X = a + ((m - kDrop) << 23) - rebias = a + (m << 23) - kXOff (mod 2^32).
+  static constexpr std::uint32_t kXOff = (static_cast<std::uint32_t>(kDrop) << 23) +
+                                         (static_cast<std::uint32_t>(127 - Fmt::kBias) << 23);
+  static constexpr std::uint32_t kLo = static_cast<std::uint32_t>(kMTop - 31) << 23;  // smallest a with m <= 31
+};
+
+// r >> (32 - m) for m in [1, 31] (any value otherwise): the high word of
+// (0:r) << m, one funnel shift on the device.
+AAMP_HD std::uint32_t sround_high_bits(std::uint32_t r, std::uint32_t m) {
+#if defined(__CUDA_ARCH__)
+  return __funnelshift_l(r, 0u, m);
+#else
+  return static_cast<std::uint32_t>((static_cast<std::uint64_t>(r) << (m & 31u)) >> 32);
+#endif
+}
+
+// z >> m, 0 for m >= 32 (a clamped funnel shift on the device).
+AAMP_HD std::uint32_t sround_shr_clamp(std::uint32_t z, std::uint32_t m) {
+#if defined(__CUDA_ARCH__)
+  return __funnelshift_rc(z, 0u, m);
+#else
+  return m >= 32u ? 0u : z >> m;
+#endif
+}
+
+// na = 0x7fffffff - |y| bits (|y| finite), the complement of the magnitude
+// (one LOP3 from y, and no negation later): the magnitude of SR(y, r)
+// before the limit clamp.
+template <class Fmt>
+AAMP_HD std::uint32_t sround_magnitude_fast_na(std::uint32_t na, std::uint32_t r) {
+  using K = SroundFast<Fmt>;
+  const int mi = static_cast<int>(na >> 23) + (K::kMTop - 255);  // kMTop - e
+  const std::uint32_t m = static_cast<std::uint32_t>(mi > K::kDrop ? mi : K::kDrop);
+  const std::uint32_t z = (m << 23) + (sround_high_bits(r, m) - na + (0x7fffffffu - K::kXOff));
+  return sround_shr_clamp(z, m);
+}
+
+// a = |y| bits (finite).
+template <class Fmt>
+AAMP_HD std::uint32_t sround_magnitude_fast(std::uint32_t a, std::uint32_t r) {
+  return sround_magnitude_fast_na<Fmt>(a ^ 0x7fffffffu, r);
+}
+
 }  // namespace aamp
