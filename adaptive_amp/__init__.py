@@ -17,12 +17,16 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
 
 from .ops import UNSCALE_CHUNK, unscale_and_check_, update_scale_
 from .ops import stochastic_round, stochastic_round_ste
+from .ops import tensor_stats
+from .stats import TensorStats
+from . import debug  # noqa: E402  (torch is imported inside its functions)
 
 __version__ = "0.1.0"
 
 __all__ = ["GradScaler", "UNSCALE_CHUNK", "build_info", "cuda_available", "unscale_and_check_", "update_scale_",
            "__version__"]
 __all__ += ["stochastic_round", "stochastic_round_ste"]
+__all__ += ["tensor_stats", "TensorStats", "debug"]
 
 # Modules that need torch load on first use, so `import adaptive_amp` works with numpy alone.
 _LAZY = {"GradScaler": "scaler"}

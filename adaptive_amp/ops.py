@@ -297,3 +297,55 @@ def stochastic_round_ste(x, dtype, *, generator=None, seed=None, offset=None, sc
         raise TypeError(f"x is a {type(x).__name__}; stochastic_round_ste needs a torch tensor (autograd)")
     return sround_torch.stochastic_round(x, dtype, generator=generator, seed=seed, offset=offset, scale=scale,
                                          saturate=saturate, random_bits=random_bits, ste=True)
+
+
+# --------------------------------------------------------------------------- tensor statistics
+# Argument handling and the TensorStats result live in stats.py.
+
+
+def tensor_stats(tensors, *, fmt=None, scale=None, names=None):
+    """Per-tensor statistics of many tensors in one pass: one launch, results kept on the device.
+
+    Args:
+        tensors: arrays of one device (torch tensors on the CPU or a CUDA GPU,
+            numpy arrays, DLPack arrays), contiguous, float32, float16 or
+            bfloat16 in any mix; empty and 0-dim ones are fine.
+        fmt: a target format to measure against: ``"float16"``,
+            ``"bfloat16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` or the torch
+            dtype. Adds ``overflow_count``, ``underflow_count`` and
+            ``subnormal_count``.
+        scale: with ``fmt``, multiply by this before measuring against the
+            format (as a scaled cast would): a number, a 1-element float32
+            array on the tensors' device, or a float32 array with one value
+            per tensor (read on the device, no synchronization).
+        names: one label per tensor, for ``table()``.
+
+    Returns:
+        A :class:`~adaptive_amp.stats.TensorStats`. Per tensor: ``numel``,
+        ``nan_count``, ``inf_count``, ``zero_count``, ``min``, ``max``,
+        ``amax``, ``min_abs_nonzero``, ``mean``, ``std`` (correction 1, as
+        ``torch.std``), ``l2_norm``, ``dynamic_range`` (``log2(amax /
+        min_abs_nonzero)``) and, with ``fmt``, the format counts.
+
+    Semantics:
+        * Value statistics are over the finite elements; NaN and +-inf are
+          only counted. A statistic with nothing to measure is NaN: every
+          value statistic of a tensor without finite elements, ``std`` with
+          fewer than two, ``min_abs_nonzero`` and ``dynamic_range`` without a
+          finite nonzero element.
+        * With ``y = float32(x * scale)`` (the fp32 product, round to nearest
+          even), over finite x: ``overflow_count`` counts ``|y|`` above the
+          format's largest finite value (also when a value would round down
+          to it, and when the product overflows fp32); ``underflow_count``
+          counts nonzero x (with a nonzero scale) whose y becomes +-0 when
+          cast to the format with round-to-nearest-even;
+          ``subnormal_count`` counts y whose cast is a nonzero subnormal.
+        * Deterministic: bitwise the same results on every run and whatever
+          the thread count. Counts and extrema are exact; mean and std are
+          accumulated in fp64 across chunks from sums shifted by each
+          tensor's first element, so they stay accurate for large tensors
+          and for ``|mean| >> std``.
+    """
+    from . import stats
+
+    return stats.compute(tensors, fmt=fmt, scale=scale, names=names)

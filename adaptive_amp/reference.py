@@ -179,3 +179,73 @@ def stochastic_round(x, dtype, *, random_bits=None, seed=None, offset=None, scal
     mag = torch.where(torch.isinf(a), float("inf") if has_inf else float("nan"), mag)
     mag = torch.where(torch.isnan(a), float("nan"), mag)
     return torch.where(negative, -mag, mag).float().to(target)
+
+
+# --------------------------------------------------------------------------- tensor statistics
+# largest finite value, smallest normal value
+_STATS_FORMATS = {
+    "float16": (65504.0, 2.0**-14),
+    "bfloat16": (3.3895313892515355e38, 2.0**-126),
+    "float8_e4m3fn": (448.0, 2.0**-6),
+    "float8_e5m2": (57344.0, 2.0**-14),
+}
+
+
+def tensor_stats(tensors, *, fmt=None, scale=None, names=None):
+    """Twin of :func:`adaptive_amp.ops.tensor_stats`: the same statistics as a dict of lists.
+
+    One tensor at a time, in float64. The format counts use torch's own
+    round-to-nearest-even cast of the fp32 product ``x * scale`` rather than
+    thresholds, so they check the kernels' thresholds independently.
+    ``names`` is accepted for signature parity and not used.
+    """
+    import math
+
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    name = None if fmt is None else (fmt if isinstance(fmt, str) else str(fmt)).replace("torch.", "")
+    if name is not None and name not in _STATS_FORMATS:
+        raise ValueError(f"fmt is {fmt!r}; expected one of {', '.join(_STATS_FORMATS)}")
+    keys = ["numel", "nan_count", "inf_count", "zero_count", "min", "max", "amax", "min_abs_nonzero", "mean", "std",
+            "l2_norm", "dynamic_range"]
+    if name is not None:
+        keys += ["overflow_count", "underflow_count", "subnormal_count"]
+    out = {k: [] for k in keys}
+    nan = float("nan")
+    for i, t in enumerate(tensors):
+        x = t.detach().reshape(-1)
+        x64 = x.double()
+        finite = torch.isfinite(x64)
+        v = x64[finite]
+        n = v.numel()
+        nonzero = v[v != 0].abs()
+        out["numel"].append(x.numel())
+        out["nan_count"].append(int(torch.isnan(x64).sum()))
+        out["inf_count"].append(int(torch.isinf(x64).sum()))
+        out["zero_count"].append(int((x64 == 0).sum()))
+        out["min"].append(float(v.min()) if n else nan)
+        out["max"].append(float(v.max()) if n else nan)
+        amax = float(v.abs().max()) if n else nan
+        man = float(nonzero.min()) if nonzero.numel() else nan
+        out["amax"].append(amax)
+        out["min_abs_nonzero"].append(man)
+        out["mean"].append(float(v.mean()) if n else nan)
+        out["std"].append(float(v.std(correction=1)) if n > 1 else nan)
+        out["l2_norm"].append(float(torch.linalg.vector_norm(v)) if n else nan)
+        out["dynamic_range"].append(math.log2(amax / man) if nonzero.numel() else nan)
+        if name is None:
+            continue
+        if scale is None:
+            s = torch.tensor(1.0)
+        elif isinstance(scale, torch.Tensor):
+            flat = scale.detach().reshape(-1).float().cpu()
+            s = flat[i] if flat.numel() > 1 else flat[0]
+        else:
+            s = torch.tensor(scale, dtype=torch.float32)
+        s = s.float().to(x.device)
+        y = x.float() * s  # the fp32 product, rounded once
+        cast = y.to(getattr(torch, name)).double()
+        fmt_max, smallest_normal = _STATS_FORMATS[name]
+        out["overflow_count"].append(int((finite & (y.double().abs() > fmt_max)).sum()))
+        out["underflow_count"].append(int((finite & (x64 != 0) & (s != 0) & (cast == 0)).sum()))
+        out["subnormal_count"].append(int((finite & (cast != 0) & (cast.abs() < smallest_normal)).sum()))
+    return out

@@ -12,6 +12,7 @@
 #include "dlpack_abi.h"
 #include "scale_update.h"
 #include "sround.h"
+#include "stats.h"
 #include "unscale.h"
 
 namespace py = pybind11;
@@ -255,6 +256,35 @@ void stochastic_round(std::uintptr_t x, std::int64_t numel, int x_dtype, std::ui
   aamp::stochastic_round(a);
 }
 
+// Per-tensor statistics (csrc/stats.h). format < 0: none; scale == 0 and
+// !has_scale_value: no scale.
+void tensor_stats(const std::vector<std::uintptr_t>& ptrs, const std::vector<std::int64_t>& numels,
+                  const std::vector<int>& dtypes, int format, std::uintptr_t scale, bool scale_per_tensor,
+                  bool has_scale_value, float scale_value, std::uintptr_t out, std::uintptr_t workspace,
+                  std::size_t workspace_bytes, int device, std::uintptr_t stream) {
+  aamp::StatsArgs a;
+  a.tensors = tensor_refs(ptrs, numels, dtypes);
+  a.has_format = format >= 0;
+  if (a.has_format) a.format = aamp::dtype_from_code(format, "format");
+  a.scale = as_ptr<const float>(scale);
+  a.scale_per_tensor = scale_per_tensor;
+  a.has_scale_value = has_scale_value;
+  a.scale_value = scale_value;
+  a.out = as_ptr<double>(out);
+  a.workspace = as_ptr<void>(workspace);
+  a.workspace_bytes = workspace_bytes;
+  a.place.device = device;
+  a.place.stream = stream;
+  py::gil_scoped_release release;
+  aamp::tensor_stats(a);
+}
+
+std::size_t stats_workspace_bytes(const std::vector<std::int64_t>& numels) {
+  std::vector<aamp::TensorRef> refs(numels.size());
+  for (std::size_t i = 0; i < numels.size(); ++i) refs[i].numel = numels[i];
+  return aamp::stats_workspace_bytes(refs);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -311,4 +341,15 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out_numel"), py::arg("out_dtype"), py::arg("bits"), py::arg("bits_numel"), py::arg("bits_dtype"),
         py::arg("seed"), py::arg("offset"), py::arg("seed_offset"), py::arg("scale"), py::arg("has_scale_value"),
         py::arg("scale_value"), py::arg("saturate"), py::arg("amax"), py::arg("device"), py::arg("stream"));
+
+  m.attr("STATS_CHUNK") = aamp::kStatsChunk;
+  {
+    py::tuple fields(static_cast<std::size_t>(aamp::kStatFields));
+    for (int i = 0; i < aamp::kStatFields; ++i) fields[i] = aamp::kStatFieldNames[i];
+    m.attr("STATS_FIELDS") = fields;
+  }
+  m.def("stats_workspace_bytes", &stats_workspace_bytes, py::arg("numels"));
+  m.def("tensor_stats", &tensor_stats, py::arg("ptrs"), py::arg("numels"), py::arg("dtypes"), py::arg("format"),
+        py::arg("scale"), py::arg("scale_per_tensor"), py::arg("has_scale_value"), py::arg("scale_value"),
+        py::arg("out"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("device"), py::arg("stream"));
 }

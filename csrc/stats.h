@@ -1,0 +1,141 @@
+// Op family: per-tensor statistics of many tensors in one pass.
+//
+// Contract (CPU and CUDA implementations have the same semantics; the
+// counts, min, max, amax and min_abs_nonzero are exact and identical on both,
+// mean, std and l2_norm agree to rounding):
+//
+//   for every tensor t of the list, with x its elements as fp32 (exact for
+//   fp16 and bf16) and F the finite ones, out[t * kStatFields + field] is
+//
+//     numel            number of elements
+//     nan_count        elements that are NaN
+//     inf_count        elements that are +-inf
+//     zero_count       elements that are +-0
+//     min, max         smallest / largest value of F
+//     amax             largest |x| of F
+//     min_abs_nonzero  smallest nonzero |x| of F
+//     mean             mean of F
+//     std              standard deviation of F with correction 1 (as torch.std)
+//     l2_norm          sqrt(sum of x^2 over F)
+//     dynamic_range    log2(amax / min_abs_nonzero)
+//   and, with a format (float16, bfloat16, float8_e4m3fn, float8_e5m2; M its
+//   largest finite value), per x in F, with y = fp32(x * s) (the fp32
+//   product, round to nearest even; s the tensor's scale, 1 without one):
+//     overflow_count   |y| > M (including a product that overflows fp32)
+//     underflow_count  x != 0, s != 0, and y cast to the format with round to
+//                      nearest even is +-0
+//     subnormal_count  y cast to the format is a nonzero subnormal
+//   (written as 0 without a format).
+//
+//   A value statistic with nothing to measure is NaN: min, max, amax, mean
+//   and l2_norm when F is empty, std when F has fewer than two elements,
+//   min_abs_nonzero and dynamic_range when F has no nonzero element. All
+//   fields are fp64; counts are exact integers.
+//
+//   * The scale is none, one value for every tensor (a host number, or one
+//     fp32 value in the memory of the place), or one fp32 value per tensor in
+//     the memory of the place: read there, no host sync. A non-finite or zero
+//     scale is allowed (x * inf overflows; nothing underflows).
+//   * tensors: float32, float16 or bfloat16, any mix; views at any element
+//     alignment; empty ones get numel 0 and NaN statistics.
+//   * Deterministic: every tensor is cut into fixed chunks of kStatsChunk
+//     elements; each chunk's partial results are reduced in a fixed order,
+//     then per tensor in chunk order, so results are bitwise the same run to
+//     run and independent of thread and block counts. Counts and extrema are
+//     integer reductions (order-free). Moments: small groups of elements
+//     (a GPU thread's share of a chunk, a CPU block) sum x - pivot in fp32,
+//     the pivot being one of the group's own elements; a group whose sums
+//     cannot be trusted (a NaN or inf, squares that overflow or underflow
+//     fp32, or a pivot far from the group's mean, i.e. cancellation) is
+//     summed again in fp64. Groups become (count, mean, M2) in fp64 and merge
+//     with Chan's formula, so std stays accurate for large tensors, for
+//     |mean| >> std and next to outliers.
+//   * The caller provides `workspace` of stats_workspace_bytes(...) bytes and
+//     `out` of tensors.size() * kStatFields doubles (the core allocates
+//     nothing). Nothing is written before every argument is validated;
+//     errors name the argument (tensors[i], format, scale, out, workspace).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core.h"
+
+namespace aamp {
+
+// The columns of `out`, in order. Part of the binding ABI: only append.
+enum StatField : int {
+  kStatNumel = 0,
+  kStatNanCount,
+  kStatInfCount,
+  kStatZeroCount,
+  kStatMin,
+  kStatMax,
+  kStatAmax,
+  kStatMinAbsNonzero,
+  kStatMean,
+  kStatStd,
+  kStatL2Norm,
+  kStatDynamicRange,
+  kStatOverflowCount,
+  kStatUnderflowCount,
+  kStatSubnormalCount,
+  kStatFields
+};
+
+// Their names, as the Python API shows them (index = StatField).
+extern const char* const kStatFieldNames[kStatFields];
+
+struct StatsArgs {
+  std::vector<TensorRef> tensors;
+  bool has_format = false;
+  DType format = DType::kFloat16;  // with has_format: float16, bfloat16, float8_e4m3fn or float8_e5m2
+  const float* scale = nullptr;    // place memory: 1 value, or one per tensor with scale_per_tensor
+  bool scale_per_tensor = false;
+  bool has_scale_value = false;    // a host number instead (exclusive with scale)
+  float scale_value = 1.0f;
+  double* out = nullptr;           // tensors.size() * kStatFields, place memory
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+  Place place;
+};
+
+// Elements per chunk: the unit of parallel work and of the deterministic
+// partial reduction.
+constexpr std::int64_t kStatsChunk = 16384;
+
+// Workspace slots per chunk: the CUDA kernel keeps one partial per warp (no
+// block-wide barrier on the hot path), the CPU one per chunk.
+constexpr int kStatsPartialsPerChunk = 16;
+
+// The partial results of one warp (CUDA) or one chunk (CPU). Moments are of
+// the finite x: their count, mean and sum of squared deviations from the mean
+// (M2), merged with Chan et al.'s formula. Extrema are kept as integer keys so
+// that they reduce exactly in any order: min_key/max_key order floats
+// (-0 < +0), abs_key is 2*|x|bits - 2 (unsigned, so zeros wrap to the top
+// and never win a min).
+struct StatsPartial {
+  double mean;
+  double m2;
+  std::uint32_t count;  // finite elements
+  std::uint32_t zero, nan, inf;
+  std::uint32_t at_most_lo;  // finite x with |y| <= half the smallest subnormal of the format
+  std::uint32_t below_hi;    // finite x with |y| below the subnormal/normal rounding boundary
+  std::uint32_t over;        // finite x with |y| > M
+  std::int32_t min_key, max_key;
+  std::uint32_t abs_key;
+};
+
+std::size_t stats_workspace_bytes(const std::vector<TensorRef>& tensors);
+
+bool is_stats_format(DType t);
+
+// Validates everything; throws before any write.
+void validate_stats(const StatsArgs& a);
+
+void tensor_stats(const StatsArgs& a);  // validates, then dispatches
+
+void tensor_stats_cpu(const StatsArgs& a);
+void tensor_stats_cuda(const StatsArgs& a);
+
+}  // namespace aamp

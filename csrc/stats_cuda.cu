@@ -1,0 +1,395 @@
+// CUDA implementation of the statistics family (contract in stats.h).
+//
+// Stage 1: one block per chunk of kStatsChunk elements, 16-byte vector loads
+// when the tensor is aligned (a scalar path otherwise). Each thread first
+// takes a lean fast path that assumes what nearly all data satisfy (finite
+// values whose squares neither overflow nor underflow fp32, and a pivot, an
+// element next to the thread's own, near their mean): fp32 sums of x - pivot,
+// float min/max, integer counts. A thread whose elements break that
+// assumption (fp32_sums_trusted) visits them again with every special handled
+// and fp64 sums. Each warp then reduces its threads in a fixed order (integer
+// reductions for counts and extrema, a shuffle tree of Chan merges for the
+// moments) and writes one partial; no block barrier on the hot path.
+// Stage 2: one block per tensor merges its partials in a fixed order and
+// writes the final statistics (stats_math.h), so one transfer reads them all.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda_utils.cuh"
+#include "multi_tensor.cuh"
+#include "stats.h"
+#include "stats_math.h"
+
+namespace aamp {
+
+namespace {
+
+#ifndef AAMP_STATS_THREADS
+#define AAMP_STATS_THREADS 256
+#endif
+#ifndef AAMP_STATS_UNROLL
+#define AAMP_STATS_UNROLL 4
+#endif
+// Build-time knobs for tuning sweeps (ADAPTIVE_AMP_NVCC_FLAGS).
+constexpr int kThreads = AAMP_STATS_THREADS;
+constexpr int kUnroll = AAMP_STATS_UNROLL;  // 16-byte loads in flight per thread
+constexpr int kWarps = kThreads / 32;
+static_assert(kWarps <= kStatsPartialsPerChunk, "workspace holds kStatsPartialsPerChunk partials a chunk");
+constexpr int kAnyDType = -1;
+
+struct F32 {
+  using T = float;
+  __device__ static float load(T v) { return v; }
+};
+
+struct F16 {
+  using T = unsigned short;
+  __device__ static float load(T v) { return __half2float(__ushort_as_half(v)); }
+};
+
+struct BF16 {
+  using T = unsigned short;
+  __device__ static float load(T v) { return __uint_as_float(static_cast<unsigned>(v) << 16); }
+};
+
+template <class E>
+union Vec16 {
+  uint4 raw;
+  typename E::T e[16 / sizeof(typename E::T)];
+};
+
+// Calls f(value) for this thread's elements of a chunk. The assignment of
+// elements to threads depends only on n and the alignment, never on timing.
+template <class E, class F>
+__device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, int n, F& f) {
+  using T = typename E::T;
+  constexpr int kPer = 16 / sizeof(T);
+  int done = 0;
+  if ((reinterpret_cast<std::uintptr_t>(x) & 15u) == 0) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const int nvec = n / kPer;
+    for (int base = threadIdx.x; base < nvec; base += kThreads * kUnroll) {
+      Vec16<E> v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int idx = base + u * kThreads;
+        if (idx < nvec) v[u].raw = __ldg(xv + idx);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * kThreads < nvec) {
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) f(E::load(v[u].e[k]));
+        }
+      }
+    }
+    done = nvec * kPer;
+  }
+  for (int i = done + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
+}
+
+// How many elements for_each gives this thread, and the index of an element
+// next to them (the pivot of its sums).
+template <class E>
+__device__ __forceinline__ int thread_share(const typename E::T* x, int n, int& pivot_index) {
+  constexpr int kPer = 16 / sizeof(typename E::T);
+  const int tid = threadIdx.x;
+  const bool aligned = (reinterpret_cast<std::uintptr_t>(x) & 15u) == 0;
+  const int nvec = aligned ? n / kPer : 0;
+  const int done = nvec * kPer;
+  const int vecs = tid < nvec ? (nvec - 1 - tid) / kThreads + 1 : 0;
+  const int tail = tid < n - done ? (n - done - 1 - tid) / kThreads + 1 : 0;
+  pivot_index = min(aligned ? tid * kPer : tid, n - 1);
+  return vecs * kPer + tail;
+}
+
+// The fast path: assumes finite values (checked afterwards through ss).
+template <bool kFmt>
+struct Fast {
+  float pivot, scale;
+  FormatLimits lim;
+  float s = 0.0f, ss = 0.0f;
+  float mn = INFINITY, mx = -INFINITY;
+  unsigned ak = 0xffffffffu, zero = 0, lo = 0, hi = 0, over = 0;
+
+  __device__ Fast(float p, float sc, FormatLimits l) : pivot(p), scale(sc), lim(l) {}
+
+  __device__ __forceinline__ void operator()(float v) {
+    mn = fminf(mn, v);
+    mx = fmaxf(mx, v);
+    ak = min(ak, abs_key(__float_as_uint(v)));
+    zero += v == 0.0f;
+    const float d = v - pivot;
+    s += d;
+    ss = fmaf(d, d, ss);
+    if (kFmt) {
+      const float ay = fabsf(v * scale);
+      lo += ay <= lim.lo;
+      hi += ay < lim.hi;
+      over += ay > lim.max;  // NaN (0 * inf) compares false
+    }
+  }
+
+  __device__ __forceinline__ bool trusted(int n) const {
+    const float amax = fmaxf(-mn, mx);  // -inf for a thread without elements
+    return fp32_sums_trusted(s, ss, static_cast<double>(n), amax);
+  }
+
+  __device__ __forceinline__ StatsPartial partial(int n) const {
+    StatsPartial p;
+    moments_from_sums(static_cast<double>(n), pivot, s, ss, p.mean, p.m2);
+    p.count = n;
+    p.zero = zero;
+    p.nan = 0;
+    p.inf = 0;
+    p.at_most_lo = lo;
+    p.below_hi = hi;
+    p.over = over;
+    p.min_key = order_key(__float_as_uint(mn));
+    p.max_key = order_key(__float_as_uint(mx));
+    p.abs_key = ak;
+    return p;
+  }
+};
+
+// The careful path: every special, fp64 sums.
+template <bool kFmt>
+struct Careful {
+  float pivot, scale;
+  FormatLimits lim;
+  double s = 0.0, ss = 0.0;
+  StatsPartial p;
+
+  __device__ Careful(float pv, float sc, FormatLimits l) : pivot(pv), scale(sc), lim(l) {
+    p.count = p.zero = p.nan = p.inf = p.at_most_lo = p.below_hi = p.over = 0;
+    p.min_key = 0x7fffffff;
+    p.max_key = static_cast<int>(0x80000000u);
+    p.abs_key = 0xffffffffu;
+  }
+
+  __device__ void operator()(float v) {
+    const unsigned u = __float_as_uint(v);
+    const unsigned a = u & 0x7fffffffu;
+    if (a >= 0x7f800000u) {
+      p.nan += a > 0x7f800000u;
+      p.inf += a == 0x7f800000u;
+      return;
+    }
+    p.count += 1;
+    p.zero += a == 0;
+    p.min_key = min(p.min_key, order_key(u));
+    p.max_key = max(p.max_key, order_key(u));
+    p.abs_key = min(p.abs_key, abs_key(u));
+    const double d = static_cast<double>(v) - pivot;
+    s += d;
+    ss = fma(d, d, ss);
+    if (kFmt) {
+      const float ay = fabsf(v * scale);
+      p.at_most_lo += ay <= lim.lo;
+      p.below_hi += ay < lim.hi;
+      p.over += ay > lim.max;
+    }
+  }
+
+  __device__ StatsPartial partial() {
+    moments_from_sums(static_cast<double>(p.count), pivot, s, ss, p.mean, p.m2);
+    return p;
+  }
+};
+
+// Warp-wide reduction in a fixed order. Valid in lane 0.
+__device__ __forceinline__ void warp_reduce(StatsPartial& p) {
+  constexpr unsigned kAll = 0xffffffffu;
+  double n = p.count;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const double n_b = __shfl_down_sync(kAll, n, o);
+    const double mean_b = __shfl_down_sync(kAll, p.mean, o);
+    const double m2_b = __shfl_down_sync(kAll, p.m2, o);
+    merge_moments(n, p.mean, p.m2, n_b, mean_b, m2_b);
+  }
+  p.count = __reduce_add_sync(kAll, p.count);
+  p.zero = __reduce_add_sync(kAll, p.zero);
+  p.nan = __reduce_add_sync(kAll, p.nan);
+  p.inf = __reduce_add_sync(kAll, p.inf);
+  p.at_most_lo = __reduce_add_sync(kAll, p.at_most_lo);
+  p.below_hi = __reduce_add_sync(kAll, p.below_hi);
+  p.over = __reduce_add_sync(kAll, p.over);
+  p.min_key = __reduce_min_sync(kAll, p.min_key);
+  p.max_key = __reduce_max_sync(kAll, p.max_key);
+  p.abs_key = __reduce_min_sync(kAll, p.abs_key);
+}
+
+struct ScaleArg {
+  const float* ptr;  // place memory, or null
+  int stride;        // 1: one per tensor (ptr already at this launch's first tensor), 0: one for all
+  float value;       // without ptr
+  __device__ __forceinline__ float of(int t) const { return ptr != nullptr ? ptr[t * stride] : value; }
+};
+
+template <class E, bool kFmt>
+__device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restrict__ x, int n, float scale,
+                                                  FormatLimits lim) {
+  int at;
+  const int share = thread_share<E>(x, n, at);
+  const float pivot = stats_pivot(E::load(x[at]));
+  Fast<kFmt> fast(pivot, scale, lim);
+  for_each<E>(x, n, fast);
+  if (fast.trusted(share)) return fast.partial(share);
+  Careful<kFmt> careful(pivot, scale, lim);
+  for_each<E>(x, n, careful);
+  return careful.partial();
+}
+
+template <class Table, bool kFmt, int kOnly>
+__global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
+    stats_kernel(const __grid_constant__ Table table, ScaleArg scale, FormatLimits lim,
+                 StatsPartial* __restrict__ partials) {
+  const unsigned total = table.chunk_begin[table.count];
+  for (unsigned c = blockIdx.x; c < total; c += gridDim.x) {
+    const int t = table_find(table, c);
+    const unsigned local = c - table.chunk_begin[t];
+    const unsigned last = table.chunk_begin[t + 1] - table.chunk_begin[t] - 1;
+    const unsigned meta = table.meta[t];
+    const int n = local == last ? static_cast<int>(meta >> 4) + 1 : static_cast<int>(kStatsChunk);
+    const std::int64_t offset = static_cast<std::int64_t>(local) * kStatsChunk;
+    const unsigned dtype = kOnly == kAnyDType ? (meta & 15u) : static_cast<unsigned>(kOnly);
+    const float s = kFmt ? scale.of(t) : 1.0f;
+    StatsPartial p;
+    switch (static_cast<DType>(dtype)) {
+      case DType::kFloat32: {
+        const float* x = static_cast<const float*>(table.data[t]);
+        p = run_chunk<F32, kFmt>(x + offset, n, s, lim);
+        break;
+      }
+      case DType::kFloat16: {
+        const unsigned short* x = static_cast<const unsigned short*>(table.data[t]);
+        p = run_chunk<F16, kFmt>(x + offset, n, s, lim);
+        break;
+      }
+      default: {
+        const unsigned short* x = static_cast<const unsigned short*>(table.data[t]);
+        p = run_chunk<BF16, kFmt>(x + offset, n, s, lim);
+        break;
+      }
+    }
+    warp_reduce(p);
+    if ((threadIdx.x & 31) == 0) partials[static_cast<std::size_t>(c) * kWarps + (threadIdx.x >> 5)] = p;
+  }
+}
+
+__device__ __forceinline__ StatsTotals shfl_down(const StatsTotals& t, int o) {
+  constexpr unsigned kAll = 0xffffffffu;
+  StatsTotals q;
+  q.n = __shfl_down_sync(kAll, t.n, o);
+  q.mean = __shfl_down_sync(kAll, t.mean, o);
+  q.m2 = __shfl_down_sync(kAll, t.m2, o);
+  q.zero = __shfl_down_sync(kAll, t.zero, o);
+  q.nan = __shfl_down_sync(kAll, t.nan, o);
+  q.inf = __shfl_down_sync(kAll, t.inf, o);
+  q.at_most_lo = __shfl_down_sync(kAll, t.at_most_lo, o);
+  q.below_hi = __shfl_down_sync(kAll, t.below_hi, o);
+  q.over = __shfl_down_sync(kAll, t.over, o);
+  q.min_key = __shfl_down_sync(kAll, t.min_key, o);
+  q.max_key = __shfl_down_sync(kAll, t.max_key, o);
+  q.abs_key = __shfl_down_sync(kAll, t.abs_key, o);
+  return q;
+}
+
+// One block per tensor: its partials in a fixed order (each thread a fixed
+// stride of them, then a shuffle tree, then the warps in order), and the
+// final statistics. Empty tensors get their row too.
+template <class Table, bool kFmt>
+__global__ void __launch_bounds__(kThreads)
+    stats_finish_kernel(const __grid_constant__ Table table, ScaleArg scale, const StatsPartial* __restrict__ partials,
+                        double* __restrict__ out) {
+  const int t = blockIdx.x;
+  const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
+  StatsTotals tot;
+  const std::size_t last = static_cast<std::size_t>(end) * kWarps;
+  for (std::size_t p = static_cast<std::size_t>(begin) * kWarps + threadIdx.x; p < last; p += kThreads) {
+    tot.add(partials[p]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) tot.add(shfl_down(tot, o));
+  __shared__ alignas(StatsTotals) unsigned char raw[sizeof(StatsTotals) * kWarps];
+  StatsTotals* s_tot = reinterpret_cast<StatsTotals*>(raw);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) s_tot[warp] = tot;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) tot.add(s_tot[w]);
+    const unsigned meta = table.meta[t];
+    const long long chunks = end - begin;
+    const long long numel = chunks > 0 ? (chunks - 1) * kStatsChunk + static_cast<long long>(meta >> 4) + 1 : 0;
+    finalize_stats(tot, numel, kFmt ? scale.of(t) : 1.0f, kFmt, out + static_cast<std::size_t>(t) * kStatFields);
+  }
+}
+
+template <class Table, bool kFmt, int kOnly>
+void launch(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* partials, double* out,
+            cudaStream_t stream, int device) {
+  const unsigned total = table.chunk_begin[table.count];
+  if (total > 0) {
+    // One block per chunk up to a cap; the kernel loops past it.
+    const unsigned cap = static_cast<unsigned>(multiprocessor_count(device)) * 256u;
+    stats_kernel<Table, kFmt, kOnly><<<std::min(total, cap), kThreads, 0, stream>>>(table, scale, lim, partials);
+    AAMP_CUDA_CHECK_LAUNCH("stats_kernel");
+  }
+  stats_finish_kernel<Table, kFmt><<<static_cast<unsigned>(table.count), kThreads, 0, stream>>>(table, scale, partials,
+                                                                                                out);
+  AAMP_CUDA_CHECK_LAUNCH("stats_finish_kernel");
+}
+
+// fp32-only lists (the common case: fp32 gradients and master weights) get
+// the specialized kernel; anything else the mixed one.
+template <class Table>
+void launch_table(const Table& table, const StatsArgs& a, ScaleArg scale, FormatLimits lim, StatsPartial* partials,
+                  double* out, cudaStream_t stream) {
+  bool all_f32 = true;
+  for (int i = 0; i < table.count; ++i) all_f32 &= (table.meta[i] & 15u) == static_cast<unsigned>(DType::kFloat32);
+  constexpr int kF32 = static_cast<int>(DType::kFloat32);
+  const int device = a.place.device;
+  if (a.has_format) {
+    all_f32 ? launch<Table, true, kF32>(table, scale, lim, partials, out, stream, device)
+            : launch<Table, true, kAnyDType>(table, scale, lim, partials, out, stream, device);
+  } else {
+    all_f32 ? launch<Table, false, kF32>(table, scale, lim, partials, out, stream, device)
+            : launch<Table, false, kAnyDType>(table, scale, lim, partials, out, stream, device);
+  }
+}
+
+}  // namespace
+
+void tensor_stats_cuda(const StatsArgs& a) {
+  DeviceGuard guard(a.place.device);
+  cudaStream_t stream = as_stream(a.place.stream);
+  auto* partials = static_cast<StatsPartial*>(a.workspace);
+  const FormatLimits lim = format_limits(a.format);
+  // The tables are large; keep them off the stack.
+  static thread_local SmallTable small;
+  static thread_local LargeTable large;
+  std::size_t first = 0;
+  while (first < a.tensors.size()) {
+    ScaleArg scale{a.scale, a.scale_per_tensor ? 1 : 0, a.has_scale_value ? a.scale_value : 1.0f};
+    if (a.scale != nullptr && a.scale_per_tensor) scale.ptr = a.scale + first;
+    double* out = a.out + first * kStatFields;
+    std::size_t next;
+    if (a.tensors.size() - first <= static_cast<std::size_t>(SmallTable::capacity)) {
+      next = fill_table(small, a.tensors, first, kStatsChunk);
+      launch_table(small, a, scale, lim, partials, out, stream);
+    } else {
+      next = fill_table(large, a.tensors, first, kStatsChunk);
+      launch_table(large, a, scale, lim, partials, out, stream);
+    }
+    // Partials are indexed per launch; advance past this launch's chunks.
+    std::int64_t used = 0;
+    for (std::size_t i = first; i < next; ++i) used += (a.tensors[i].numel + kStatsChunk - 1) / kStatsChunk;
+    partials += used * kWarps;
+    first = next;
+  }
+}
+
+}  // namespace aamp

@@ -1,0 +1,193 @@
+// The arithmetic the CPU and CUDA statistics share: format thresholds, the
+// integer keys extrema reduce in, the merge of partials and the final
+// formulas. Host and device code; no CUDA headers needed.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "core.h"
+#include "stats.h"
+
+#ifdef __CUDACC__
+#define AAMP_HD __host__ __device__ __forceinline__
+#else
+#define AAMP_HD inline
+#endif
+
+namespace aamp {
+
+// Where |y| (an fp32 value) lands in a format under round-to-nearest-even:
+//   |y| <= lo           rounds to zero       (lo = half the smallest subnormal: the tie goes to even, zero)
+//   lo < |y| < hi       a nonzero subnormal  (hi = smallest normal - half a subnormal step: the tie goes
+//                                             to the smallest normal, whose mantissa is even)
+//   |y| > max           above the largest finite value
+// Every threshold is exact in fp32, so fp32 comparisons decide exactly.
+struct FormatLimits {
+  float lo;
+  float hi;
+  float max;
+};
+
+inline FormatLimits format_limits(DType f) {
+  switch (f) {
+    case DType::kBFloat16: return {0x1p-134f, 0x1p-126f - 0x1p-134f, 0x1.fep127f};
+    case DType::kFloat8E4M3FN: return {0x1p-10f, 0x1p-6f - 0x1p-10f, 448.0f};
+    case DType::kFloat8E5M2: return {0x1p-17f, 0x1p-14f - 0x1p-17f, 57344.0f};
+    case DType::kFloat16:
+    default: return {0x1p-25f, 0x1p-14f - 0x1p-25f, 65504.0f};
+  }
+}
+
+AAMP_HD std::uint32_t stats_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+AAMP_HD float stats_float(std::uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// A signed integer that orders like the float (-0 < +0); an involution.
+AAMP_HD std::int32_t order_key(std::uint32_t bits) {
+  const std::int32_t i = static_cast<std::int32_t>(bits);
+  return i ^ ((i >> 31) & 0x7fffffff);
+}
+AAMP_HD float key_float(std::int32_t key) { return stats_float(static_cast<std::uint32_t>(order_key(static_cast<std::uint32_t>(key)))); }
+
+// 2*|x|bits - 2 as unsigned: monotone in |x| for nonzero x; +-0 wrap to 0xfffffffe.
+AAMP_HD std::uint32_t abs_key(std::uint32_t bits) { return (bits << 1) - 2u; }
+constexpr std::uint32_t kNoAbsKey = 0xfffffffeu;  // keys at or above: no nonzero finite value
+
+// Chan et al.'s merge of (count, mean, M2) b into a; a fixed formula, so a
+// fixed merge order gives bitwise fixed results.
+AAMP_HD void merge_moments(double& n_a, double& mean_a, double& m2_a, double n_b, double mean_b, double m2_b) {
+  if (n_b == 0.0) return;
+  const double n = n_a + n_b;
+  const double delta = mean_b - mean_a;
+  const double w = n_b / n;
+  mean_a += delta * w;
+  m2_a += m2_b + delta * delta * n_a * w;
+  n_a = n;
+}
+
+// A group's (count, mean, M2) from sums of d = x - pivot.
+AAMP_HD void moments_from_sums(double n, double pivot, double s, double ss, double& mean, double& m2) {
+  if (n == 0.0) {
+    mean = 0.0;
+    m2 = 0.0;
+    return;
+  }
+  const double shift = s / n;
+  mean = pivot + shift;
+  m2 = ss - s * shift;
+  m2 = m2 > 0.0 ? m2 : 0.0;
+}
+
+// Whether fp32 sums s, ss of the d = x - pivot of a group (all finite, amax
+// its largest |x|) are accurate: no overflow or NaN, squares far from the
+// fp32 subnormal range, and little cancellation in M2 = ss - s^2/n (the pivot
+// within a few standard deviations of the group's mean; a group whose pivot is an
+// outlier is summed again in fp64).
+constexpr float kStatsTinyAmax = 0x1p-30f;
+constexpr double kStatsMaxCancellation = 16.0;
+AAMP_HD bool fp32_sums_trusted(float s, float ss, double n, float amax) {
+  if (!(ss <= 3.0e38f)) return false;  // inf or NaN
+  if (amax > 0.0f && amax < kStatsTinyAmax) return false;
+  if (ss == 0.0f || n == 0.0) return true;
+  const double m2 = static_cast<double>(ss) - static_cast<double>(s) * s / n;
+  return static_cast<double>(ss) <= kStatsMaxCancellation * m2;
+}
+
+// The reduction of partials of one tensor.
+struct StatsTotals {
+  double n = 0.0, mean = 0.0, m2 = 0.0;
+  unsigned long long zero = 0, nan = 0, inf = 0, at_most_lo = 0, below_hi = 0, over = 0;
+  std::int32_t min_key = 0x7fffffff, max_key = static_cast<std::int32_t>(0x80000000u);
+  std::uint32_t abs_key = 0xffffffffu;
+
+  AAMP_HD void add(const StatsPartial& p) {
+    merge_moments(n, mean, m2, static_cast<double>(p.count), p.mean, p.m2);
+    zero += p.zero;
+    nan += p.nan;
+    inf += p.inf;
+    at_most_lo += p.at_most_lo;
+    below_hi += p.below_hi;
+    over += p.over;
+    min_key = min_key < p.min_key ? min_key : p.min_key;
+    max_key = max_key > p.max_key ? max_key : p.max_key;
+    abs_key = abs_key < p.abs_key ? abs_key : p.abs_key;
+  }
+
+  AAMP_HD void add(const StatsTotals& o) {
+    merge_moments(n, mean, m2, o.n, o.mean, o.m2);
+    zero += o.zero;
+    nan += o.nan;
+    inf += o.inf;
+    at_most_lo += o.at_most_lo;
+    below_hi += o.below_hi;
+    over += o.over;
+    min_key = min_key < o.min_key ? min_key : o.min_key;
+    max_key = max_key > o.max_key ? max_key : o.max_key;
+    abs_key = abs_key < o.abs_key ? abs_key : o.abs_key;
+  }
+};
+
+// The pivot of a group: one of its elements when finite, else 0.
+AAMP_HD float stats_pivot(float x) { return (stats_bits(x) & 0x7fffffffu) < 0x7f800000u ? x : 0.0f; }
+
+// The statistics of one tensor from its totals, into out[0 .. kStatFields).
+AAMP_HD void finalize_stats(const StatsTotals& t, long long numel, float scale, bool has_format, double* out) {
+  const double nan = NAN;
+  const double n = t.n;
+  out[kStatNumel] = static_cast<double>(numel);
+  out[kStatNanCount] = static_cast<double>(t.nan);
+  out[kStatInfCount] = static_cast<double>(t.inf);
+  out[kStatZeroCount] = static_cast<double>(t.zero);
+  double mn = nan, mx = nan, amax = nan, mean = nan, sd = nan, l2 = nan, man = nan, range = nan;
+  if (n > 0.0) {
+    mn = key_float(t.min_key);
+    mx = key_float(t.max_key);
+    amax = fabs(mn) > fabs(mx) ? fabs(mn) : fabs(mx);
+    mean = t.mean;
+    if (n > 1.0) sd = sqrt(t.m2 / (n - 1.0));
+    l2 = sqrt(t.m2 + n * mean * mean);
+    if (t.abs_key < kNoAbsKey) {
+      man = stats_float((t.abs_key >> 1) + 1u);
+      range = log2(amax / man);
+    }
+  }
+  out[kStatMin] = mn;
+  out[kStatMax] = mx;
+  out[kStatAmax] = amax;
+  out[kStatMinAbsNonzero] = man;
+  out[kStatMean] = mean;
+  out[kStatStd] = sd;
+  out[kStatL2Norm] = l2;
+  out[kStatDynamicRange] = range;
+  double over = 0.0, under = 0.0, sub = 0.0;
+  if (has_format) {
+    over = static_cast<double>(t.over);
+    // Zeros are at most lo (0 * s == 0); a zero or non-finite scale underflows nothing.
+    const bool scaled = scale != 0.0f && (stats_bits(scale) & 0x7fffffffu) < 0x7f800000u;
+    under = scaled ? static_cast<double>(t.at_most_lo - t.zero) : 0.0;
+    sub = static_cast<double>(t.below_hi - t.at_most_lo);
+  }
+  out[kStatOverflowCount] = over;
+  out[kStatUnderflowCount] = under;
+  out[kStatSubnormalCount] = sub;
+}
+
+}  // namespace aamp

@@ -1,0 +1,383 @@
+"""adaptive_amp.tensor_stats: parity with the reference, formats, accuracy, determinism, bad input, debug reports.
+
+Oracle: ``adaptive_amp.reference.tensor_stats`` (plain torch, float64; its
+format counts come from torch's own round-to-nearest-even casts). Counts,
+min, max, amax and min_abs_nonzero must match exactly; mean, std and l2_norm
+to a relative 1e-5 (the kernels sum in fp32 within small blocks, fp64 beyond).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import adaptive_amp
+from adaptive_amp import reference
+from adaptive_amp.stats import FIELDS, STATS_CHUNK
+from conftest import requires_cuda
+
+CHUNK = STATS_CHUNK
+FORMATS = ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+INF, NAN = float("inf"), float("nan")
+EXACT = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "amax", "min_abs_nonzero",
+         "overflow_count", "underflow_count", "subnormal_count")
+RTOL = 1e-5
+
+
+def cuda_test(fn):
+    return pytest.mark.cuda(requires_cuda(fn))
+
+
+# --------------------------------------------------------------------------- data
+
+_SPECIALS = [NAN, INF, -INF, 0.0, -0.0, 65504.0, 65520.0, -70000.0, 448.0, 464.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26,
+             2.0**-14, 2.0**-14 - 2.0**-25, 1e-40, -1.401298464324817e-45, 3.3895313892515355e38, 1.0, -1.0]
+
+
+def make(n, dtype=torch.float32, seed=0, *, specials=None, spread=20, device="cpu"):
+    """Random data over many binades; specials "all" (with NaN/inf) or "finite" planted at random places."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-spread, spread + 1, (n,), generator=g).float())
+    if specials and n:
+        values = [v for v in _SPECIALS if specials == "all" or math.isfinite(v)]
+        k = min(n, len(values))
+        idx = torch.randperm(n, generator=g)[:k]
+        x[idx] = torch.tensor(values[:k], dtype=torch.float32)
+    return x.to(dtype).to(device)
+
+
+def mixed_list(device, seed=0, specials="all"):
+    """Mixed dtypes and sizes around the chunk and block edges, plus the corner cases."""
+    sizes = [2 * CHUNK + 3, 777, 1, 0, CHUNK, 1025, 5000]
+    ts = [make(n, DTYPES[i % 3], seed + i, specials=specials, device=device) for i, n in enumerate(sizes)]
+    ts += [
+        torch.zeros(300, device=device),                                # all zero
+        torch.full((10,), NAN, device=device),                          # no finite element
+        torch.tensor([INF, -INF, 2.5], device=device),                  # one finite element
+        torch.tensor([-0.0, 0.0, -0.0], device=device, dtype=torch.float16),
+        torch.tensor(7.0, device=device, dtype=torch.bfloat16),         # 0-dim
+        make(40000, torch.float32, seed + 50, device=device)[3:3 + 20000],   # view at an odd offset
+        make(4000, torch.float16, seed + 51, device=device).reshape(40, 100)[5:],  # 2-D view with an offset
+        make(3000, torch.float32, seed + 52, spread=0, device=device) * 1e-33,   # tiny (careful path)
+        make(3000, torch.float32, seed + 53, spread=0, device=device) * 1e33,    # huge: squares overflow fp32
+        1000.0 + 1e-3 * make(5000, torch.float32, seed + 54, spread=0, device=device),  # |mean| >> std
+    ]
+    return ts
+
+
+def assert_stats_match(got: dict, exp: dict, msg=""):
+    assert set(got) == set(exp), f"{msg}: keys {sorted(got)} != {sorted(exp)}"
+    n = len(exp["numel"])
+    for key in exp:
+        assert len(got[key]) == n, f"{msg}: {key} has {len(got[key])} entries, expected {n}"
+    for i in range(n):
+        where = f"{msg} tensor {i}"
+        for key in EXACT:
+            if key not in exp:
+                continue
+            g, e = got[key][i], exp[key][i]
+            if isinstance(e, float) and math.isnan(e):
+                assert math.isnan(g), f"{where} {key}: {g} != nan"
+            else:
+                assert g == e, f"{where} {key}: {g} != {e}"
+        amax = exp["amax"][i]
+        for key in ("mean", "std", "l2_norm", "dynamic_range"):
+            g, e = got[key][i], exp[key][i]
+            if math.isnan(e):
+                assert math.isnan(g), f"{where} {key}: {g} != nan"
+                continue
+            # mean: relative to the spread of the data (its own size may be ~0)
+            tol = RTOL * (abs(e) + (amax if key == "mean" else 0.0)) + (1e-12 if key == "dynamic_range" else 0.0)
+            assert abs(g - e) <= tol, f"{where} {key}: {g} vs {e} (diff {g - e:.3g}, tol {tol:.3g})"
+
+
+# ----------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("specials", [None, "all"])
+def test_parity_without_format(device, specials):
+    ts = mixed_list(device, 1, specials)
+    got = adaptive_amp.tensor_stats(ts).to_dict()
+    assert_stats_match(got, reference.tensor_stats(ts), "no format")
+    assert "overflow_count" not in got
+
+
+def _scales(kind, ts, device):
+    if kind == "none":
+        return None
+    if kind == "number":
+        return 1024.0
+    if kind == "one":
+        return torch.tensor([2.0**-8], device=device)
+    g = torch.Generator().manual_seed(len(ts))
+    exps = torch.randint(-12, 13, (len(ts),), generator=g).float()
+    s = torch.exp2(exps)
+    s[1], s[2] = 0.0, INF  # a zero and an infinite scale are allowed
+    return s.to(device)
+
+
+@pytest.mark.parametrize("scale", ["none", "number", "one", "per_tensor"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_parity_with_format(device, fmt, scale):
+    ts = mixed_list(device, 2)
+    s = _scales(scale, ts, device)
+    got = adaptive_amp.tensor_stats(ts, fmt=fmt, scale=s).to_dict()
+    assert_stats_match(got, reference.tensor_stats(ts, fmt=fmt, scale=s), f"{fmt} scale={scale}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_format_edges(device, fmt):
+    """Values at and next to every threshold: half the smallest subnormal, the normal boundary, the max."""
+    info = torch.finfo(getattr(torch, fmt))
+    sub = info.smallest_normal * info.eps  # smallest subnormal
+    points = [sub / 2, sub, info.smallest_normal - sub / 2, info.smallest_normal, info.max,
+              info.max + info.eps * info.max / 4, 2 * info.max, sub / 4, 3 * sub / 4]
+    vals = []
+    for p in points:
+        p32 = torch.tensor(p, dtype=torch.float32)
+        vals += [p32, torch.nextafter(p32, torch.tensor(INF)), torch.nextafter(p32, torch.tensor(0.0))]
+    x = torch.stack(vals)
+    x = torch.cat([x, -x, torch.tensor([0.0, 3.4e38, -3.4e38])]).to(device)
+    for s in (None, 0.5, 3.0):
+        got = adaptive_amp.tensor_stats([x], fmt=fmt, scale=s).to_dict()
+        exp = reference.tensor_stats([x], fmt=fmt, scale=s)
+        assert_stats_match(got, exp, f"{fmt} scale={s}")
+    # The reference counts with torch's casts; check it against the definitions once.
+    exp = reference.tensor_stats([x], fmt=fmt)
+    ax = x.double().abs()
+    ax = ax[torch.isfinite(ax)]
+    assert exp["overflow_count"][0] == int((ax > info.max).sum())
+    assert exp["underflow_count"][0] == int(((ax > 0) & (ax <= sub / 2)).sum())
+    assert exp["subnormal_count"][0] == int(((ax > sub / 2) & (ax < info.smallest_normal - sub / 2)).sum())
+
+
+def test_torch_dtype_as_format(device):
+    ts = mixed_list(device, 3, None)
+    a = adaptive_amp.tensor_stats(ts, fmt=torch.float8_e4m3fn).to_dict()
+    b = adaptive_amp.tensor_stats(ts, fmt="float8_e4m3fn").to_dict()
+    assert repr(a) == repr(b)
+
+
+def test_long_list_spans_several_launches(device):
+    """5000 tensors: more than one tensor table on CUDA."""
+    g = torch.Generator().manual_seed(9)
+    sizes = torch.randint(0, 40, (5000,), generator=g).tolist()
+    ts = [make(n, DTYPES[i % 3], i, specials="all" if i % 7 == 0 else None, device=device)
+          for i, n in enumerate(sizes)]
+    s = torch.exp2(torch.randint(-4, 5, (5000,), generator=g).float()).to(device)
+    got = adaptive_amp.tensor_stats(ts, fmt="float16", scale=s).to_dict()
+    assert_stats_match(got, reference.tensor_stats(ts, fmt="float16", scale=s), "5000 tensors")
+
+
+def test_deterministic(device):
+    ts = mixed_list(device, 4) + [make(300000, torch.float32, 77, device=device)]
+    a = adaptive_amp.tensor_stats(ts, fmt="float8_e5m2", scale=4.0).raw.cpu().clone()
+    b = adaptive_amp.tensor_stats(ts, fmt="float8_e5m2", scale=4.0).raw.cpu().clone()
+    assert torch.equal(a.view(torch.int64), b.view(torch.int64))
+
+
+def test_accuracy_of_mean_and_std_on_2e7_elements(device):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20_000_000, generator=g).mul_(2.0).add_(3.0).to(device)
+    got = adaptive_amp.tensor_stats([x]).to_dict()
+    x64 = x.double()
+    mean, std = float(x64.mean()), float(x64.std())
+    del x64
+    assert abs(got["mean"][0] - mean) <= 1e-6 * abs(mean)
+    assert abs(got["std"][0] - std) <= 1e-6 * std
+    # |mean| >> std: the shifted sums keep std accurate.
+    y = (1000.0 + 0.01 * torch.randn(2_000_000, generator=g)).to(device)
+    got = adaptive_amp.tensor_stats([y]).to_dict()
+    y64 = y.double()
+    assert abs(got["std"][0] - float(y64.std())) <= 1e-6 * float(y64.std())
+    assert abs(got["mean"][0] - float(y64.mean())) <= 1e-9 * float(y64.mean())
+
+
+def test_semantics_of_specials(device):
+    x = torch.tensor([NAN, INF, -INF, 0.0, -0.0, 2.0, -4.0, 1e-30], device=device)
+    d = adaptive_amp.tensor_stats([x, torch.zeros(0, device=device), torch.full((3,), NAN, device=device),
+                                   torch.tensor([5.0], device=device)], fmt="float16").to_dict()
+    assert d["numel"] == [8, 0, 3, 1]
+    assert d["nan_count"] == [1, 0, 3, 0] and d["inf_count"] == [2, 0, 0, 0] and d["zero_count"] == [2, 0, 0, 0]
+    assert d["min"][0] == -4.0 and d["max"][0] == 2.0 and d["amax"][0] == 4.0
+    assert d["min_abs_nonzero"][0] == float(torch.tensor(1e-30))
+    assert d["underflow_count"] == [1, 0, 0, 0]
+    for key in ("min", "max", "amax", "mean", "l2_norm", "std", "min_abs_nonzero", "dynamic_range"):
+        assert math.isnan(d[key][1]) and math.isnan(d[key][2]), key
+    assert d["mean"][3] == 5.0 and d["l2_norm"][3] == 5.0 and math.isnan(d["std"][3])
+    assert d["dynamic_range"][3] == 0.0
+
+
+# ----------------------------------------------------------------------- result object
+
+
+def test_lazy_result_and_table(device):
+    ts = [make(100, torch.float32, 1, device=device), torch.tensor([NAN, 1.0], device=device),
+          make(50, torch.float16, 2, spread=30, device=device)]
+    s = adaptive_amp.tensor_stats(ts, fmt="float16", names=["a", "b", "c"])
+    assert isinstance(s, adaptive_amp.TensorStats) and len(s) == 3
+    assert "not read yet" in repr(s)
+    raw = s.raw
+    assert tuple(raw.shape) == (3, len(FIELDS)) and raw.dtype == torch.float64 and raw.device == ts[0].device
+    text = s.table(sort_by="nan_count")
+    lines = text.splitlines()
+    assert lines[2].startswith("b ")  # the one with a NaN first
+    assert "not read yet" not in repr(s)
+    assert s.table(sort_by="name", descending=False).splitlines()[2].startswith("a ")
+    assert s.table(names=["x", "y", "z"], limit=1, sort_by="amax").count("\n") == 2
+    assert s["amax"] == s.to_dict()["amax"]
+    assert [r["name"] for r in s.rows(sort_by="risk")][0] == "b"
+    with pytest.raises(ValueError, match="sort_by"):
+        s.table(sort_by="nope")
+    with pytest.raises(KeyError, match="nope"):
+        s["nope"]
+
+
+def test_numpy_and_dlpack_inputs():
+    ts = [make(5000, torch.float32, 1, specials="all"), make(300, torch.float16, 2)]
+    exp = reference.tensor_stats(ts, fmt="bfloat16", scale=8.0)
+    got = adaptive_amp.tensor_stats([t.numpy() for t in ts], fmt="bfloat16", scale=8.0)
+    assert isinstance(got.raw, np.ndarray)
+    assert_stats_match(got.to_dict(), exp, "numpy")
+
+    class Wrapped:
+        def __init__(self, t):
+            self._t = t
+
+        def __dlpack__(self, **kwargs):
+            return self._t.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self._t.__dlpack_device__()
+
+    got = adaptive_amp.tensor_stats([Wrapped(t) for t in ts], fmt="bfloat16", scale=8.0)
+    assert_stats_match(got.to_dict(), exp, "dlpack")
+
+
+def test_empty_list():
+    s = adaptive_amp.tensor_stats([], fmt="float16")
+    assert len(s) == 0 and s.to_dict()["numel"] == []
+    assert "0 tensor(s)" in s.table()
+
+
+# ----------------------------------------------------------------------- bad input
+
+
+def test_bad_input(device):
+    good = torch.ones(4, device=device)
+    with pytest.raises(TypeError, match=r"tensors\[1\].*int64"):
+        adaptive_amp.tensor_stats([good, torch.ones(4, dtype=torch.int64, device=device)])
+    with pytest.raises(TypeError, match=r"tensors\[0\].*float64"):
+        adaptive_amp.tensor_stats([good.double()])
+    with pytest.raises(ValueError, match="fmt"):
+        adaptive_amp.tensor_stats([good], fmt="float8")
+    with pytest.raises(ValueError, match="fmt"):
+        adaptive_amp.tensor_stats([good], fmt=torch.float32)
+    with pytest.raises(ValueError, match="scale.*without fmt"):
+        adaptive_amp.tensor_stats([good], scale=2.0)
+    with pytest.raises(ValueError, match="scale has 3 elements"):
+        adaptive_amp.tensor_stats([good, good], fmt="float16", scale=torch.ones(3, device=device))
+    with pytest.raises(TypeError, match="scale"):
+        adaptive_amp.tensor_stats([good], fmt="float16", scale=torch.ones(1, dtype=torch.float64, device=device))
+    with pytest.raises(ValueError, match="names"):
+        adaptive_amp.tensor_stats([good, good], names=["a"])
+    with pytest.raises(ValueError, match=r"tensors\[0\] is not contiguous"):
+        adaptive_amp.tensor_stats([torch.ones(4, 4, device=device).t()])
+    with pytest.raises(TypeError, match="tensors"):
+        adaptive_amp.tensor_stats(3.0)
+
+
+
+@cuda_test
+def test_device_mismatch_cuda():
+    with pytest.raises(ValueError, match=r"tensors\[1\]"):
+        adaptive_amp.tensor_stats([torch.ones(4, device="cuda"), torch.ones(4)])
+    with pytest.raises(ValueError, match="scale"):
+        adaptive_amp.tensor_stats([torch.ones(4, device="cuda")], fmt="float16", scale=torch.ones(1))
+
+
+# ----------------------------------------------------------------------- CUDA specifics
+
+
+@cuda_test
+def test_cuda_matches_cpu_exactly_where_exact():
+    ts = mixed_list("cpu", 5)
+    s = _scales("per_tensor", ts, "cpu")
+    cpu = adaptive_amp.tensor_stats(ts, fmt="float8_e4m3fn", scale=s).to_dict()
+    gpu = adaptive_amp.tensor_stats([t.cuda() for t in ts], fmt="float8_e4m3fn", scale=s.cuda()).to_dict()
+    assert_stats_match(gpu, cpu, "cuda vs cpu")
+
+
+@cuda_test
+def test_cuda_graph_capture_and_no_sync():
+    ts = [make(100000, torch.float32, i, device="cuda") for i in range(3)]
+    scale = torch.tensor([4.0], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        adaptive_amp.tensor_stats(ts, fmt="float16", scale=scale)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = adaptive_amp.tensor_stats(ts, fmt="float16", scale=scale)
+        raw = captured.raw
+    for t in ts:
+        t.mul_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    exp = reference.tensor_stats(ts, fmt="float16", scale=scale)
+    got = {k: v for k, v in zip(FIELDS, raw.cpu().T.tolist())}
+    got = {k: ([int(x) for x in v] if k.endswith("count") or k == "numel" else v) for k, v in got.items()}
+    assert_stats_match(got, exp, "graph replay")
+
+
+@cuda_test
+def test_cuda_misaligned_views_and_chunk_edges():
+    base = make(5 * CHUNK + 17, torch.float16, 3, specials="all", device="cuda")
+    ts = [base[k:k + 2 * CHUNK + 5] for k in range(1, 9)]
+    got = adaptive_amp.tensor_stats(ts, fmt="float16").to_dict()
+    assert_stats_match(got, reference.tensor_stats(ts, fmt="float16"), "views")
+
+
+# ----------------------------------------------------------------------- debug reports
+
+
+def _model(device):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(device)
+    m[2].weight.data[0, :8] = 1e-4  # underflows fp8 e4m3fn, not fp16
+    m(torch.randn(8, 16, device=device)).sum().backward()
+    m[0].weight.grad[0, 0] = 1e6      # overflows fp16
+    m[0].bias.grad[3] = float("nan")
+    return m
+
+
+def test_grad_report(device):
+    m = _model(device)
+    r = adaptive_amp.debug.grad_report(m, fmt="float16")
+    rows = r.rows()
+    assert [row["name"] for row in rows][:2] == ["0.bias", "0.weight"]  # NaN first, then the overflow
+    assert rows[1]["overflow_count"] == 1
+    assert set(r.names) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    grads = [p.grad for p in m.parameters()]
+    assert_stats_match(r.to_dict(), reference.tensor_stats(grads, fmt="float16"), "grad_report")
+    text = str(r)
+    assert "0.bias" in text.splitlines()[2]
+    m[2].bias.grad = None
+    assert len(adaptive_amp.debug.grad_report(m, fmt="float16")) == 3
+
+
+def test_param_report(device):
+    m = _model(device)
+    m[2].half()
+    r = adaptive_amp.debug.param_report(m, fmt="float8_e4m3fn")
+    assert r.rows()[0]["name"] == "2.weight" and r.rows()[0]["underflow_count"] >= 8
+    params = [p for p in m.parameters()]
+    assert_stats_match(r.to_dict(), reference.tensor_stats(params, fmt="float8_e4m3fn"), "param_report")
+    m.double()
+    r = adaptive_amp.debug.param_report(m, fmt="bfloat16")
+    assert len(r) == 0 and len(r.skipped) == 4
