@@ -219,7 +219,22 @@ __global__ void __launch_bounds__(kThreads)
   double s = 0.0;
   unsigned m = 0;
   const std::size_t last = static_cast<std::size_t>(end) * kWarps;
-  for (std::size_t p = static_cast<std::size_t>(begin) * kWarps + threadIdx.x; p < last; p += kThreads) {
+  std::size_t p = static_cast<std::size_t>(begin) * kWarps + threadIdx.x;
+  // The largest tensors have tens of thousands of partials: load kBatch of a
+  // thread's partials before adding any, so their latencies overlap. The
+  // additions keep the plain loop's order, so the result does not change.
+  constexpr int kBatch = 8;
+  for (; p + (kBatch - 1) * kThreads < last; p += kBatch * kThreads) {
+    UnscalePartial v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) v[u] = partials[p + u * kThreads];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      s += v[u].sumsq;
+      m = max(m, v[u].amax_bits);
+    }
+  }
+  for (; p < last; p += kThreads) {
     s += partials[p].sumsq;
     m = max(m, partials[p].amax_bits);
   }
