@@ -38,12 +38,12 @@ T* as_ptr(std::uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
-void unscale_and_check(const std::vector<std::uintptr_t>& ptrs, const std::vector<std::int64_t>& numels,
-                       const std::vector<int>& dtypes, std::uintptr_t found_inf, std::uintptr_t inv_scale,
-                       bool check_only, std::uintptr_t sumsq, std::uintptr_t amax, std::uintptr_t workspace,
-                       std::size_t workspace_bytes, int device, std::uintptr_t stream) {
+// One unscale pass over tensors already described.
+void run_unscale(std::vector<aamp::TensorRef> tensors, std::uintptr_t found_inf, std::uintptr_t inv_scale,
+                 bool check_only, std::uintptr_t sumsq, std::uintptr_t amax, std::uintptr_t workspace,
+                 std::size_t workspace_bytes, int device, std::uintptr_t stream) {
   aamp::UnscaleArgs a;
-  a.tensors = tensor_refs(ptrs, numels, dtypes);
+  a.tensors = std::move(tensors);
   a.found_inf = as_ptr<float>(found_inf);
   a.inv_scale = as_ptr<const float>(inv_scale);
   a.check_only = check_only;
@@ -57,6 +57,14 @@ void unscale_and_check(const std::vector<std::uintptr_t>& ptrs, const std::vecto
   // only enqueues, which is quick either way.
   py::gil_scoped_release release;
   aamp::unscale_and_check(a);
+}
+
+void unscale_and_check(const std::vector<std::uintptr_t>& ptrs, const std::vector<std::int64_t>& numels,
+                       const std::vector<int>& dtypes, std::uintptr_t found_inf, std::uintptr_t inv_scale,
+                       bool check_only, std::uintptr_t sumsq, std::uintptr_t amax, std::uintptr_t workspace,
+                       std::size_t workspace_bytes, int device, std::uintptr_t stream) {
+  run_unscale(tensor_refs(ptrs, numels, dtypes), found_inf, inv_scale, check_only, sumsq, amax, workspace,
+              workspace_bytes, device, stream);
 }
 
 std::size_t unscale_workspace_bytes(const std::vector<std::int64_t>& numels, bool stats) {
@@ -169,19 +177,7 @@ class GradPlan {
   // One native pass over the gradients that the last collect() found.
   void launch(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
-    aamp::UnscaleArgs a;
-    a.tensors = refs_;
-    a.found_inf = as_ptr<float>(found_inf);
-    a.inv_scale = as_ptr<const float>(inv_scale);
-    a.check_only = check_only;
-    a.sumsq = as_ptr<float>(sumsq);
-    a.amax = as_ptr<float>(amax);
-    a.workspace = as_ptr<void>(workspace);
-    a.workspace_bytes = workspace_bytes;
-    a.place.device = device_;
-    a.place.stream = stream;
-    py::gil_scoped_release release;
-    aamp::unscale_and_check(a);
+    run_unscale(refs_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
   }
 
  private:
