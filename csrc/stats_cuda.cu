@@ -1,12 +1,11 @@
 // CUDA implementation of the statistics family (contract in stats.h).
 //
 // Stage 1: one block per chunk of kStatsChunk elements, 16-byte vector loads
-// when the tensor is aligned (a scalar path otherwise), kUnroll of them kept
-// in flight by refilling each vector as it is consumed. Each thread first
+// when the tensor is aligned (a scalar path otherwise). Each thread first
 // takes a lean fast path that assumes what nearly all data satisfy (finite
 // values whose squares neither overflow nor underflow fp32, and a pivot, an
 // element next to the thread's own, near their mean): fp32 sums of x - pivot,
-// float min/max, counts from carries of integer keys. A thread whose elements break that
+// float min/max, integer counts. A thread whose elements break that
 // assumption (fp32_sums_trusted) visits them again with every special handled
 // and fp64 sums. Each warp then reduces its threads in a fixed order (integer
 // reductions for counts and extrema, a shuffle tree of Chan merges for the
@@ -61,129 +60,75 @@ union Vec16 {
   typename E::T e[16 / sizeof(typename E::T)];
 };
 
-// This thread's first kUnroll 16-byte vectors of an aligned chunk (those
-// past nvec are left unloaded).
-template <class E>
-__device__ __forceinline__ void load_first(const uint4* __restrict__ xv, int nvec, Vec16<E> (&v)[kUnroll]) {
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int idx = threadIdx.x + u * kThreads;
-    if (idx < nvec) v[u].raw = __ldg(xv + idx);
-  }
-}
-
-// Calls f(value) for this thread's elements of a chunk, v holding what
-// load_first loaded (nvec: 0 when x is not 16-byte aligned). The assignment
-// of elements to threads, and their order, depend only on n and the
-// alignment, never on timing; f.pair(a, b) takes two consecutive elements,
-// in order. Each vector is refilled with the one kUnroll
-// steps ahead as soon as it is consumed, so kUnroll loads stay in flight
-// while the thread computes instead of only between its batches.
+// Calls f(value) for this thread's elements of a chunk. The assignment of
+// elements to threads depends only on n and the alignment, never on timing.
 template <class E, class F>
-__device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, int n, int nvec, Vec16<E> (&v)[kUnroll],
-                                         F& f) {
-  constexpr int kPer = 16 / sizeof(typename E::T);
-  constexpr int kStep = kThreads * kUnroll;
-  const uint4* xv = reinterpret_cast<const uint4*>(x);
-  for (int base = threadIdx.x; base < nvec; base += kStep) {
+__device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, int n, F& f) {
+  using T = typename E::T;
+  constexpr int kPer = 16 / sizeof(T);
+  int done = 0;
+  if ((reinterpret_cast<std::uintptr_t>(x) & 15u) == 0) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const int nvec = n / kPer;
+    for (int base = threadIdx.x; base < nvec; base += kThreads * kUnroll) {
+      Vec16<E> v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int idx = base + u * kThreads;
-      if (idx < nvec) {
+      for (int u = 0; u < kUnroll; ++u) {
+        const int idx = base + u * kThreads;
+        if (idx < nvec) v[u].raw = __ldg(xv + idx);
+      }
 #pragma unroll
-        for (int k = 0; k < kPer; k += 2) f.pair(E::load(v[u].e[k]), E::load(v[u].e[k + 1]));
-        if (idx + kStep < nvec) v[u].raw = __ldg(xv + idx + kStep);
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * kThreads < nvec) {
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) f(E::load(v[u].e[k]));
+        }
       }
     }
+    done = nvec * kPer;
   }
-  for (int i = nvec * kPer + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
+  for (int i = done + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
 }
 
-// How many elements for_each gives this thread.
-__device__ __forceinline__ int thread_share(int n, int nvec, int per) {
+// How many elements for_each gives this thread, and the index of an element
+// next to them (the pivot of its sums).
+template <class E>
+__device__ __forceinline__ int thread_share(const typename E::T* x, int n, int& pivot_index) {
+  constexpr int kPer = 16 / sizeof(typename E::T);
   const int tid = threadIdx.x;
-  const int done = nvec * per;
+  const bool aligned = (reinterpret_cast<std::uintptr_t>(x) & 15u) == 0;
+  const int nvec = aligned ? n / kPer : 0;
+  const int done = nvec * kPer;
   const int vecs = tid < nvec ? (nvec - 1 - tid) / kThreads + 1 : 0;
   const int tail = tid < n - done ? (n - done - 1 - tid) / kThreads + 1 : 0;
-  return vecs * per + tail;
+  pivot_index = min(aligned ? tid * kPer : tid, n - 1);
+  return vecs * kPer + tail;
 }
-
-// cnt += (a >= t) + (b >= t) for unsigned a, b and t > 0, given neg_t = 0u - t:
-// the carries out of a + neg_t and b + neg_t. ptxas fuses the pair into one
-// IADD3.X with two carry-ins, so a count costs 1.5 instructions per element
-// (`cnt += a >= t` costs a compare, an add and a select or predicated move).
-__device__ __forceinline__ void count_at_least(unsigned& cnt, unsigned a, unsigned b, unsigned neg_t) {
-  asm("{\n\t.reg .u32 t;\n\tadd.cc.u32 t, %1, %3;\n\taddc.cc.u32 %0, %0, 0;\n\t"
-      "add.cc.u32 t, %2, %3;\n\taddc.u32 %0, %0, 0;\n\t}"
-      : "+r"(cnt)
-      : "r"(a), "r"(b), "r"(neg_t));
-}
-__device__ __forceinline__ void count_at_least(unsigned& cnt, unsigned a, unsigned neg_t) {
-  asm("{\n\t.reg .u32 t;\n\tadd.cc.u32 t, %1, %2;\n\taddc.u32 %0, %0, 0;\n\t}" : "+r"(cnt) : "r"(a), "r"(neg_t));
-}
-
-// The format thresholds as negated integer bounds for count_at_least on the
-// bits of |y| = fp32(|x| * |s|) (RNE is symmetric, so |y| = |fp32(x * s)|;
-// the bits of a non-negative float order like it, NaN above inf):
-//   |y| <= lo   iff not bits >= bits(lo) + 1
-//   |y| <  hi   iff not bits >= bits(hi)
-//   |y| >  max  iff bits >= bits(max) + 1   (also true for NaN: see Fast::partial)
-// Computed on the host and passed as a kernel argument: derived in the kernel,
-// ptxas recomputes them for every vector.
-struct FormatBounds {
-  unsigned neg_lo, neg_hi, neg_max;
-  explicit FormatBounds(FormatLimits l)
-      : neg_lo(0u - (stats_bits(l.lo) + 1u)), neg_hi(0u - stats_bits(l.hi)), neg_max(0u - (stats_bits(l.max) + 1u)) {}
-};
-
-// abs_key of +-0; a key at or above it is a zero (count_at_least with 0u - it).
-constexpr unsigned kZeroAbsKey = 0xfffffffeu;
 
 // The fast path: assumes finite values (checked afterwards through ss).
-// Format classes and zeros are counted on integer keys (count_at_least);
-// lo/hi count the complements (elements not at most lo, not below hi).
 template <bool kFmt>
 struct Fast {
-  float pivot, abs_scale;
-  FormatBounds b;
+  float pivot, scale;
+  FormatLimits lim;
   float s = 0.0f, ss = 0.0f;
   float mn = INFINITY, mx = -INFINITY;
-  unsigned ak = 0xffffffffu, zero = 0, above_lo = 0, not_below_hi = 0, over = 0;
+  unsigned ak = 0xffffffffu, zero = 0, lo = 0, hi = 0, over = 0;
 
-  __device__ Fast(float p, float sc, FormatBounds fb) : pivot(p), abs_scale(fabsf(sc)), b(fb) {}
+  __device__ Fast(float p, float sc, FormatLimits l) : pivot(p), scale(sc), lim(l) {}
 
-  __device__ __forceinline__ void moments(float v) {
+  __device__ __forceinline__ void operator()(float v) {
     mn = fminf(mn, v);
     mx = fmaxf(mx, v);
+    ak = min(ak, abs_key(__float_as_uint(v)));
+    zero += v == 0.0f;
     const float d = v - pivot;
     s += d;
     ss = fmaf(d, d, ss);
-  }
-
-  __device__ __forceinline__ void pair(float v, float w) {
-    moments(v);
-    moments(w);
-    const unsigned kv = abs_key(__float_as_uint(v)), kw = abs_key(__float_as_uint(w));
-    ak = min(ak, min(kv, kw));
-    count_at_least(zero, kv, kw, 0u - kZeroAbsKey);
     if (kFmt) {
-      const unsigned yv = __float_as_uint(fabsf(v) * abs_scale), yw = __float_as_uint(fabsf(w) * abs_scale);
-      count_at_least(above_lo, yv, yw, b.neg_lo);
-      count_at_least(not_below_hi, yv, yw, b.neg_hi);
-      count_at_least(over, yv, yw, b.neg_max);
-    }
-  }
-
-  __device__ __forceinline__ void operator()(float v) {
-    moments(v);
-    const unsigned kv = abs_key(__float_as_uint(v));
-    ak = min(ak, kv);
-    count_at_least(zero, kv, 0u - kZeroAbsKey);
-    if (kFmt) {
-      const unsigned yv = __float_as_uint(fabsf(v) * abs_scale);
-      count_at_least(above_lo, yv, b.neg_lo);
-      count_at_least(not_below_hi, yv, b.neg_hi);
-      count_at_least(over, yv, b.neg_max);
+      const float ay = fabsf(v * scale);
+      lo += ay <= lim.lo;
+      hi += ay < lim.hi;
+      over += ay > lim.max;  // NaN (0 * inf) compares false
     }
   }
 
@@ -199,13 +144,9 @@ struct Fast {
     p.zero = zero;
     p.nan = 0;
     p.inf = 0;
-    p.at_most_lo = n - above_lo;
-    p.below_hi = n - not_below_hi;
-    // A NaN product (NaN scale, or 0 * inf) counted as over: the contract's
-    // comparison is false for it. Finite x and scale never give one.
-    unsigned nan_products = 0;
-    if (!(abs_scale <= 3.40282347e38f)) nan_products = abs_scale == abs_scale ? zero : n;
-    p.over = over - nan_products;
+    p.at_most_lo = lo;
+    p.below_hi = hi;
+    p.over = over;
     p.min_key = order_key(__float_as_uint(mn));
     p.max_key = order_key(__float_as_uint(mx));
     p.abs_key = ak;
@@ -252,11 +193,6 @@ struct Careful {
     }
   }
 
-  __device__ __forceinline__ void pair(float v, float w) {
-    (*this)(v);
-    (*this)(w);
-  }
-
   __device__ StatsPartial partial() {
     moments_from_sums(static_cast<double>(p.count), pivot, s, ss, p.mean, p.m2);
     return p;
@@ -295,31 +231,21 @@ struct ScaleArg {
 
 template <class E, bool kFmt>
 __device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restrict__ x, int n, float scale,
-                                                  FormatLimits lim, FormatBounds bounds) {
-  constexpr int kPer = 16 / sizeof(typename E::T);
-  const bool aligned = (reinterpret_cast<std::uintptr_t>(x) & 15u) == 0;
-  const int nvec = aligned ? n / kPer : 0;
-  Vec16<E> v[kUnroll];
-  load_first<E>(reinterpret_cast<const uint4*>(x), nvec, v);
-  // The pivot: the thread's first element (of its first vector, so no load
-  // of its own ahead of the stream), or one next to its share when it has no
-  // vector.
-  const int tid = threadIdx.x;
-  const float first = tid < nvec ? E::load(v[0].e[0]) : E::load(x[min(aligned ? tid * kPer : tid, n - 1)]);
-  const float pivot = stats_pivot(first);
-  const int share = thread_share(n, nvec, kPer);
-  Fast<kFmt> fast(pivot, scale, bounds);
-  for_each<E>(x, n, nvec, v, fast);
+                                                  FormatLimits lim) {
+  int at;
+  const int share = thread_share<E>(x, n, at);
+  const float pivot = stats_pivot(E::load(x[at]));
+  Fast<kFmt> fast(pivot, scale, lim);
+  for_each<E>(x, n, fast);
   if (fast.trusted(share)) return fast.partial(share);
   Careful<kFmt> careful(pivot, scale, lim);
-  load_first<E>(reinterpret_cast<const uint4*>(x), nvec, v);
-  for_each<E>(x, n, nvec, v, careful);
+  for_each<E>(x, n, careful);
   return careful.partial();
 }
 
 template <class Table, bool kFmt, int kOnly>
 __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
-    stats_kernel(const __grid_constant__ Table table, ScaleArg scale, FormatLimits lim, FormatBounds bounds,
+    stats_kernel(const __grid_constant__ Table table, ScaleArg scale, FormatLimits lim,
                  StatsPartial* __restrict__ partials) {
   const unsigned total = table.chunk_begin[table.count];
   for (unsigned c = blockIdx.x; c < total; c += gridDim.x) {
@@ -335,17 +261,17 @@ __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
     switch (static_cast<DType>(dtype)) {
       case DType::kFloat32: {
         const float* x = static_cast<const float*>(table.data[t]);
-        p = run_chunk<F32, kFmt>(x + offset, n, s, lim, bounds);
+        p = run_chunk<F32, kFmt>(x + offset, n, s, lim);
         break;
       }
       case DType::kFloat16: {
         const unsigned short* x = static_cast<const unsigned short*>(table.data[t]);
-        p = run_chunk<F16, kFmt>(x + offset, n, s, lim, bounds);
+        p = run_chunk<F16, kFmt>(x + offset, n, s, lim);
         break;
       }
       default: {
         const unsigned short* x = static_cast<const unsigned short*>(table.data[t]);
-        p = run_chunk<BF16, kFmt>(x + offset, n, s, lim, bounds);
+        p = run_chunk<BF16, kFmt>(x + offset, n, s, lim);
         break;
       }
     }
@@ -409,8 +335,7 @@ void launch(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* 
   if (total > 0) {
     // One block per chunk up to a cap; the kernel loops past it.
     const unsigned cap = static_cast<unsigned>(multiprocessor_count(device)) * 256u;
-    stats_kernel<Table, kFmt, kOnly><<<std::min(total, cap), kThreads, 0, stream>>>(table, scale, lim, FormatBounds(lim),
-                                                                                   partials);
+    stats_kernel<Table, kFmt, kOnly><<<std::min(total, cap), kThreads, 0, stream>>>(table, scale, lim, partials);
     AAMP_CUDA_CHECK_LAUNCH("stats_kernel");
   }
   stats_finish_kernel<Table, kFmt><<<static_cast<unsigned>(table.count), kThreads, 0, stream>>>(table, scale, partials,
