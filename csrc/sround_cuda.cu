@@ -113,10 +113,9 @@ __device__ __forceinline__ void block_amax(unsigned m, float* amax) {
 // forms below are checked against sround_element over every fp32 pattern).
 // Each turns kPack scaled values y (fp32 bits) and their random words into
 // one 32-bit word of output and sets `bad` when some value is outside the
-// set where the form is exact; the caller then redoes the word with the
-// Retry form where there is one (e4m3 on sm_89+), and the whole vector with
-// sround_element if still bad, so specials, overflow and the rare tiny
-// values cost nothing on the common path. Outside NaN, the sign of y is the sign the
+// set where the form is exact; the caller then redoes the whole vector with
+// sround_element, so specials, overflow and the rare tiny values cost
+// nothing on the common path. Outside NaN, the sign of y is the sign the
 // contract asks for (sign(x) XOR sign(scale)).
 //
 // Most forms add the random word's top bits to the fp32 pattern below the
@@ -148,10 +147,6 @@ struct Fast;
 // path.
 __device__ __forceinline__ std::uint64_t opaque(std::uint64_t v) {
   asm volatile("" : "+l"(v));
-  return v;
-}
-__device__ __forceinline__ unsigned opaque(unsigned v) {
-  asm volatile("" : "+r"(v));
   return v;
 }
 __device__ __forceinline__ uint4 opaque(uint4 v) {
@@ -199,9 +194,10 @@ __device__ __forceinline__ unsigned pack_fp8(const unsigned (&t)[4], const unsig
 
 // fp8 in integers (sround_magnitude_fast): exact for every |y| from 2^-17
 // (e4m3) / 2^-24 (e5m2) up to the largest finite value, subnormal targets
-// included, and for +-0. It serves both fp8 targets where the GPU has no fp8
-// conversion, and e4m3's vectors that leave FastCvt8 (see Retry). Overflow
-// leaves too (the exact rule clamps it), so no clamp here.
+// included, and for +-0. e4m3's subnormals are common in practice (|y| <
+// 2^-6), so this form serves e4m3 everywhere, and e5m2 where the GPU has no
+// fp8 conversion. Overflow leaves too (the exact rule clamps it), so no clamp
+// here.
 template <class Fmt>
 struct FastInt {
   static constexpr int kPack = 4;
@@ -220,70 +216,33 @@ struct FastInt {
   }
 };
 
-// fp8 with the hardware conversion (sm_89+): y + (r >> (32 - kDrop)) with
-// the low kDrop bits cleared is RZ plus the carry, with y's sign. For
-// smallest normal <= |y| <= largest finite M that value is exactly
-// representable: RZ >= the smallest normal, and a carry from RZ <= M - ulp
-// lands on M at most (M itself has no fraction, so nothing to carry; a carry
-// out of a binade's last mantissa pattern is the next power of two, still
-// normal). The round-to-nearest conversion then returns it unchanged, with
-// the sign (satfinite never acts). For +-0 the added bits stay below bit
-// kDrop and are cleared: +-0. Subnormal targets (which need a per-value
-// cut), |y| > M (clamped or inf), inf and NaN leave.
-template <class Fmt>
-struct FastCvt8 {
+template <bool kHw>
+struct Fast<SrE4M3, kHw> : FastInt<SrE4M3> {};
+
+// e5m2 with an fp8 conversion (sm_89+): y + (r >> 11) cut to the e5m2 grid
+// (low 21 bits cleared) is exactly representable, so the round-to-nearest
+// conversion returns it; normal range up to 57344 and +-0, as fp16 above.
+template <bool kHw>
+struct Fast<SrE5M2, kHw> : FastInt<SrE5M2> {};
+template <>
+struct Fast<SrE5M2, true> {
   static constexpr int kPack = 4;
-  static constexpr int kDrop = 23 - Fmt::kMant;
-  static constexpr unsigned kMinNormal = static_cast<unsigned>(128 - Fmt::kBias) << 23;  // 2^-14, 2^-6
   __device__ static unsigned word(const unsigned (&y)[4], const std::uint32_t (&r)[4], const FastArgs&, bool& bad) {
-    const float max_finite = __uint_as_float(FastInt<Fmt>::kMaxBits);  // 57344, 448
+    constexpr unsigned kMinNormal = 0x38800000u;  // 2^-14
     float z[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      bad |= !(fabsf(__uint_as_float(y[i])) <= max_finite) | tiny_nonzero(y[i], kMinNormal);
-      z[i] = __uint_as_float((y[i] + (r[i] >> (32 - kDrop))) & ~((1u << kDrop) - 1u));
+      bad |= !(fabsf(__uint_as_float(y[i])) <= 57344.0f) | tiny_nonzero(y[i], kMinNormal);
+      z[i] = __uint_as_float((y[i] + (r[i] >> 11)) & ~0x1fffffu);
     }
     unsigned out;
-    if constexpr (std::is_same<Fmt, SrE5M2>::value) {
-      asm("{\n\t.reg .b16 lo, hi;\n\t"
-          "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n\t"
-          "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n\t"
-          "mov.b32 %0, {lo, hi};\n\t}"
-          : "=r"(out) : "f"(z[0]), "f"(z[1]), "f"(z[2]), "f"(z[3]));
-    } else {
-      static_assert(std::is_same<Fmt, SrE4M3>::value, "fp8 targets only");
-      asm("{\n\t.reg .b16 lo, hi;\n\t"
-          "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n\t"
-          "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n\t"
-          "mov.b32 %0, {lo, hi};\n\t}"
-          : "=r"(out) : "f"(z[0]), "f"(z[1]), "f"(z[2]), "f"(z[3]));
-    }
+    asm("{\n\t.reg .b16 lo, hi;\n\t"
+        "cvt.rn.satfinite.e5m2x2.f32 lo, %2, %1;\n\t"
+        "cvt.rn.satfinite.e5m2x2.f32 hi, %4, %3;\n\t"
+        "mov.b32 %0, {lo, hi};\n\t}"
+        : "=r"(out) : "f"(z[0]), "f"(z[1]), "f"(z[2]), "f"(z[3]));
     return out;
   }
-};
-
-// Without an fp8 conversion both fp8 targets use the integer form.
-template <class Fmt, bool kHw>
-struct FastFp8 : FastInt<Fmt> {};
-template <class Fmt>
-struct FastFp8<Fmt, true> : FastCvt8<Fmt> {};
-template <bool kHw>
-struct Fast<SrE4M3, kHw> : FastFp8<SrE4M3, kHw> {};
-template <bool kHw>
-struct Fast<SrE5M2, kHw> : FastFp8<SrE5M2, kHw> {};
-
-// The form a vector that leaves Fast tries before the exact rule (void:
-// none). e4m3's subnormal range (|y| < 2^-6) is common: ~1.25% of randn
-// values, so ~5% of 4-value vectors leave FastCvt8; FastInt keeps them off
-// the exact rule. (e5m2's subnormals, |y| < 2^-14, are rare enough not to
-// need it.)
-template <class Fmt, bool kHw>
-struct Retry {
-  using type = void;
-};
-template <>
-struct Retry<SrE4M3, true> {
-  using type = FastInt<SrE4M3>;
 };
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -304,7 +263,6 @@ __device__ __forceinline__ void vector_tile(const uint4* __restrict__ xv, const 
   constexpr int kWords = St::kElems / F::kPack;
   union In {
     uint4 raw;
-    unsigned reg[4];
     typename Src::T e[St::kElems];
   } in[St::kUnroll];
   union Rnd {
@@ -340,7 +298,7 @@ __device__ __forceinline__ void vector_tile(const uint4* __restrict__ xv, const 
         typename St::OutVec raw;
         unsigned word[kWords];
       } res;
-      bool bad_word[kWords];  // per word, for Retry
+      bool bad = false;
 #pragma unroll
       for (int w = 0; w < kWords; ++w) {
         unsigned y[F::kPack];
@@ -352,55 +310,25 @@ __device__ __forceinline__ void vector_tile(const uint4* __restrict__ xv, const 
           y[i] = __float_as_uint(__fmul_rn(xval, s));
           rw[i] = r.w[w * F::kPack + i];
         }
-        bad_word[w] = false;
-        res.word[w] = F::word(y, rw, fa, bad_word[w]);
+        res.word[w] = F::word(y, rw, fa, bad);
       }
-      bool bad = false;
+      if (bad) {  // rare: a special, an overflow or a tiny value somewhere in the vector
+        // Whole words, built by shifts: writing single bytes or halves of
+        // `res` would make the compiler split every word on the common path.
+        constexpr int kPer = 4 / static_cast<int>(sizeof(typename Fmt::T));
+        unsigned unused = 0;
+        In xin;
+        xin.raw = opaque(in[u].raw);
 #pragma unroll
-      for (int w = 0; w < kWords; ++w) bad |= bad_word[w];
-      if (bad) {  // uncommon: some value of the vector is outside F's exact set
-        // Each path below takes the inputs again through opaque(), so that
-        // nothing of it is computed on the common path.
-        using R = typename Retry<Fmt, kHasFp8Cvt>::type;
-        if constexpr (!std::is_void<R>::value) {  // e4m3: a subnormal target somewhere
-          static_assert(R::kPack == F::kPack, "the same words as Fast");
-          bad = false;
+        for (int w = 0; w < St::kElems / kPer; ++w) {
+          unsigned word = 0;
 #pragma unroll
-          for (int w = 0; w < kWords; ++w) {
-            if (bad_word[w]) {  // one word at a time: fewer registers live
-              constexpr int kRegs = 4 / kWords;  // of the source vector, per word
-              In xin;
-#pragma unroll
-              for (int k = 0; k < kRegs; ++k) xin.reg[w * kRegs + k] = opaque(in[u].reg[w * kRegs + k]);
-              unsigned y[R::kPack];
-              std::uint32_t rw[R::kPack];
-#pragma unroll
-              for (int i = 0; i < R::kPack; ++i) {
-                y[i] = __float_as_uint(__fmul_rn(Src::load(xin.e[w * R::kPack + i]), s));
-                rw[i] = r.w[w * R::kPack + i];
-              }
-              res.word[w] = R::word(y, rw, fa, bad);
-            }
+          for (int i = 0; i < kPer; ++i) {
+            const int e = w * kPer + i;
+            const unsigned t = round_one<Src, Fmt>(xin.e[e], r.w[e], s, s_sign, saturate, unused);
+            word |= t << (8 * static_cast<int>(sizeof(typename Fmt::T)) * i);
           }
-        }
-        if (bad) {  // rare: a special, an overflow or a tiny value somewhere in the vector
-          // Whole words, built by shifts: writing single bytes or halves of
-          // `res` would make the compiler split every word on the common path.
-          constexpr int kPer = 4 / static_cast<int>(sizeof(typename Fmt::T));
-          unsigned unused = 0;
-          In xin;
-          xin.raw = opaque(in[u].raw);
-#pragma unroll
-          for (int w = 0; w < St::kElems / kPer; ++w) {
-            unsigned word = 0;
-#pragma unroll
-            for (int i = 0; i < kPer; ++i) {
-              const int e = w * kPer + i;
-              const unsigned t = round_one<Src, Fmt>(xin.e[e], r.w[e], s, s_sign, saturate, unused);
-              word |= t << (8 * static_cast<int>(sizeof(typename Fmt::T)) * i);
-            }
-            res.word[w] = word;
-          }
+          res.word[w] = word;
         }
       }
       __stcs(ov + v, res.raw);
