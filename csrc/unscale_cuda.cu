@@ -209,8 +209,12 @@ __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? kMinBlocks : 2 
 // chunk, warp by warp) in a fixed order, in double. (One-chunk tensors were finished by unscale_kernel.) A
 // whole block, not a warp, so that the largest tensors' thousands of partials
 // are read with many loads in flight rather than one latency at a time.
+// The finishing blocks are wide: the largest tensor (GPT-2's embedding, ~19k
+// warp partials) would otherwise keep one block busy long after the rest.
+constexpr int kFinishThreads = 1024;
+
 template <class Table>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kFinishThreads)
     unscale_finish_kernel(const __grid_constant__ Table table, const UnscalePartial* __restrict__ partials,
                           float* __restrict__ sumsq, float* __restrict__ amax) {
   const int t = blockIdx.x;
@@ -224,22 +228,22 @@ __global__ void __launch_bounds__(kThreads)
   // thread's partials before adding any, so their latencies overlap. The
   // additions keep the plain loop's order, so the result does not change.
   constexpr int kBatch = 8;
-  for (; p + (kBatch - 1) * kThreads < last; p += kBatch * kThreads) {
+  for (; p + (kBatch - 1) * kFinishThreads < last; p += kBatch * kFinishThreads) {
     UnscalePartial v[kBatch];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) v[u] = partials[p + u * kThreads];
+    for (int u = 0; u < kBatch; ++u) v[u] = partials[p + u * kFinishThreads];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       s += v[u].sumsq;
       m = max(m, v[u].amax_bits);
     }
   }
-  for (; p < last; p += kThreads) {
+  for (; p < last; p += kFinishThreads) {
     s += partials[p].sumsq;
     m = max(m, partials[p].amax_bits);
   }
-  __shared__ double s_sum[kThreads / 32];
-  __shared__ unsigned s_max[kThreads / 32];
+  __shared__ double s_sum[kFinishThreads / 32];
+  __shared__ unsigned s_max[kFinishThreads / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -252,7 +256,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kThreads / 32; ++w) {
+    for (int w = 1; w < kFinishThreads / 32; ++w) {
       s += s_sum[w];
       m = max(m, s_max[w]);
     }
@@ -277,7 +281,7 @@ void launch(const Table& table, const UnscaleArgs& a, std::size_t first, Unscale
   bool all_one_chunk = true;
   for (int i = 0; i < table.count; ++i) all_one_chunk &= table.chunk_begin[i + 1] - table.chunk_begin[i] == 1;
   if (kStats && !all_one_chunk) {
-    unscale_finish_kernel<Table><<<static_cast<unsigned>(table.count), kThreads, 0, stream>>>(table, partials, a.sumsq + first, a.amax + first);
+    unscale_finish_kernel<Table><<<static_cast<unsigned>(table.count), kFinishThreads, 0, stream>>>(table, partials, a.sumsq + first, a.amax + first);
     AAMP_CUDA_CHECK_LAUNCH("unscale_finish_kernel");
   }
 }
