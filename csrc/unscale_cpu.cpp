@@ -12,6 +12,12 @@
 #include "float_bits.h"
 #include "unscale.h"
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define AAMP_CPU_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define AAMP_CPU_CLONES
+#endif
+
 namespace aamp {
 
 namespace {
@@ -40,8 +46,10 @@ struct BF16 {
 // One chunk: check, scale, optionally write back and reduce. Returns whether
 // a NaN or inf was seen. With inv_scale == 1 nothing is written (see below),
 // and x * 1 == x for every non-NaN x, so the loop needs no select.
+// Built for baseline x86-64 and for AVX2, picked at load time: twice the
+// vector width matters on machines whose memory outruns SSE2 code.
 template <class E, bool kWrite, bool kStats>
-bool run_chunk(typename E::T* x, std::int64_t n, float inv, UnscalePartial* partial) {
+AAMP_CPU_CLONES bool run_chunk(typename E::T* x, std::int64_t n, float inv, UnscalePartial* partial) {
   unsigned bad = 0;
   float ss = 0.0f;
   std::uint32_t am = 0;
