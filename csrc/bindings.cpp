@@ -101,6 +101,64 @@ void update_scale(std::uintptr_t scale, std::uintptr_t growth_tracker, std::uint
   aamp::update_scale(a);
 }
 
+// The fast path of _native.describe_many for lists of torch tensors: one C++
+// loop asks each object for .dtype, .is_contiguous(), .requires_grad,
+// .get_device(), .numel() and .data_ptr(), instead of one Python pass per
+// question. `codes` maps the allowed dtype objects to dtype codes. Returns
+// (ptrs, numels, codes, device), or None when anything is unusual (another
+// dtype, a sparse or non-contiguous tensor, two devices, a tensor that
+// requires grad in a writing call, no memory): the Python path then finds and
+// names the problem.
+py::object describe_tensors(py::list xs, py::dict codes, bool writable) {
+  static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
+  static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
+  static PyObject* requires_grad_name = PyUnicode_InternFromString("requires_grad");
+  static PyObject* device_name = PyUnicode_InternFromString("get_device");
+  static PyObject* numel_name = PyUnicode_InternFromString("numel");
+  static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+  const Py_ssize_t n = PyList_GET_SIZE(xs.ptr());
+  py::list ptrs(n), numels(n), out_codes(n);
+  long device = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* x = PyList_GET_ITEM(xs.ptr(), i);
+    auto get = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_GetAttr(x, name)); };
+    auto call = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(x, name)); };
+    py::object dtype = get(dtype_name);
+    if (!dtype) {
+      PyErr_Clear();
+      return py::none();
+    }
+    PyObject* code = PyDict_GetItem(codes.ptr(), dtype.ptr());  // borrowed; null when not allowed
+    if (code == nullptr) return py::none();
+    py::object contiguous = call(contiguous_name);
+    if (!contiguous || contiguous.ptr() != Py_True) {  // sparse layouts raise
+      PyErr_Clear();
+      return py::none();
+    }
+    if (writable) {
+      py::object requires_grad = get(requires_grad_name);
+      if (!requires_grad || requires_grad.ptr() != Py_False) {
+        PyErr_Clear();
+        return py::none();
+      }
+    }
+    py::object dev = call(device_name), numel = call(numel_name), ptr = call(data_ptr_name);
+    if (!dev || !numel || !ptr) {
+      PyErr_Clear();
+      return py::none();
+    }
+    const long d = PyLong_AsLong(dev.ptr());
+    if (i == 0) device = d;
+    if (d != device) return py::none();
+    if (PyLong_AsLongLong(numel.ptr()) > 0 && PyLong_AsUnsignedLongLong(ptr.ptr()) == 0) return py::none();
+    PyList_SET_ITEM(ptrs.ptr(), i, ptr.release().ptr());
+    PyList_SET_ITEM(numels.ptr(), i, numel.release().ptr());
+    Py_INCREF(code);
+    PyList_SET_ITEM(out_codes.ptr(), i, code);
+  }
+  return py::make_tuple(ptrs, numels, out_codes, device);
+}
+
 // The fixed part of one optimizer's gradients on one device, kept between
 // steps: where each parameter sits in its param group's list, and its element
 // count, dtype and device. A step then reads each parameter's .grad and its
@@ -317,6 +375,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("hysteresis"), py::arg("min_scale"), py::arg("max_scale"), py::arg("predictive"),
         py::arg("step_amax"), py::arg("amax_history"), py::arg("history"), py::arg("margin"), py::arg("fmt_max"),
         py::arg("inv_scale"), py::arg("device"), py::arg("stream"));
+  m.def("describe_tensors", &describe_tensors, py::arg("xs"), py::arg("codes"), py::arg("writable"));
   py::class_<GradPlan>(m, "GradPlan")
       .def(py::init<const std::vector<std::pair<py::list, std::size_t>>&, py::list,
                     const std::vector<std::int64_t>&, py::list, const std::vector<int>&, int>(),
