@@ -15,18 +15,16 @@ except ImportError as exc:  # pragma: no cover - only on a broken install
         f"{exc}. Reinstall with `pip install .` (or `pip install -e .` in a checkout)."
     ) from exc
 
-from .ops import UNSCALE_CHUNK, unscale_and_check_, update_scale_
-from .ops import stochastic_round, stochastic_round_ste
-from .ops import tensor_stats
+from . import debug  # torch is imported inside its functions
+from .ops import (UNSCALE_CHUNK, stochastic_round, stochastic_round_ste, tensor_stats, unscale_and_check_,
+                  update_scale_)
 from .stats import TensorStats
-from . import debug  # noqa: E402  (torch is imported inside its functions)
 
 __version__ = "0.1.0"
 
-__all__ = ["GradScaler", "UNSCALE_CHUNK", "build_info", "cuda_available", "unscale_and_check_", "update_scale_",
+__all__ = ["GradScaler", "TensorStats", "UNSCALE_CHUNK", "build_info", "cuda_available", "debug",
+           "stochastic_round", "stochastic_round_ste", "tensor_stats", "unscale_and_check_", "update_scale_",
            "__version__"]
-__all__ += ["stochastic_round", "stochastic_round_ste"]
-__all__ += ["tensor_stats", "TensorStats", "debug"]
 
 # Modules that need torch load on first use, so `import adaptive_amp` works with numpy alone.
 _LAZY = {"GradScaler": "scaler"}
