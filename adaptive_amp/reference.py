@@ -249,3 +249,27 @@ def tensor_stats(tensors, *, fmt=None, scale=None, names=None):
         out["underflow_count"].append(int((finite & (x64 != 0) & (s != 0) & (cast == 0)).sum()))
         out["subnormal_count"].append(int((finite & (cast != 0) & (cast.abs() < smallest_normal)).sum()))
     return out
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the rounded tensor; backward: the gradient unchanged, times scale, in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, rounded, scale):
+        ctx.x_dtype, ctx.scale = x.dtype, scale
+        return rounded
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.to(ctx.x_dtype)
+        if ctx.scale is not None:
+            g = g * ctx.scale
+        return g, None, None
+
+
+def stochastic_round_ste(x, dtype, *, random_bits=None, seed=None, offset=None, scale=None, saturate=False):
+    """Twin of :func:`adaptive_amp.ops.stochastic_round_ste`: :func:`stochastic_round`'s forward, the gradient
+    passed straight through (times ``scale``)."""
+    rounded = stochastic_round(x.detach(), dtype, random_bits=random_bits, seed=seed, offset=offset, scale=scale,
+                               saturate=saturate)
+    return _StraightThrough.apply(x, rounded, scale)

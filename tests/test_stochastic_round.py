@@ -659,3 +659,18 @@ def test_cupy_arrays():
         bits_of(SR(x, torch.bfloat16, seed=2)).tolist()
     half = SR(cupy.asarray(x.numpy()), "float16", seed=2)
     assert half.dtype == cupy.float16
+
+
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float16])
+def test_ste_matches_its_reference_twin_forward_and_backward(target):
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(4099, generator=gen) * 3).requires_grad_(True)
+    bits = torch.randint(-(2**31), 2**31, x.shape, dtype=torch.int32, generator=gen)
+    ours = adaptive_amp.stochastic_round_ste(x, target, random_bits=bits, scale=0.5)
+    ref = reference.stochastic_round_ste(x, target, random_bits=bits, scale=0.5)
+    assert torch.equal(ours.view(torch.int16), ref.view(torch.int16))
+    weights = torch.randn(x.shape, generator=gen)
+    g_ours, = torch.autograd.grad((ours.float() * weights).sum(), x)
+    g_ref, = torch.autograd.grad((ref.float() * weights).sum(), x)
+    assert torch.equal(g_ours, g_ref)
+    assert torch.equal(g_ours, (weights.to(target).to(torch.float32) * 0.5))
