@@ -301,26 +301,43 @@ __device__ __forceinline__ StatsTotals shfl_down(const StatsTotals& t, int o) {
 // One block per tensor: its partials in a fixed order (each thread a fixed
 // stride of them, then a shuffle tree, then the warps in order), and the
 // final statistics. Empty tensors get their row too.
-template <class Table, bool kFmt>
-__global__ void __launch_bounds__(kThreads)
+// Finishing blocks are wide when a tensor has many partials, so that its
+// chain of merges (GPT-2's embedding: ~19k warp partials) is short; 512
+// threads fit the registers that the fp64 totals need. Lists of small
+// tensors keep 256-thread blocks, most of whose threads would idle.
+constexpr int kWideFinish = 512;
+
+template <class Table, bool kFmt, int kFinishThreads>
+__global__ void __launch_bounds__(kFinishThreads)
     stats_finish_kernel(const __grid_constant__ Table table, ScaleArg scale, const StatsPartial* __restrict__ partials,
                         double* __restrict__ out) {
   const int t = blockIdx.x;
   const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
   StatsTotals tot;
   const std::size_t last = static_cast<std::size_t>(end) * kWarps;
-  for (std::size_t p = static_cast<std::size_t>(begin) * kWarps + threadIdx.x; p < last; p += kThreads) {
-    tot.add(partials[p]);
+  std::size_t p = static_cast<std::size_t>(begin) * kWarps + threadIdx.x;
+  // Each merge depends on the one before, so a thread's partials form a
+  // chain: the next one is loaded before the current one is merged, so the
+  // load overlaps the merge (the merge order is unchanged).
+  if (p < last) {
+    StatsPartial current = partials[p];
+    for (p += kFinishThreads; p < last; p += kFinishThreads) {
+      const StatsPartial next = partials[p];
+      tot.add(current);
+      current = next;
+    }
+    tot.add(current);
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) tot.add(shfl_down(tot, o));
-  __shared__ alignas(StatsTotals) unsigned char raw[sizeof(StatsTotals) * kWarps];
+  constexpr int kFinishWarps = kFinishThreads / 32;
+  __shared__ alignas(StatsTotals) unsigned char raw[sizeof(StatsTotals) * kFinishWarps];
   StatsTotals* s_tot = reinterpret_cast<StatsTotals*>(raw);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) s_tot[warp] = tot;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) tot.add(s_tot[w]);
+    for (int w = 1; w < kFinishWarps; ++w) tot.add(s_tot[w]);
     const unsigned meta = table.meta[t];
     const long long chunks = end - begin;
     const long long numel = chunks > 0 ? (chunks - 1) * kStatsChunk + static_cast<long long>(meta >> 4) + 1 : 0;
@@ -338,8 +355,14 @@ void launch(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* 
     stats_kernel<Table, kFmt, kOnly><<<std::min(total, cap), kThreads, 0, stream>>>(table, scale, lim, partials);
     AAMP_CUDA_CHECK_LAUNCH("stats_kernel");
   }
-  stats_finish_kernel<Table, kFmt><<<static_cast<unsigned>(table.count), kThreads, 0, stream>>>(table, scale, partials,
-                                                                                                out);
+  unsigned most = 0;  // the most chunks of one tensor
+  for (int i = 0; i < table.count; ++i) most = std::max(most, table.chunk_begin[i + 1] - table.chunk_begin[i]);
+  const unsigned blocks = static_cast<unsigned>(table.count);
+  if (most * kWarps > 8u * kThreads) {
+    stats_finish_kernel<Table, kFmt, kWideFinish><<<blocks, kWideFinish, 0, stream>>>(table, scale, partials, out);
+  } else {
+    stats_finish_kernel<Table, kFmt, kThreads><<<blocks, kThreads, 0, stream>>>(table, scale, partials, out);
+  }
   AAMP_CUDA_CHECK_LAUNCH("stats_finish_kernel");
 }
 
