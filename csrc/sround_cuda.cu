@@ -23,6 +23,7 @@
 #include <atomic>
 #include <type_traits>
 
+#include "cuda_elements.cuh"
 #include "cuda_utils.cuh"
 #include "philox.h"
 #include "sround.h"
@@ -34,18 +35,10 @@ namespace {
 
 constexpr int kThreads = 256;
 
-struct SrcF32 {
-  using T = float;
-  __device__ static float load(T v) { return v; }
-};
-struct SrcF16 {
-  using T = unsigned short;
-  __device__ static float load(T v) { return __half2float(__ushort_as_half(v)); }
-};
-struct SrcBF16 {
-  using T = unsigned short;
-  __device__ static float load(T v) { return __uint_as_float(static_cast<unsigned>(v) << 16); }
-};
+// Sources are read through the shared element types.
+using SrcF32 = elements::F32;
+using SrcF16 = elements::F16;
+using SrcBF16 = elements::BF16;
 
 struct KernelParams {
   const void* x;

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 
+#include "cuda_elements.cuh"
 #include "cuda_utils.cuh"
 #include "multi_tensor.cuh"
 #include "stats.h"
@@ -39,26 +40,11 @@ constexpr int kWarps = kThreads / 32;
 static_assert(kWarps <= kStatsPartialsPerChunk, "workspace holds kStatsPartialsPerChunk partials a chunk");
 constexpr int kAnyDType = -1;
 
-struct F32 {
-  using T = float;
-  __device__ static float load(T v) { return v; }
-};
+using elements::BF16;
+using elements::F16;
+using elements::F32;
+using elements::Vec16;
 
-struct F16 {
-  using T = unsigned short;
-  __device__ static float load(T v) { return __half2float(__ushort_as_half(v)); }
-};
-
-struct BF16 {
-  using T = unsigned short;
-  __device__ static float load(T v) { return __uint_as_float(static_cast<unsigned>(v) << 16); }
-};
-
-template <class E>
-union Vec16 {
-  uint4 raw;
-  typename E::T e[16 / sizeof(typename E::T)];
-};
 
 // Calls f(value) for this thread's elements of a chunk. The assignment of
 // elements to threads depends only on n and the alignment, never on timing.

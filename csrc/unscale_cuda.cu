@@ -12,6 +12,7 @@
 
 #include <algorithm>
 
+#include "cuda_elements.cuh"
 #include "cuda_utils.cuh"
 #include "multi_tensor.cuh"
 #include "unscale.h"
@@ -35,26 +36,10 @@ constexpr int kUnroll = AAMP_UNSCALE_UNROLL;  // 16-byte loads in flight per thr
 constexpr int kMinBlocks = 2;
 constexpr int kAnyDType = -1;
 
-struct F32 {
-  using T = float;
-  __device__ static bool nonfinite(T v) { return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u; }
-  __device__ static float load(T v) { return v; }
-  __device__ static T store(float y) { return y; }
-};
-
-struct F16 {
-  using T = unsigned short;
-  __device__ static bool nonfinite(T v) { return (v & 0x7c00u) == 0x7c00u; }
-  __device__ static float load(T v) { return __half2float(__ushort_as_half(v)); }
-  __device__ static T store(float y) { return __half_as_ushort(__float2half_rn(y)); }
-};
-
-struct BF16 {
-  using T = unsigned short;
-  __device__ static bool nonfinite(T v) { return (v & 0x7f80u) == 0x7f80u; }
-  __device__ static float load(T v) { return __uint_as_float(static_cast<unsigned>(v) << 16); }
-  __device__ static T store(float y) { return __bfloat16_as_ushort(__float2bfloat16_rn(y)); }
-};
+using elements::BF16;
+using elements::F16;
+using elements::F32;
+using elements::Vec16;
 
 struct Accum {
   bool bad = false;
@@ -74,12 +59,6 @@ __device__ __forceinline__ typename E::T step(typename E::T v, float inv, bool o
   return kWrite ? E::store(y) : v;
 }
 
-// 16 bytes of E::T elements.
-template <class E>
-union Vec16 {
-  uint4 raw;
-  typename E::T e[16 / sizeof(typename E::T)];
-};
 
 template <class E, bool kWrite, bool kStats>
 __device__ __forceinline__ void run_chunk(typename E::T* __restrict__ x, int n, float inv, bool one, bool write,
