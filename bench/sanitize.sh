@@ -1,0 +1,17 @@
+#!/bin/bash
+# Run compute-sanitizer's four tools over bench/sanitize_driver.py, restricted
+# to adaptive_amp's kernels. Usage: bash bench/sanitize.sh [OUTDIR]
+# Needs a GPU machine whose runtime lets compute-sanitizer attach (not gVisor).
+out=${1:-.}
+here=$(cd "$(dirname "$0")" && pwd)
+cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+filter="kns=aamp"  # every kernel of ours lives in namespace aamp
+status=0
+for tool in memcheck racecheck initcheck synccheck; do
+  timeout 150 "$cs" --tool "$tool" --kernel-name "$filter" --error-exitcode 3 \
+      python3 "$here/sanitize_driver.py" > "$out/sanitize_$tool.log" 2>&1
+  rc=$?
+  echo "$tool: exit $rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|hazard' "$out/sanitize_$tool.log" | tail -1)"
+  [ $rc -eq 0 ] || status=1
+done
+exit $status
