@@ -22,12 +22,22 @@ from .stats import TensorStats
 
 __version__ = "0.1.0"
 
-__all__ = ["GradScaler", "TensorStats", "UNSCALE_CHUNK", "build_info", "cuda_available", "debug",
+__all__ = ["AdaptivePrecisionSelector", "Capabilities", "DynamicPrecisionAdjuster", "GradScaler", "HardwareDetector",
+           "LossScale", "PrecisionAnalyzer", "PrecisionPolicy", "TensorStats", "UNSCALE_CHUNK", "build_info", "cuda_available", "debug",
            "stochastic_round", "stochastic_round_ste", "tensor_stats", "unscale_and_check_", "update_scale_",
            "__version__"]
 
 # Modules that need torch load on first use, so `import adaptive_amp` works with numpy alone.
-_LAZY = {"GradScaler": "scaler"}
+_LAZY = {
+    "GradScaler": "scaler",
+    "Capabilities": "hardware",
+    "HardwareDetector": "hardware",
+    "LossScale": "policy",
+    "PrecisionPolicy": "policy",
+    "AdaptivePrecisionSelector": "policy",
+    "DynamicPrecisionAdjuster": "adjust",
+    "PrecisionAnalyzer": "analysis",
+}
 
 
 def __getattr__(name):

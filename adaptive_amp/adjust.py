@@ -1,0 +1,137 @@
+"""DynamicPrecisionAdjuster: apply a precision policy to a model and change it between steps.
+
+A policy (duck-typed: ``.compute_dtype`` and ``.islands``) says which dtype
+autocast computes in and which modules ("islands", by their
+``named_modules()`` name) must stay in fp32. The adjuster gives the autocast
+context for the policy and makes each island run with autocast off on fp32
+inputs. It never touches parameters or the optimizer, so a policy can change
+between any two steps, and ``remove()`` leaves the model as it was.
+
+Islands are made by wrapping the module's ``forward`` (an instance attribute
+that shadows the class method) rather than by a pre-hook/hook pair: the
+autocast context is then entered and left in one ``with`` block, which stays
+correct when the forward raises and which torch.compile traces as one region.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+
+_MISSING = object()
+
+
+def _to_fp32(value):
+    """Floating-point tensors (also inside tuples, lists and dicts) -> fp32; anything else unchanged."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() and value.dtype != torch.float32 else value
+    if isinstance(value, (tuple, list)):
+        items = [_to_fp32(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
+    if isinstance(value, dict):
+        return type(value)((k, _to_fp32(v)) for k, v in value.items())
+    return value
+
+
+def _device_type(model: nn.Module) -> str:
+    for t in model.parameters():
+        return t.device.type
+    for t in model.buffers():
+        return t.device.type
+    return "cpu"  # a model without tensors runs wherever its inputs are; cpu is torch's default
+
+
+class DynamicPrecisionAdjuster:
+    """Runs `model` under `policy`: autocast in ``policy.compute_dtype``, islands in fp32.
+
+    Usage::
+
+        adjuster = DynamicPrecisionAdjuster(model, policy)
+        with adjuster.autocast():
+            loss = loss_fn(model(x))
+        ...
+        adjuster.set_policy(new_policy)   # between steps
+        adjuster.remove()                 # model back as it was
+
+    Works with ``torch.compile(model)`` as long as the policy is set before
+    compiling or between steps (a changed policy makes torch.compile retrace).
+    """
+
+    def __init__(self, model: nn.Module, policy):
+        self.model = model
+        self.device_type = _device_type(model)
+        self.policy = None
+        # island name -> the value of module.__dict__["forward"] before we wrapped it (_MISSING: none)
+        self._wrapped: Dict[str, object] = {}
+        self.set_policy(policy)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.policy.compute_dtype
+
+    @property
+    def islands(self) -> tuple:
+        return tuple(self._wrapped)
+
+    def autocast(self) -> torch.autocast:
+        """The autocast context of the policy (disabled when the policy computes in fp32)."""
+        dtype = self.policy.compute_dtype
+        return torch.autocast(self.device_type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def set_policy(self, policy) -> None:
+        """Switch to `policy`: wraps new islands, unwraps dropped ones. Parameters are not touched."""
+        dtype = policy.compute_dtype
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"policy.compute_dtype is {dtype}; expected torch.float32, float16 or bfloat16")
+        modules = dict(self.model.named_modules())
+        wanted = tuple(dict.fromkeys(policy.islands))  # keep order, drop repeats
+        unknown = [name for name in wanted if name not in modules]
+        if unknown:
+            raise ValueError(f"policy.islands names modules the model does not have: {unknown}")
+        for name in [n for n in self._wrapped if n not in wanted]:
+            self._unwrap(name, modules.get(name))
+        for name in wanted:
+            if name not in self._wrapped:
+                self._wrap(name, modules[name])
+        self.policy = policy
+
+    def remove(self) -> None:
+        """Unwrap every island: the model's modules are exactly as before the adjuster."""
+        modules = dict(self.model.named_modules())
+        for name in list(self._wrapped):
+            self._unwrap(name, modules.get(name))
+
+    def _wrap(self, name: str, module: nn.Module) -> None:
+        previous = module.__dict__.get("forward", _MISSING)
+        inner = module.forward  # the bound class method, or a forward someone else set on the instance
+        device_type = self.device_type
+
+        @functools.wraps(inner)
+        def island_forward(*args, **kwargs):
+            # Autocast would recast the island's ops to the compute dtype; turning it off alone is not
+            # enough, since inputs already produced in fp16/bf16 would keep the ops in that dtype.
+            with torch.autocast(device_type, enabled=False):
+                return inner(*_to_fp32(args), **_to_fp32(kwargs))
+
+        island_forward._adaptive_amp_island = name
+        module.forward = island_forward
+        self._wrapped[name] = previous
+
+    def _unwrap(self, name: str, module: Optional[nn.Module]) -> None:
+        previous = self._wrapped.pop(name)
+        if module is None:  # the module left the model since; nothing to restore
+            return
+        if getattr(module.__dict__.get("forward"), "_adaptive_amp_island", None) != name:
+            raise RuntimeError(f"the forward of island {name!r} was replaced after the adjuster wrapped it; "
+                               "cannot restore it safely")
+        if previous is _MISSING:
+            del module.forward  # the class's forward shows through again
+        else:
+            module.forward = previous
+
+    def __repr__(self):
+        return (f"DynamicPrecisionAdjuster(compute_dtype={self.policy.compute_dtype}, "
+                f"islands={list(self._wrapped)}, device_type={self.device_type!r})")

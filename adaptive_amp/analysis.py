@@ -1,0 +1,378 @@
+"""PrecisionAnalyzer: which layers can compute in which low-precision format.
+
+For every layer of the chosen types and every candidate format, the model is
+run in fp32 with only that layer simulated in the format: the layer's
+floating-point inputs, its parameters and its output are rounded to the format
+and back to fp32 (a format's overflow shows as inf for fp16; fp8 e4m3fn
+saturates at 448 when torch casts to it, so its overflow is caught by the
+amax check). Comparing with an fp32 baseline gives, per layer and format, the
+error of the layer's output and of the model's output, the activation range
+against the format's range, and the fraction of the layer's input (and,
+with a loss, of its gradients) that would flush to zero.
+
+One full forward per (layer, format): meant for small sample batches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .ops import tensor_stats
+from .stats import format_name
+
+DEFAULT_CANDIDATES = (torch.float16, torch.bfloat16, "float8_e4m3fn")
+DEFAULT_LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.MultiheadAttention)
+#: Relative L2 error of the model's output above which a layer is risky in a format. bf16 rounds
+#: with a relative step of 2**-8, so an ordinary layer in bf16 stays well below this; a layer that
+#: loses several bits of its result (cancellation, tiny values) goes above it.
+DEFAULT_ERROR_THRESHOLD = 0.02
+
+
+@dataclass
+class LayerPrecision:
+    """One layer simulated in one format. Errors are relative L2 norms (inf when the result is not finite)."""
+
+    name: str
+    layer_type: str
+    dtype: str
+    layer_error: float
+    model_error: float
+    sqnr_db: float  # of the layer's output: 10*log10(|ref|^2 / |ref - out|^2)
+    amax: float  # largest finite |value| of the layer's inputs and output in fp32
+    format_max: float
+    overflow: bool  # amax above the format's largest value, or a non-finite value in the simulated output
+    underflow_fraction: float  # of the layer's input elements that flush to zero in the format
+    grad_underflow_fraction: Optional[float] = None  # of the layer's parameter-gradient elements (with loss_fn)
+
+    def to_dict(self) -> dict:
+        # JSON has no inf or NaN: a non-finite number becomes None (the overflow flag says why).
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
+
+
+@dataclass
+class PrecisionAnalysis:
+    """The results of :meth:`PrecisionAnalyzer.analyze`."""
+
+    results: List[LayerPrecision]
+    error_threshold: float
+    candidates: Tuple[str, ...]
+    grad_amax: Optional[float] = None  # largest |gradient| of the model's parameters (with loss_fn)
+    skipped: Dict[str, str] = field(default_factory=dict)  # layer -> why it was not analyzed
+
+    def result(self, name: str, dtype) -> LayerPrecision:
+        fmt = format_name(dtype)
+        for r in self.results:
+            if r.name == name and r.dtype == fmt:
+                return r
+        raise KeyError(f"no result for layer {name!r} in {fmt}")
+
+    def risky_layers(self, dtype) -> List[Tuple[str, str]]:
+        """(layer, reason) for the layers that overflow in `dtype` or whose model-output error is above
+        the threshold; worst first."""
+        fmt = format_name(dtype)
+        risky = []
+        for r in sorted((r for r in self.results if r.dtype == fmt), key=_severity, reverse=True):
+            reasons = []
+            if r.overflow:
+                reasons.append(f"overflow: activation amax {r.amax:.3g} vs {fmt} max {r.format_max:.3g}"
+                               + ("" if math.isfinite(r.layer_error) else ", non-finite output"))
+            if not r.model_error <= self.error_threshold:  # also catches NaN
+                reasons.append(f"model output error {r.model_error:.3g} > {self.error_threshold:g}")
+            if reasons:
+                risky.append((r.name, "; ".join(reasons)))
+        return risky
+
+    def table(self, dtype=None) -> str:
+        """A text table, one line per (layer, format), worst model-output error first."""
+        fmt = format_name(dtype) if dtype is not None else None
+        rows = sorted((r for r in self.results if fmt is None or r.dtype == fmt), key=_severity, reverse=True)
+        cols = ["layer", "type", "dtype", "model_err", "layer_err", "sqnr_db", "amax", "fmt_max", "overflow",
+                "underflow", "grad_underflow", "risky"]
+        risky = {(name, f) for f in {r.dtype for r in rows} for name, _ in self.risky_layers(f)}
+        cells = [[r.name or "(model)", r.layer_type, r.dtype, _num(r.model_error), _num(r.layer_error),
+                  _num(r.sqnr_db), _num(r.amax), _num(r.format_max), "yes" if r.overflow else "",
+                  _pct(r.underflow_fraction), _pct(r.grad_underflow_fraction),
+                  "RISKY" if (r.name, r.dtype) in risky else ""] for r in rows]
+        widths = [max([len(c)] + [len(row[j]) for row in cells]) for j, c in enumerate(cols)]
+        left = {"layer", "type", "dtype"}
+        lines = [f"precision analysis: {len({r.name for r in rows})} layer(s), formats {', '.join(self.candidates)}, "
+                 f"model-error threshold {self.error_threshold:g}"
+                 + (f", grad amax {self.grad_amax:.3g}" if self.grad_amax is not None else "")]
+        for row in [cols] + cells:
+            lines.append("  ".join(v.ljust(w) if c in left else v.rjust(w) for v, c, w in zip(row, cols, widths)))
+        for name, why in self.skipped.items():
+            lines.append(f"skipped {name}: {why}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "error_threshold": self.error_threshold,
+            "candidates": list(self.candidates),
+            "grad_amax": self.grad_amax if self.grad_amax is None or math.isfinite(self.grad_amax) else None,
+            "skipped": dict(self.skipped),
+            "results": [r.to_dict() for r in self.results],
+            "risky": {fmt: [list(x) for x in self.risky_layers(fmt)] for fmt in self.candidates},
+        }
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def __str__(self):
+        return self.table()
+
+
+def _severity(r: LayerPrecision):
+    err = r.model_error if not math.isnan(r.model_error) else math.inf
+    return (r.overflow, err)
+
+
+def _num(v) -> str:
+    if v is None:
+        return ""
+    if math.isnan(v) or math.isinf(v):
+        return str(v)
+    if v == 0 or 1e-3 <= abs(v) < 1e5:
+        return f"{v:.4g}"
+    return f"{v:.3e}"
+
+
+def _pct(v) -> str:
+    return "" if v is None else f"{100 * v:.2f}%"
+
+
+def _tensors(value) -> List[torch.Tensor]:
+    """Every floating-point tensor in a (nested) output or argument list, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _flat(value) -> torch.Tensor:
+    ts = _tensors(value)
+    if not ts:
+        return torch.zeros(0)
+    return torch.cat([t.detach().float().reshape(-1) for t in ts])
+
+
+def _round_trip(value, dtype: torch.dtype):
+    """Floating-point tensors in `value` rounded to `dtype` and back to their own dtype."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype).to(value.dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        items = [_round_trip(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((k, _round_trip(v, dtype)) for k, v in value.items())
+    return value
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not bool(torch.isfinite(out).all()):
+        return math.inf
+    ref_norm = float(torch.linalg.vector_norm(ref.double()))
+    diff = float(torch.linalg.vector_norm((out - ref).double()))
+    if ref_norm == 0:
+        return 0.0 if diff == 0 else math.inf
+    return diff / ref_norm
+
+
+def _sqnr_db(rel_error: float) -> float:
+    if rel_error == 0:
+        return math.inf
+    return -20.0 * math.log10(rel_error) if math.isfinite(rel_error) else -math.inf
+
+
+def _progress(total: int, enabled: bool):
+    """A tqdm bar when tqdm is installed (it is optional), else a stand-in that does nothing."""
+    if enabled:
+        try:
+            from tqdm.auto import tqdm
+
+            return tqdm(total=total, desc="precision analysis", unit="run")
+        except ImportError:
+            pass
+
+    class _NoBar:
+        def update(self, n=1):
+            pass
+
+        def set_postfix_str(self, s):
+            pass
+
+        def close(self):
+            pass
+
+    return _NoBar()
+
+
+class PrecisionAnalyzer:
+    """Simulates each layer in each candidate format and measures what it costs.
+
+    Args:
+        candidates: formats to try: torch dtypes or names (``"float16"``,
+            ``"bfloat16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``).
+        layer_types: the module types to analyze (subclasses count).
+        error_threshold: relative L2 error of the model's output above which
+            a layer is risky in a format.
+        progress: show a tqdm progress bar when tqdm is installed.
+    """
+
+    def __init__(self, candidates: Sequence = DEFAULT_CANDIDATES, layer_types: Sequence[type] = DEFAULT_LAYER_TYPES,
+                 error_threshold: float = DEFAULT_ERROR_THRESHOLD, progress: bool = True):
+        self.candidates = tuple(format_name(c) for c in candidates)
+        self.layer_types = tuple(layer_types)
+        if not error_threshold > 0:
+            raise ValueError(f"error_threshold is {error_threshold}; pass a positive relative error")
+        self.error_threshold = float(error_threshold)
+        self.progress = progress
+
+    def analyze(self, model: nn.Module, sample_inputs, loss_fn=None) -> PrecisionAnalysis:
+        """Analyze `model` on `sample_inputs` (a tensor, a tuple of positional arguments, or a dict of
+        keyword arguments). With `loss_fn` (model output -> scalar loss) the parameter gradients of an
+        fp32 backward are measured too."""
+        args, kwargs = _split_inputs(sample_inputs)
+        layers = [(n, m) for n, m in model.named_modules() if isinstance(m, self.layer_types)]
+        was_training = {m: m.training for m in model.modules()}
+        model.eval()  # dropout would make every run differ from the baseline
+        try:
+            # Grad mode stays on: in eval mode without grad, nn.TransformerEncoderLayer and
+            # nn.MultiheadAttention take a fused fast path that never calls their sublayers.
+            with torch.enable_grad():
+                return self._analyze(model, layers, args, kwargs, loss_fn)
+        finally:
+            for m, mode in was_training.items():
+                m.training = mode
+
+    def _analyze(self, model, layers, args, kwargs, loss_fn) -> PrecisionAnalysis:
+        # fp32 baseline, recording each layer's inputs and outputs.
+        seen_in: Dict[str, list] = {n: [] for n, _ in layers}
+        seen_out: Dict[str, list] = {n: [] for n, _ in layers}
+        handles = []
+        for name, layer in layers:
+            def record(mod, a, kw, out, name=name):
+                seen_in[name].extend(t.detach() for t in _tensors((a, kw)))
+                seen_out[name].append(_flat(out))
+            handles.append(layer.register_forward_hook(record, with_kwargs=True))
+        try:
+            ref_output = model(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        ref_model = _flat(ref_output)
+
+        grad_amax, grad_fraction = None, {}
+        if loss_fn is not None:
+            grad_amax, grad_fraction = self._gradients(model, layers, ref_output, loss_fn)
+        del ref_output
+
+        results, skipped = [], {}
+        analyzed = [(n, m) for n, m in layers if seen_out[n]]
+        for n, _ in layers:
+            if not seen_out[n]:
+                skipped[n] = "not called by the model's forward (its parent computes with its weights directly)"
+        bar = _progress(len(analyzed) * len(self.candidates), self.progress)
+        try:
+            for name, layer in analyzed:
+                ref_layer = torch.cat(seen_out[name])
+                inputs = [t.float().contiguous() for t in seen_in[name]]
+                finite_in = [t[torch.isfinite(t)] for t in inputs]
+                amax = max([float(t.abs().max()) for t in finite_in + [ref_layer[torch.isfinite(ref_layer)]]
+                            if t.numel()] or [0.0])
+                for fmt in self.candidates:
+                    bar.set_postfix_str(f"{name} {fmt}")
+                    dtype = getattr(torch, fmt)
+                    layer_out, model_out = self._simulate(model, layer, dtype, args, kwargs)
+                    layer_error = _relative_error(layer_out, ref_layer)
+                    format_max = float(torch.finfo(dtype).max)
+                    results.append(LayerPrecision(
+                        name=name, layer_type=type(layer).__name__, dtype=fmt,
+                        layer_error=layer_error, model_error=_relative_error(model_out, ref_model),
+                        sqnr_db=_sqnr_db(layer_error), amax=amax, format_max=format_max,
+                        overflow=amax > format_max or not math.isfinite(layer_error),
+                        underflow_fraction=_underflow_fraction(inputs, fmt),
+                        grad_underflow_fraction=grad_fraction.get((name, fmt)),
+                    ))
+                    bar.update()
+        finally:
+            bar.close()
+        return PrecisionAnalysis(results=results, error_threshold=self.error_threshold,
+                                 candidates=self.candidates, grad_amax=grad_amax, skipped=skipped)
+
+    def _simulate(self, model, layer, dtype, args, kwargs):
+        """Run the model with only `layer` rounded to `dtype`; returns (layer output, model output), flat fp32."""
+        outputs = []
+        saved = []
+
+        def before(mod, a, kw):
+            # Swap the parameters' data (not the Parameter objects), so a weight tied to another layer
+            # is rounded only while this layer runs.
+            for p in mod.parameters():
+                saved.append((p, p.data))
+                p.data = p.data.to(dtype).to(p.dtype)
+            return _round_trip(a, dtype), _round_trip(kw, dtype)
+
+        def after(mod, a, kw, out):
+            while saved:
+                p, data = saved.pop()
+                p.data = data
+            out = _round_trip(out, dtype)  # the result is stored in the format too: fp16 overflow -> inf
+            outputs.append(_flat(out))
+            return out
+
+        h1 = layer.register_forward_pre_hook(before, with_kwargs=True)
+        h2 = layer.register_forward_hook(after, with_kwargs=True, always_call=True)
+        try:
+            model_out = _flat(model(*args, **kwargs))
+        finally:
+            h1.remove()
+            h2.remove()
+            while saved:  # the forward raised between the hooks
+                p, data = saved.pop()
+                p.data = data
+        return torch.cat(outputs), model_out
+
+    def _gradients(self, model, layers, ref_output, loss_fn):
+        params = [p for p in model.parameters() if p.requires_grad]
+        old_grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            loss_fn(ref_output).backward()
+            grads = [p.grad for p in params if p.grad is not None]
+            grad_amax = max([float(g.detach().abs().max()) for g in grads if g.numel()] or [0.0])
+            fraction = {}
+            for name, layer in layers:
+                g = [p.grad.detach().float().contiguous() for p in layer.parameters() if p.grad is not None]
+                if g:
+                    for fmt in self.candidates:
+                        fraction[(name, fmt)] = _underflow_fraction(g, fmt)
+            return grad_amax, fraction
+        finally:
+            for p, old in zip(params, old_grads):  # the caller's gradients are left as they were
+                p.grad = old
+
+
+def _underflow_fraction(tensors: List[torch.Tensor], fmt: str) -> float:
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return 0.0
+    d = tensor_stats(tensors, fmt=fmt).to_dict()
+    return sum(d["underflow_count"]) / max(1, sum(d["numel"]))
+
+
+def _split_inputs(sample_inputs):
+    if isinstance(sample_inputs, dict):
+        return (), dict(sample_inputs)
+    if isinstance(sample_inputs, (tuple, list)):
+        return tuple(sample_inputs), {}
+    return (sample_inputs,), {}

@@ -1,0 +1,439 @@
+"""Precision policies and the selector that picks one for a model and a device.
+
+A :class:`PrecisionPolicy` says which dtype parameters are kept in, which
+dtype matmuls compute in, which modules stay in float32 ("islands"), whether
+float32 matmuls may use TF32, and how to scale the loss. Its string form
+follows jmp (``"params=float32,compute=float16"``) and reads back with
+:meth:`PrecisionPolicy.from_string`. :class:`AdaptivePrecisionSelector` turns
+:class:`~adaptive_amp.hardware.Capabilities` (and optionally a precision
+analysis) into a policy, and says why in ``policy.reasons``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Tuple, Union
+
+import torch
+
+from .hardware import Capabilities
+
+# Canonical names are torch's (str(torch.float16) without "torch."); the short
+# aliases are jmp's and the usual fp* spellings.
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_ALIASES = {"f32": "float32", "fp32": "float32", "float": "float32",
+            "f16": "float16", "fp16": "float16", "half": "float16",
+            "bf16": "bfloat16"}
+_DTYPE_CHOICES = "float32, float16, bfloat16 (or f32, f16, bf16)"
+
+FP16_MAX = 65504.0
+LOSS_SCALE_MODES = ("dynamic", "predictive")  # GradScaler's modes
+
+# Characters the string form uses as separators: module names must not hold them.
+_SEPARATORS = set(",;=: ")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def parse_dtype(value: Union[str, torch.dtype], what: str = "dtype") -> torch.dtype:
+    """A torch dtype from a dtype or a name/alias ("bf16", "float16", "torch.float32")."""
+    if isinstance(value, torch.dtype):
+        if value not in _DTYPES.values():
+            raise ValueError(f"{what}: unsupported dtype {value} (expected one of {_DTYPE_CHOICES})")
+        return value
+    name = str(value).strip().lower().replace("torch.", "")
+    name = _ALIASES.get(name, name)
+    if name not in _DTYPES:
+        raise ValueError(f"{what}: unknown dtype {value!r} (expected one of {_DTYPE_CHOICES})")
+    return _DTYPES[name]
+
+
+def _fmt_number(x: float) -> str:
+    # Integers (every power-of-two scale) print without ".0"; others keep repr's exact digits.
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Settings for adaptive_amp.GradScaler (``GradScaler(**ls.grad_scaler_kwargs())``)."""
+
+    mode: str = "dynamic"
+    init_scale: float = 2.0**16
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: Optional[float] = None
+    max_scale: Optional[float] = None
+
+    def __post_init__(self):
+        # The same checks GradScaler makes, so a bad policy fails where it is written.
+        if self.mode not in LOSS_SCALE_MODES:
+            raise ValueError(f"loss_scale: mode must be one of {LOSS_SCALE_MODES}, got {self.mode!r}")
+        if not (math.isfinite(self.init_scale) and self.init_scale > 0):
+            raise ValueError(f"loss_scale: init_scale must be finite and > 0, got {self.init_scale}")
+        if self.growth_interval < 1:
+            raise ValueError(f"loss_scale: growth_interval must be >= 1, got {self.growth_interval}")
+        if self.hysteresis < 1:
+            raise ValueError(f"loss_scale: hysteresis must be >= 1, got {self.hysteresis}")
+        if self.max_scale is not None and not self.max_scale > 0:
+            raise ValueError(f"loss_scale: max_scale must be > 0, got {self.max_scale}")
+        if self.min_scale is not None and self.max_scale is not None and self.max_scale < self.min_scale:
+            raise ValueError(f"loss_scale: max_scale ({self.max_scale}) must be >= min_scale ({self.min_scale})")
+        object.__setattr__(self, "init_scale", float(self.init_scale))
+        object.__setattr__(self, "growth_interval", int(self.growth_interval))
+        object.__setattr__(self, "hysteresis", int(self.hysteresis))
+
+    def grad_scaler_kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        """``mode:init_scale`` then ``:key=value`` for each setting away from its default."""
+        parts = [self.mode, _fmt_number(self.init_scale)]
+        for f in dataclasses.fields(self)[2:]:
+            value = getattr(self, f.name)
+            if value != f.default:
+                parts.append(f"{f.name}={_fmt_number(value)}")
+        return ":".join(parts)
+
+    @classmethod
+    def from_string(cls, s: str) -> "LossScale":
+        parts = s.replace(" ", "").split(":")
+        kwargs: dict = {"mode": parts[0]}
+        if len(parts) > 1:
+            kwargs["init_scale"] = _number(parts[1], "init_scale")
+        for part in parts[2:]:
+            key, eq, value = part.partition("=")
+            if not eq or key not in ("growth_interval", "hysteresis", "min_scale", "max_scale"):
+                raise ValueError(f"loss_scale: bad setting {part!r} (expected growth_interval=, "
+                                 "hysteresis=, min_scale= or max_scale=)")
+            number = _number(value, key)
+            kwargs[key] = int(number) if key in ("growth_interval", "hysteresis") else number
+        return cls(**kwargs)
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"loss_scale: {what} must be a number, got {text!r}") from None
+
+
+def _as_loss_scale(value) -> Optional[LossScale]:
+    if value is None or isinstance(value, LossScale):
+        return value
+    if isinstance(value, Mapping):
+        return LossScale(**value)
+    if isinstance(value, str):
+        return None if value.strip().lower() in ("none", "") else LossScale.from_string(value)
+    raise TypeError(f"loss_scale must be None, a LossScale, a dict or a string, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Where each dtype is used in training. Strings and aliases are accepted for the dtypes.
+
+    param_dtype: the dtype parameters (and optimizer master copies) are kept in.
+    compute_dtype: the dtype autocast runs matmuls and convolutions in.
+    tf32: let float32 matmuls (islands, fp32 compute) use TF32 tensor cores.
+    islands: names of modules (as in model.named_modules()) kept in float32.
+    loss_scale: GradScaler settings, or None for no loss scaling.
+    reasons: why each choice was made; not part of equality, so a policy read
+        back from its string equals the one it was written from.
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+    tf32: bool = False
+    islands: Tuple[str, ...] = ()
+    loss_scale: Optional[LossScale] = None
+    reasons: Tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self):
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 - frozen
+        set_("param_dtype", parse_dtype(self.param_dtype, "param_dtype"))
+        set_("compute_dtype", parse_dtype(self.compute_dtype, "compute_dtype"))
+        set_("tf32", bool(self.tf32))
+        islands = (self.islands,) if isinstance(self.islands, str) else tuple(self.islands)
+        for name in islands:
+            if not name or _SEPARATORS & set(name):
+                raise ValueError(f"islands: bad module name {name!r} (must be non-empty, without , ; = : or spaces)")
+        set_("islands", tuple(dict.fromkeys(islands)))  # drop repeats, keep order
+        set_("loss_scale", _as_loss_scale(self.loss_scale))
+        set_("reasons", tuple(self.reasons))
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        return self.loss_scale is not None
+
+    def replace(self, **changes) -> "PrecisionPolicy":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ string form
+    def __str__(self) -> str:
+        parts = [f"params={dtype_name(self.param_dtype)}", f"compute={dtype_name(self.compute_dtype)}"]
+        if self.islands:
+            parts.append("islands=" + ";".join(self.islands))
+        if self.tf32:
+            parts.append("tf32=1")
+        if self.loss_scale is not None:
+            parts.append(f"loss_scale={self.loss_scale}")
+        return ",".join(parts)
+
+    @classmethod
+    def from_string(cls, s: str) -> "PrecisionPolicy":
+        """Read ``params=...,compute=...[,islands=a;b][,tf32=1][,loss_scale=dynamic:65536]``.
+
+        A lone dtype ("bf16") means params and compute both in it, as in jmp.
+        Spaces are ignored. A missing compute is the params dtype.
+        """
+        fields = parse_policy_fields(s)
+        if "param_dtype" not in fields:
+            raise ValueError(f"policy {s!r}: field 'params' is missing")
+        fields.setdefault("compute_dtype", fields["param_dtype"])
+        return cls(**fields)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        return {"param_dtype": dtype_name(self.param_dtype), "compute_dtype": dtype_name(self.compute_dtype),
+                "tf32": self.tf32, "islands": list(self.islands),
+                "loss_scale": None if self.loss_scale is None else dataclasses.asdict(self.loss_scale),
+                "reasons": list(self.reasons)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PrecisionPolicy":
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown PrecisionPolicy field(s): {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> "PrecisionPolicy":
+        return cls.from_dict(json.loads(text))
+
+
+# String keys (jmp's, with its one-letter forms) to PrecisionPolicy fields.
+_KEYS = {"params": "param_dtype", "p": "param_dtype", "param_dtype": "param_dtype",
+         "compute": "compute_dtype", "c": "compute_dtype", "compute_dtype": "compute_dtype",
+         "islands": "islands", "tf32": "tf32", "loss_scale": "loss_scale"}
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def parse_policy_fields(s: str) -> dict:
+    """The PrecisionPolicy fields a (possibly partial) policy string sets, by field name."""
+    text = s.replace(" ", "").replace("\t", "")
+    if not text:
+        raise ValueError("policy string is empty")
+    if "=" not in text:  # jmp's shorthand: one dtype for everything
+        dtype = parse_dtype(text, f"policy {s!r}: field 'params'")
+        return {"param_dtype": dtype, "compute_dtype": dtype}
+    fields: dict = {}
+    for item in text.split(","):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"policy {s!r}: {item!r} is not key=value")
+        name = _KEYS.get(key.lower())
+        if name is None:
+            raise ValueError(f"policy {s!r}: unknown field {key!r} (expected params, compute, islands, "
+                             "tf32 or loss_scale)")
+        if name in fields:
+            raise ValueError(f"policy {s!r}: field {key!r} given twice")
+        try:
+            if name in ("param_dtype", "compute_dtype"):
+                fields[name] = parse_dtype(value, f"field {key!r}")
+            elif name == "islands":
+                fields[name] = tuple(v for v in value.split(";") if v)
+            elif name == "tf32":
+                if value.lower() not in _BOOLS:
+                    raise ValueError(f"field 'tf32': expected 1/0 or true/false, got {value!r}")
+                fields[name] = _BOOLS[value.lower()]
+            else:
+                fields[name] = _as_loss_scale(value)
+        except ValueError as exc:
+            msg = str(exc)
+            if not msg.startswith(("field", "loss_scale")):
+                msg = f"field {key!r}: {msg}"
+            raise ValueError(f"policy {s!r}: {msg}") from None
+    return fields
+
+
+def initial_loss_scale(grad_amax: float, margin_bits: int = 4, fmt_max: float = FP16_MAX) -> float:
+    """The largest power of two s with grad_amax * s * 2**margin_bits <= fmt_max, in [1, 2**24].
+
+    The margin leaves room for gradients to grow before the first overflow
+    (the dynamic scaler then takes over); 2**24 caps scales for tiny gradients.
+    """
+    if not (math.isfinite(grad_amax) and grad_amax > 0):
+        raise ValueError(f"grad_amax must be finite and > 0, got {grad_amax}")
+    exponent = math.floor(math.log2(fmt_max / (grad_amax * 2**margin_bits)))
+    # log2 can round across an integer: step down until the bound really holds.
+    while exponent > 0 and grad_amax * 2.0**exponent * 2**margin_bits > fmt_max:
+        exponent -= 1
+    return 2.0 ** min(max(exponent, 0), 24)
+
+
+class AdaptivePrecisionSelector:
+    """Picks a PrecisionPolicy from the device's native formats, an analysis and overrides.
+
+    The decision table (the first row that matches wins):
+      bf16 native             -> params fp32, compute bf16, no loss scaling
+      fp16 native (GPU only)  -> params fp32, compute fp16, dynamic loss scaling
+      otherwise               -> fp32 throughout
+    TF32 is on wherever it is native (fp32 islands and fp32 ops benefit). fp8 is
+    only recommended in the reasons: it needs per-tensor scaling this policy
+    does not describe. On the CPU, fp16 is never chosen: torch's CPU autocast
+    speaks bf16, and fp16 without loss scaling underflows.
+    """
+
+    def __init__(self, fp32_islands_for_fp32: bool = False):
+        # Islands mean nothing when compute is already fp32; kept as an option for reports.
+        self.fp32_islands_for_fp32 = fp32_islands_for_fp32
+
+    def select(self, model: Optional[torch.nn.Module], capabilities: Capabilities, analysis=None,
+               overrides: Union[None, str, Mapping[str, Any], PrecisionPolicy] = None) -> PrecisionPolicy:
+        reasons = []
+        caps = capabilities
+        where = caps.name + (" (sm_%d%d)" % caps.compute_capability if caps.compute_capability else "")
+        forced = _override_fields(overrides)
+
+        # 1. Compute dtype from the native formats.
+        if caps.bf16:
+            compute = torch.bfloat16
+            reasons.append(f"compute=bfloat16: {where} has native bf16; bf16 has fp32's range, "
+                           "so no loss scaling is needed")
+        elif caps.fp16 and caps.device_type != "cpu":
+            compute = torch.float16
+            reasons.append(f"compute=float16: {where} has fp16 tensor cores but no native bf16 "
+                           "(bf16 would be emulated and slow)")
+        else:
+            compute = torch.float32
+            why = "no native 16-bit matrix support"
+            if caps.fp16 and caps.device_type == "cpu":
+                why = "the CPU has fp16 but not bf16 instructions, and CPU autocast uses bf16"
+            reasons.append(f"compute=float32: {where} has {why}")
+        param = torch.float32
+        reasons.append("params=float32: master weights stay fp32 so small updates are not rounded away")
+
+        if "compute_dtype" in forced:
+            compute = forced["compute_dtype"]
+            reasons.append(f"compute={dtype_name(compute)}: set by override")
+        if "param_dtype" in forced:
+            param = forced["param_dtype"]
+            reasons.append(f"params={dtype_name(param)}: set by override")
+
+        # 2. TF32 for what stays fp32.
+        if "tf32" in forced:
+            tf32 = forced["tf32"]
+            reasons.append(f"tf32={int(tf32)}: set by override")
+        else:
+            tf32 = caps.tf32
+            if tf32:
+                reasons.append("tf32=1: native TF32 speeds up fp32 matmuls (islands and ops autocast keeps in fp32)")
+
+        # 3. fp32 islands from the analysis.
+        if "islands" in forced:
+            islands = tuple(forced["islands"])
+            reasons.append(f"islands={';'.join(islands) or 'none'}: set by override")
+        else:
+            islands = self._islands(analysis, compute, reasons)
+        _check_islands_exist(model, islands, reasons)
+
+        # 4. Loss scaling, which only fp16's narrow range needs.
+        if "loss_scale" in forced:
+            loss_scale = forced["loss_scale"]
+            reasons.append(f"loss_scale={loss_scale or 'none'}: set by override")
+        elif compute == torch.float16:
+            loss_scale = LossScale(init_scale=self._init_scale(analysis, reasons))
+        else:
+            loss_scale = None
+
+        # 5. fp8: advice only.
+        if caps.fp8:
+            reasons.append(f"fp8: {where} has native fp8; consider fp8 matmuls (e.g. Transformer Engine) "
+                           "for large linear layers (not selected automatically: needs per-tensor scaling)")
+
+        return PrecisionPolicy(param_dtype=param, compute_dtype=compute, tf32=tf32, islands=islands,
+                               loss_scale=loss_scale, reasons=tuple(reasons))
+
+    def _islands(self, analysis, compute: torch.dtype, reasons: list) -> Tuple[str, ...]:
+        if analysis is None:
+            return ()
+        if compute == torch.float32 and not self.fp32_islands_for_fp32:
+            reasons.append("islands: none needed, compute is already float32")
+            return ()
+        islands = []
+        for item in analysis.risky_layers(compute) or ():
+            name, why = (item, None) if isinstance(item, str) else (item[0], item[1])
+            islands.append(name)
+            reasons.append(f"island {name}: runs in float32" + (f" ({why})" if why else
+                                                                f", the analysis flags it as risky in {dtype_name(compute)}"))
+        if not islands:
+            reasons.append(f"islands: the analysis flags no layer as risky in {dtype_name(compute)}")
+        return tuple(islands)
+
+    @staticmethod
+    def _init_scale(analysis, reasons: list) -> float:
+        default = LossScale().init_scale
+        grad_amax = getattr(analysis, "grad_amax", None)
+        if grad_amax is None:
+            reasons.append(f"loss_scale=dynamic:{_fmt_number(default)}: fp16 gradients underflow without "
+                           "scaling; torch's default initial scale (no gradient statistics given)")
+            return default
+        try:
+            scale = initial_loss_scale(float(grad_amax))
+        except ValueError:
+            reasons.append(f"loss_scale=dynamic:{_fmt_number(default)}: grad_amax={grad_amax!r} is unusable, "
+                           "default initial scale")
+            return default
+        note = ""
+        if float(grad_amax) * 2**4 > FP16_MAX:
+            note = " (gradients are so large that even scale 1 leaves less than 16x headroom)"
+        reasons.append(f"loss_scale=dynamic:{_fmt_number(scale)}: largest power of two keeping "
+                       f"grad_amax={float(grad_amax):.3g} * scale 16x below fp16's max{note}")
+        return scale
+
+
+def _override_fields(overrides) -> dict:
+    """Overrides as PrecisionPolicy fields: a policy, a (partial) policy string or a dict."""
+    if overrides is None:
+        return {}
+    if isinstance(overrides, PrecisionPolicy):
+        d = {f.name: getattr(overrides, f.name) for f in dataclasses.fields(overrides) if f.name != "reasons"}
+        return d
+    if isinstance(overrides, str):
+        return parse_policy_fields(overrides)
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"overrides must be None, a policy string, a dict or a PrecisionPolicy, "
+                        f"got {type(overrides).__name__}")
+    fields = {}
+    for key, value in overrides.items():
+        name = _KEYS.get(key, key)
+        if name not in ("param_dtype", "compute_dtype", "tf32", "islands", "loss_scale"):
+            raise ValueError(f"overrides: unknown field {key!r} (expected param_dtype, compute_dtype, "
+                             "tf32, islands or loss_scale)")
+        if name in ("param_dtype", "compute_dtype"):
+            value = parse_dtype(value, f"overrides: field {key!r}")
+        elif name == "islands":
+            value = (value,) if isinstance(value, str) else tuple(value)
+        elif name == "loss_scale":
+            value = _as_loss_scale(value)
+        elif name == "tf32":
+            value = bool(value)
+        fields[name] = value
+    return fields
+
+
+def _check_islands_exist(model, islands: Iterable[str], reasons: list) -> None:
+    """Note islands the model has no module for: a typo there silently keeps a layer in 16 bits."""
+    if model is None or not islands or not hasattr(model, "named_modules"):
+        return
+    names = {name for name, _ in model.named_modules()}
+    missing = [name for name in islands if name not in names]
+    if missing:
+        reasons.append(f"warning: island(s) {', '.join(missing)} match no module of the model")
