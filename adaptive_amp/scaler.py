@@ -25,6 +25,8 @@ What differs is the cost and what you can ask of it:
 from __future__ import annotations
 
 import inspect
+import math
+import numbers
 import warnings
 import weakref
 from collections import abc, defaultdict
@@ -670,7 +672,11 @@ class GradScaler:
 
     # ----------------------------------------------------------- checkpoint
     def state_dict(self) -> Dict[str, Any]:
-        """torch's five entries (a torch GradScaler loads it), plus ours under "adaptive_amp"."""
+        """torch's five entries (a torch GradScaler loads it), plus ours under "adaptive_amp".
+
+        Every value is a fresh Python object: editing the returned dict never
+        changes the scaler.
+        """
         if not self._enabled:
             return {}
         return {
@@ -683,53 +689,189 @@ class GradScaler:
         }
 
     def _extra_state(self) -> Dict[str, Any]:
-        counters = self._init_counters if self._counters is None else [int(v) for v in self._counters.tolist()]
-        hist = self._init_amax_history if self._amax_history is None else self._amax_history.tolist()
+        # Copies, never the scaler's own lists (a caller may edit the state dict).
+        counters = list(self._init_counters) if self._counters is None else [int(v) for v in self._counters.tolist()]
+        if self._amax_history is not None:
+            hist = self._amax_history.tolist()
+        else:
+            hist = None if self._init_amax_history is None else list(self._init_amax_history)
         return {"mode": self._mode, "hysteresis": self._hysteresis, "min_scale": self._min_scale,
                 "max_scale": self._max_scale, "margin": self._margin, "counters": counters,
                 "amax_history": hist}
 
+    _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+    _EXTRA_KEYS = ("mode", "hysteresis", "min_scale", "max_scale", "margin", "counters", "amax_history")
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a state saved by this class or by torch.amp.GradScaler."""
+        """Load a state saved by this class or by torch.amp.GradScaler; all or nothing.
+
+        Everything is validated before anything is written, so a rejected
+        state dict leaves the scaler exactly as it was. Errors name the key and
+        what it must hold: ``RuntimeError`` for an empty dict (torch's message),
+        ``KeyError`` for a missing key, ``TypeError`` for a value of the wrong
+        type, ``ValueError`` for one out of range or inconsistent.
+
+        * torch's five keys are required: ``scale`` a number finite and > 0 in
+          float32, ``growth_factor`` finite and > 1, ``backoff_factor`` in
+          (0, 1), ``growth_interval`` an int in [1, 2**31 - 1],
+          ``_growth_tracker`` an int in [0, 2**31 - 1]. They are applied, as by
+          torch (they override the constructor's values).
+        * ``"adaptive_amp"`` is optional (a torch checkpoint has none: then the
+          counters and amax history are left as they are). When present it must
+          be a dict with all of its seven keys. ``mode`` must equal this
+          scaler's mode: a mismatch is a ``ValueError`` (the counters and the
+          amax history mean different things in the two modes; construct the
+          scaler with the saved mode, or drop ``state_dict["adaptive_amp"]`` to
+          load only torch's fields). ``hysteresis`` (int >= 1), ``min_scale``
+          (a number, not NaN), ``max_scale`` (None or a number > 0 and
+          >= min_scale), ``margin`` (int) are checked but not applied: those
+          settings stay the constructor's. ``counters`` is 4 ints:
+          hysteresis_left <= the saved hysteresis (loaded capped at this
+          scaler's hysteresis), skipped >= 0, history position in
+          [0, len(amax_history)) (0 without a history), extra margin >= 0 (0
+          in mode "dynamic"). ``amax_history`` is None in mode "dynamic"; in
+          mode "predictive" None (a fresh scaler: loads as all zeros) or a
+          non-empty list of numbers finite and >= 0 in float32; a list of
+          another length than this scaler's ``history`` loads as its largest
+          value in every slot, with the position reset to 0.
+        * Unknown keys, at the top level or under ``"adaptive_amp"``, are
+          ignored, as torch ignores keys it does not read (so a checkpoint
+          from a later version still loads).
+        """
+
         if not self._enabled:
             return
+        if not isinstance(state_dict, abc.Mapping):
+            raise TypeError(f"GradScaler.load_state_dict expects a dict (from GradScaler.state_dict()), "
+                            f"got {_ck_describe(state_dict)}")
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
-        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-                   if k not in state_dict]
+        missing = [k for k in self._TORCH_KEYS if k not in state_dict]
         if missing:
-            raise KeyError(f"GradScaler state_dict lacks {missing}; it does not come from GradScaler.state_dict()")
-        extra = state_dict.get("adaptive_amp")
-        if extra is not None:
-            counters = list(extra.get("counters", self._init_counters))
-            if len(counters) != 4:
-                raise ValueError(f"state_dict['adaptive_amp']['counters'] must have 4 entries, got {counters}")
-        self._init_scale = float(state_dict["scale"])
+            raise KeyError(f"GradScaler state_dict lacks {missing} (it needs all of {list(self._TORCH_KEYS)}); "
+                           f"it does not come from GradScaler.state_dict()")
+
+        # ---- validate everything (nothing is written before this block ends)
+        scale = _ck_real("state_dict['scale']", state_dict["scale"])
+        scale32 = float(torch.tensor(scale, dtype=torch.float32))
+        if not (math.isfinite(scale32) and scale32 > 0.0):
+            raise ValueError(f"state_dict['scale'] must be finite and > 0 as a float32, got {scale!r}")
+        growth_factor = _ck_real("state_dict['growth_factor']", state_dict["growth_factor"])
+        if not (math.isfinite(growth_factor) and growth_factor > 1.0):
+            raise ValueError(f"state_dict['growth_factor'] must be finite and > 1.0, got {growth_factor!r}")
+        backoff_factor = _ck_real("state_dict['backoff_factor']", state_dict["backoff_factor"])
+        if not (0.0 < backoff_factor < 1.0):
+            raise ValueError(f"state_dict['backoff_factor'] must be in (0, 1), got {backoff_factor!r}")
+        growth_interval = _ck_int("state_dict['growth_interval']", state_dict["growth_interval"], 1, _INT32_MAX)
+        growth_tracker = _ck_int("state_dict['_growth_tracker']", state_dict["_growth_tracker"], 0, _INT32_MAX)
+
+        new_counters: Optional[List[int]] = None
+        new_hist: Optional[List[float]] = None
+        if "adaptive_amp" in state_dict:
+            new_counters, new_hist = self._check_extra_state(state_dict["adaptive_amp"])
+        counters_src = None if new_counters is None else torch.tensor(new_counters, dtype=torch.int32)
+        hist_src = None if new_hist is None else torch.tensor(new_hist, dtype=torch.float32)
+
+        # ---- apply (plain assignments and in-place copies that cannot fail on valid values)
+        self._init_scale = scale
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
+        self._init_growth_tracker = growth_tracker
         if self._scale is not None:
-            self._scale.fill_(state_dict["scale"])
+            self._scale.fill_(scale)
             self._refresh_inv_scale()
-        self._growth_factor = float(state_dict["growth_factor"])
-        self._backoff_factor = float(state_dict["backoff_factor"])
-        self._growth_interval = int(state_dict["growth_interval"])
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
         if self._growth_tracker is not None:
-            self._growth_tracker.fill_(state_dict["_growth_tracker"])
-        if extra is not None:
-            self._init_counters = counters
+            self._growth_tracker.fill_(growth_tracker)
+        if counters_src is not None:
+            self._init_counters = new_counters
             if self._counters is not None:
-                self._counters.copy_(torch.tensor(counters, dtype=torch.int32))
-            hist = extra.get("amax_history")
-            if hist is not None and self._mode == "predictive":
-                if len(hist) != self._history:
-                    # Another history length: keep its largest amax in every slot (conservative).
-                    hist = [max(hist, default=0.0)] * self._history
-                    self._init_counters[2] = 0
-                    if self._counters is not None:
-                        self._counters[2] = 0
-                self._init_amax_history = list(hist)
-                if self._amax_history is not None:
-                    self._amax_history.copy_(torch.tensor(hist, dtype=torch.float32))
+                self._counters.copy_(counters_src)
+        if hist_src is not None:
+            self._init_amax_history = hist_src.tolist()
+            if self._amax_history is not None:
+                self._amax_history.copy_(hist_src)
+
+    def _check_extra_state(self, extra) -> tuple:
+        """Validate state_dict["adaptive_amp"]; return the (counters, amax_history) to load (history None: dynamic)."""
+
+        where = "state_dict['adaptive_amp']"
+        if not isinstance(extra, abc.Mapping):
+            raise TypeError(f"{where} must be a dict (as written by adaptive_amp.GradScaler.state_dict()), "
+                            f"got {_ck_describe(extra)}")
+        missing = [k for k in self._EXTRA_KEYS if k not in extra]
+        if missing:
+            raise KeyError(f"{where} lacks {missing} (it needs all of {list(self._EXTRA_KEYS)}); drop "
+                           f"state_dict['adaptive_amp'] to load only torch's fields")
+        mode = extra["mode"]
+        if not isinstance(mode, str):
+            raise TypeError(f"{where}['mode'] must be a str, one of {_MODES}, got {_ck_describe(mode)}")
+        if mode not in _MODES:
+            raise ValueError(f"{where}['mode'] must be one of {_MODES}, got {mode!r}")
+        if mode != self._mode:
+            raise ValueError(f"{where}['mode'] is {mode!r} but this scaler's mode is {self._mode!r}: the saved "
+                             f"counters and amax history do not carry over between modes; construct the "
+                             f"GradScaler with mode={mode!r}, or drop state_dict['adaptive_amp'] to load only "
+                             f"torch's fields")
+        hysteresis = _ck_int(f"{where}['hysteresis']", extra["hysteresis"], 1, _INT32_MAX)
+        min_scale = _ck_real(f"{where}['min_scale']", extra["min_scale"])
+        if math.isnan(min_scale):
+            raise ValueError(f"{where}['min_scale'] must be a number, got nan")
+        max_scale = extra["max_scale"]
+        if max_scale is not None:
+            max_scale = _ck_real(f"{where}['max_scale']", max_scale, none_ok=True)
+            if not (max_scale > 0 and max_scale >= min_scale):
+                raise ValueError(f"{where}['max_scale'] must be None or > 0 and >= min_scale "
+                                 f"({min_scale!r}), got {max_scale!r}")
+        _ck_int(f"{where}['margin']", extra["margin"], _INT32_MIN, _INT32_MAX)
+
+        hist = extra["amax_history"]
+        if mode == "dynamic":
+            if hist is not None:
+                raise ValueError(f"{where}['amax_history'] must be None in mode 'dynamic', got "
+                                 f"{_ck_describe(hist)}")
+        elif hist is not None:
+            if not isinstance(hist, (list, tuple)):
+                raise TypeError(f"{where}['amax_history'] must be None or a list of floats, got "
+                                f"{_ck_describe(hist)}")
+            if len(hist) == 0:
+                raise ValueError(f"{where}['amax_history'] must be None or a non-empty list, got []")
+            hist = [_ck_real(f"{where}['amax_history'][{i}]", v) for i, v in enumerate(hist)]
+            for i, v in enumerate(hist):
+                v32 = float(torch.tensor(v, dtype=torch.float32))
+                if not (math.isfinite(v32) and v32 >= 0.0):
+                    raise ValueError(f"{where}['amax_history'][{i}] must be finite and >= 0 as a float32, "
+                                     f"got {v!r}")
+
+        counters = extra["counters"]
+        if not isinstance(counters, (list, tuple)):
+            raise TypeError(f"{where}['counters'] must be a list of 4 ints [hysteresis_left, skipped, "
+                            f"history_position, extra_margin], got {_ck_describe(counters)}")
+        if len(counters) != 4:
+            raise ValueError(f"{where}['counters'] must have 4 entries [hysteresis_left, skipped, "
+                             f"history_position, extra_margin], got {len(counters)}: {_ck_describe(counters)}")
+        npos = len(hist) if hist is not None else 1
+        ranges = (("hysteresis_left", _INT32_MIN, hysteresis),
+                  ("skipped", 0, _INT32_MAX),
+                  ("history_position", 0, npos - 1),
+                  ("extra_margin", 0, _INT32_MAX if mode == "predictive" else 0))
+        counters = [_ck_int(f"{where}['counters'][{i}] ({name})", v, lo, hi)
+                    for i, (v, (name, lo, hi)) in enumerate(zip(counters, ranges))]
+
+        # What to load. More overflows left than this scaler tolerates per growth period: cap.
+        counters[0] = min(counters[0], self._hysteresis)
+        new_hist = None
+        if mode == "predictive":
+            if hist is None:  # saved before its first update: an empty (all-zero) history
+                new_hist = [0.0] * self._history
+            elif len(hist) != self._history:
+                # Another history length: keep its largest amax in every slot (conservative).
+                new_hist = [max(hist)] * self._history
+                counters[2] = 0
+            else:
+                new_hist = hist
+        return counters, new_hist
 
     def __getstate__(self) -> Dict[str, Any]:
         state = self.__dict__.copy()
@@ -752,3 +894,32 @@ class GradScaler:
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+# ------------------------------------------------------------ checkpoint helpers
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def _ck_describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _ck_real(where: str, value, none_ok: bool = False) -> float:
+    """A real number (int or float, not bool) as a float, else TypeError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where} must be a float{' or None' if none_ok else ''}, got {_ck_describe(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an int too large for a float
+        raise ValueError(f"{where} must be a finite float, got {_ck_describe(value)}") from None
+
+
+def _ck_int(where: str, value, lo: int, hi: int) -> int:
+    """An int (not bool) in [lo, hi], else TypeError/ValueError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where} must be an int in [{lo}, {hi}], got {_ck_describe(value)}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise ValueError(f"{where} must be an int in [{lo}, {hi}], got {value}")
+    return value
