@@ -190,6 +190,10 @@ def stochastic_round(x: Tensor, dtype, *, generator=None, seed=None, offset=None
             scale_value = float(scale)
         else:
             raise TypeError(f"scale is a {type(scale).__name__}; pass a number or a 1-element float32 tensor")
+    if out is not None:  # checked before the generator is drawn from: a refused call changes nothing
+        if ste:
+            raise ValueError("out is not supported by stochastic_round_ste (autograd needs a fresh output)")
+        _check_tensor_arg(out, "out", x, target)
     seed_offset = None
     if seed is not None:
         seed = _as_i64(_sround.u64(seed, "seed"))
@@ -213,9 +217,6 @@ def stochastic_round(x: Tensor, dtype, *, generator=None, seed=None, offset=None
     # tensor subclasses (fake tensors, modes). The kernel call is the same.
     direct = type(x) is Tensor and not _is_compiling() and not (ste and x.requires_grad and torch.is_grad_enabled())
     if out is not None:
-        if ste:
-            raise ValueError("out is not supported by stochastic_round_ste (autograd needs a fresh output)")
-        _check_tensor_arg(out, "out", x, target)
         args = (x.detach(), target, seed, offset, seed_offset, scale_t, scale_value, bool(saturate), random_bits,
                 bool(return_amax), out)
         amax = _run(*args) if direct else stochastic_round_out_op(*args)

@@ -77,6 +77,31 @@ void check_no_overlap(const std::vector<TensorRef>& tensors, const char* list_na
   }
 }
 
+void check_outside(const std::vector<TensorRef>& tensors, const char* list_name, const void* p, const char* arg) {
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const auto begin = reinterpret_cast<std::uintptr_t>(tensors[i].data);
+    const auto end = begin + static_cast<std::uintptr_t>(tensors[i].numel) * dtype_size(tensors[i].dtype);
+    if (tensors[i].numel > 0 && at + 4 > begin && at < end) {
+      throw_argument(arg, "shares memory with " + item_name(list_name, i) + "; pass a separate 1-element tensor");
+    }
+  }
+}
+
+void check_disjoint(const std::vector<NamedSpan>& spans) {
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    for (std::size_t j = i + 1; j < spans.size(); ++j) {
+      if (spans[i].data == nullptr || spans[j].data == nullptr) continue;
+      const auto a = reinterpret_cast<std::uintptr_t>(spans[i].data);
+      const auto b = reinterpret_cast<std::uintptr_t>(spans[j].data);
+      if (a < b + spans[j].bytes && b < a + spans[i].bytes) {
+        throw_argument(spans[j].name, std::string("shares memory with ") + spans[i].name +
+                                          "; each state array must be its own tensor");
+      }
+    }
+  }
+}
+
 bool cuda_built() {
 #ifdef AAMP_WITH_CUDA
   return true;

@@ -73,6 +73,17 @@ inline std::string item_name(const char* list, std::size_t i) {
 // would be updated twice. O(n log n) over the list; names both culprits.
 void check_no_overlap(const std::vector<TensorRef>& tensors, const char* list_name);
 
+// Refuses a scalar (4 bytes at `p`, named `arg`) that lies inside one of the tensors.
+void check_outside(const std::vector<TensorRef>& tensors, const char* list_name, const void* p, const char* arg);
+
+// Refuses two of the named outputs (pointer, bytes; null pointers ignored) that share memory.
+struct NamedSpan {
+  const void* data;
+  std::size_t bytes;
+  const char* name;
+};
+void check_disjoint(const std::vector<NamedSpan>& spans);
+
 // Build facts, for `adaptive_amp.build_info()`.
 bool cuda_built();
 std::string cuda_archs();

@@ -29,6 +29,16 @@ void validate(const ScaleUpdateArgs& a) {
     }
     if (!(a.fmt_max > 0.0f)) throw_argument("fmt_max", "must be > 0");
   }
+  // Every output is written by the same step; one aliasing another would
+  // overwrite it (and found_inf and step_amax are read after writes begin).
+  const std::size_t history_bytes = a.predictive ? static_cast<std::size_t>(a.history) * 4 : 0;
+  check_disjoint({{a.scale, 4, "scale"},
+                  {a.growth_tracker, 4, "growth_tracker"},
+                  {a.counters, 16, "counters"},
+                  {a.inv_scale, 4, "inv_scale"},
+                  {a.predictive ? a.amax_history : nullptr, history_bytes, "amax_history"},
+                  {a.found_inf, 4, "found_inf"},
+                  {a.predictive ? a.step_amax : nullptr, 4, "step_amax"}});
   if (a.place.is_cuda() && !cuda_built()) {
     throw CudaError("scale: a CUDA tensor was given, but adaptive_amp was built without CUDA kernels");
   }

@@ -47,7 +47,13 @@ void validate_unscale(const UnscaleArgs& a) {
                                       std::to_string(need) + " are needed (unscale_workspace_bytes)");
     }
   }
-  if (!a.check_only) check_no_overlap(a.tensors, "tensors");
+  if (!a.check_only) {
+    check_no_overlap(a.tensors, "tensors");
+    // found_inf is written and inv_scale read by every block while the
+    // tensors are written: neither may live inside one of them.
+    check_outside(a.tensors, "tensors", a.found_inf, "found_inf");
+    check_outside(a.tensors, "tensors", a.inv_scale, "inv_scale");
+  }
   if (a.place.is_cuda() && !cuda_built()) {
     throw CudaError(
         "tensors: CUDA tensors were given, but adaptive_amp was built without CUDA kernels "

@@ -1,0 +1,440 @@
+"""Hostile inputs through the public API: each gets a clear error or a correct result, never a half write.
+
+Complements the bad-input tests of test_unscale.py / test_stochastic_round.py /
+test_tensor_stats.py: here the same hazards (aliasing, read-only and
+grad-requiring outputs, odd shapes, wrong generators/out/random_bits) are
+applied to every op and every output argument, including update_scale_'s
+state arrays and stochastic_round's ``out``. "Nothing written" is checked
+bitwise on every array the call could have touched.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import adaptive_amp
+from adaptive_amp import reference
+from conftest import assert_bitwise_equal, requires_cuda
+
+INF, NAN = float("inf"), float("nan")
+
+
+def cuda_test(fn):
+    return pytest.mark.cuda(requires_cuda(fn))
+
+
+def scalar(v, device="cpu"):
+    return torch.tensor([v], dtype=torch.float32, device=device)
+
+
+def data(n, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * 100).to(dtype).to(device)
+
+
+def snapshot(*arrays):
+    return [a.detach().clone() if isinstance(a, torch.Tensor) else np.array(a, copy=True) for a in arrays]
+
+
+def unchanged(before, *arrays):
+    for i, (b, a) in enumerate(zip(before, arrays)):
+        if isinstance(a, torch.Tensor):
+            if a.dtype in (torch.int32, torch.int64):
+                assert torch.equal(a, b), f"array {i} was written: {a} != {b}"
+            else:
+                assert_bitwise_equal(a.detach(), b, f"array {i} was written")
+        else:
+            assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)), f"array {i} written"
+
+
+# --------------------------------------------------------------------------- the same memory twice
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("where", ["adjacent", "far_apart", "last"])
+def test_unscale_same_tensor_twice_refused_then_check_only_fine(dtype, where):
+    a, b, c = data(33, dtype, 1), data(7, torch.float32, 2), data(1000, torch.float16, 3)
+    lists = {"adjacent": [b, a, a, c], "far_apart": [a, b, c, a], "last": [b, c, a, a]}
+    tensors = lists[where]
+    a[5] = INF
+    before = snapshot(a, b, c)
+    f = scalar(0.0)
+    with pytest.raises(ValueError, match="shares memory"):
+        adaptive_amp.unscale_and_check_(tensors, f, scalar(0.5), return_stats=True)
+    unchanged(before, a, b, c)
+    assert float(f) == 0.0
+    # Read-only use is harmless and correct, stats included (one entry per list slot).
+    sumsq, amax = adaptive_amp.unscale_and_check_(tensors, f, scalar(0.5), check_only=True, return_stats=True)
+    unchanged(before, a, b, c)
+    assert float(f) == 1.0
+    ref_f = scalar(0.0)
+    _, ref_amax = reference.unscale_and_check_([t.clone() for t in tensors], ref_f, scalar(0.5), check_only=True,
+                                               return_stats=True)
+    assert_bitwise_equal(amax, ref_amax)
+
+
+def test_unscale_numpy_same_array_twice_refused():
+    a = np.arange(10, dtype=np.float32)
+    before = a.copy()
+    f = np.zeros(1, np.float32)
+    with pytest.raises(ValueError, match="shares memory"):
+        adaptive_amp.unscale_and_check_([a, a], f, np.array([0.5], np.float32))
+    assert np.array_equal(a, before) and f[0] == 0.0
+    adaptive_amp.unscale_and_check_([a, a], f, np.array([0.5], np.float32), check_only=True)
+    assert np.array_equal(a, before)
+
+
+def test_unscale_found_inf_aliasing_a_gradient_refused():
+    t = torch.tensor([1.0, INF, 3.0])
+    before = t.clone()
+    with pytest.raises(ValueError, match="found_inf"):
+        adaptive_amp.unscale_and_check_([t], t[0:1], scalar(0.5))
+    assert_bitwise_equal(t, before)
+
+
+@pytest.mark.parametrize("kind", ["inv_scale_is_scale", "growth_tracker_in_counters"])
+def test_update_scale_overlapping_outputs_refused(kind):
+    scale = scalar(4.0)
+    counters = torch.tensor([1, 0, 0, 0], dtype=torch.int32)
+    gt = torch.zeros(1, dtype=torch.int32)
+    kw = {}
+    if kind == "inv_scale_is_scale":
+        kw["inv_scale"] = scale
+        found = scalar(0.0)
+    else:
+        gt = counters[1:2]
+        found = scalar(1.0)
+    before = snapshot(scale, counters, gt)
+    with pytest.raises(ValueError):
+        adaptive_amp.update_scale_(scale, gt, found, 2.0, 0.5, 1, counters=counters, **kw)
+    unchanged(before, scale, counters, gt)
+
+
+def test_tensor_stats_same_tensor_twice_is_fine():
+    a = data(100, torch.bfloat16, 4)
+    a[3] = NAN
+    got = adaptive_amp.tensor_stats([a, a, a[10:20], a]).to_dict()
+    exp = reference.tensor_stats([a, a, a[10:20], a])
+    for key in ("numel", "nan_count", "min", "max", "amax"):
+        assert [g if g == g else "nan" for g in got[key]] == [e if e == e else "nan" for e in exp[key]], key
+
+
+def test_stochastic_round_out_aliasing_x_refused():
+    x = data(64, torch.float16, 5)
+    before = x.clone()
+    with pytest.raises(ValueError, match="out"):
+        adaptive_amp.stochastic_round(x, torch.float16, seed=1, out=x)
+    assert_bitwise_equal(x, before)
+    # Partial overlap (a view of x's bytes as the target dtype).
+    xf = data(64, torch.float32, 6)
+    before = xf.clone()
+    with pytest.raises(ValueError, match="out"):
+        adaptive_amp.stochastic_round(xf, torch.bfloat16, seed=1, out=xf.view(torch.bfloat16)[32:96])
+    assert_bitwise_equal(xf, before)
+
+
+# --------------------------------------------------------------------------- read-only and grad-requiring outputs
+
+
+def test_unscale_read_only_numpy_late_in_list_writes_nothing():
+    arrays = [np.full(5, 2.0, np.float32) for _ in range(6)]
+    ro = np.full(5, 2.0, np.float32)
+    ro.flags.writeable = False
+    arrays.insert(4, ro)
+    f = np.zeros(1, np.float32)
+    with pytest.raises(ValueError, match=re.escape("tensors[4]")):
+        adaptive_amp.unscale_and_check_(arrays, f, np.array([0.5], np.float32))
+    assert all((a == 2.0).all() for a in arrays) and f[0] == 0.0
+
+
+@pytest.mark.parametrize("arg", ["scale", "growth_tracker", "counters", "amax_history", "inv_scale"])
+def test_update_scale_read_only_numpy_state_refused(arg):
+    st = dict(scale=np.array([8.0], np.float32), growth_tracker=np.zeros(1, np.int32),
+              counters=np.array([1, 0, 0, 0], np.int32), amax_history=np.zeros(4, np.float32),
+              inv_scale=np.zeros(1, np.float32))
+    st[arg].flags.writeable = False
+    before = snapshot(*st.values())
+    with pytest.raises(ValueError, match=f"{arg} is read-only"):
+        adaptive_amp.update_scale_(st["scale"], st["growth_tracker"], np.zeros(1, np.float32), 2.0, 0.5, 1,
+                                   counters=st["counters"], amax_history=st["amax_history"],
+                                   step_amax=np.array([3.0], np.float32), inv_scale=st["inv_scale"])
+    unchanged(before, *st.values())
+
+
+def test_update_scale_read_only_numpy_inputs_accepted():
+    found = np.zeros(1, np.float32)
+    found.flags.writeable = False
+    amax = np.array([3.0], np.float32)
+    amax.flags.writeable = False
+    scale, gt = np.array([8.0], np.float32), np.zeros(1, np.int32)
+    counters, hist = np.array([1, 0, 0, 0], np.int32), np.zeros(4, np.float32)
+    adaptive_amp.update_scale_(scale, gt, found, 2.0, 0.5, 1, counters=counters, amax_history=hist, step_amax=amax)
+    r_scale, r_hist = scalar(8.0), torch.zeros(4)
+    reference.update_scale_(r_scale, torch.zeros(1, dtype=torch.int32), scalar(0.0), 2.0, 0.5, 1,
+                            counters=torch.tensor([1, 0, 0, 0], dtype=torch.int32), amax_history=r_hist,
+                            step_amax=scalar(3.0))
+    assert scale[0] == float(r_scale) and hist[0] == 3.0 and gt[0] == 0
+
+
+@pytest.mark.parametrize("arg", ["scale", "inv_scale"])
+def test_update_scale_leaf_requiring_grad_refused(arg):
+    scale, inv = scalar(8.0), scalar(0.0)
+    target = scale if arg == "scale" else inv
+    target.requires_grad_(True)
+    gt = torch.zeros(1, dtype=torch.int32)
+    before = snapshot(scale, inv, gt)
+    with pytest.raises(ValueError, match=f"{arg} is a leaf tensor that requires grad"):
+        adaptive_amp.update_scale_(scale, gt, scalar(1.0), 2.0, 0.5, 1, inv_scale=inv)
+    unchanged(before, scale, inv, gt)
+
+
+def test_unscale_leaf_requiring_grad_last_in_list_writes_nothing():
+    ts = [data(50, torch.float16, i) for i in range(5)] + [data(8, seed=9).requires_grad_(True)]
+    before = snapshot(*ts)
+    f = scalar(0.0)
+    with pytest.raises(ValueError, match=re.escape("tensors[5]")):
+        adaptive_amp.unscale_and_check_(ts, f, scalar(0.25))
+    unchanged(before, *ts)
+    assert float(f) == 0.0
+
+
+def test_unscale_non_leaf_requiring_grad_is_written_and_version_bumped():
+    leaf = data(8, seed=2).requires_grad_(True)
+    y = leaf * 2.0  # non-leaf
+    version = y._version
+    adaptive_amp.unscale_and_check_([y], scalar(0.0), scalar(0.5))
+    assert_bitwise_equal(y.detach(), leaf.detach())
+    assert y._version > version
+
+
+def test_stochastic_round_out_leaf_requiring_grad_refused():
+    x = data(16, seed=3)
+    out = torch.zeros(16, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="out"):
+        adaptive_amp.stochastic_round(x, torch.bfloat16, seed=1, out=out)
+    assert bool((out.detach() == 0).all())
+
+
+def test_stochastic_round_numpy_read_only_out_refused():
+    pytest.importorskip("ml_dtypes")
+    out = np.zeros(4, np.float16)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        adaptive_amp.stochastic_round(np.ones(4, np.float32), "float16", seed=1, out=out)
+    assert (out == 0).all()
+
+
+def test_stochastic_round_read_only_numpy_input_is_fine():
+    pytest.importorskip("ml_dtypes")
+    x = np.linspace(-3, 3, 11, dtype=np.float32)
+    x.flags.writeable = False
+    got = np.asarray(adaptive_amp.stochastic_round(x, "float16", seed=5))
+    exp = adaptive_amp.stochastic_round(torch.from_numpy(x.copy()), torch.float16, seed=5)
+    assert np.array_equal(got.view(np.int16), exp.view(torch.int16).numpy())
+
+
+# --------------------------------------------------------------------------- 0-dim and empty
+
+
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (1,)])
+def test_stochastic_round_0dim_and_empty(target, shape):
+    x = torch.full(shape, 1.3)
+    bits = torch.full(shape, -1, dtype=torch.int32)
+    got, amax = adaptive_amp.stochastic_round(x, target, random_bits=bits, return_amax=True)
+    exp = reference.stochastic_round(x, target, random_bits=bits)
+    assert got.shape == x.shape and got.dtype == target
+    assert torch.equal(got.view(torch.uint8) if target.itemsize == 1 else got.view(torch.int16),
+                       exp.view(torch.uint8) if target.itemsize == 1 else exp.view(torch.int16))
+    assert float(amax) == (1.3 if x.numel() else 0.0) or abs(float(amax) - 1.3) < 1e-6
+    out = torch.empty(shape, dtype=target)
+    assert adaptive_amp.stochastic_round(x, target, seed=3, out=out) is out
+
+
+def test_unscale_and_stats_on_only_0dim_and_empty_tensors():
+    ts = [torch.tensor(4.0), torch.empty(0), torch.empty(0, 3, dtype=torch.float16), torch.tensor(INF).bfloat16()]
+    f = scalar(0.0)
+    sumsq, amax = adaptive_amp.unscale_and_check_(ts, f, scalar(0.5), return_stats=True)
+    assert float(ts[0]) == 2.0 and float(f) == 1.0 and ts[0].shape == ()
+    assert sumsq.shape == (4,) and float(sumsq[1]) == 0.0 and float(amax[2]) == 0.0
+    st = adaptive_amp.tensor_stats(ts, fmt="float16").to_dict()
+    assert st["numel"] == [1, 0, 0, 1] and st["inf_count"] == [0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("arg", ["scale", "growth_tracker", "found_inf"])
+@pytest.mark.parametrize("numel", [0, 2])
+def test_update_scale_scalars_of_the_wrong_size_refused(arg, numel):
+    st = dict(scale=scalar(8.0), growth_tracker=torch.zeros(1, dtype=torch.int32), found_inf=scalar(1.0))
+    st[arg] = torch.zeros(numel, dtype=st[arg].dtype)
+    before = snapshot(*st.values())
+    with pytest.raises(ValueError, match=arg):
+        adaptive_amp.update_scale_(st["scale"], st["growth_tracker"], st["found_inf"], 2.0, 0.5, 1)
+    unchanged(before, *st.values())
+
+
+def test_update_scale_0dim_scalars_are_fine():
+    s, g, f = torch.tensor(8.0), torch.tensor(0, dtype=torch.int32), torch.tensor(1.0)
+    adaptive_amp.update_scale_(s, g, f, 2.0, 0.5, 1)
+    assert s.shape == () and float(s) == 4.0 and int(g) == 0
+
+
+@pytest.mark.parametrize("bad", [dict(growth_factor=1.0), dict(growth_factor=NAN), dict(backoff_factor=0.0),
+                                 dict(backoff_factor=1.0), dict(backoff_factor=NAN), dict(growth_interval=0),
+                                 dict(hysteresis=0), dict(min_scale=-1.0), dict(min_scale=4.0, max_scale=2.0),
+                                 dict(fmt_max=0.0), dict(counters="short"), dict(amax_history="empty"),
+                                 dict(amax_history="no_step_amax")])
+def test_update_scale_bad_arguments_write_nothing(bad):
+    kw = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=1, hysteresis=1,
+              counters=torch.tensor([1, 0, 0, 0], dtype=torch.int32))
+    if "fmt_max" in bad:
+        kw.update(amax_history=torch.zeros(3), step_amax=scalar(2.0))
+    kw.update(bad)
+    if kw["counters"] == "short" if isinstance(kw["counters"], str) else False:
+        kw["counters"] = torch.zeros(3, dtype=torch.int32)
+    if kw.get("amax_history") == "empty":
+        kw.update(amax_history=torch.zeros(0), step_amax=scalar(2.0))
+    elif kw.get("amax_history") == "no_step_amax":
+        kw.update(amax_history=torch.zeros(3))
+    s, g = scalar(8.0), torch.tensor([3], dtype=torch.int32)
+    arrays = [s, g, kw["counters"]] + ([kw["amax_history"]] if "amax_history" in kw else [])
+    before = snapshot(*arrays)
+    with pytest.raises((ValueError, TypeError)) as info:
+        adaptive_amp.update_scale_(s, g, scalar(0.0), kw.pop("growth_factor"), kw.pop("backoff_factor"),
+                                   kw.pop("growth_interval"), **kw)
+    assert isinstance(info.value, ValueError), f"expected a ValueError subclass, got {type(info.value)}"
+    unchanged(before, *arrays)
+
+
+# --------------------------------------------------------------------------- generators, out=, random_bits
+
+
+def test_stochastic_round_generator_of_other_kinds_refused():
+    x = data(8, seed=1)
+    with pytest.raises(TypeError, match="generator"):
+        adaptive_amp.stochastic_round(x, torch.bfloat16, generator=np.random.default_rng(0))
+    with pytest.raises(TypeError, match="generator"):
+        adaptive_amp.stochastic_round(x, torch.bfloat16, generator=1234)
+    with pytest.raises(ValueError, match="generator"):
+        adaptive_amp.stochastic_round(x, torch.bfloat16, generator=torch.Generator(), seed=3)
+    with pytest.raises(ValueError, match="random_bits"):
+        adaptive_amp.stochastic_round(x, torch.bfloat16, generator=torch.Generator(),
+                                      random_bits=torch.zeros(8, dtype=torch.int32))
+
+
+def test_stochastic_round_generator_not_advanced_on_error():
+    g = torch.Generator().manual_seed(7)
+    state = g.get_state()
+    with pytest.raises(TypeError):
+        adaptive_amp.stochastic_round(data(8), torch.bfloat16, generator=g, out=torch.empty(8, dtype=torch.float16))
+    assert torch.equal(g.get_state(), state)
+
+
+def test_stochastic_round_torch_generator_with_numpy_reproduces():
+    pytest.importorskip("ml_dtypes")
+    x = np.linspace(-2, 2, 37, dtype=np.float32)
+    a = adaptive_amp.stochastic_round(x, "bfloat16", generator=torch.Generator().manual_seed(11))
+    b = adaptive_amp.stochastic_round(x, "bfloat16", generator=torch.Generator().manual_seed(11))
+    assert np.array_equal(np.asarray(a).view(np.int16), np.asarray(b).view(np.int16))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32, torch.float8_e5m2, torch.int16])
+def test_stochastic_round_wrong_dtype_out_refused(out_dtype):
+    x = data(12, seed=2)
+    out = torch.zeros(12, dtype=out_dtype)
+    before = out.clone()
+    with pytest.raises(TypeError, match="out has dtype"):
+        adaptive_amp.stochastic_round(x, torch.bfloat16, seed=1, out=out)
+    assert torch.equal(out.view(torch.uint8), before.view(torch.uint8))
+
+
+@pytest.mark.parametrize("bad", ["shape_same_numel", "shape_fewer", "shape_more", "noncontiguous", "int64", "uint32",
+                                 "float32", "0dim_for_1elem"])
+def test_stochastic_round_bad_random_bits_refused(bad):
+    x = data(12, seed=3).reshape(3, 4)
+    rb = {
+        "shape_same_numel": lambda: torch.zeros(4, 3, dtype=torch.int32),
+        "shape_fewer": lambda: torch.zeros(3, 3, dtype=torch.int32),
+        "shape_more": lambda: torch.zeros(3, 5, dtype=torch.int32),
+        "noncontiguous": lambda: torch.zeros(4, 3, dtype=torch.int32).t(),
+        "int64": lambda: torch.zeros(3, 4, dtype=torch.int64),
+        "uint32": lambda: torch.zeros(3, 4, dtype=torch.uint32),
+        "float32": lambda: torch.zeros(3, 4),
+        "0dim_for_1elem": None,
+    }[bad]
+    if bad == "0dim_for_1elem":
+        x, rb = data(1, seed=3), torch.tensor(0, dtype=torch.int32)
+    else:
+        rb = rb()
+    out = torch.zeros(x.shape, dtype=torch.bfloat16)
+    with pytest.raises((ValueError, TypeError), match="random_bits"):
+        adaptive_amp.stochastic_round(x, torch.bfloat16, random_bits=rb, out=out)
+    assert bool((out == 0).all())
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64, 1.5, "7"])
+def test_stochastic_round_seed_and_offset_out_of_range_refused(bad):
+    x = data(4)
+    with pytest.raises((ValueError, TypeError), match="seed"):
+        adaptive_amp.stochastic_round(x, torch.bfloat16, seed=bad)
+    with pytest.raises((ValueError, TypeError), match="offset"):
+        adaptive_amp.stochastic_round(x, torch.bfloat16, seed=1, offset=bad)
+
+
+# --------------------------------------------------------------------------- GPU-only hazards (run on a GPU)
+
+
+@cuda_test
+def test_cuda_generator_on_the_wrong_device_refused():
+    x = data(8, device="cuda")
+    with pytest.raises(ValueError, match="generator"):
+        adaptive_amp.stochastic_round(x, torch.bfloat16, generator=torch.Generator())
+    with pytest.raises(ValueError, match="generator"):
+        adaptive_amp.stochastic_round(data(8), torch.bfloat16, generator=torch.Generator(device="cuda"))
+
+
+@cuda_test
+def test_cuda_out_and_random_bits_on_the_wrong_device_refused():
+    x = data(8, device="cuda")
+    with pytest.raises(ValueError, match="out"):
+        adaptive_amp.stochastic_round(x, torch.bfloat16, seed=1, out=torch.empty(8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="random_bits"):
+        adaptive_amp.stochastic_round(x, torch.bfloat16, random_bits=torch.zeros(8, dtype=torch.int32))
+
+
+@cuda_test
+def test_cuda_side_stream_inputs_ordered_for_every_op():
+    """Inputs produced on a side stream, op called on that stream: results match the CPU."""
+    side = torch.cuda.Stream()
+    x_cpu = data(1 << 20, seed=4)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(10_000_000)
+        x = x_cpu.to("cuda", non_blocking=True) * 1.0
+        r = adaptive_amp.stochastic_round(x, torch.bfloat16, seed=9)
+        st = adaptive_amp.tensor_stats([x])
+        g = x.clone()
+        f = scalar(0.0, "cuda")
+        adaptive_amp.unscale_and_check_([g], f, scalar(0.5, "cuda"))
+    side.synchronize()
+    assert torch.equal(r.cpu().view(torch.int16),
+                       adaptive_amp.stochastic_round(x_cpu, torch.bfloat16, seed=9).view(torch.int16))
+    assert st.to_dict()["amax"][0] == float(x_cpu.abs().max())
+    assert_bitwise_equal(g, x_cpu * 0.5)
+    assert float(f) == 0.0
+
+
+@cuda_test
+def test_cuda_ops_on_a_non_current_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    x_cpu = data(5000, seed=5)
+    x = x_cpu.to("cuda:1")
+    assert torch.equal(adaptive_amp.stochastic_round(x, torch.float16, seed=2).cpu(),
+                       adaptive_amp.stochastic_round(x_cpu, torch.float16, seed=2))
+    assert adaptive_amp.tensor_stats([x]).to_dict()["amax"][0] == float(x_cpu.abs().max())
+    s, gt, f = scalar(8.0, "cuda:1"), torch.zeros(1, dtype=torch.int32, device="cuda:1"), scalar(1.0, "cuda:1")
+    adaptive_amp.update_scale_(s, gt, f, 2.0, 0.5, 1)
+    assert float(s) == 4.0
