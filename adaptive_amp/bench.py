@@ -119,6 +119,15 @@ class _GpuTimer:
         return statistics.median(times)
 
 
+def _gpu_setup(device, warmup: int, reps: int):
+    """The CUDA device to time on (made current; "cuda" means the current one) and a timer."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_device(device)
+    return device, _GpuTimer(warmup, reps)
+
+
 def _ceilings(device, timer: _GpuTimer, nbytes: int = 1 << 30):
     """(copy GB/s counting read+write, read-only GB/s) measured now on `device`."""
     n = nbytes // 4
@@ -132,11 +141,7 @@ def _ceilings(device, timer: _GpuTimer, nbytes: int = 1 << 30):
 
 def unscale_gpu(suites=("gpt2", "many"), device="cuda", warmup=10, reps=50, progress=print) -> List[Row]:
     """The unscale-and-check suite on a CUDA device."""
-    device = torch.device(device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(device)
-    timer = _GpuTimer(warmup, reps)
+    device, timer = _gpu_setup(device, warmup, reps)
     copy_gbps, read_gbps = _ceilings(device, timer)
     rows = [Row("ceiling", "device copy (read+write)", "eager", 0.0, 0, copy_gbps, 1.0),
             Row("ceiling", "device reduction (read)", "eager", 0.0, 0, read_gbps, 1.0)]
@@ -294,11 +299,7 @@ def _sround_candidates(x, dtype):
 def sround_gpu(device="cuda", numel=256 << 20, warmup=10, reps=50, targets=SROUND_TARGETS, progress=print) -> List[Row]:
     """fp32 -> each target, `numel` elements: ours, `.to(dtype)`, the pure-torch reference (eager and compiled),
     and the copy ceiling, in one run. Bytes moved count 4 read + the target's size written per element."""
-    device = torch.device(device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(device)
-    timer = _GpuTimer(warmup, reps)
+    device, timer = _gpu_setup(device, warmup, reps)
     copy_gbps, _ = _ceilings(device, timer)
     rows = [Row("sround", "device copy (read+write)", "eager", 0.0, 0, copy_gbps, 1.0)]
     progress(f"ceiling: copy {copy_gbps:.0f} GB/s; {numel / 2**20:.0f}M fp32 elements per call")
@@ -416,11 +417,7 @@ def _stats_candidates(ts, scale):
 def stats_gpu(suites=("gpt2", "many"), device="cuda", warmup=10, reps=50, progress=print) -> List[Row]:
     """tensor_stats on the GPT-2-small and 2000x4096 sets: ours (all statistics and a format), a per-tensor
     torch loop computing the same statistics, torch._foreach_norm, and the read-only ceiling, eager and graph."""
-    device = torch.device(device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    torch.cuda.set_device(device)
-    timer = _GpuTimer(warmup, reps)
+    device, timer = _gpu_setup(device, warmup, reps)
     _, read_gbps = _ceilings(device, timer)
     rows = [Row("stats", "device reduction (read)", "eager", 0.0, 0, read_gbps, 1.0)]
     progress(f"ceiling: read {read_gbps:.0f} GB/s")

@@ -292,7 +292,8 @@ class GradScaler:
         stats_per_device: Dict[torch.device, tuple] = {}
         with torch.no_grad():
             for _ in range(2):  # a stale plan is rebuilt once; nothing is written before all groups are read
-                groups = self._plan(optimizer).groups
+                plan = self._plan(optimizer)
+                groups = plan.groups
                 general = {id(g): self._collect_slow(g, allow_fp16) for g in groups
                            if g.native is None or (g.has_fp16 and not allow_fp16)}
                 outcomes = {id(g): g.native.collect() for g in groups if id(g) not in general}
@@ -315,7 +316,7 @@ class GradScaler:
                     stats = self._launch_general(grads, found, inv, check_only)
                 found_per_device[device] = found
                 stats_per_device[device] = stats
-        group = self._group(sharded=self._plan(optimizer).sharded)
+        group = self._group(sharded=plan.sharded)
         if group is not None:
             for found in found_per_device.values():
                 torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)

@@ -101,6 +101,14 @@ void update_scale(std::uintptr_t scale, std::uintptr_t growth_tracker, std::uint
   aamp::update_scale(a);
 }
 
+// obj.name and obj.name() as owned objects (null, with the Python error set, on failure).
+py::object get_attr(PyObject* obj, PyObject* name) {
+  return py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, name));
+}
+py::object call_method(PyObject* obj, PyObject* name) {
+  return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(obj, name));
+}
+
 // The fast path of _native.describe_many for lists of torch tensors: one C++
 // loop asks each object for .dtype, .is_contiguous(), .requires_grad,
 // .get_device(), .numel() and .data_ptr(), instead of one Python pass per
@@ -121,28 +129,26 @@ py::object describe_tensors(py::list xs, py::dict codes, bool writable) {
   long device = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* x = PyList_GET_ITEM(xs.ptr(), i);
-    auto get = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_GetAttr(x, name)); };
-    auto call = [&](PyObject* name) { return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(x, name)); };
-    py::object dtype = get(dtype_name);
+    py::object dtype = get_attr(x, dtype_name);
     if (!dtype) {
       PyErr_Clear();
       return py::none();
     }
     PyObject* code = PyDict_GetItem(codes.ptr(), dtype.ptr());  // borrowed; null when not allowed
     if (code == nullptr) return py::none();
-    py::object contiguous = call(contiguous_name);
+    py::object contiguous = call_method(x, contiguous_name);
     if (!contiguous || contiguous.ptr() != Py_True) {  // sparse layouts raise
       PyErr_Clear();
       return py::none();
     }
     if (writable) {
-      py::object requires_grad = get(requires_grad_name);
+      py::object requires_grad = get_attr(x, requires_grad_name);
       if (!requires_grad || requires_grad.ptr() != Py_False) {
         PyErr_Clear();
         return py::none();
       }
     }
-    py::object dev = call(device_name), numel = call(numel_name), ptr = call(data_ptr_name);
+    py::object dev = call_method(x, device_name), numel = call_method(x, numel_name), ptr = call_method(x, data_ptr_name);
     if (!dev || !numel || !ptr) {
       PyErr_Clear();
       return py::none();
@@ -200,31 +206,28 @@ class GradPlan {
     static PyObject* device_name = PyUnicode_InternFromString("get_device");
     static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
     static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
-    auto call = [](PyObject* obj, PyObject* name) {
-      return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(obj, name));
-    };
     for (std::size_t i = 0; i < refs_.size(); ++i) {
       PyObject* list = slots_[i].first.ptr();
       const std::size_t at = slots_[i].second;
       PyObject* param = params_[i].ptr();
       if (at >= static_cast<std::size_t>(PyList_GET_SIZE(list)) || PyList_GET_ITEM(list, at) != param) return kStale;
-      py::object grad = py::reinterpret_steal<py::object>(PyObject_GetAttr(param, grad_name));
+      py::object grad = get_attr(param, grad_name);
       if (!grad) throw py::error_already_set();
       if (grad.is_none()) return kGeneral;
-      py::object dtype = py::reinterpret_steal<py::object>(PyObject_GetAttr(grad.ptr(), dtype_name));
+      py::object dtype = get_attr(grad.ptr(), dtype_name);
       if (!dtype) throw py::error_already_set();
       if (dtype.ptr() != dtypes_[i].ptr()) return kStale;
-      py::object contiguous = call(grad.ptr(), contiguous_name);
+      py::object contiguous = call_method(grad.ptr(), contiguous_name);
       if (!contiguous) {  // sparse layouts raise here
         PyErr_Clear();
         return kGeneral;
       }
       if (contiguous.ptr() != Py_True) return kGeneral;
-      py::object numel = call(grad.ptr(), numel_name);
-      py::object device = call(grad.ptr(), device_name);
+      py::object numel = call_method(grad.ptr(), numel_name);
+      py::object device = call_method(grad.ptr(), device_name);
       if (!numel || !device) throw py::error_already_set();
       if (PyLong_AsLongLong(numel.ptr()) != refs_[i].numel || PyLong_AsLong(device.ptr()) != device_) return kStale;
-      py::object ptr = call(grad.ptr(), data_ptr_name);
+      py::object ptr = call_method(grad.ptr(), data_ptr_name);
       if (!ptr) throw py::error_already_set();
       refs_[i].data = reinterpret_cast<void*>(PyLong_AsUnsignedLongLong(ptr.ptr()));
       if (refs_[i].numel > 0 && refs_[i].data == nullptr) return kGeneral;

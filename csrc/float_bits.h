@@ -75,4 +75,32 @@ inline std::uint16_t f32_to_f16(float f) {
   return static_cast<std::uint16_t>(sign | r);
 }
 
+// The element types the CPU kernels read and write, mirroring
+// cuda_elements.cuh: raw storage, fp32 load, round-to-nearest-even store, and
+// a NaN/inf test on the raw bits.
+namespace host_elements {
+
+struct F32 {
+  using T = float;
+  static bool nonfinite(T v) { return f32_bits_nonfinite(f32_bits(v)); }
+  static float load(T v) { return v; }
+  static T store(float y) { return y; }
+};
+
+struct F16 {
+  using T = std::uint16_t;
+  static bool nonfinite(T v) { return (v & 0x7c00u) == 0x7c00u; }
+  static float load(T v) { return f16_to_f32(v); }
+  static T store(float y) { return f32_to_f16(y); }
+};
+
+struct BF16 {
+  using T = std::uint16_t;
+  static bool nonfinite(T v) { return (v & 0x7f80u) == 0x7f80u; }
+  static float load(T v) { return bf16_to_f32(v); }
+  static T store(float y) { return f32_to_bf16(y); }
+};
+
+}  // namespace host_elements
+
 }  // namespace aamp

@@ -20,18 +20,10 @@ namespace {
 constexpr std::int64_t kBlock = 4096;
 static_assert(kBlock % kSroundGroup == 0, "a block must hold whole Philox groups");
 
-struct SrcF32 {
-  using T = float;
-  static float load(T v) { return v; }
-};
-struct SrcF16 {
-  using T = std::uint16_t;
-  static float load(T v) { return f16_to_f32(v); }
-};
-struct SrcBF16 {
-  using T = std::uint16_t;
-  static float load(T v) { return bf16_to_f32(v); }
-};
+// Sources are read through the shared element types.
+using SrcF32 = host_elements::F32;
+using SrcF16 = host_elements::F16;
+using SrcBF16 = host_elements::BF16;
 
 struct Params {
   std::uint64_t seed, offset;

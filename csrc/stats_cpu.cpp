@@ -25,20 +25,9 @@ namespace {
 
 constexpr std::int64_t kBlock = 1024;
 
-struct F32 {
-  using T = float;
-  static float load(T v) { return v; }
-};
-
-struct F16 {
-  using T = std::uint16_t;
-  static float load(T v) { return f16_to_f32(v); }
-};
-
-struct BF16 {
-  using T = std::uint16_t;
-  static float load(T v) { return bf16_to_f32(v); }
-};
+using host_elements::BF16;
+using host_elements::F16;
+using host_elements::F32;
 
 struct Limits {
   std::uint32_t lo, hi, max;  // fp32 bit patterns of FormatLimits

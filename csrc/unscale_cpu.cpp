@@ -22,26 +22,9 @@ namespace aamp {
 
 namespace {
 
-struct F32 {
-  using T = float;
-  static bool nonfinite(T v) { return f32_bits_nonfinite(f32_bits(v)); }
-  static float load(T v) { return v; }
-  static T store(float y) { return y; }
-};
-
-struct F16 {
-  using T = std::uint16_t;
-  static bool nonfinite(T v) { return (v & 0x7c00u) == 0x7c00u; }
-  static float load(T v) { return f16_to_f32(v); }
-  static T store(float y) { return f32_to_f16(y); }
-};
-
-struct BF16 {
-  using T = std::uint16_t;
-  static bool nonfinite(T v) { return (v & 0x7f80u) == 0x7f80u; }
-  static float load(T v) { return bf16_to_f32(v); }
-  static T store(float y) { return f32_to_bf16(y); }
-};
+using host_elements::BF16;
+using host_elements::F16;
+using host_elements::F32;
 
 // One chunk: check, scale, optionally write back and reduce. Returns whether
 // a NaN or inf was seen. With inv_scale == 1 nothing is written (see below),

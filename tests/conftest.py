@@ -7,6 +7,8 @@ adaptive_amp and torch can use a CUDA device.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -107,3 +109,48 @@ def assert_lists_bitwise_equal(actual, expected, msg: str = ""):
 def bitwise():
     """The bitwise comparison helper as a fixture (also importable from conftest)."""
     return assert_bitwise_equal
+
+
+# ----------------------------------------------------------------- tensor_stats
+STATS_EXACT = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "amax", "min_abs_nonzero",
+               "overflow_count", "underflow_count", "subnormal_count")
+STATS_RTOL = 1e-5
+
+
+def assert_stats_match(got: dict, exp: dict, msg=""):
+    """tensor_stats results against the reference: counts and extrema exact, moments within STATS_RTOL."""
+    assert set(got) == set(exp), f"{msg}: keys {sorted(got)} != {sorted(exp)}"
+    n = len(exp["numel"])
+    for key in exp:
+        assert len(got[key]) == n, f"{msg}: {key} has {len(got[key])} entries, expected {n}"
+    for i in range(n):
+        where = f"{msg} tensor {i}"
+        for key in STATS_EXACT:
+            if key not in exp:
+                continue
+            g, e = got[key][i], exp[key][i]
+            if isinstance(e, float) and math.isnan(e):
+                assert math.isnan(g), f"{where} {key}: {g} != nan"
+            else:
+                assert g == e, f"{where} {key}: {g} != {e}"
+        amax = exp["amax"][i]
+        for key in ("mean", "std", "l2_norm", "dynamic_range"):
+            g, e = got[key][i], exp[key][i]
+            if math.isnan(e):
+                assert math.isnan(g), f"{where} {key}: {g} != nan"
+                continue
+            if math.isinf(e):
+                assert g == e, f"{where} {key}: {g} != {e}"
+                continue
+            # mean: relative to the spread of the data (its own size may be ~0)
+            tol = STATS_RTOL * (abs(e) + (amax if key == "mean" else 0.0)) + (1e-12 if key == "dynamic_range" else 0.0)
+            assert abs(g - e) <= tol, f"{where} {key}: {g} vs {e} (diff {g - e:.3g}, tol {tol:.3g})"
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """Tiny tensors: one intra-op thread is as fast, and immune to a busy 2-core machine's thread stalls."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

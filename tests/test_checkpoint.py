@@ -29,12 +29,7 @@ EXTRA_KEYS = ("mode", "hysteresis", "min_scale", "max_scale", "margin", "counter
 SCALER_KW = dict(init_scale=2.0**10, growth_interval=3, hysteresis=2, history=4, margin=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # =========================================================================== helpers

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import adaptive_amp
 from adaptive_amp import reference
-from conftest import assert_bitwise_equal, requires_cuda
+from conftest import assert_bitwise_equal, assert_stats_match, requires_cuda
 
 N_EXAMPLES = int(os.environ.get("AAMP_FUZZ_EXAMPLES", "40"))
 N_LONG = int(os.environ.get("AAMP_FUZZ_LONG_LISTS", str(max(3, N_EXAMPLES // 10))))
@@ -275,35 +275,6 @@ def test_stochastic_round_numpy_matches_torch(x, target, seed):
 
 
 # --------------------------------------------------------------------------- tensor_stats
-
-EXACT = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "amax", "min_abs_nonzero",
-         "overflow_count", "underflow_count", "subnormal_count")
-RTOL = 1e-5
-
-
-def assert_stats_match(got, exp, msg):
-    assert set(got) == set(exp), f"{msg}: keys {sorted(got)} != {sorted(exp)}"
-    for i in range(len(exp["numel"])):
-        where = f"{msg} tensor {i}"
-        for key in EXACT:
-            if key in exp:
-                g, e = got[key][i], exp[key][i]
-                if isinstance(e, float) and math.isnan(e):
-                    assert math.isnan(g), f"{where} {key}: {g} != nan"
-                else:
-                    assert g == e, f"{where} {key}: {g} != {e}"
-        amax = exp["amax"][i]
-        for key in ("mean", "std", "l2_norm", "dynamic_range"):
-            g, e = got[key][i], exp[key][i]
-            if math.isnan(e):
-                assert math.isnan(g), f"{where} {key}: {g} != nan"
-                continue
-            if math.isinf(e):  # l2_norm of values near FLT_MAX overflows fp64? (not here: fp64 holds it)
-                assert g == e, f"{where} {key}: {g} != {e}"
-                continue
-            tol = RTOL * (abs(e) + (amax if key == "mean" else 0.0)) + (1e-12 if key == "dynamic_range" else 0.0)
-            assert abs(g - e) <= tol, f"{where} {key}: {g} vs {e} (diff {g - e:.3g}, tol {tol:.3g})"
-
 
 @FUZZ
 @given(data=st.data(), tensors=tensor_lists, fmt=st.one_of(st.none(), st.sampled_from(FORMATS)),

@@ -43,13 +43,7 @@ def cuda_test(fn):
 # =========================================================================== helpers
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """Tiny tensors: one intra-op thread is as fast, and immune to a busy 2-core machine's thread stalls."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def make_mlp(seed=0, device="cpu", dtype=torch.float32, width=32):

@@ -17,15 +17,12 @@ import torch
 import adaptive_amp
 from adaptive_amp import reference
 from adaptive_amp.stats import FIELDS, STATS_CHUNK
-from conftest import requires_cuda
+from conftest import assert_stats_match, requires_cuda
 
 CHUNK = STATS_CHUNK
 FORMATS = ["float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 INF, NAN = float("inf"), float("nan")
-EXACT = ("numel", "nan_count", "inf_count", "zero_count", "min", "max", "amax", "min_abs_nonzero",
-         "overflow_count", "underflow_count", "subnormal_count")
-RTOL = 1e-5
 
 
 def cuda_test(fn):
@@ -67,32 +64,6 @@ def mixed_list(device, seed=0, specials="all"):
         1000.0 + 1e-3 * make(5000, torch.float32, seed + 54, spread=0, device=device),  # |mean| >> std
     ]
     return ts
-
-
-def assert_stats_match(got: dict, exp: dict, msg=""):
-    assert set(got) == set(exp), f"{msg}: keys {sorted(got)} != {sorted(exp)}"
-    n = len(exp["numel"])
-    for key in exp:
-        assert len(got[key]) == n, f"{msg}: {key} has {len(got[key])} entries, expected {n}"
-    for i in range(n):
-        where = f"{msg} tensor {i}"
-        for key in EXACT:
-            if key not in exp:
-                continue
-            g, e = got[key][i], exp[key][i]
-            if isinstance(e, float) and math.isnan(e):
-                assert math.isnan(g), f"{where} {key}: {g} != nan"
-            else:
-                assert g == e, f"{where} {key}: {g} != {e}"
-        amax = exp["amax"][i]
-        for key in ("mean", "std", "l2_norm", "dynamic_range"):
-            g, e = got[key][i], exp[key][i]
-            if math.isnan(e):
-                assert math.isnan(g), f"{where} {key}: {g} != nan"
-                continue
-            # mean: relative to the spread of the data (its own size may be ~0)
-            tol = RTOL * (abs(e) + (amax if key == "mean" else 0.0)) + (1e-12 if key == "dynamic_range" else 0.0)
-            assert abs(g - e) <= tol, f"{where} {key}: {g} vs {e} (diff {g - e:.3g}, tol {tol:.3g})"
 
 
 # ----------------------------------------------------------------------- parity
