@@ -22,8 +22,8 @@ from .stats import TensorStats
 
 __version__ = "0.1.0"
 
-__all__ = ["AdaptivePrecisionSelector", "Capabilities", "DynamicPrecisionAdjuster", "GradScaler", "HardwareDetector",
-           "LossScale", "PrecisionAnalyzer", "PrecisionPolicy", "TensorStats", "UNSCALE_CHUNK", "build_info", "cuda_available", "debug",
+__all__ = ["AdaptiveMixedPrecision", "AdaptivePrecisionSelector", "Capabilities", "DynamicPrecisionAdjuster", "GradScaler", "HardwareDetector",
+           "LossScale", "PrecisionAnalyzer", "PrecisionPolicy", "StabilityMonitor", "TensorStats", "UNSCALE_CHUNK", "build_info", "cuda_available", "debug",
            "stochastic_round", "stochastic_round_ste", "tensor_stats", "unscale_and_check_", "update_scale_",
            "__version__"]
 
@@ -37,6 +37,8 @@ _LAZY = {
     "AdaptivePrecisionSelector": "policy",
     "DynamicPrecisionAdjuster": "adjust",
     "PrecisionAnalyzer": "analysis",
+    "StabilityMonitor": "monitor",
+    "AdaptiveMixedPrecision": "controller",
 }
 
 

@@ -1,0 +1,460 @@
+"""AdaptiveMixedPrecision: drives the training loop and keeps training alive.
+
+It picks a precision policy (from the hardware, an optional sensitivity
+analysis and user overrides), applies it with a DynamicPrecisionAdjuster,
+scales the loss with adaptive_amp.GradScaler where the policy needs it, and
+watches the run with a StabilityMonitor. When fp16 turns out wrong for this
+model it adapts between steps, logging every decision as an event:
+
+1. an overflow storm (the skipped-step rate over the steps since the last
+   change above ``storm_rate``, or the loss scale under ``scale_floor``)
+   promotes the layers whose fp16 outputs overflow to fp32 islands, found
+   from per-layer activation statistics; if the statistics at hand name no
+   layer, the next window collects them at every step to find one;
+2. if that is not enough (a storm that names no layer, or more than
+   ``max_promotions`` rounds), compute switches to bf16 where bf16 is native
+   and loss scaling retires; elsewhere compute falls back to fp32;
+3. optionally (``demote_after``), an island promoted here is given back to
+   the compute dtype after that many stable steps; a layer that overflows
+   again is promoted again and waits twice as long the next time.
+
+No decision rebuilds the optimizer or touches parameters, and no step is
+lost beyond those the scaler had already skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .adjust import DynamicPrecisionAdjuster
+from .analysis import DEFAULT_LAYER_TYPES, PrecisionAnalyzer
+from .hardware import Capabilities, HardwareDetector
+from .monitor import Event, StabilityMonitor
+from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
+from .scaler import GradScaler
+
+_COMPUTE_FORMATS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _first_tensor(value) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    if isinstance(value, dict):
+        return _first_tensor(list(value.values()))
+    return None
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+class AdaptiveMixedPrecision:
+    """Mixed precision that chooses its policy and adapts it while training runs.
+
+    Usage::
+
+        amp = AdaptiveMixedPrecision(model, optimizer, policy="auto", sample_inputs=batch)
+        for batch in data:
+            with amp.autocast():
+                loss = loss_fn(model(batch))
+            amp.backward(loss)
+            amp.step(max_grad_norm=1.0)
+            amp.zero_grad()
+        print(amp.report())
+
+    Args:
+        model: the model (its parameters stay as they are: fp32 master weights).
+        optimizer_or_optimizers: one optimizer or a list; all step together.
+        policy: ``"auto"`` (detect the hardware, analyze the model when
+            `sample_inputs` are given, select), a PrecisionPolicy, or its
+            string form (``"params=float32,compute=float16,loss_scale=dynamic:65536"``).
+        sample_inputs: a batch for the sensitivity analysis of ``"auto"``
+            (a tensor, a tuple of positional arguments, or ``(args, kwargs)``).
+        loss_fn: ``loss_fn(output) -> loss`` for the analysis' gradient statistics.
+        capabilities: the Capabilities to select with (default: detected).
+        overrides: policy fields that win over the selection (as
+            AdaptivePrecisionSelector.select takes them).
+        adapt: let the controller change the policy while training runs.
+        read_every: steps between reads of the monitor (one transfer each).
+        storm_rate, scale_floor: what counts as an overflow storm.
+        max_promotions: promotion rounds before switching compute instead.
+        switch_compute: after promotions fail, switch fp16 to bf16 (native)
+            or fp32; False only logs.
+        demote_after: stable steps before an island promoted here is given
+            back (None: never, the default).
+        layer_types: the module types whose statistics are collected (and
+            which can become islands); default: the analyzer's.
+        scaler_kwargs: extra GradScaler arguments (mode, hysteresis, ...).
+        monitor: a StabilityMonitor to use instead of the default one.
+    """
+
+    def __init__(self, model: nn.Module, optimizer_or_optimizers, policy: Union[str, PrecisionPolicy] = "auto",
+                 sample_inputs=None, *, loss_fn=None, capabilities: Optional[Capabilities] = None, overrides=None,
+                 adapt: bool = True, read_every: int = 50, storm_rate: float = 0.25, scale_floor: float = 1.0,
+                 max_promotions: int = 2, switch_compute: bool = True, demote_after: Optional[int] = None,
+                 layer_types: Sequence[type] = DEFAULT_LAYER_TYPES, scaler_kwargs: Optional[dict] = None,
+                 monitor: Optional[StabilityMonitor] = None, progress: bool = True):
+        if isinstance(optimizer_or_optimizers, torch.optim.Optimizer):
+            optimizers = [optimizer_or_optimizers]
+        else:
+            optimizers = list(optimizer_or_optimizers)
+            if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+                raise TypeError("optimizer_or_optimizers must be a torch.optim.Optimizer or a non-empty list of them")
+        if not 0 < storm_rate <= 1:
+            raise ValueError(f"storm_rate must be in (0, 1], got {storm_rate}")
+        if demote_after is not None and demote_after < 1:
+            raise ValueError(f"demote_after must be >= 1 steps (or None to never demote), got {demote_after}")
+        self.model = model
+        self.optimizers = optimizers
+        self.device = _model_device(model)
+        self.capabilities = capabilities or HardwareDetector().detect(self.device)
+        self.analysis = None
+        self.adapt = adapt
+        self.storm_rate = float(storm_rate)
+        self.scale_floor = float(scale_floor)
+        self.max_promotions = int(max_promotions)
+        self.switch_compute = switch_compute
+        self.demote_after = demote_after
+        self.layer_types = tuple(layer_types)
+        self._scaler_kwargs = dict(scaler_kwargs or {})
+        self.monitor = monitor or StabilityMonitor(read_every=read_every, overflow_rate=storm_rate,
+                                                   scale_floor=scale_floor)
+
+        self.policy = self._resolve_policy(policy, sample_inputs, loss_fn, overrides, progress)
+        self.adjuster = DynamicPrecisionAdjuster(model, self.policy)
+        self.scaler = self._make_scaler(self.policy)
+        self._tf32_before = self._apply_tf32(self.policy.tf32)
+
+        self.events: List[Event] = []
+        self.policy_history: List[tuple] = [(0, str(self.policy))]
+        self._step = 0
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._loss_count = 0
+        self._collected_activations = False
+        # Adaptation state (all of it in state_dict).
+        self._last_change = 0  # step from which the current policy has been judged
+        self._promotions = 0  # promotion rounds since the last compute switch
+        self._promoted: List[str] = []  # islands this controller added, oldest first
+        self._demotions: Dict[str, int] = {}  # layer -> times it was demoted (its wait doubles each time)
+        self._diagnose_until = -1  # collect activation statistics at every step before this one
+        self._scale_before_storm = self.policy.loss_scale.init_scale if self.policy.loss_scale else None
+
+    # ------------------------------------------------------------ set-up
+    def _resolve_policy(self, policy, sample_inputs, loss_fn, overrides, progress) -> PrecisionPolicy:
+        if isinstance(policy, PrecisionPolicy):
+            return policy
+        if not isinstance(policy, str):
+            raise TypeError(f"policy must be 'auto', a PrecisionPolicy or its string form, got {type(policy).__name__}")
+        if policy.strip().lower() != "auto":
+            return PrecisionPolicy.from_string(policy)
+        if sample_inputs is not None:
+            self.analysis = PrecisionAnalyzer(layer_types=self.layer_types, progress=progress).analyze(
+                self.model, sample_inputs, loss_fn)
+        return AdaptivePrecisionSelector().select(self.model, self.capabilities, self.analysis, overrides)
+
+    def _make_scaler(self, policy: PrecisionPolicy) -> GradScaler:
+        kwargs = dict(self._scaler_kwargs)
+        if policy.loss_scale is not None:
+            kwargs = {**policy.loss_scale.grad_scaler_kwargs(), **kwargs}
+        else:
+            kwargs = {}
+        device = self.device.type
+        return GradScaler(device, enabled=policy.loss_scale is not None and device in ("cuda", "cpu"), **kwargs)
+
+    def _apply_tf32(self, on: bool):
+        if self.device.type != "cuda":
+            return None
+        before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = bool(on)
+        torch.backends.cudnn.allow_tf32 = bool(on)
+        return before
+
+    def remove(self) -> None:
+        """Take the policy off the model (islands unwrapped, TF32 settings restored)."""
+        self.adjuster.remove()
+        if self._tf32_before is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32_before
+
+    # ------------------------------------------------------------ the step
+    @property
+    def compute_fmt(self) -> Optional[str]:
+        return _COMPUTE_FORMATS.get(self.policy.compute_dtype)
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken through :meth:`step` (skipped ones included)."""
+        return self._step
+
+    def _stats_due(self) -> bool:
+        return self.monitor.stats_due(self._step) or self._step < self._diagnose_until
+
+    @contextlib.contextmanager
+    def autocast(self):
+        """The policy's autocast context; on statistics steps it also records each layer's output statistics."""
+        collect = self._stats_due() and not self._collected_activations
+        outputs: List[torch.Tensor] = []
+        names: List[str] = []
+        handles = []
+        if collect:
+            islands = set(self.policy.islands)
+            for name, module in self.model.named_modules():
+                if name and isinstance(module, self.layer_types) and name not in islands:
+                    def hook(mod, args, out, name=name):
+                        t = _first_tensor(out)
+                        if t is not None and t.numel():
+                            outputs.append(t.detach())
+                            names.append(name)
+                    handles.append(module.register_forward_hook(hook))
+        try:
+            with self.adjuster.autocast():
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+        if collect and outputs:
+            from .ops import tensor_stats
+
+            self.monitor.record_layer_stats(self._step, "activation",
+                                            tensor_stats(outputs, fmt=self.compute_fmt, names=names))
+            self._collected_activations = True
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``scaler.scale(loss).backward()``; the loss is kept (on the device) for the monitor."""
+        value = loss.detach().float()
+        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
+        self._loss_count += 1
+        self.scaler.scale(loss).backward(**kwargs)
+
+    def step(self, max_grad_norm: Optional[float] = None, norm_type: float = 2.0):
+        """Unscale and check, clip, step every optimizer, update the scale, monitor, adapt.
+
+        Returns what the scaler's step returned (for several optimizers, a
+        list): whether the optimizer stepped, as a bool or a device tensor.
+        """
+        if self._stats_due():
+            self._record_gradient_stats()
+        grad_norm = None
+        if max_grad_norm is not None:
+            if len(self.optimizers) == 1:
+                grad_norm = self.scaler.clip_grad_norm_(self.optimizers[0], max_grad_norm, norm_type)
+            else:
+                for opt in self.optimizers:
+                    self.scaler.unscale_(opt)
+                params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type)
+        results = [self.scaler.step(opt) for opt in self.optimizers]
+        scaling = self.scaler.is_enabled()
+        if scaling:
+            self.scaler.update()
+            if grad_norm is None:
+                grad_norm = self.scaler.last_grad_norm
+        loss = None
+        if self._loss_sum is not None:
+            loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
+        self.monitor.record_step(self._step, loss=loss, grad_norm=grad_norm,
+                                 found_inf=self.scaler.found_inf if scaling else None,
+                                 scale=self.scaler._get_scale_async().clone() if scaling else None)
+        self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
+        events = self.monitor.poll(self._step)
+        self._step += 1
+        self.events.extend(events)
+        if self.monitor.read_due(self._step - 1) and self.adapt:
+            self._adapt()
+        return results[0] if len(results) == 1 else results
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def _record_gradient_stats(self) -> None:
+        from .ops import tensor_stats
+
+        named = [(n, p.grad) for n, p in self.model.named_parameters()
+                 if p.grad is not None and not p.grad.is_sparse and p.grad.numel()
+                 and p.grad.dtype in (torch.float32, torch.float16, torch.bfloat16)]
+        if named:
+            # Before unscaling: with fp16 these are the scaled gradients, whose fp16 underflow is the risk.
+            self.monitor.record_layer_stats(self._step, "gradient", tensor_stats(
+                [g for _, g in named], fmt=self.compute_fmt, names=[n for n, _ in named]))
+
+    # ------------------------------------------------------------ adaptation
+    def _decide(self, kind: str, message: str, policy: PrecisionPolicy, layer: Optional[str] = None,
+                **data) -> None:
+        step = self._step
+        policy = policy.replace(reasons=tuple(policy.reasons) + (f"step {step}: {message}",))
+        self.events.append(Event(step, kind, message, layer=layer, data={"policy": str(policy), **data}))
+        self.adjuster.set_policy(policy)
+        self.policy = policy
+        self.policy_history.append((step, str(policy)))
+        self._last_change = step
+
+    def _adapt(self) -> None:
+        if self.policy.compute_dtype != torch.float16 or not self.scaler.is_enabled():
+            return
+        mon = self.monitor
+        judged = mon.steps_since(self._last_change)
+        if judged < min(mon.read_every, mon.window):
+            return
+        rate = mon.overflow_rate(since_step=self._last_change)
+        scale = mon.last_scale()
+        storm = rate > self.storm_rate or scale < self.scale_floor
+        if not storm:
+            self._scale_before_storm = scale if math.isfinite(scale) else self._scale_before_storm
+            self._maybe_demote(judged)
+            return
+        why = (f"{rate:.0%} of {judged} steps skipped" if rate > self.storm_rate
+               else f"loss scale {scale:.3g} under the floor {self.scale_floor:g}")
+        layers = self._overflowing_layers()
+        if layers and self._promotions < self.max_promotions:
+            self._promote(layers, why)
+        elif not layers and self._diagnose_until < self._step and self._promotions < self.max_promotions:
+            # The statistics at hand were of steps that did not overflow: look at every step for a window.
+            self._diagnose_until = self._step + mon.read_every
+            self.events.append(Event(self._step, "diagnose", f"overflow storm ({why}) but no layer's output "
+                                     f"overflowed at the sampled steps; collecting layer statistics at every "
+                                     f"step until step {self._diagnose_until}"))
+        elif self.switch_compute:
+            self._switch(why)
+
+    def _overflowing_layers(self) -> List[str]:
+        """Layers whose outputs overflowed (inf, or beyond the format's range) since the last change.
+
+        NaN outputs are not counted, and per statistics step only the first
+        overflowing layer in forward order (the order the hooks recorded) is
+        taken: the layers after it see its infs, so their outputs overflow or
+        turn NaN whatever their own precision. If one of them overflows on its
+        own, the next round finds it.
+        """
+        islands = set(self.policy.islands)
+        found: List[str] = []
+        for ls in self.monitor.layer_stats:
+            if ls.kind != "activation" or ls.step < self._last_change:
+                continue
+            for row in ls.rows:
+                if row.get("inf_count", 0) + row.get("overflow_count", 0) and row["name"] not in islands:
+                    if row["name"] not in found:
+                        found.append(row["name"])
+                    break  # later layers of this step may only be carrying its infs
+        return found
+
+    def _promote(self, layers: List[str], why: str) -> None:
+        policy = self.policy.replace(islands=tuple(self.policy.islands) + tuple(layers))
+        self._promotions += 1
+        self._promoted.extend(layers)
+        restore = self._scale_before_storm
+        self._decide("promote", f"overflow storm ({why}); {', '.join(layers)} "
+                     f"{'overflows' if len(layers) == 1 else 'overflow'} in float16 and now "
+                     f"{'runs' if len(layers) == 1 else 'run'} in float32" + (f"; loss scale restored to {restore:g}" if restore else ""),
+                     policy, layer=layers[0] if len(layers) == 1 else None, layers=list(layers))
+        if restore:
+            # The backoffs came from overflowing activations, not from the size of the gradients.
+            self.scaler.update(new_scale=float(restore))
+
+    def _switch(self, why: str) -> None:
+        kept = tuple(i for i in self.policy.islands if i not in self._promoted)
+        if self.capabilities.bf16:
+            target, reason = torch.bfloat16, "bf16 is native here and has fp32's range"
+        else:
+            target, reason = torch.float32, "bf16 is not native here"
+        policy = self.policy.replace(compute_dtype=target, loss_scale=None, islands=kept)
+        self._decide("switch_compute", f"overflow storm ({why}) not cured by fp32 islands; compute switches "
+                     f"from float16 to {dtype_name(target)} ({reason}) and loss scaling retires", policy,
+                     compute=dtype_name(target))
+        self.scaler = self._make_scaler(policy)
+        self._promoted, self._promotions = [], 0
+
+    def _maybe_demote(self, stable_steps: int) -> None:
+        if self.demote_after is None or not self._promoted:
+            return
+        layer = self._promoted[-1]
+        wait = self.demote_after * 2 ** self._demotions.get(layer, 0)
+        if stable_steps < wait:
+            return
+        self._promoted.pop()
+        self._demotions[layer] = self._demotions.get(layer, 0) + 1
+        policy = self.policy.replace(islands=tuple(i for i in self.policy.islands if i != layer))
+        self._decide("demote", f"{stable_steps} stable steps; {layer} goes back to "
+                     f"{dtype_name(self.policy.compute_dtype)} (it waits {2 * wait} steps if it is promoted "
+                     "and demoted again)", policy, layer=layer)
+
+    # ------------------------------------------------------------ reports
+    def report(self, directory: Optional[str] = None, plots: bool = True):
+        """A TrainingReport of the run so far (text via ``str()``, JSON, PNG plots with matplotlib).
+
+        With `directory`, the report is also written there (report.txt,
+        report.json, timeline.png, sensitivity.png).
+        """
+        from .report import TrainingReport
+
+        self.monitor.read()
+        report = TrainingReport(self.monitor.history(), [e.to_dict() for e in self.events],
+                                list(self.policy_history),
+                                analysis=self.analysis.to_dict() if self.analysis is not None else None,
+                                summary={"device": str(self.device), "policy": str(self.policy),
+                                         "steps": self._step, "loss_trend": self.monitor.loss_trend(),
+                                         "loss_variance": self.monitor.loss_variance()})
+        if directory is not None:
+            report.save(directory, plots=plots)
+        return report
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Scaler, policy, monitor and adaptation state: a resumed run continues bitwise."""
+        return {"version": 1, "step": self._step, "policy": self.policy.to_dict(),
+                "policy_history": [list(p) for p in self.policy_history],
+                "scaler_enabled": self.scaler.is_enabled(), "scaler": self.scaler.state_dict(),
+                "monitor": self.monitor.state_dict(), "events": [e.to_dict() for e in self.events],
+                "adapt": {"last_change": self._last_change, "promotions": self._promotions,
+                          "promoted": list(self._promoted), "demotions": dict(self._demotions),
+                          "diagnose_until": self._diagnose_until,
+                          "scale_before_storm": self._scale_before_storm}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError("AdaptiveMixedPrecision.load_state_dict: not a state_dict of this class (version 1)")
+        missing = [k for k in ("step", "policy", "policy_history", "scaler_enabled", "scaler", "monitor", "events",
+                               "adapt") if k not in state]
+        if missing:
+            raise ValueError(f"AdaptiveMixedPrecision.load_state_dict: missing entries {missing}")
+        policy = PrecisionPolicy.from_dict(state["policy"])
+        scaler = self._make_scaler(policy)
+        if bool(state["scaler_enabled"]) != scaler.is_enabled():
+            raise ValueError("AdaptiveMixedPrecision.load_state_dict: the saved scaler's enabled state does not "
+                             "match the saved policy")
+        if scaler.is_enabled():
+            scaler.load_state_dict(state["scaler"])
+        monitor = StabilityMonitor(read_every=self.monitor.read_every, stats_every=self.monitor.stats_every,
+                                   window=self.monitor.window, spike_z=self.monitor.spike_z,
+                                   grad_norm_z=self.monitor.grad_norm_z,
+                                   overflow_rate=self.monitor.overflow_threshold,
+                                   scale_floor=self.monitor.scale_floor, min_history=self.monitor.min_history)
+        monitor.load_state_dict(state["monitor"])
+        adapt = state["adapt"]
+        events = [Event.from_dict(e) for e in state["events"]]
+        self.adjuster.set_policy(policy)  # validates the islands against this model before anything changes
+        self.policy, self.scaler, self.monitor, self.events = policy, scaler, monitor, events
+        self.policy_history = [tuple(p) for p in state["policy_history"]]
+        self._step = int(state["step"])
+        self._last_change = int(adapt["last_change"])
+        self._promotions = int(adapt["promotions"])
+        self._promoted = list(adapt["promoted"])
+        self._demotions = {str(k): int(v) for k, v in adapt["demotions"].items()}
+        self._diagnose_until = int(adapt["diagnose_until"])
+        self._scale_before_storm = adapt["scale_before_storm"]
+        self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
+
+    def __repr__(self):
+        return (f"AdaptiveMixedPrecision(policy={str(self.policy)!r}, device={self.device}, step={self._step}, "
+                f"events={len(self.events)})")

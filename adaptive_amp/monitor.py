@@ -1,0 +1,459 @@
+"""StabilityMonitor: watches a mixed-precision training run without slowing it down.
+
+Per step it keeps references to device values (loss, gradient norm,
+found_inf, scale); every ``read_every`` steps it copies them, and the
+per-layer statistics gathered since, to the host in one transfer, appends
+them to its history and runs the detectors on the new steps. Between reads
+nothing synchronizes, so the monitor costs a few pointer appends per step.
+
+Detectors, each producing :class:`Event` records (step, kind, layer, message):
+
+* ``nan_loss``: a non-finite loss.
+* ``loss_spike``: a loss whose robust z-score against the previous
+  ``window`` finite losses (median and median absolute deviation, scaled by
+  0.6745 so that z is in standard deviations for normal data) exceeds
+  ``spike_z``. Robust statistics because the spikes themselves must not
+  widen the yardstick that detects them.
+* ``overflow_rate``: the fraction of skipped (found_inf) steps over the last
+  ``window`` steps is above ``overflow_rate``.
+* ``scale_collapse``: the loss scale fell below ``scale_floor`` (reported
+  once per fall).
+* ``grad_norm_anomaly``: on a step that was not skipped, a non-finite
+  gradient norm, or a log-norm whose robust z-score exceeds ``grad_norm_z``.
+* ``underflow_rising``: the fraction of gradient elements that underflow in
+  the compute format (at the current loss scale) has at least doubled since
+  the first statistics and is above 1%; the layer with the most underflow
+  is named.
+* ``activation_overflow``: a layer's output holds inf/NaN or values beyond
+  the compute format's largest finite value (one event per layer and
+  statistics step).
+
+``loss_trend()`` and ``loss_variance()`` summarise the recent losses (the
+least-squares slope per step and the variance over a window).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from . import stats as _stats
+
+#: Every kind of event the monitor emits (the controller adds its own decisions).
+KINDS = ("nan_loss", "loss_spike", "overflow_rate", "scale_collapse", "grad_norm_anomaly", "underflow_rising",
+         "activation_overflow")
+_COLUMNS = ("loss", "grad_norm", "found_inf", "scale")
+_MAD_TO_SIGMA = 0.6745  # the MAD of a normal distribution is 0.6745 sigma
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the monitor saw or the controller decided, at a step."""
+
+    step: int
+    kind: str
+    message: str
+    layer: Optional[str] = None
+    data: Dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "kind": self.kind, "layer": self.layer, "message": self.message,
+                "data": dict(self.data)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Event":
+        return cls(step=int(d["step"]), kind=str(d["kind"]), message=str(d["message"]), layer=d.get("layer"),
+                   data=dict(d.get("data") or {}))
+
+    def __str__(self):
+        where = f" [{self.layer}]" if self.layer else ""
+        return f"step {self.step}: {self.kind}{where}: {self.message}"
+
+
+@dataclass
+class LayerStats:
+    """Per-layer statistics of one step, on the host."""
+
+    step: int
+    kind: str  # "activation" or "gradient"
+    fmt: Optional[str]
+    rows: List[dict]
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "kind": self.kind, "fmt": self.fmt, "rows": self.rows}
+
+
+class StabilityMonitor:
+    """Per-step loss, gradient norm, found_inf and scale; per-layer statistics every N steps.
+
+    Args:
+        read_every: steps between reads (each read is one device-to-host transfer).
+        stats_every: steps between per-layer statistics (default: ``read_every``);
+            :meth:`stats_due` tells the caller when to collect them.
+        window: steps of history the detectors compare against.
+        spike_z, grad_norm_z: robust z-score thresholds.
+        overflow_rate: skipped-step fraction over ``window`` that counts as an overflow storm.
+        scale_floor: a loss scale below this is a collapse.
+        min_history: finite values a z-score needs before it is trusted.
+    """
+
+    def __init__(self, *, read_every: int = 50, stats_every: Optional[int] = None, window: int = 100,
+                 spike_z: float = 6.0, grad_norm_z: float = 8.0, overflow_rate: float = 0.25,
+                 scale_floor: float = 1.0, min_history: int = 20):
+        if read_every < 1:
+            raise ValueError(f"read_every must be >= 1, got {read_every}")
+        if stats_every is not None and stats_every < 1:
+            raise ValueError(f"stats_every must be >= 1 (or None for read_every), got {stats_every}")
+        if window < 2:
+            raise ValueError(f"window must be >= 2, got {window}")
+        if not 0 < overflow_rate <= 1:
+            raise ValueError(f"overflow_rate must be in (0, 1], got {overflow_rate}")
+        self.read_every = int(read_every)
+        self.stats_every = int(stats_every or read_every)
+        self.window = int(window)
+        self.spike_z = float(spike_z)
+        self.grad_norm_z = float(grad_norm_z)
+        self.overflow_threshold = float(overflow_rate)
+        self.scale_floor = float(scale_floor)
+        self.min_history = int(min_history)
+        self._steps: List[int] = []
+        self._cols: Dict[str, List[float]] = {c: [] for c in _COLUMNS}
+        self._pending: List[tuple] = []  # (step, {column: tensor or float or None})
+        self._pending_stats: List[tuple] = []  # (step, kind, TensorStats)
+        self.layer_stats: List[LayerStats] = []
+        self.events: List[Event] = []
+        self._below_floor = False
+        self._underflow_baseline: Optional[float] = None
+        self._underflow_flagged = False
+
+    # ------------------------------------------------------------ recording
+    def record_step(self, step: int, *, loss=None, grad_norm=None, found_inf=None, scale=None) -> None:
+        """Keep this step's values (device tensors or numbers; None: unknown). No synchronization.
+
+        Tensors are kept by reference until the next read: pass ones that are
+        not modified in place afterwards (clone the scaler's scale).
+        """
+        last = self._pending[-1][0] if self._pending else (self._steps[-1] if self._steps else None)
+        if last is not None and step <= last:
+            raise ValueError(f"step {step} is not after the last recorded step; steps must increase")
+        self._pending.append((int(step), {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf,
+                                          "scale": scale}))
+
+    def stats_due(self, step: int) -> bool:
+        """Whether `step` is one whose per-layer statistics the caller should collect."""
+        return step % self.stats_every == 0
+
+    def record_layer_stats(self, step: int, kind: str, stats: "_stats.TensorStats") -> None:
+        """Keep per-layer statistics (a TensorStats whose names are the layers) until the next read."""
+        if kind not in ("activation", "gradient"):
+            raise ValueError(f"kind must be 'activation' or 'gradient', got {kind!r}")
+        self._pending_stats.append((int(step), kind, stats))
+
+    def read_due(self, step: int) -> bool:
+        """Whether `step` ends a read window (reads follow the step count, so a resumed run reads
+        at the same steps as an uninterrupted one)."""
+        return (step + 1) % self.read_every == 0
+
+    def poll(self, step: int) -> List[Event]:
+        """After recording `step`: read and detect when the window ends; else nothing (no synchronization)."""
+        return self.read() if self.read_due(step) else []
+
+    # -------------------------------------------------------------- reading
+    def read(self) -> List[Event]:
+        """Copy everything pending to the host (one transfer), extend the history, run the detectors."""
+        if not self._pending and not self._pending_stats:
+            return []
+        pending, self._pending = self._pending, []
+        pending_stats, self._pending_stats = self._pending_stats, []
+        columns, stat_values = _to_host(pending, pending_stats)
+        first_new = len(self._steps)
+        self._steps.extend(step for step, _ in pending)
+        for c in _COLUMNS:
+            self._cols[c].extend(columns[c])
+        new_stats = []
+        for (step, kind, st), values in zip(pending_stats, stat_values):
+            host = _stats.TensorStats(values.reshape(-1), len(st), fmt=st.fmt, names=st.names, framework="numpy",
+                                      device=st._device)
+            new_stats.append(LayerStats(step, kind, st.fmt, host.rows(sort_by=None)))
+        self.layer_stats.extend(new_stats)
+        events = self._detect(first_new, new_stats)
+        self.events.extend(events)
+        return events
+
+    # --------------------------------------------------------------- history
+    @property
+    def steps_recorded(self) -> int:
+        """Steps read so far (pending ones not included)."""
+        return len(self._steps)
+
+    def history(self) -> Dict[str, list]:
+        """The read history in the report format: step, loss, grad_norm, scale, found_inf, skipped_steps."""
+        found = [1 if f is not None and f > 0 else 0 for f in self._cols["found_inf"]]
+        return {"step": list(self._steps), "loss": self._column("loss").tolist(),
+                "grad_norm": self._column("grad_norm").tolist(), "scale": self._column("scale").tolist(),
+                "found_inf": found, "skipped_steps": np.cumsum(found).astype(int).tolist() if found else []}
+
+    def overflow_rate(self, since_step: Optional[int] = None, window: Optional[int] = None) -> float:
+        """Fraction of skipped steps over the last `window` read steps (not before `since_step`); NaN if none."""
+        found = self._column("found_inf")[-(window or self.window):]
+        steps = np.asarray(self._steps[-(window or self.window):])
+        if since_step is not None:
+            found = found[steps >= since_step]
+        if found.size == 0:
+            return math.nan
+        return float(np.mean(np.nan_to_num(found) > 0))
+
+    def steps_since(self, step: int) -> int:
+        return int(np.sum(np.asarray(self._steps) >= step)) if self._steps else 0
+
+    def last_scale(self) -> float:
+        scales = [s for s in self._cols["scale"] if s is not None and s == s]
+        return scales[-1] if scales else math.nan
+
+    def scale_at(self, step: int) -> float:
+        """The recorded scale of the last read step at or before `step` (NaN if none)."""
+        best = math.nan
+        for s, v in zip(self._steps, self._cols["scale"]):
+            if s > step:
+                break
+            if v is not None and v == v:
+                best = v
+        return best
+
+    def _recent_losses(self, window: Optional[int]) -> np.ndarray:
+        loss = self._column("loss")[-(window or self.window):]
+        return loss[np.isfinite(loss)]
+
+    def loss_trend(self, window: Optional[int] = None) -> float:
+        """Least-squares slope of the finite losses over the last `window` steps (per step); NaN if < 2."""
+        loss = self._column("loss")[-(window or self.window):]
+        steps = np.asarray(self._steps[-(window or self.window):], dtype=np.float64)
+        ok = np.isfinite(loss)
+        if ok.sum() < 2:
+            return math.nan
+        return float(np.polyfit(steps[ok], loss[ok], 1)[0])
+
+    def loss_variance(self, window: Optional[int] = None) -> float:
+        """Variance (correction 1) of the finite losses over the last `window` steps; NaN if < 2."""
+        loss = self._recent_losses(window)
+        return float(np.var(loss, ddof=1)) if loss.size >= 2 else math.nan
+
+    def latest_layer_stats(self, kind: str) -> Optional[LayerStats]:
+        for ls in reversed(self.layer_stats):
+            if ls.kind == kind:
+                return ls
+        return None
+
+    def _column(self, name: str) -> np.ndarray:
+        """A history column as float64, unknown values as NaN."""
+        return np.asarray([math.nan if v is None else v for v in self._cols[name]], dtype=np.float64)
+
+    # ------------------------------------------------------------ detectors
+    def _detect(self, first: int, new_stats: List[LayerStats]) -> List[Event]:
+        events: List[Event] = []
+        steps = np.asarray(self._steps)
+        known = np.asarray([v is not None for v in self._cols["loss"]])
+        loss = self._column("loss")
+        found = np.nan_to_num(self._column("found_inf")) > 0
+        norm = self._column("grad_norm")
+        scale = self._column("scale")
+        new = range(first, len(steps))
+
+        bad = [i for i in new if known[i] and not math.isfinite(loss[i])]
+        if bad:
+            events.append(Event(int(steps[bad[0]]), "nan_loss",
+                                f"loss is NaN or inf at {len(bad)} of {len(new)} steps "
+                                f"(steps {int(steps[bad[0]])}..{int(steps[bad[-1]])})", data={"count": len(bad)}))
+
+        for i in new:
+            z = _robust_z(loss[max(0, i - self.window):i], loss[i], self.min_history)
+            if z > self.spike_z:
+                events.append(Event(int(steps[i]), "loss_spike",
+                                    f"loss {loss[i]:.4g} is {z:.1f} robust standard deviations above the "
+                                    f"median of the previous {self.window} steps", data={"z": z, "loss": loss[i]}))
+
+        lo = max(0, len(steps) - self.window)
+        span = len(steps) - lo
+        rate = float(found[lo:].mean()) if span else 0.0
+        chunk_rate = float(found[first:].mean()) if len(steps) > first else 0.0
+        # The new steps must overflow too: a storm that has just been cured is not reported again.
+        if (span >= min(self.window, self.min_history) and rate > self.overflow_threshold
+                and chunk_rate > self.overflow_threshold):
+            events.append(Event(int(steps[-1]), "overflow_rate",
+                                f"{rate:.0%} of the last {span} steps overflowed and were skipped "
+                                f"(threshold {self.overflow_threshold:.0%})", data={"rate": rate, "steps": span}))
+
+        for i in new:
+            if not math.isfinite(scale[i]):
+                continue
+            if scale[i] < self.scale_floor and not self._below_floor:
+                self._below_floor = True
+                events.append(Event(int(steps[i]), "scale_collapse",
+                                    f"loss scale fell to {scale[i]:.3g}, below the floor {self.scale_floor:g}",
+                                    data={"scale": scale[i]}))
+            elif scale[i] >= self.scale_floor:
+                self._below_floor = False
+
+        for i in new:
+            if found[i] or math.isnan(norm[i]):
+                continue
+            if math.isinf(norm[i]):
+                events.append(Event(int(steps[i]), "grad_norm_anomaly",
+                                    "gradient norm is inf on a step that was not skipped", data={"norm": norm[i]}))
+                continue
+            ref = norm[max(0, i - self.window):i]
+            ok = ~found[max(0, i - self.window):i] & np.isfinite(ref) & (ref > 0)
+            if norm[i] > 0:
+                z = _robust_z(np.log(ref[ok]), math.log(norm[i]), self.min_history)
+                if z > self.grad_norm_z:
+                    events.append(Event(int(steps[i]), "grad_norm_anomaly",
+                                        f"gradient norm {norm[i]:.4g} is {z:.1f} robust standard deviations above "
+                                        "the recent log-norms", data={"z": z, "norm": norm[i]}))
+
+        for ls in new_stats:
+            events.extend(self._layer_events(ls))
+        return events
+
+    def _layer_events(self, ls: LayerStats) -> List[Event]:
+        events = []
+        if ls.kind == "activation":
+            for row in ls.rows:
+                bad = row.get("inf_count", 0) + row.get("nan_count", 0) + row.get("overflow_count", 0)
+                if bad:
+                    what = f"{ls.fmt} range" if ls.fmt else "finite range"
+                    events.append(Event(ls.step, "activation_overflow",
+                                        f"{bad} of {row['numel']} output elements are inf/NaN or beyond the {what} "
+                                        f"(amax {row['amax']:.4g})", layer=row["name"],
+                                        data={"count": bad, "numel": row["numel"], "amax": row["amax"]}))
+            return events
+        if not ls.fmt:
+            return events
+        total = sum(r["numel"] for r in ls.rows)
+        if not total:
+            return events
+        frac = sum(r["underflow_count"] for r in ls.rows) / total
+        if self._underflow_baseline is None:
+            self._underflow_baseline = frac
+            return events
+        rising = frac > 0.01 and frac >= 2 * self._underflow_baseline
+        if rising and not self._underflow_flagged:
+            worst = max(ls.rows, key=lambda r: r["underflow_count"] / r["numel"] if r["numel"] else 0)
+            events.append(Event(ls.step, "underflow_rising",
+                                f"{frac:.2%} of gradient elements underflow in {ls.fmt} (was "
+                                f"{self._underflow_baseline:.2%}); most in {worst['name']}", layer=worst["name"],
+                                data={"fraction": frac, "baseline": self._underflow_baseline}))
+        self._underflow_flagged = rising
+        return events
+
+    # ---------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        """Everything needed to continue identically. Pending values are copied to the host but stay
+        pending, so the next read happens at the same step as it would have."""
+        columns, stat_values = _to_host(self._pending, self._pending_stats)
+        pending = [[step, {c: columns[c][i] for c in _COLUMNS}] for i, (step, _) in enumerate(self._pending)]
+        pending_stats = [{"step": step, "kind": kind, "fmt": st.fmt, "names": list(st.names),
+                          "values": values.reshape(-1).tolist()}
+                         for (step, kind, st), values in zip(self._pending_stats, stat_values)]
+        return {"version": 1, "pending": pending, "pending_stats": pending_stats, "steps": list(self._steps), "columns": {c: list(v) for c, v in self._cols.items()},
+                "layer_stats": [ls.to_dict() for ls in self.layer_stats],
+                "events": [e.to_dict() for e in self.events], "below_floor": self._below_floor,
+                "underflow_baseline": self._underflow_baseline, "underflow_flagged": self._underflow_flagged}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or state.get("version") != 1:
+            raise ValueError("monitor state: not a StabilityMonitor state_dict (version 1)")
+        try:
+            cols = {c: [None if v is None else float(v) for v in state["columns"][c]] for c in _COLUMNS}
+            steps = [int(s) for s in state["steps"]]
+            if any(len(v) != len(steps) for v in cols.values()):
+                raise ValueError("monitor state: the columns and steps have different lengths")
+            layer_stats = [LayerStats(int(d["step"]), d["kind"], d["fmt"], list(d["rows"]))
+                           for d in state["layer_stats"]]
+            events = [Event.from_dict(e) for e in state["events"]]
+            pending = [(int(step), {c: values[c] for c in _COLUMNS}) for step, values in state["pending"]]
+            pending_stats = [(int(d["step"]), d["kind"], _stats.TensorStats(
+                np.asarray(d["values"], dtype=np.float64), len(d["names"]), fmt=d["fmt"], names=d["names"],
+                framework="numpy", device=_native_cpu())) for d in state["pending_stats"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"monitor state: missing or malformed entry ({exc})") from None
+        self._steps, self._cols, self.layer_stats, self.events = steps, cols, layer_stats, events
+        self._pending, self._pending_stats = pending, pending_stats
+        self._below_floor = bool(state["below_floor"])
+        self._underflow_baseline = state["underflow_baseline"]
+        self._underflow_flagged = bool(state["underflow_flagged"])
+
+
+def _native_cpu():
+    from . import _native
+
+    return _native.CPU
+
+
+def _robust_z(reference: np.ndarray, value: float, min_count: int) -> float:
+    ref = reference[np.isfinite(reference)]
+    if ref.size < min_count or not math.isfinite(value):
+        return -math.inf
+    med = float(np.median(ref))
+    mad = float(np.median(np.abs(ref - med)))
+    if mad == 0.0:
+        mad = float(np.mean(np.abs(ref - med))) or 1e-12 * max(abs(med), 1e-30)
+    return _MAD_TO_SIGMA * (value - med) / mad
+
+
+def _to_host(pending, pending_stats):
+    """Pending values as host floats (None where unknown), with one device-to-host copy per device.
+
+    Per device, the 0-dim values are stacked per dtype (a launch per dtype),
+    converted to float64 and concatenated with the statistics buffers, so a
+    read costs a handful of launches and one copy however many steps it covers.
+    """
+    by_device: Dict[torch.device, Dict[torch.dtype, list]] = {}
+    stat_parts: Dict[torch.device, list] = {}
+    slots = []
+
+    def put(value):
+        if isinstance(value, torch.Tensor):
+            groups = by_device.setdefault(value.device, {})
+            group = groups.setdefault(value.dtype, [])
+            group.append(value.detach().reshape(-1)[0])
+            return ("dev", value.device, value.dtype, len(group) - 1)
+        return ("host", None if value is None else float(value))
+
+    for _, values in pending:
+        slots.append({c: put(values[c]) for c in _COLUMNS})
+    stat_slots = []
+    for _, _, st in pending_stats:
+        raw = st.raw
+        if isinstance(raw, torch.Tensor):
+            parts = stat_parts.setdefault(raw.device, [])
+            parts.append(raw.reshape(-1))
+            stat_slots.append(("dev", raw.device, None, len(parts) - 1))
+        else:
+            stat_slots.append(("host", np.asarray(raw, dtype=np.float64)))
+
+    scalars: Dict[tuple, np.ndarray] = {}
+    stat_host: Dict[tuple, np.ndarray] = {}
+    for dev in set(by_device) | set(stat_parts):
+        groups = by_device.get(dev, {})
+        order = list(groups)
+        pieces = [torch.stack(groups[dt]).to(torch.float64) for dt in order] + stat_parts.get(dev, [])
+        flat = torch.cat(pieces).cpu().numpy()
+        at = 0
+        for dt in order:
+            n = len(groups[dt])
+            scalars[(dev, dt)] = flat[at:at + n]
+            at += n
+        for i, part in enumerate(stat_parts.get(dev, [])):
+            stat_host[(dev, i)] = flat[at:at + part.numel()]
+            at += part.numel()
+
+    def scalar(slot):
+        return slot[1] if slot[0] == "host" else float(scalars[(slot[1], slot[2])][slot[3]])
+
+    columns = {c: [scalar(s[c]) for s in slots] for c in _COLUMNS}
+    stat_values = [s[1] if s[0] == "host" else stat_host[(s[1], s[3])] for s in stat_slots]
+    return columns, stat_values

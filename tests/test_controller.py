@@ -1,0 +1,260 @@
+"""AdaptiveMixedPrecision on the CPU: the acceptance scenarios of the issue, small.
+
+* A model with a planted layer whose fp16 outputs overflow, trained with
+  compute forced to fp16: torch AMP skips every step until its scale
+  collapses and its loss stalls; adaptive_amp promotes the layer to an fp32
+  island and ends within 5% of the fp32 final loss.
+* An overflow that no candidate layer causes: compute switches to bf16 where
+  bf16 is native, else to fp32.
+* An ordinary model: no adaptation, and bitwise the same training as torch AMP.
+* Checkpoints resume bitwise; demotion has hysteresis; bad arguments are refused.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from adaptive_amp.controller import AdaptiveMixedPrecision
+from adaptive_amp.hardware import Capabilities
+from adaptive_amp.policy import PrecisionPolicy
+
+FP16 = "params=float32,compute=float16,loss_scale=dynamic:65536"
+CPU_BF16 = Capabilities(device_type="cpu", name="test cpu with bf16", bf16=True, fp16=True)
+CPU_NO_BF16 = Capabilities(device_type="cpu", name="test cpu without bf16", bf16=False, fp16=True)
+
+
+class Planted(nn.Module):
+    """An input projection with huge weights (its fp16 output overflows; the LayerNorm after it makes
+    the size harmless in fp32), then an ordinary MLP."""
+
+    def __init__(self, d=32, amplify=5e4):
+        super().__init__()
+        self.inp = nn.Linear(d, 64)
+        with torch.no_grad():
+            self.inp.weight.mul_(amplify)
+            self.inp.bias.mul_(amplify)
+        self.norm = nn.LayerNorm(64)
+        self.hidden = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.out(nn.functional.gelu(self.hidden(self.norm(self.inp(x)))))
+
+
+class Exploding(nn.Module):
+    """Overflows in fp16 outside any Linear: an elementwise exp that no island can contain."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.a = nn.Linear(d, 32)
+        self.b = nn.Linear(32, 1)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(torch.exp(h.abs() * 0 + 12.0) * 1e-5 * torch.tanh(h))  # exp(12) * ... > fp16 max mid-way
+
+
+def regression(n, d=32, seed=0):
+    w = torch.randn(d, 1, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed + 1))
+    return x, torch.tanh(x @ w / 4)
+
+
+def train(model, mode, steps, *, policy=FP16, caps=CPU_NO_BF16, batch=64, lr=3e-3, amp_kwargs=None):
+    """Train `model` on the regression task; return (model, amp or scaler, losses)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    x, y = regression(4096)
+    amp = scaler = None
+    if mode == "adaptive":
+        amp = AdaptiveMixedPrecision(model, opt, policy=policy, capabilities=caps, read_every=10,
+                                     **(amp_kwargs or {}))
+    elif mode == "torch":
+        scaler = torch.amp.GradScaler("cpu")
+    for i in range(steps):
+        b = slice((i * batch) % 4096, (i * batch) % 4096 + batch)
+        if mode == "fp32":
+            loss = nn.functional.mse_loss(model(x[b]), y[b])
+            loss.backward()
+            opt.step()
+        elif mode == "torch":
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x[b]).float(), y[b])
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            with amp.autocast():
+                loss = nn.functional.mse_loss(model(x[b]).float(), y[b])
+            amp.backward(loss)
+            amp.step()
+        opt.zero_grad()
+    return model, amp or scaler, opt
+
+
+def eval_loss(model):
+    x, y = regression(1024, seed=7)
+    with torch.no_grad():
+        return nn.functional.mse_loss(model(x), y).item()
+
+
+def test_planted_overflow_torch_amp_stalls_adaptive_amp_recovers():
+    steps = 600
+    torch.manual_seed(0)
+    fp32 = eval_loss(train(Planted(), "fp32", steps)[0])
+    torch.manual_seed(0)
+    initial = eval_loss(Planted())
+    torch.manual_seed(0)
+    model, scaler, _ = train(Planted(), "torch", steps)
+    stalled = eval_loss(model)
+    torch.manual_seed(0)
+    model, amp, _ = train(Planted(), "adaptive", steps)
+    ours = eval_loss(model)
+
+    assert scaler.get_scale() < 1e-30  # torch AMP: the scale collapsed ...
+    assert stalled == pytest.approx(initial, rel=1e-6)  # ... and the model never moved
+    assert fp32 < 0.2 * initial  # the task is learnable
+    assert ours <= 1.05 * fp32, (ours, fp32)
+    promotes = [e for e in amp.events if e.kind == "promote"]
+    assert len(promotes) == 1 and promotes[0].layer == "inp"
+    assert promotes[0].step == 10  # at the first read: only the steps already skipped were lost
+    assert amp.policy.islands == ("inp",) and amp.policy.compute_dtype == torch.float16
+    assert amp.scaler.skipped_steps <= 12
+    assert any(e.kind == "activation_overflow" and e.layer == "inp" for e in amp.events)
+
+
+@pytest.mark.parametrize("caps, target", [(CPU_BF16, torch.bfloat16), (CPU_NO_BF16, torch.float32)])
+def test_overflow_outside_layers_switches_compute(caps, target):
+    torch.manual_seed(0)
+    model, amp, _ = train(Exploding(), "adaptive", 60, caps=caps)
+    kinds = [e.kind for e in amp.events]
+    assert "diagnose" in kinds  # no layer named at first: look at every step for a window
+    switch = [e for e in amp.events if e.kind == "switch_compute"]
+    assert len(switch) == 1 and switch[0].step == 20
+    assert amp.policy.compute_dtype == target and amp.policy.loss_scale is None
+    assert not amp.scaler.is_enabled()
+    assert "promote" not in kinds
+    assert torch.isfinite(torch.cat([p.detach().flatten() for p in model.parameters()])).all()
+
+
+def test_no_switch_when_switching_is_off():
+    torch.manual_seed(0)
+    _, amp, _ = train(Exploding(), "adaptive", 40, amp_kwargs={"switch_compute": False})
+    assert amp.policy.compute_dtype == torch.float16
+    assert "switch_compute" not in [e.kind for e in amp.events]
+
+
+def test_ordinary_model_trains_bitwise_like_torch_amp_without_adapting():
+    torch.manual_seed(0)
+    reference = Planted(amplify=1.0)
+    ours = copy.deepcopy(reference)
+    train(reference, "torch", 80)
+    _, amp, _ = train(ours, "adaptive", 80)
+    for a, b in zip(reference.parameters(), ours.parameters()):
+        assert torch.equal(a, b)
+    assert not [e for e in amp.events if e.kind in ("promote", "switch_compute", "demote", "diagnose")]
+    assert amp.policy == PrecisionPolicy.from_string(FP16)
+
+
+def test_demotion_waits_and_doubles_its_wait_after_a_relapse():
+    torch.manual_seed(0)
+    _, amp, _ = train(Planted(), "adaptive", 200, amp_kwargs={"demote_after": 30})
+    decisions = [(e.step, e.kind) for e in amp.events if e.kind in ("promote", "demote")]
+    # promoted at the first read; demoted after 30 stable steps; overflows again and is promoted at the next
+    # read; the second demotion waits 60 steps.
+    assert decisions[:4] == [(10, "promote"), (40, "demote"), (50, "promote"), (110, "demote")]
+
+
+def test_gradient_accumulation_and_several_optimizers():
+    torch.manual_seed(0)
+    model = Planted(amplify=1.0)
+    opts = [torch.optim.SGD(list(model.inp.parameters()) + list(model.norm.parameters()), lr=0.01),
+            torch.optim.AdamW(list(model.hidden.parameters()) + list(model.out.parameters()), lr=1e-3)]
+    amp = AdaptiveMixedPrecision(model, opts, policy=FP16, capabilities=CPU_NO_BF16, read_every=4)
+    x, y = regression(256)
+    micro_losses = []
+    for step in range(4):
+        for micro in range(2):
+            b = slice(step * 64 + micro * 32, step * 64 + micro * 32 + 32)
+            with amp.autocast():
+                loss = nn.functional.mse_loss(model(x[b]).float(), y[b])
+            micro_losses.append(loss.item())
+            amp.backward(loss)
+        result = amp.step(max_grad_norm=1.0)
+        assert isinstance(result, list) and len(result) == 2
+        amp.zero_grad()
+    h = amp.monitor.history()
+    expected = [(micro_losses[2 * i] + micro_losses[2 * i + 1]) / 2 for i in range(4)]
+    assert h["loss"] == pytest.approx(expected, rel=1e-6)
+    assert all(n == n and n > 0 for n in h["grad_norm"])  # norms of the clipping pass
+
+
+def _run_with_checkpoint(split, steps=60):
+    torch.manual_seed(0)
+    model = Planted()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    amp = AdaptiveMixedPrecision(model, opt, policy=FP16, capabilities=CPU_NO_BF16, read_every=10)
+    x, y = regression(4096)
+    for i in range(steps):
+        if i == split:
+            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()})
+            torch.manual_seed(123)
+            model = Planted()
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            amp = AdaptiveMixedPrecision(model, opt, policy=FP16, capabilities=CPU_NO_BF16, read_every=10)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            amp.load_state_dict(saved["amp"])
+        b = slice((i * 64) % 4096, (i * 64) % 4096 + 64)
+        with amp.autocast():
+            loss = nn.functional.mse_loss(model(x[b]).float(), y[b])
+        amp.backward(loss)
+        amp.step(max_grad_norm=1.0)
+        amp.zero_grad()
+    return model, amp
+
+
+@pytest.mark.parametrize("split", [15, 33])  # after the promotion, mid-window
+def test_resume_from_checkpoint_continues_bitwise(split):
+    m0, a0 = _run_with_checkpoint(split=None)
+    m1, a1 = _run_with_checkpoint(split=split)
+    for p, q in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(p, q)
+    assert a0.policy == a1.policy and a0.policy.islands == ("inp",)
+    assert [e.to_dict() for e in a0.events] == [e.to_dict() for e in a1.events]
+    assert a0.scaler.get_scale() == a1.scaler.get_scale()
+    assert str(a0.monitor.history()["loss"]) == str(a1.monitor.history()["loss"])  # NaN-aware
+
+
+def test_load_state_dict_refuses_bad_states_and_changes_nothing():
+    torch.manual_seed(0)
+    model, amp, _ = train(Planted(), "adaptive", 20)
+    before = (amp.policy, amp.scaler.get_scale(), len(amp.events))
+    good = amp.state_dict()
+    for bad, match in [({}, "not a state_dict"), ({"version": 1}, "missing entries"),
+                       ({**good, "policy": {**good["policy"], "islands": ["nope"]}}, "does not have")]:
+        with pytest.raises(ValueError, match=match):
+            amp.load_state_dict(bad)
+        assert (amp.policy, amp.scaler.get_scale(), len(amp.events)) == before
+
+
+def test_policy_arguments():
+    model = Planted(amplify=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = AdaptiveMixedPrecision(model, opt, policy="params=float32,compute=bfloat16", capabilities=CPU_BF16)
+    assert amp.policy.compute_dtype == torch.bfloat16 and not amp.scaler.is_enabled()
+    x, _ = regression(64)
+    auto = AdaptiveMixedPrecision(model, opt, policy="auto", sample_inputs=x, capabilities=CPU_BF16,
+                                  progress=False)
+    assert auto.analysis is not None and auto.policy.compute_dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="policy must be"):
+        AdaptiveMixedPrecision(model, opt, policy=3)
+    with pytest.raises(TypeError, match="optimizer_or_optimizers"):
+        AdaptiveMixedPrecision(model, [], policy=FP16)
+    with pytest.raises(ValueError, match="storm_rate"):
+        AdaptiveMixedPrecision(model, opt, policy=FP16, storm_rate=0)
+    with pytest.raises(ValueError, match="islands"):
+        AdaptiveMixedPrecision(model, opt, policy="params=float32,compute=float16,islands=missing")

@@ -1,0 +1,220 @@
+"""StabilityMonitor: recording without sync, reads on schedule, each detector, checkpoints (CPU)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from adaptive_amp import tensor_stats
+from adaptive_amp.monitor import Event, StabilityMonitor
+
+
+def feed(mon, losses, *, start=0, found=None, scale=None, norm=None, as_tensors=True):
+    events = []
+    for i, loss in enumerate(losses):
+        step = start + i
+        wrap = (lambda v: torch.tensor(v)) if as_tensors else (lambda v: v)
+        mon.record_step(step, loss=wrap(loss),
+                        found_inf=None if found is None else wrap(float(found[i])),
+                        scale=None if scale is None else wrap(float(scale[i])),
+                        grad_norm=None if norm is None else wrap(float(norm[i])))
+        events += mon.poll(step)
+    return events
+
+
+def noisy(n, seed=0, level=2.0, spread=0.05):
+    rng = np.random.default_rng(seed)
+    return (level + spread * rng.standard_normal(n)).tolist()
+
+
+def kinds(events):
+    return [e.kind for e in events]
+
+
+def test_reads_happen_on_schedule_and_history_has_report_format():
+    mon = StabilityMonitor(read_every=4)
+    feed(mon, [1.0, 2.0, 3.0], found=[0, 1, 0], scale=[8, 4, 4], norm=[1, 2, 3])
+    assert mon.steps_recorded == 0  # nothing read before the window ends: nothing synchronized
+    feed(mon, [4.0], start=3, found=[0], scale=[4], norm=[4])
+    h = mon.history()
+    assert h["step"] == [0, 1, 2, 3]
+    assert h["loss"] == [1.0, 2.0, 3.0, 4.0]
+    assert h["found_inf"] == [0, 1, 0, 0]
+    assert h["skipped_steps"] == [0, 1, 1, 1]
+    assert h["scale"] == [8.0, 4.0, 4.0, 4.0]
+    assert h["grad_norm"] == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_unknown_values_are_nan_and_numbers_work_too():
+    mon = StabilityMonitor(read_every=2)
+    feed(mon, [1.5, 2.5], as_tensors=False)
+    h = mon.history()
+    assert h["loss"] == [1.5, 2.5]
+    assert all(math.isnan(v) for v in h["scale"] + h["grad_norm"])
+    assert h["found_inf"] == [0, 0]
+
+
+def test_steps_must_increase():
+    mon = StabilityMonitor(read_every=10)
+    mon.record_step(3, loss=1.0)
+    with pytest.raises(ValueError, match="step 3 is not after"):
+        mon.record_step(3, loss=1.0)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"read_every": 0}, "read_every"), ({"window": 1}, "window"),
+                                           ({"overflow_rate": 0}, "overflow_rate"), ({"stats_every": 0}, "stats_every")])
+def test_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StabilityMonitor(**kwargs)
+
+
+def test_nan_loss_is_reported_once_per_read_with_its_count():
+    mon = StabilityMonitor(read_every=10)
+    losses = noisy(10)
+    losses[3] = math.nan
+    losses[7] = math.inf
+    events = feed(mon, losses)
+    nan = [e for e in events if e.kind == "nan_loss"]
+    assert len(nan) == 1 and nan[0].step == 3 and nan[0].data["count"] == 2
+
+
+def test_loss_spike_is_found_and_smooth_noise_is_not():
+    mon = StabilityMonitor(read_every=50, window=100)
+    losses = noisy(200)
+    assert "loss_spike" not in kinds(feed(mon, losses))
+    spiked = noisy(50, seed=1)
+    spiked[20] = 3.0  # 20 sigma above a 2.0 +- 0.05 loss
+    events = feed(mon, spiked, start=200)
+    spikes = [e for e in events if e.kind == "loss_spike"]
+    assert [e.step for e in spikes] == [220]
+    assert spikes[0].data["z"] > 10
+
+
+def test_overflow_rate_storm_and_no_report_once_it_stops():
+    mon = StabilityMonitor(read_every=10, window=20, overflow_rate=0.25, min_history=5)
+    assert "overflow_rate" not in kinds(feed(mon, noisy(10), found=[1, 0, 0, 0, 0, 0, 0, 0, 0, 0]))
+    events = feed(mon, noisy(10), start=10, found=[1, 1, 1, 0, 1, 1, 0, 1, 1, 1])
+    storm = [e for e in events if e.kind == "overflow_rate"]
+    assert len(storm) == 1 and storm[0].data["rate"] == pytest.approx(9 / 20)
+    assert mon.overflow_rate() == pytest.approx(9 / 20)
+    assert mon.overflow_rate(since_step=10) == pytest.approx(0.8)
+    # The window still holds 8 overflows out of 20, but the new steps are clean: not reported.
+    assert "overflow_rate" not in kinds(feed(mon, noisy(10), start=20, found=[0] * 10))
+
+
+def test_scale_collapse_is_reported_once_per_fall():
+    mon = StabilityMonitor(read_every=5, scale_floor=1.0)
+    events = feed(mon, noisy(5), scale=[4, 2, 0.5, 0.25, 0.125])
+    events += feed(mon, noisy(5), start=5, scale=[2, 0.5, 0.5, 0.5, 0.5])
+    falls = [e for e in events if e.kind == "scale_collapse"]
+    assert [e.step for e in falls] == [2, 6]
+
+
+def test_grad_norm_anomaly_only_on_steps_that_were_not_skipped():
+    mon = StabilityMonitor(read_every=50, min_history=10)
+    norms = list(np.exp(noisy(50, level=0.0, spread=0.1)))
+    norms[30] = 1e4  # a step that was skipped: its norm is expected to be huge
+    norms[40] = 1e4
+    norms[45] = math.inf
+    found = [0] * 50
+    found[30] = 1
+    events = [e for e in feed(mon, noisy(50), found=found, norm=norms) if e.kind == "grad_norm_anomaly"]
+    assert [e.step for e in events] == [40, 45]
+
+
+def _stats_of(values_per_layer, names, fmt, scale=None):
+    return tensor_stats([torch.tensor(v, dtype=torch.float32) for v in values_per_layer], fmt=fmt, names=names,
+                        scale=scale)
+
+
+def test_activation_overflow_names_the_layer():
+    mon = StabilityMonitor(read_every=2)
+    mon.record_layer_stats(0, "activation", _stats_of([[1.0, 2.0], [7e4, 1.0], [math.inf, 0.0]],
+                                                      ["a", "b", "c"], "float16"))
+    events = feed(mon, [1.0, 1.0])
+    over = {e.layer: e for e in events if e.kind == "activation_overflow"}
+    assert set(over) == {"b", "c"}
+    assert over["b"].data["count"] == 1 and over["b"].step == 0
+    assert mon.latest_layer_stats("activation").rows[1]["name"] == "b"
+
+
+def test_underflow_rising_compares_with_the_first_statistics():
+    mon = StabilityMonitor(read_every=1)
+    tiny = [1e-9] * 10 + [1.0] * 90  # 10% underflow in fp16
+    few = [1e-9] * 1 + [1.0] * 99
+    mon.record_layer_stats(0, "gradient", _stats_of([few, [1.0] * 100], ["w1", "w2"], "float16"))
+    assert feed(mon, [1.0]) == [] or "underflow_rising" not in kinds(mon.events)
+    mon.record_layer_stats(1, "gradient", _stats_of([few, tiny], ["w1", "w2"], "float16"))
+    events = feed(mon, [1.0], start=1)
+    rising = [e for e in events if e.kind == "underflow_rising"]
+    assert len(rising) == 1 and rising[0].layer == "w2"
+    # Still high: not reported again until it has come down first.
+    mon.record_layer_stats(2, "gradient", _stats_of([few, tiny], ["w1", "w2"], "float16"))
+    assert "underflow_rising" not in kinds(feed(mon, [1.0], start=2))
+
+
+def test_layer_stats_kind_is_checked():
+    mon = StabilityMonitor()
+    with pytest.raises(ValueError, match="kind"):
+        mon.record_layer_stats(0, "weights", _stats_of([[1.0]], ["a"], None))
+
+
+def test_loss_trend_and_variance_match_numpy():
+    mon = StabilityMonitor(read_every=10, window=30)
+    losses = [5.0 - 0.01 * i + 0.001 * (i % 3) for i in range(30)]
+    feed(mon, losses)
+    losses = np.float32(losses).astype(np.float64)  # recorded as fp32 device values
+    slope = np.polyfit(np.arange(30), losses, 1)[0]
+    assert mon.loss_trend() == pytest.approx(slope, rel=1e-9)
+    assert mon.loss_variance() == pytest.approx(np.var(losses, ddof=1), rel=1e-9)
+    assert mon.loss_trend(window=10) == pytest.approx(np.polyfit(np.arange(20, 30), losses[20:], 1)[0], rel=1e-9)
+
+
+def test_state_dict_mid_window_continues_identically():
+    def run(split):
+        mon = StabilityMonitor(read_every=7, window=20, min_history=5)
+        rng = np.random.default_rng(3)
+        losses = (2 + 0.05 * rng.standard_normal(60)).tolist()
+        losses[33] = 9.0
+        losses[41] = math.nan
+        found = (rng.random(60) < 0.3).astype(int).tolist()
+        scale = [2.0 ** (6 - i // 6) for i in range(60)]
+        for step in range(60):
+            if step == split:
+                state = mon.state_dict()
+                mon = StabilityMonitor(read_every=7, window=20, min_history=5)
+                mon.load_state_dict(state)
+            if step % 10 == 0:
+                mon.record_layer_stats(step, "activation", _stats_of([[1.0, 7e4 * (step % 20 == 0)]], ["l"],
+                                                                     "float16"))
+            mon.record_step(step, loss=torch.tensor(losses[step]), found_inf=torch.tensor(float(found[step])),
+                            scale=torch.tensor(scale[step]))
+            mon.poll(step)
+        mon.read()
+        return mon.history(), [e.to_dict() for e in mon.events]
+
+    h0, e0 = run(split=None)
+    h1, e1 = run(split=24)  # 24 % 7 != 0: values pending at the split
+    assert np.array_equal(np.array(h0["loss"]), np.array(h1["loss"]), equal_nan=True)
+    assert h0["scale"] == h1["scale"] and h0["found_inf"] == h1["found_inf"]
+    assert e0 == e1
+    assert {"loss_spike", "nan_loss", "scale_collapse", "activation_overflow"} <= set(e["kind"] for e in e0)
+
+
+def test_bad_state_dict_is_refused_and_changes_nothing():
+    mon = StabilityMonitor(read_every=2)
+    feed(mon, [1.0, 2.0], found=[0, 1], scale=[4, 2], norm=[1, 1])
+    before = mon.history()
+    for bad in ({}, {"version": 1}, {"version": 1, "steps": [1], "columns": {}}):
+        with pytest.raises(ValueError, match="monitor state"):
+            mon.load_state_dict(bad)
+    assert mon.history() == before
+
+
+def test_event_round_trip_and_text():
+    e = Event(12, "promote", "lm_head overflows", layer="lm_head", data={"policy": "params=float32"})
+    assert Event.from_dict(e.to_dict()) == e
+    assert str(e) == "step 12: promote [lm_head]: lm_head overflows"
