@@ -39,6 +39,7 @@ from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
 from .scaler import GradScaler
 
 _COMPUTE_FORMATS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what tensor_stats reads
 
 
 def _first_tensor(value) -> Optional[torch.Tensor]:
@@ -213,8 +214,8 @@ class AdaptiveMixedPrecision:
                 if name and isinstance(module, self.layer_types) and name not in islands:
                     def hook(mod, args, out, name=name):
                         t = _first_tensor(out)
-                        if t is not None and t.numel():
-                            outputs.append(t.detach())
+                        if t is not None and t.numel() and t.dtype in _STATS_DTYPES:
+                            outputs.append(t.detach().contiguous())  # a copy only for strided outputs
                             names.append(name)
                     handles.append(module.register_forward_hook(hook))
         try:
@@ -281,9 +282,8 @@ class AdaptiveMixedPrecision:
     def _record_gradient_stats(self) -> None:
         from .ops import tensor_stats
 
-        named = [(n, p.grad) for n, p in self.model.named_parameters()
-                 if p.grad is not None and not p.grad.is_sparse and p.grad.numel()
-                 and p.grad.dtype in (torch.float32, torch.float16, torch.bfloat16)]
+        named = [(n, p.grad.contiguous()) for n, p in self.model.named_parameters()
+                 if p.grad is not None and not p.grad.is_sparse and p.grad.numel() and p.grad.dtype in _STATS_DTYPES]
         if named:
             # Before unscaling: with fp16 these are the scaled gradients, whose fp16 underflow is the risk.
             self.monitor.record_layer_stats(self._step, "gradient", tensor_stats(

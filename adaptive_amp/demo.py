@@ -45,12 +45,25 @@ class MarkovCorpus:
 
 
 class TinyLM(nn.Module):
-    """A decoder-only transformer (pre-norm blocks, learned positions, tied head)."""
+    """A decoder-only transformer (pre-norm blocks, learned positions, tied head).
 
-    def __init__(self, vocab=64, d_model=128, heads=4, layers=2, context=128):
+    ``planted`` (a factor, 0 for none) adds an input projection ``inp`` whose
+    weights are multiplied by it, followed by a LayerNorm: its outputs are far
+    beyond fp16's range while the LayerNorm makes their size harmless in fp32,
+    the situation of a layer with outlier activations that fp16 cannot hold.
+    """
+
+    def __init__(self, vocab=64, d_model=128, heads=4, layers=2, context=128, planted: float = 0.0):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
         self.pos = nn.Parameter(torch.randn(context, d_model) * 0.02)
+        self.inp = self.inp_norm = None
+        if planted:
+            self.inp = nn.Linear(d_model, d_model)
+            with torch.no_grad():
+                self.inp.weight.mul_(planted)
+                self.inp.bias.mul_(planted)
+            self.inp_norm = nn.LayerNorm(d_model)
         block = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True,
                                            norm_first=True, activation="gelu")
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
@@ -63,6 +76,8 @@ class TinyLM(nn.Module):
         n = tokens.shape[1]
         mask = torch.triu(torch.full((n, n), float("-inf"), device=tokens.device), diagonal=1)
         x = self.embed(tokens) + self.pos[:n]
+        if self.inp is not None:
+            x = self.inp_norm(self.inp(x))
         x = self.blocks(x, mask=mask, is_causal=True)
         return self.lm_head(self.ln_f(x))
 
@@ -123,3 +138,10 @@ def train_lm(scaler_factory, *, steps=2000, dtype=torch.float16, device="cuda", 
     went_down = torch.cat([torch.tensor([init_scale]), scales_t])
     result.skipped_steps = int(skipped) if skipped is not None else int((went_down[1:] < went_down[:-1]).sum())
     return result
+
+
+def main(argv=None) -> int:
+    """``python -m adaptive_amp demo`` (see :mod:`adaptive_amp.demo_run`)."""
+    from .demo_run import main as run_demo
+
+    return run_demo(argv)

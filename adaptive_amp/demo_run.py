@@ -1,0 +1,347 @@
+"""``python -m adaptive_amp demo``: fp32, torch AMP and adaptive_amp side by side on TinyLM.
+
+Two scenarios, each trained under three recipes with the same data, seed
+and optimizer (AdamW, fused on CUDA):
+
+* ``ordinary``: TinyLM as it is. fp32; torch AMP (autocast fp16 +
+  torch.amp.GradScaler, clipping after ``unscale_``); adaptive_amp with
+  ``policy="auto"`` (hardware detection and a sensitivity analysis of a
+  sample batch pick the policy).
+* ``planted``: TinyLM with an input projection whose fp16 outputs overflow.
+  torch AMP skips every step until its scale collapses; adaptive_amp, with
+  compute forced to fp16, finds the layer and promotes it to fp32.
+
+For each run: the final loss (fp32 evaluation of held-out batches), the
+mean training loss of the last steps, the step time, the per-step overhead
+of the recipe's scaler/controller (timed against the same loop without it),
+skipped steps and the policy in force at the end. The table is printed and
+written with the adaptive runs' reports (text, JSON, PNG plots when
+matplotlib is installed) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from .demo import MarkovCorpus, TinyLM
+
+RECIPES = ("fp32", "torch_amp", "adaptive")
+FORCED_FP16 = "params=float32,compute=float16,loss_scale=dynamic:65536"
+
+
+@dataclass
+class Config:
+    device: str
+    steps: int
+    batch: int
+    length: int
+    d_model: int
+    layers: int
+    lr: float = 3e-3
+    max_grad_norm: float = 1.0
+    planted: float = 1e6
+    read_every: int = 50
+    overhead_steps: int = 30
+
+    @classmethod
+    def for_device(cls, device: str, steps: Optional[int] = None) -> "Config":
+        if device == "cuda":
+            return cls(device, steps or 2000, batch=32, length=64, d_model=128, layers=2)
+        # Small enough for 2 CPU cores: all six runs in a few minutes.
+        return cls(device, steps or 150, batch=16, length=32, d_model=64, layers=1, read_every=10,
+                   overhead_steps=5)
+
+
+@dataclass
+class RunResult:
+    scenario: str
+    recipe: str
+    seed: int
+    final_loss: float  # fp32 evaluation on held-out batches
+    train_loss: float  # mean training loss of the last 10% of steps (NaN if any of them was NaN)
+    step_ms: float
+    overhead_ms: float  # per step, against the same loop without the scaler/controller; NaN for fp32
+    skipped_steps: int
+    policy: str
+    events: List[dict] = field(default_factory=list)
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    """tqdm when installed (an optional extra), else a line of text every 10%."""
+    if enabled:
+        try:
+            from tqdm.auto import tqdm
+
+            return tqdm(total=total, desc=desc, unit="step", leave=False)
+        except ImportError:
+            pass
+    return _TextBar(total, desc, enabled)
+
+
+class _TextBar:
+    def __init__(self, total, desc, enabled):
+        self.total, self.desc, self.enabled, self.n, self.next = total, desc, enabled, 0, 0
+
+    def update(self, n=1):
+        self.n += n
+        if self.enabled and self.n >= self.next:
+            print(f"  {self.desc}: {self.n}/{self.total}", file=sys.stderr, flush=True)
+            self.next += max(1, self.total // 10)
+
+    def close(self):
+        pass
+
+
+def _sync(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _model(cfg: Config, corpus: MarkovCorpus, scenario: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    planted = cfg.planted if scenario == "planted" else 0.0
+    return TinyLM(vocab=corpus.vocab, d_model=cfg.d_model, layers=cfg.layers, context=cfg.length,
+                  planted=planted).to(cfg.device)
+
+
+def _optimizer(model: nn.Module, cfg: Config):
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, fused=cfg.device == "cuda")
+
+
+def _lm_loss(model, tokens, vocab):
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+
+
+class _Loop:
+    """One recipe's training step, so that training and the overhead timing share it."""
+
+    def __init__(self, recipe: str, model, opt, cfg: Config, corpus, scenario: str, sample):
+        self.recipe, self.model, self.opt, self.cfg, self.vocab = recipe, model, opt, cfg, corpus.vocab
+        self.amp = self.scaler = None
+        if recipe == "torch_amp":
+            self.scaler = torch.amp.GradScaler(cfg.device)
+        elif recipe == "adaptive":
+            from .controller import AdaptiveMixedPrecision
+
+            policy = FORCED_FP16 if scenario == "planted" else "auto"
+            self.amp = AdaptiveMixedPrecision(model, opt, policy=policy, sample_inputs=sample[:, :-1],
+                                              loss_fn=None, read_every=cfg.read_every, progress=False)
+
+    def step(self, tokens, *, bare: bool = False) -> torch.Tensor:
+        """One training step; `bare` runs the same precision without the scaler/controller."""
+        cfg, model, opt = self.cfg, self.model, self.opt
+        if self.recipe == "fp32":
+            loss = _lm_loss(model, tokens, self.vocab)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            opt.step()
+        elif self.recipe == "torch_amp" or bare:
+            dtype = torch.float16 if self.recipe == "torch_amp" else self.amp.policy.compute_dtype
+            with torch.autocast(cfg.device, dtype=dtype, enabled=dtype != torch.float32):
+                loss = _lm_loss(model, tokens, self.vocab)
+            if bare:
+                loss.backward()
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                opt.step()
+            else:
+                self.scaler.scale(loss).backward()
+                self.scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                self.scaler.step(opt)
+                self.scaler.update()
+        else:
+            with self.amp.autocast():
+                loss = _lm_loss(model, tokens, self.vocab)
+            self.amp.backward(loss)
+            self.amp.step(max_grad_norm=cfg.max_grad_norm)
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def skipped(self, init_scale: float, scales: List[float]) -> int:
+        if self.amp is not None:
+            return int(sum(self.amp.monitor.history()["found_inf"]))
+        if self.scaler is None:
+            return 0
+        # torch's scaler does not count skips: a step whose scale went down was skipped.
+        prev = [init_scale] + scales[:-1]
+        return sum(1 for a, b in zip(prev, scales) if b < a)
+
+
+def _time_steps(loop: _Loop, data, start: int, n: int, bare: bool) -> float:
+    _sync(loop.cfg.device)
+    t0 = time.perf_counter()
+    for i in range(n):
+        loop.step(data[(start + i) % len(data)], bare=bare)
+    _sync(loop.cfg.device)
+    return (time.perf_counter() - t0) / n * 1e3
+
+
+def run(cfg: Config, scenario: str, recipe: str, seed: int, corpus: MarkovCorpus, data, held_out,
+        progress: bool = True, report_dir: Optional[str] = None) -> RunResult:
+    """Train one (scenario, recipe, seed) and measure it."""
+    model = _model(cfg, corpus, scenario, seed)
+    opt = _optimizer(model, cfg)
+    loop = _Loop(recipe, model, opt, cfg, corpus, scenario, data[0])
+    init_scale = loop.scaler.get_scale() if loop.scaler is not None else math.nan
+    warm = min(10, cfg.steps // 10)
+    losses, scales = [], []
+    bar = _bar(cfg.steps, f"{scenario}/{recipe}", progress)
+    t0 = 0.0
+    for step in range(cfg.steps):
+        if step == warm:
+            _sync(cfg.device)
+            t0 = time.perf_counter()
+        losses.append(loop.step(data[step]))
+        if loop.scaler is not None:
+            scales.append(loop.scaler._get_scale_async().detach().clone())
+        bar.update()
+    _sync(cfg.device)
+    step_ms = (time.perf_counter() - t0) / max(1, cfg.steps - warm) * 1e3
+    bar.close()
+    losses_h = torch.stack(losses).float().cpu().tolist()
+    scales_h = torch.stack(scales).float().cpu().tolist() if scales else []
+    tail = losses_h[-max(1, cfg.steps // 10):]
+    model.eval()
+    with torch.no_grad():
+        final = statistics.fmean(_lm_loss(model, t, corpus.vocab).item() for t in held_out)
+    model.train()
+    result = RunResult(scenario, recipe, seed, final_loss=final, train_loss=statistics.fmean(tail),
+                       step_ms=step_ms, overhead_ms=math.nan, skipped_steps=loop.skipped(init_scale, scales_h),
+                       policy=str(loop.amp.policy) if loop.amp else ("float32" if recipe == "fp32" else
+                                                                      "autocast float16 + GradScaler"))
+    if loop.amp is not None:
+        result.events = [e.to_dict() for e in loop.amp.events]
+        if report_dir is not None:
+            _save_report(loop.amp, report_dir)
+    if recipe != "fp32" and cfg.overhead_steps:
+        # The same steps with and without the scaler/controller, after training (so both are warm).
+        n = cfg.overhead_steps
+        with_it = _time_steps(loop, data, cfg.steps, n, bare=False)
+        without = _time_steps(loop, data, cfg.steps + n, n, bare=True)
+        result.overhead_ms = with_it - without
+    return result
+
+
+def _save_report(amp, directory: str) -> None:
+    try:
+        amp.report(directory=directory)
+    except ImportError as exc:  # report.py missing would be a bug; matplotlib missing only skips plots
+        print(f"  report not written: {exc}", file=sys.stderr)
+
+
+def _table(results: List[RunResult]) -> str:
+    from .report import comparison_table
+
+    rows = []
+    for r in results:
+        rows.append({"scenario": r.scenario, "recipe": r.recipe, "seed": r.seed,
+                     "final_loss": f"{r.final_loss:.4f}", "train_loss": f"{r.train_loss:.4f}",
+                     "step_ms": f"{r.step_ms:.2f}",
+                     "overhead_ms": "-" if math.isnan(r.overhead_ms) else f"{r.overhead_ms:.3f}",
+                     "skipped": r.skipped_steps, "policy": r.policy})
+    return comparison_table(rows, ["scenario", "recipe", "seed", "final_loss", "train_loss", "step_ms",
+                                   "overhead_ms", "skipped", "policy"])
+
+
+def verdicts(results: List[RunResult]) -> List[str]:
+    """The acceptance checks of the demo, as sentences with their numbers."""
+    lines = []
+    by = {}
+    for r in results:
+        by.setdefault((r.scenario, r.recipe), []).append(r)
+    mean = lambda rs, attr: statistics.fmean(getattr(r, attr) for r in rs)  # noqa: E731
+    if ("planted", "adaptive") in by and ("planted", "fp32") in by:
+        ours, fp32 = mean(by["planted", "adaptive"], "final_loss"), mean(by["planted", "fp32"], "final_loss")
+        ok = ours <= 1.05 * fp32
+        lines.append(f"planted: adaptive_amp final loss {ours:.4f} vs fp32 {fp32:.4f} "
+                     f"({ours / fp32 - 1:+.1%}; target within 5%): {'PASS' if ok else 'FAIL'}")
+        if ("planted", "torch_amp") in by:
+            t = by["planted", "torch_amp"]
+            lines.append(f"planted: torch AMP final loss {mean(t, 'final_loss'):.4f}, "
+                         f"skipped {mean(t, 'skipped_steps'):.0f} of the steps")
+    if ("ordinary", "adaptive") in by and ("ordinary", "torch_amp") in by:
+        ours, torch_amp = by["ordinary", "adaptive"], by["ordinary", "torch_amp"]
+        losses = [r.final_loss for r in torch_amp]
+        spread = max(losses) - min(losses) if len(losses) > 1 else math.nan
+        diff = abs(mean(ours, "final_loss") - mean(torch_amp, "final_loss"))
+        within = diff <= spread if spread == spread else None
+        lines.append(f"ordinary: |adaptive - torch AMP| final loss {diff:.4f}, torch AMP run-to-run spread "
+                     f"{spread:.4f} over {len(losses)} seeds: "
+                     + ("PASS" if within else "FAIL" if within is not None else "n/a (one seed)"))
+        lines.append(f"ordinary: skipped steps {mean(ours, 'skipped_steps'):.1f} (adaptive) vs "
+                     f"{mean(torch_amp, 'skipped_steps'):.1f} (torch AMP): "
+                     f"{'PASS' if mean(ours, 'skipped_steps') < mean(torch_amp, 'skipped_steps') else 'FAIL'}")
+        lines.append(f"ordinary: step time {mean(ours, 'step_ms'):.2f} ms (adaptive) vs "
+                     f"{mean(torch_amp, 'step_ms'):.2f} ms (torch AMP): "
+                     f"{'PASS' if mean(ours, 'step_ms') < mean(torch_amp, 'step_ms') else 'FAIL'}")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m adaptive_amp demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                        help="default: cuda when a GPU is available, else cpu (a smaller configuration)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 2000 GPU, 150 CPU)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds per recipe of the ordinary scenario (run-to-run spread; default 3 GPU, 1 CPU)")
+    parser.add_argument("--scenarios", default="ordinary,planted", help="comma-separated: ordinary, planted")
+    parser.add_argument("--out", default="adaptive_amp_demo", help="directory for the table, JSON and reports")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU; use --device cpu")
+    cfg = Config.for_device(device, args.steps)
+    seeds = args.seeds or (3 if device == "cuda" else 1)
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    for s in scenarios:
+        if s not in ("ordinary", "planted"):
+            parser.error(f"--scenarios: unknown scenario {s!r} (ordinary, planted)")
+    os.makedirs(args.out, exist_ok=True)
+
+    corpus = MarkovCorpus(device=device)
+    gen = torch.Generator(device=device).manual_seed(1234)
+    data = corpus.batch((cfg.steps + 2 * cfg.overhead_steps) * cfg.batch, cfg.length + 1, gen)
+    data = list(data.split(cfg.batch))
+    held_out = list(corpus.batch(8 * cfg.batch, cfg.length + 1, gen).split(cfg.batch))
+    print(f"adaptive_amp demo on {device}"
+          + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else "")
+          + f": TinyLM d_model={cfg.d_model} layers={cfg.layers}, {cfg.steps} steps of {cfg.batch}x{cfg.length} "
+            f"tokens; loss floor (entropy rate) {corpus.entropy:.3f}", flush=True)
+    results: List[RunResult] = []
+    for scenario in scenarios:
+        for recipe in RECIPES:
+            for seed in range(seeds if scenario == "ordinary" and recipe != "fp32" else 1):
+                report_dir = os.path.join(args.out, f"report_{scenario}") if recipe == "adaptive" and seed == 0 else None
+                results.append(run(cfg, scenario, recipe, seed, corpus, data, held_out,
+                                   progress=not args.no_progress, report_dir=report_dir))
+                r = results[-1]
+                print(f"  {scenario:8s} {recipe:9s} seed {seed}: final loss {r.final_loss:.4f}, "
+                      f"{r.step_ms:.2f} ms/step, {r.skipped_steps} skipped", flush=True)
+                for e in r.events:
+                    if e["kind"] in ("promote", "switch_compute", "demote", "diagnose"):
+                        print(f"      step {e['step']}: {e['kind']}: {e['message']}", flush=True)
+    table = _table(results)
+    checks = verdicts(results)
+    print()
+    print(table)
+    print()
+    print("\n".join(checks))
+    with open(os.path.join(args.out, "demo.txt"), "w") as f:
+        f.write(table + "\n\n" + "\n".join(checks) + "\n")
+    with open(os.path.join(args.out, "demo.json"), "w") as f:
+        json.dump({"config": asdict(cfg), "results": [asdict(r) for r in results], "checks": checks}, f, indent=2)
+    print(f"\nwritten: {args.out}/demo.txt, demo.json and the adaptive runs' reports (report_*/)")
+    return 0
