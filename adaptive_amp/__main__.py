@@ -1,13 +1,14 @@
-"""Command line: ``python -m adaptive_amp info | bench``."""
+"""Command line: ``python -m adaptive_amp info | analyze | demo | bench``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
 
-def _info(_args) -> int:
+def _build_info() -> dict:
     import adaptive_amp
 
     info = adaptive_amp.build_info()
@@ -20,18 +21,178 @@ def _info(_args) -> int:
             info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     except ImportError:
         info["torch"] = None
-    print(json.dumps(info, indent=2))
+    return info
+
+
+def _info(args) -> int:
+    info = _build_info()
+    if info["torch"] is None:  # the kernels work on numpy without torch; the policy layer needs it
+        if args.json:
+            print(json.dumps({"build": info, "hardware": None, "policy": None}, indent=2))
+        else:
+            print("build:\n" + _indent(_key_values(info)))
+            print("\nhardware and policy: need torch (pip install 'adaptive-amp[torch]')")
+        return 0
+    from .hardware import HardwareDetector
+    from .policy import AdaptivePrecisionSelector
+
+    # The CUDA device when there is one, else the CPU (detect()'s default).
+    caps = HardwareDetector().detect(measure=args.measure)
+    policy = AdaptivePrecisionSelector().select(None, caps)
+    if args.json:
+        print(json.dumps({"build": info, "hardware": caps.to_dict(),
+                          "policy": {"string": str(policy), **policy.to_dict()}}, indent=2))
+        return 0
+    print("hardware:\n" + _indent(str(caps)))
+    print("\nbuild:\n" + _indent(_key_values(info)))
+    print(f"\npolicy: {policy}")
+    print("\n".join(f"  - {why}" for why in policy.reasons))
     return 0
+
+
+def _key_values(d: dict) -> str:
+    width = max((len(k) for k in d), default=0) + 1
+    return "\n".join(f"{k + ':':<{width}} {v}" for k, v in d.items())
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+def _load_factory(spec: str):
+    """``package.module:factory`` -> the callable."""
+    module_name, colon, attr = spec.partition(":")
+    if not colon or not module_name or not attr:
+        raise SystemExit(f"--model {spec!r}: expected package.module:factory (a function returning "
+                         "(model, sample_inputs) or (model, sample_inputs, loss_fn))")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SystemExit(f"--model {spec!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise SystemExit(f"--model {spec!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
+def _demo_model(batch: int, length: int, device):
+    """The demo's TinyLM on a batch of its Markov corpus, with the next-token loss."""
+    import torch
+    from torch import nn
+
+    from .demo import MarkovCorpus, TinyLM
+
+    torch.manual_seed(0)
+    corpus = MarkovCorpus()
+    model = TinyLM(vocab=corpus.vocab)
+    tokens = corpus.batch(batch, length + 1, torch.Generator().manual_seed(1)).to(device)
+    targets = tokens[:, 1:]
+
+    def loss_fn(logits):
+        return nn.functional.cross_entropy(logits.float().reshape(-1, corpus.vocab), targets.reshape(-1))
+
+    return model, tokens[:, :-1], loss_fn
+
+
+def _to_device(value, device):
+    if hasattr(value, "to") and hasattr(value, "device"):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_device(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value
+
+
+# Short spellings people type on a command line -> the analyzer's format names.
+_FORMAT_ALIASES = {"fp16": "float16", "f16": "float16", "half": "float16", "bf16": "bfloat16",
+                   "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+
+
+def _candidates(text: str) -> list:
+    from .stats import format_name
+
+    names = [_FORMAT_ALIASES.get(c.strip().lower(), c.strip()) for c in text.split(",") if c.strip()]
+    try:
+        return [format_name(n) for n in names]
+    except ValueError as exc:
+        raise SystemExit(f"--candidates {text!r}: {exc} (or fp16, bf16, e4m3, e5m2)") from None
+
+
+def _analyze(args) -> int:
+    import torch
+
+    from .analysis import PrecisionAnalyzer
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.model:
+        made = _load_factory(args.model)()
+        if not isinstance(made, tuple) or len(made) not in (2, 3):
+            raise SystemExit(f"--model {args.model!r}: the factory returned {type(made).__name__}; "
+                             "return (model, sample_inputs) or (model, sample_inputs, loss_fn)")
+        model, inputs, loss_fn = (*made, None)[:3]
+    else:
+        model, inputs, loss_fn = _demo_model(args.batch, args.length, device)
+    model = model.to(device)
+    inputs = _to_device(inputs, device)
+    kwargs = {"candidates": _candidates(args.candidates)} if args.candidates else {}
+    analyzer = PrecisionAnalyzer(**kwargs, error_threshold=args.threshold, progress=not args.no_progress,
+                                 fp8_margin=args.fp8_margin)
+    analysis = analyzer.analyze(model, inputs, loss_fn=loss_fn)
+    print(analysis.table())
+    for fmt in analysis.candidates:
+        risky = analysis.risky_layers(fmt)
+        print(f"risky in {fmt}: " + (", ".join(name for name, _ in risky) if risky else "none"))
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(analysis.to_json() + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _demo(rest) -> int:
+    from . import demo
+
+    run = getattr(demo, "main", None)
+    if run is None:
+        print("python -m adaptive_amp demo: this copy's adaptive_amp.demo has no main(argv) yet "
+              "(the demo's training entry point); update adaptive_amp, or use adaptive_amp.demo.train_lm "
+              "from Python", file=sys.stderr)
+        return 2
+    result = run(rest)
+    return result if isinstance(result, int) else 0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m adaptive_amp")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="how this copy was built and what it can use")
+    info = sub.add_parser("info", help="the device, how this copy was built, and the policy it would choose")
+    info.add_argument("--json", action="store_true", help="print everything as JSON")
+    info.add_argument("--measure", action="store_true", help="also measure matmul throughput per dtype")
+    analyze = sub.add_parser("analyze", help="which layers of a model tolerate fp16, bf16 or fp8")
+    analyze.add_argument("--model", metavar="MODULE:FACTORY",
+                         help="a function returning (model, sample_inputs) or (model, sample_inputs, loss_fn); "
+                              "default: the demo's TinyLM on its Markov corpus")
+    analyze.add_argument("--device", help="default: cuda when available, else cpu")
+    analyze.add_argument("--json", metavar="PATH", help="also write the analysis as JSON")
+    analyze.add_argument("--candidates", help="formats, comma-separated (default float16,bfloat16,float8_e4m3fn)")
+    analyze.add_argument("--threshold", type=float, default=0.02,
+                         help="model-output relative error above which a layer is risky (default 0.02)")
+    analyze.add_argument("--fp8-margin", type=int, default=0, help="fp8 scaling margin in powers of two")
+    analyze.add_argument("--batch", type=int, default=8, help="demo model: sequences in the sample batch")
+    analyze.add_argument("--length", type=int, default=64, help="demo model: tokens per sequence")
+    analyze.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sub.add_parser("demo", help="train the demo LM (see --help after demo)", add_help=False)
     sub.add_parser("bench", help="kernel microbenchmarks (see --help after bench)", add_help=False)
     args, rest = parser.parse_known_args(argv)
+    if args.command in ("info", "analyze") and rest:
+        parser.error(f"{args.command}: unrecognized arguments: {' '.join(rest)}")
     if args.command == "info":
         return _info(args)
+    if args.command == "analyze":
+        return _analyze(args)
+    if args.command == "demo":
+        return _demo(rest)
     if args.command == "bench":
         from . import bench
 

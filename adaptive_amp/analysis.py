@@ -1,14 +1,32 @@
 """PrecisionAnalyzer: which layers can compute in which low-precision format.
 
 For every layer of the chosen types and every candidate format, the model is
-run in fp32 with only that layer simulated in the format: the layer's
-floating-point inputs, its parameters and its output are rounded to the format
-and back to fp32 (a format's overflow shows as inf for fp16; fp8 e4m3fn
-saturates at 448 when torch casts to it, so its overflow is caught by the
-amax check). Comparing with an fp32 baseline gives, per layer and format, the
-error of the layer's output and of the model's output, the activation range
-against the format's range, and the fraction of the layer's input (and,
-with a loss, of its gradients) that would flush to zero.
+run in fp32 with only that layer simulated in the format. Comparing with an
+fp32 baseline gives, per layer and format, the error of the layer's output
+and of the model's output, the activation range against the format's range,
+and the fraction of the layer's input (and, with a loss, of its gradients)
+that would flush to zero.
+
+How a layer is simulated depends on the format, following how each is used
+in training:
+
+* fp16 and bf16 (autocast): the layer's floating-point inputs, its
+  parameters and its output are rounded to the format and back to fp32,
+  unscaled (a format's overflow shows as inf for fp16).
+* fp8 (``float8_e4m3fn``, ``float8_e5m2``): per-tensor scaled, as
+  TransformerEngine's fp8 recipes do; a plain cast would flush ordinary
+  activations (below e4m3's smallest subnormal, 2**-9) to zero, which is not
+  how fp8 is used. Each input and each weight (parameters of 2 or more
+  dimensions) gets its own scale ``fp8_max / amax * 2**-fp8_margin`` from its
+  own amax ("current scaling"; 1 when the amax is 0, float32's max when the
+  quotient overflows), is multiplied by it, cast to the format with
+  round-to-nearest-even, and divided by it again. Biases and the output stay
+  fp32: fp8 matmuls accumulate in fp32, write a wider type and add the bias
+  there. The underflow fractions are those of the scaled cast, and since a
+  scaled tensor cannot exceed the format's max, ``overflow`` means only a
+  non-finite output. What scaling cannot fix shows as error: an activation
+  dominated by a few outliers gets a scale that pushes its ordinary values
+  into the format's subnormals or to zero.
 
 One full forward per (layer, format): meant for small sample batches.
 """
@@ -32,6 +50,8 @@ DEFAULT_LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.MultiheadAttention)
 #: with a relative step of 2**-8, so an ordinary layer in bf16 stays well below this; a layer that
 #: loses several bits of its result (cancellation, tiny values) goes above it.
 DEFAULT_ERROR_THRESHOLD = 0.02
+#: Formats simulated with per-tensor scaling (see the module docstring).
+SCALED_FORMATS = ("float8_e4m3fn", "float8_e5m2")
 
 
 @dataclass
@@ -44,11 +64,14 @@ class LayerPrecision:
     layer_error: float
     model_error: float
     sqnr_db: float  # of the layer's output: 10*log10(|ref|^2 / |ref - out|^2)
-    amax: float  # largest finite |value| of the layer's inputs and output in fp32
+    amax: float  # largest finite |value| of the layer's inputs and output in fp32 (before any scaling)
     format_max: float
-    overflow: bool  # amax above the format's largest value, or a non-finite value in the simulated output
-    underflow_fraction: float  # of the layer's input elements that flush to zero in the format
+    # Unscaled formats: amax above the format's largest value, or a non-finite simulated output.
+    # Scaled formats: a non-finite simulated output only (a scaled tensor fits the format by construction).
+    overflow: bool
+    underflow_fraction: float  # of the layer's input elements that flush to zero in the (scaled) cast
     grad_underflow_fraction: Optional[float] = None  # of the layer's parameter-gradient elements (with loss_fn)
+    scaled: bool = False  # cast with per-tensor current scaling (fp8), see the module docstring
 
     def to_dict(self) -> dict:
         # JSON has no inf or NaN: a non-finite number becomes None (the overflow flag says why).
@@ -79,7 +102,9 @@ class PrecisionAnalysis:
         risky = []
         for r in sorted((r for r in self.results if r.dtype == fmt), key=_severity, reverse=True):
             reasons = []
-            if r.overflow:
+            if r.overflow and r.scaled:
+                reasons.append("non-finite output")
+            elif r.overflow:
                 reasons.append(f"overflow: activation amax {r.amax:.3g} vs {fmt} max {r.format_max:.3g}"
                                + ("" if math.isfinite(r.layer_error) else ", non-finite output"))
             if not r.model_error <= self.error_threshold:  # also catches NaN
@@ -92,10 +117,10 @@ class PrecisionAnalysis:
         """A text table, one line per (layer, format), worst model-output error first."""
         fmt = format_name(dtype) if dtype is not None else None
         rows = sorted((r for r in self.results if fmt is None or r.dtype == fmt), key=_severity, reverse=True)
-        cols = ["layer", "type", "dtype", "model_err", "layer_err", "sqnr_db", "amax", "fmt_max", "overflow",
+        cols = ["layer", "type", "dtype", "scaled", "model_err", "layer_err", "sqnr_db", "amax", "fmt_max", "overflow",
                 "underflow", "grad_underflow", "risky"]
         risky = {(name, f) for f in {r.dtype for r in rows} for name, _ in self.risky_layers(f)}
-        cells = [[r.name or "(model)", r.layer_type, r.dtype, _num(r.model_error), _num(r.layer_error),
+        cells = [[r.name or "(model)", r.layer_type, r.dtype, "yes" if r.scaled else "", _num(r.model_error), _num(r.layer_error),
                   _num(r.sqnr_db), _num(r.amax), _num(r.format_max), "yes" if r.overflow else "",
                   _pct(r.underflow_fraction), _pct(r.grad_underflow_fraction),
                   "RISKY" if (r.name, r.dtype) in risky else ""] for r in rows]
@@ -166,14 +191,45 @@ def _flat(value) -> torch.Tensor:
 
 def _round_trip(value, dtype: torch.dtype):
     """Floating-point tensors in `value` rounded to `dtype` and back to their own dtype."""
+    return _map_tensors(value, lambda t: t.to(dtype).to(t.dtype))
+
+
+def _scaled_round_trip(value, dtype: torch.dtype, margin: int = 0):
+    """Floating-point tensors in `value` quantized to `dtype` with per-tensor current scaling and back."""
+    def quantize(t):
+        x = t.float()
+        scale = current_scale(x, dtype, margin)
+        return ((x * scale).to(dtype).float() / scale).to(t.dtype)
+
+    return _map_tensors(value, quantize)
+
+
+def _map_tensors(value, fn):
+    """`value` with `fn` applied to each floating-point tensor in it (nested tuples, lists, dicts)."""
     if isinstance(value, torch.Tensor):
-        return value.to(dtype).to(value.dtype) if value.is_floating_point() else value
+        return fn(value) if value.is_floating_point() else value
     if isinstance(value, (tuple, list)):
-        items = [_round_trip(v, dtype) for v in value]
+        items = [_map_tensors(v, fn) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):
-        return type(value)((k, _round_trip(v, dtype)) for k, v in value.items())
+        return type(value)((k, _map_tensors(v, fn)) for k, v in value.items())
     return value
+
+
+def current_scale(t: torch.Tensor, dtype, margin: int = 0) -> torch.Tensor:
+    """The fp8 scale of `t` by current scaling: ``fp8_max / amax(t) * 2**-margin``, a 1-element fp32 tensor.
+
+    As TransformerEngine computes it: the amax is over finite values; with an
+    amax of 0 the scale is 1, and a quotient that overflows float32 (a tiny
+    amax) becomes float32's max.
+    """
+    fmt_max = float(torch.finfo(getattr(torch, format_name(dtype))).max)
+    x = t.detach().float().reshape(-1)
+    x = x[torch.isfinite(x)]
+    amax = x.abs().max() if x.numel() else torch.zeros(())
+    scale = torch.where(amax > 0, (fmt_max / amax.double()).float() * 2.0 ** -margin, torch.ones(()))
+    scale = torch.where(torch.isfinite(scale), scale, torch.full((), torch.finfo(torch.float32).max))
+    return scale.reshape(1).to(t.device)
 
 
 def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -225,16 +281,22 @@ class PrecisionAnalyzer:
         error_threshold: relative L2 error of the model's output above which
             a layer is risky in a format.
         progress: show a tqdm progress bar when tqdm is installed.
+        fp8_margin: fp8 scales are ``fp8_max / amax * 2**-fp8_margin``
+            (TransformerEngine's ``margin``): headroom for values larger than
+            the amax the scale was taken from; 0 uses the whole range.
     """
 
     def __init__(self, candidates: Sequence = DEFAULT_CANDIDATES, layer_types: Sequence[type] = DEFAULT_LAYER_TYPES,
-                 error_threshold: float = DEFAULT_ERROR_THRESHOLD, progress: bool = True):
+                 error_threshold: float = DEFAULT_ERROR_THRESHOLD, progress: bool = True, fp8_margin: int = 0):
         self.candidates = tuple(format_name(c) for c in candidates)
         self.layer_types = tuple(layer_types)
         if not error_threshold > 0:
             raise ValueError(f"error_threshold is {error_threshold}; pass a positive relative error")
         self.error_threshold = float(error_threshold)
         self.progress = progress
+        if isinstance(fp8_margin, bool) or not isinstance(fp8_margin, int) or fp8_margin < 0:
+            raise ValueError(f"fp8_margin is {fp8_margin!r}; pass an int >= 0 (a power-of-two headroom)")
+        self.fp8_margin = fp8_margin
 
     def analyze(self, model: nn.Module, sample_inputs, loss_fn=None) -> PrecisionAnalysis:
         """Analyze `model` on `sample_inputs` (a tensor, a tuple of positional arguments, or a dict of
@@ -294,13 +356,15 @@ class PrecisionAnalyzer:
                     layer_out, model_out = self._simulate(model, layer, dtype, args, kwargs)
                     layer_error = _relative_error(layer_out, ref_layer)
                     format_max = float(torch.finfo(dtype).max)
+                    scaled = fmt in SCALED_FORMATS
                     results.append(LayerPrecision(
                         name=name, layer_type=type(layer).__name__, dtype=fmt,
                         layer_error=layer_error, model_error=_relative_error(model_out, ref_model),
                         sqnr_db=_sqnr_db(layer_error), amax=amax, format_max=format_max,
-                        overflow=amax > format_max or not math.isfinite(layer_error),
-                        underflow_fraction=_underflow_fraction(inputs, fmt),
+                        overflow=(not scaled and amax > format_max) or not math.isfinite(layer_error),
+                        underflow_fraction=_underflow_fraction(inputs, fmt, self._margin(fmt)),
                         grad_underflow_fraction=grad_fraction.get((name, fmt)),
+                        scaled=scaled,
                     ))
                     bar.update()
         finally:
@@ -308,24 +372,36 @@ class PrecisionAnalyzer:
         return PrecisionAnalysis(results=results, error_threshold=self.error_threshold,
                                  candidates=self.candidates, grad_amax=grad_amax, skipped=skipped)
 
+    def _margin(self, fmt: str) -> Optional[int]:
+        """The scaling margin of `fmt`, or None for a format cast unscaled."""
+        return self.fp8_margin if fmt in SCALED_FORMATS else None
+
     def _simulate(self, model, layer, dtype, args, kwargs):
         """Run the model with only `layer` rounded to `dtype`; returns (layer output, model output), flat fp32."""
         outputs = []
         saved = []
+        margin = self._margin(format_name(dtype))
+        if margin is None:
+            cast = lambda v: _round_trip(v, dtype)  # noqa: E731
+        else:
+            cast = lambda v: _scaled_round_trip(v, dtype, margin)  # noqa: E731
 
         def before(mod, a, kw):
             # Swap the parameters' data (not the Parameter objects), so a weight tied to another layer
             # is rounded only while this layer runs.
             for p in mod.parameters():
+                if margin is not None and p.dim() < 2:
+                    continue  # fp8 matmuls add the bias in their wider output type
                 saved.append((p, p.data))
-                p.data = p.data.to(dtype).to(p.dtype)
-            return _round_trip(a, dtype), _round_trip(kw, dtype)
+                p.data = cast(p.data)
+            return cast(a), cast(kw)
 
         def after(mod, a, kw, out):
             while saved:
                 p, data = saved.pop()
                 p.data = data
-            out = _round_trip(out, dtype)  # the result is stored in the format too: fp16 overflow -> inf
+            if margin is None:
+                out = _round_trip(out, dtype)  # the result is stored in the format too: fp16 overflow -> inf
             outputs.append(_flat(out))
             return out
 
@@ -355,18 +431,23 @@ class PrecisionAnalyzer:
                 g = [p.grad.detach().float().contiguous() for p in layer.parameters() if p.grad is not None]
                 if g:
                     for fmt in self.candidates:
-                        fraction[(name, fmt)] = _underflow_fraction(g, fmt)
+                        fraction[(name, fmt)] = _underflow_fraction(g, fmt, self._margin(fmt))
             return grad_amax, fraction
         finally:
             for p, old in zip(params, old_grads):  # the caller's gradients are left as they were
                 p.grad = old
 
 
-def _underflow_fraction(tensors: List[torch.Tensor], fmt: str) -> float:
+def _underflow_fraction(tensors: List[torch.Tensor], fmt: str, margin: Optional[int] = None) -> float:
+    """Fraction of the elements that flush to zero in `fmt`: cast as they are (margin None), or each
+    tensor scaled by its own current scale first (fp8, margin the scaling margin)."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return 0.0
-    d = tensor_stats(tensors, fmt=fmt).to_dict()
+    scale = None
+    if margin is not None:
+        scale = torch.cat([current_scale(t, fmt, margin) for t in tensors])
+    d = tensor_stats(tensors, fmt=fmt, scale=scale).to_dict()
     return sum(d["underflow_count"]) / max(1, sum(d["numel"]))
 
 

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from adaptive_amp.adjust import DynamicPrecisionAdjuster
-from adaptive_amp.analysis import PrecisionAnalysis, PrecisionAnalyzer
+from adaptive_amp import tensor_stats
+from adaptive_amp.analysis import PrecisionAnalysis, PrecisionAnalyzer, current_scale
 from adaptive_amp.demo import TinyLM
 
 
@@ -230,8 +231,13 @@ def test_ordinary_layers_not_flagged(planted):
         assert "hidden" not in names and "out" not in names
     r = analysis.result("hidden", torch.bfloat16)
     assert 0 < r.layer_error < 0.01 and r.sqnr_db > 40 and not r.overflow
-    # fp8 e4m3 without scaling: the saturated 'big' layer shows as overflow.
-    assert "big" in dict(analysis.risky_layers("float8_e4m3fn"))
+    # fp8 is cast with per-tensor scaling: 'big' (amax 1.8e5, far above e4m3's 448) fits, the ordinary
+    # layers lose only e4m3's 3 mantissa bits, and cancellation is still caught.
+    fp8 = dict(analysis.risky_layers("float8_e4m3fn"))
+    assert set(fp8) == {"cancel"}
+    r = analysis.result("big", "float8_e4m3fn")
+    assert r.scaled and not r.overflow and r.amax > r.format_max and r.model_error < 0.01
+    assert not analysis.result("big", torch.float16).scaled
 
 
 def test_gradients_and_underflow_measured(planted):
@@ -250,6 +256,74 @@ def test_underflow_fraction_of_tiny_inputs():
     assert analysis.result("0", torch.float16).underflow_fraction == 1.0
     assert analysis.result("0", torch.bfloat16).underflow_fraction == 0.0
     assert analysis.grad_amax is None
+
+
+class OneLinear(nn.Module):
+    """A bias-free Linear whose model output leaves out the first row (a token the loss ignores)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16, bias=False)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(16, 16, generator=torch.Generator().manual_seed(0)) / 4)
+
+    def forward(self, x):
+        return self.lin(x)[1:]
+
+
+# fp8 e4m3 keeps 3 mantissa bits: an ordinary layer's own error in it is a few percent, above the
+# default threshold (made for bf16). These tests judge fp8 with a threshold suited to it.
+FP8 = dict(candidates=("float8_e4m3fn", torch.bfloat16), error_threshold=0.1, progress=False)
+
+
+def test_scaled_fp8_keeps_small_activations_a_plain_cast_flushes():
+    torch.manual_seed(0)
+    model, x = OneLinear(), torch.randn(65, 16) * 1e-4  # all below e4m3's smallest subnormal (2**-9)
+    plain = model.lin(x.to(torch.float8_e4m3fn).float())
+    assert torch.count_nonzero(plain) == 0  # an unscaled cast would ruin the layer
+    assert tensor_stats([x], fmt="float8_e4m3fn").to_dict()["underflow_count"] == [x.numel()]
+    analysis = PrecisionAnalyzer(**FP8).analyze(model, x, loss_fn=lambda y: y.sum())
+    r = analysis.result("lin", "float8_e4m3fn")
+    assert r.scaled and not r.overflow
+    assert r.underflow_fraction == 0.0 and r.grad_underflow_fraction == 0.0
+    assert 0 < r.model_error < 0.06  # e4m3's rounding, nothing more
+    assert analysis.risky_layers("float8_e4m3fn") == []
+
+
+def test_scaled_fp8_flags_outlier_dominated_activation():
+    torch.manual_seed(0)
+    model, x = OneLinear(), torch.randn(65, 16)
+    x[0, 0] = 3e5  # one outlier sets the scale: ordinary values land in e4m3's subnormals or flush to 0
+    analysis = PrecisionAnalyzer(**FP8).analyze(model, x)
+    r = analysis.result("lin", "float8_e4m3fn")
+    assert r.scaled and not r.overflow and r.amax == pytest.approx(3e5)
+    assert r.model_error > 0.2 and r.underflow_fraction > 0.2
+    assert "model output error" in dict(analysis.risky_layers("float8_e4m3fn"))["lin"]
+    # The same layer without the outlier is fine in fp8, and bf16 does not care either way.
+    assert analysis.result("lin", torch.bfloat16).model_error < 0.01
+    x[0, 0] = 1.0
+    assert PrecisionAnalyzer(**FP8).analyze(model, x).risky_layers("float8_e4m3fn") == []
+
+
+def test_current_scale():
+    t = torch.tensor([0.5, -2.0, float("nan"), float("inf")])
+    assert current_scale(t, torch.float8_e4m3fn).item() == 448 / 2  # amax of the finite values
+    assert current_scale(t, "float8_e5m2", margin=1).item() == 57344 / 2 / 2
+    assert current_scale(torch.zeros(3), "float8_e4m3fn").item() == 1.0  # nothing to scale
+    assert current_scale(torch.zeros(0), "float8_e4m3fn").item() == 1.0
+    assert current_scale(torch.tensor([1e-44]), "float8_e4m3fn").item() == torch.finfo(torch.float32).max
+    with pytest.raises(ValueError, match="fp8_margin"):
+        PrecisionAnalyzer(fp8_margin=-1)
+
+
+def test_fp8_margin_leaves_headroom():
+    torch.manual_seed(0)
+    model, x = OneLinear(), torch.randn(65, 16)
+    plain = PrecisionAnalyzer(**FP8).analyze(model, x).result("lin", "float8_e4m3fn")
+    wide = PrecisionAnalyzer(**FP8, fp8_margin=14).analyze(model, x).result("lin", "float8_e4m3fn")
+    # 14 bits of headroom push ordinary values into the subnormals: more error, more underflow.
+    assert plain.underflow_fraction == 0 and wide.underflow_fraction > 0.05
+    assert wide.model_error > 2 * plain.model_error
 
 
 def test_table_and_json(planted):
