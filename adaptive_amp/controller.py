@@ -203,20 +203,21 @@ class AdaptiveMixedPrecision:
 
     @contextlib.contextmanager
     def autocast(self):
-        """The policy's autocast context; on statistics steps it also records each layer's output statistics."""
+        """The policy's autocast context; on statistics steps it also records each layer's input and
+        output statistics (the inputs tell a layer that overflows from one that was handed infs)."""
         collect = self._stats_due() and not self._collected_activations
-        outputs: List[torch.Tensor] = []
-        names: List[str] = []
+        seen: List[tuple] = []  # (name, input, output) in forward order
         handles = []
         if collect:
             islands = set(self.policy.islands)
             for name, module in self.model.named_modules():
                 if name and isinstance(module, self.layer_types) and name not in islands:
                     def hook(mod, args, out, name=name):
-                        t = _first_tensor(out)
+                        t, x = _first_tensor(out), _first_tensor(args)
                         if t is not None and t.numel() and t.dtype in _STATS_DTYPES:
-                            outputs.append(t.detach().contiguous())  # a copy only for strided outputs
-                            names.append(name)
+                            ok = x is not None and x.numel() and x.dtype in _STATS_DTYPES
+                            # contiguous(): a copy only for strided tensors
+                            seen.append((name, x.detach().contiguous() if ok else None, t.detach().contiguous()))
                     handles.append(module.register_forward_hook(hook))
         try:
             with self.adjuster.autocast():
@@ -224,11 +225,16 @@ class AdaptiveMixedPrecision:
         finally:
             for h in handles:
                 h.remove()
-        if collect and outputs:
+        if collect and seen:
             from .ops import tensor_stats
 
-            self.monitor.record_layer_stats(self._step, "activation",
-                                            tensor_stats(outputs, fmt=self.compute_fmt, names=names))
+            names = [name for name, _, _ in seen]
+            self.monitor.record_layer_stats(self._step, "activation", tensor_stats(
+                [out for _, _, out in seen], fmt=self.compute_fmt, names=names))
+            with_input = [(name, x) for name, x, _ in seen if x is not None]
+            if with_input:
+                self.monitor.record_layer_stats(self._step, "input", tensor_stats(
+                    [x for _, x in with_input], names=[name for name, _ in with_input]))
             self._collected_activations = True
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
@@ -329,24 +335,23 @@ class AdaptiveMixedPrecision:
             self._switch(why)
 
     def _overflowing_layers(self) -> List[str]:
-        """Layers whose outputs overflowed (inf, or beyond the format's range) since the last change.
-
-        NaN outputs are not counted, and per statistics step only the first
-        overflowing layer in forward order (the order the hooks recorded) is
-        taken: the layers after it see its infs, so their outputs overflow or
-        turn NaN whatever their own precision. If one of them overflows on its
-        own, the next round finds it.
-        """
+        """Layers that made infs or NaNs (or values beyond the format) out of finite inputs, since the last
+        change. A layer handed infs by an earlier op is not one: promoting it would not help."""
         islands = set(self.policy.islands)
+        inputs = {}
+        for ls in self.monitor.layer_stats:
+            if ls.kind == "input" and ls.step >= self._last_change:
+                for row in ls.rows:
+                    inputs[(ls.step, row["name"])] = row["inf_count"] + row["nan_count"] == 0
         found: List[str] = []
         for ls in self.monitor.layer_stats:
             if ls.kind != "activation" or ls.step < self._last_change:
                 continue
             for row in ls.rows:
-                if row.get("inf_count", 0) + row.get("overflow_count", 0) and row["name"] not in islands:
-                    if row["name"] not in found:
-                        found.append(row["name"])
-                    break  # later layers of this step may only be carrying its infs
+                bad = row["inf_count"] + row["nan_count"] + row.get("overflow_count", 0)
+                name = row["name"]
+                if bad and inputs.get((ls.step, name), False) and name not in islands and name not in found:
+                    found.append(name)
         return found
 
     def _promote(self, layers: List[str], why: str) -> None:

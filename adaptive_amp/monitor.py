@@ -25,8 +25,10 @@ Detectors, each producing :class:`Event` records (step, kind, layer, message):
   the first statistics and is above 1%; the layer with the most underflow
   is named.
 * ``activation_overflow``: a layer's output holds inf/NaN or values beyond
-  the compute format's largest finite value (one event per layer and
-  statistics step).
+  the compute format's largest finite value while its input (when its
+  statistics were recorded, kind ``"input"``) was finite: one event per
+  such layer and statistics step, none for the layers downstream that only
+  carry its infs.
 
 ``loss_trend()`` and ``loss_variance()`` summarise the recent losses (the
 least-squares slope per step and the variance over a window).
@@ -46,6 +48,8 @@ from . import stats as _stats
 #: Every kind of event the monitor emits (the controller adds its own decisions).
 KINDS = ("nan_loss", "loss_spike", "overflow_rate", "scale_collapse", "grad_norm_anomaly", "underflow_rising",
          "activation_overflow")
+#: What per-layer statistics describe: layer outputs, layer inputs, parameter gradients.
+LAYER_STATS_KINDS = ("activation", "input", "gradient")
 _COLUMNS = ("loss", "grad_norm", "found_inf", "scale")
 _MAD_TO_SIGMA = 0.6745  # the MAD of a normal distribution is 0.6745 sigma
 
@@ -79,7 +83,7 @@ class LayerStats:
     """Per-layer statistics of one step, on the host."""
 
     step: int
-    kind: str  # "activation" or "gradient"
+    kind: str  # one of LAYER_STATS_KINDS
     fmt: Optional[str]
     rows: List[dict]
 
@@ -149,8 +153,8 @@ class StabilityMonitor:
 
     def record_layer_stats(self, step: int, kind: str, stats: "_stats.TensorStats") -> None:
         """Keep per-layer statistics (a TensorStats whose names are the layers) until the next read."""
-        if kind not in ("activation", "gradient"):
-            raise ValueError(f"kind must be 'activation' or 'gradient', got {kind!r}")
+        if kind not in LAYER_STATS_KINDS:
+            raise ValueError(f"kind must be one of {LAYER_STATS_KINDS}, got {kind!r}")
         self._pending_stats.append((int(step), kind, stats))
 
     def read_due(self, step: int) -> bool:
@@ -235,7 +239,9 @@ class StabilityMonitor:
         ok = np.isfinite(loss)
         if ok.sum() < 2:
             return math.nan
-        return float(np.polyfit(steps[ok], loss[ok], 1)[0])
+        x, y = steps[ok] - steps[ok].mean(), loss[ok] - loss[ok].mean()
+        denom = float(np.dot(x, x))
+        return float(np.dot(x, y) / denom) if denom > 0 else math.nan
 
     def loss_variance(self, window: Optional[int] = None) -> float:
         """Variance (correction 1) of the finite losses over the last `window` steps; NaN if < 2."""
@@ -314,23 +320,26 @@ class StabilityMonitor:
                                         f"gradient norm {norm[i]:.4g} is {z:.1f} robust standard deviations above "
                                         "the recent log-norms", data={"z": z, "norm": norm[i]}))
 
+        inputs = {(ls.step, row["name"]): row["inf_count"] + row["nan_count"] == 0
+                  for ls in new_stats if ls.kind == "input" for row in ls.rows}
         for ls in new_stats:
-            events.extend(self._layer_events(ls))
+            events.extend(self._layer_events(ls, inputs))
         return events
 
-    def _layer_events(self, ls: LayerStats) -> List[Event]:
+    def _layer_events(self, ls: LayerStats, finite_inputs: Dict[tuple, bool]) -> List[Event]:
         events = []
         if ls.kind == "activation":
             for row in ls.rows:
                 bad = row.get("inf_count", 0) + row.get("nan_count", 0) + row.get("overflow_count", 0)
-                if bad:
+                # A layer handed infs/NaNs passes them on: only the layer where they start is reported.
+                if bad and finite_inputs.get((ls.step, row["name"]), True):
                     what = f"{ls.fmt} range" if ls.fmt else "finite range"
                     events.append(Event(ls.step, "activation_overflow",
                                         f"{bad} of {row['numel']} output elements are inf/NaN or beyond the {what} "
                                         f"(amax {row['amax']:.4g})", layer=row["name"],
                                         data={"count": bad, "numel": row["numel"], "amax": row["amax"]}))
             return events
-        if not ls.fmt:
+        if ls.kind != "gradient" or not ls.fmt:
             return events
         total = sum(r["numel"] for r in ls.rows)
         if not total:

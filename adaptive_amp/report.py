@@ -658,4 +658,7 @@ def _legend_line(label: str):
 def _save(fig, path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    with warnings.catch_warnings():
+        # matplotlib's tick finder warns on axes whose data are all NaN/inf (a run that never had a finite loss)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fig.savefig(path, dpi=100)

@@ -141,6 +141,14 @@ def test_activation_overflow_names_the_layer():
     assert mon.latest_layer_stats("activation").rows[1]["name"] == "b"
 
 
+def test_activation_overflow_skips_layers_that_were_handed_infs():
+    mon = StabilityMonitor(read_every=1)
+    mon.record_layer_stats(0, "activation", _stats_of([[7e4, 1.0], [math.nan, 1.0]], ["a", "b"], "float16"))
+    mon.record_layer_stats(0, "input", _stats_of([[1.0, 2.0], [math.inf, 1.0]], ["a", "b"], None))
+    events = feed(mon, [1.0])
+    assert [e.layer for e in events if e.kind == "activation_overflow"] == ["a"]
+
+
 def test_underflow_rising_compares_with_the_first_statistics():
     mon = StabilityMonitor(read_every=1)
     tiny = [1e-9] * 10 + [1.0] * 90  # 10% underflow in fp16
