@@ -91,30 +91,53 @@ __device__ __forceinline__ int thread_share(const typename E::T* x, int n, int& 
   return vecs * kPer + tail;
 }
 
+// Integer thresholds on |y| bits for the fast path: |y| and the format limits
+// are non-negative floats, whose bit patterns order as unsigned integers, so
+// one integer subtraction per threshold decides a comparison and its sign bit
+// is the count's increment (0 or 1): two instructions per count (IADD3, then
+// LEA.HI adds the sign bit), where a float compare plus a conditional add
+// compiled to three (FSETP, VIADD, predicated move). Valid for |y| up to
+// +inf; a NaN y (x * s with a non-finite s) would count as overflow, so a
+// non-finite scale takes the careful path (uniform per chunk).
+struct FormatBits {
+  unsigned lo1;  // bits(lo) + 1: |y| <= lo  <=>  |y|bits - lo1 < 0
+  unsigned hi;   // bits(hi):     |y| < hi   <=>  |y|bits - hi < 0
+  unsigned max;  // bits(max):    |y| > max  <=>  max - |y|bits < 0
+  __device__ explicit FormatBits(FormatLimits l)
+      : lo1(stats_bits(l.lo) + 1u), hi(stats_bits(l.hi)), max(stats_bits(l.max)) {}
+};
+
+// The sign bit of d (as 0 or 1).
+__device__ __forceinline__ unsigned sign_bit(unsigned d) { return d >> 31; }
+
 // The fast path: assumes finite values (checked afterwards through ss).
 template <bool kFmt>
 struct Fast {
-  float pivot, scale;
-  FormatLimits lim;
+  float pivot, abs_scale;
+  FormatBits lim;
   float s = 0.0f, ss = 0.0f;
   float mn = INFINITY, mx = -INFINITY;
   unsigned ak = 0xffffffffu, zero = 0, lo = 0, hi = 0, over = 0;
 
-  __device__ Fast(float p, float sc, FormatLimits l) : pivot(p), scale(sc), lim(l) {}
+  __device__ Fast(float p, float sc, FormatLimits l) : pivot(p), abs_scale(fabsf(sc)), lim(l) {}
 
   __device__ __forceinline__ void operator()(float v) {
+    const unsigned vb = __float_as_uint(v);
     mn = fminf(mn, v);
     mx = fmaxf(mx, v);
-    ak = min(ak, abs_key(__float_as_uint(v)));
-    zero += v == 0.0f;
+    ak = min(ak, abs_key(vb));
+    // |v| == 0 <=> (|v|bits - 1) < 0; |v|bits comes from the abs key's 2*|v|bits.
+    zero += sign_bit(((vb << 1) >> 1) - 1u);
     const float d = v - pivot;
     s += d;
     ss = fmaf(d, d, ss);
     if (kFmt) {
-      const float ay = fabsf(v * scale);
-      lo += ay <= lim.lo;
-      hi += ay < lim.hi;
-      over += ay > lim.max;  // NaN (0 * inf) compares false
+      // |v| * |s| is |v * s| bit for bit (the product's magnitude does not
+      // depend on the signs), with no separate abs.
+      const unsigned ay = __float_as_uint(fabsf(v) * abs_scale);
+      lo += sign_bit(ay - lim.lo1);
+      hi += sign_bit(ay - lim.hi);
+      over += sign_bit(lim.max - ay);
     }
   }
 
@@ -223,7 +246,8 @@ __device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restric
   const float pivot = stats_pivot(E::load(x[at]));
   Fast<kFmt> fast(pivot, scale, lim);
   for_each<E>(x, n, fast);
-  if (fast.trusted(share)) return fast.partial(share);
+  const bool finite_scale = !kFmt || (__float_as_uint(scale) & 0x7fffffffu) < 0x7f800000u;
+  if (finite_scale && fast.trusted(share)) return fast.partial(share);
   Careful<kFmt> careful(pivot, scale, lim);
   for_each<E>(x, n, careful);
   return careful.partial();
