@@ -58,22 +58,23 @@ class Exploding(nn.Module):
         return self.b(torch.exp(h.abs() * 0 + 12.0) * 1e-5 * torch.tanh(h))  # exp(12) * ... > fp16 max mid-way
 
 
-def regression(n, d=32, seed=0):
+def regression(n, d=32, seed=0, device="cpu"):
     w = torch.randn(d, 1, generator=torch.Generator().manual_seed(0))
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed + 1))
-    return x, torch.tanh(x @ w / 4)
+    return x.to(device), torch.tanh(x @ w / 4).to(device)
 
 
 def train(model, mode, steps, *, policy=FP16, caps=CPU_NO_BF16, batch=64, lr=3e-3, amp_kwargs=None):
-    """Train `model` on the regression task; return (model, amp or scaler, losses)."""
+    """Train `model` on the regression task (on the model's device); return (model, amp or scaler, opt)."""
+    device = next(model.parameters()).device.type
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    x, y = regression(4096)
+    x, y = regression(4096, device=device)
     amp = scaler = None
     if mode == "adaptive":
         amp = AdaptiveMixedPrecision(model, opt, policy=policy, capabilities=caps, read_every=10,
                                      **(amp_kwargs or {}))
     elif mode == "torch":
-        scaler = torch.amp.GradScaler("cpu")
+        scaler = torch.amp.GradScaler(device)
     for i in range(steps):
         b = slice((i * batch) % 4096, (i * batch) % 4096 + batch)
         if mode == "fp32":
@@ -81,7 +82,7 @@ def train(model, mode, steps, *, policy=FP16, caps=CPU_NO_BF16, batch=64, lr=3e-
             loss.backward()
             opt.step()
         elif mode == "torch":
-            with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast(device, dtype=torch.float16):
                 loss = nn.functional.mse_loss(model(x[b]).float(), y[b])
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -96,22 +97,22 @@ def train(model, mode, steps, *, policy=FP16, caps=CPU_NO_BF16, batch=64, lr=3e-
 
 
 def eval_loss(model):
-    x, y = regression(1024, seed=7)
+    x, y = regression(1024, seed=7, device=next(model.parameters()).device.type)
     with torch.no_grad():
         return nn.functional.mse_loss(model(x), y).item()
 
 
-def test_planted_overflow_torch_amp_stalls_adaptive_amp_recovers():
+def test_planted_overflow_torch_amp_stalls_adaptive_amp_recovers(device):
     steps = 600
     torch.manual_seed(0)
-    fp32 = eval_loss(train(Planted(), "fp32", steps)[0])
+    fp32 = eval_loss(train(Planted().to(device), "fp32", steps)[0])
     torch.manual_seed(0)
-    initial = eval_loss(Planted())
+    initial = eval_loss(Planted().to(device))
     torch.manual_seed(0)
-    model, scaler, _ = train(Planted(), "torch", steps)
+    model, scaler, _ = train(Planted().to(device), "torch", steps)
     stalled = eval_loss(model)
     torch.manual_seed(0)
-    model, amp, _ = train(Planted(), "adaptive", steps)
+    model, amp, _ = train(Planted().to(device), "adaptive", steps)
     ours = eval_loss(model)
 
     assert scaler.get_scale() < 1e-30  # torch AMP: the scale collapsed ...
@@ -147,9 +148,9 @@ def test_no_switch_when_switching_is_off():
     assert "switch_compute" not in [e.kind for e in amp.events]
 
 
-def test_ordinary_model_trains_bitwise_like_torch_amp_without_adapting():
+def test_ordinary_model_trains_bitwise_like_torch_amp_without_adapting(device):
     torch.manual_seed(0)
-    reference = Planted(amplify=1.0)
+    reference = Planted(amplify=1.0).to(device)
     ours = copy.deepcopy(reference)
     train(reference, "torch", 80)
     _, amp, _ = train(ours, "adaptive", 80)
@@ -192,17 +193,17 @@ def test_gradient_accumulation_and_several_optimizers():
     assert all(n == n and n > 0 for n in h["grad_norm"])  # norms of the clipping pass
 
 
-def _run_with_checkpoint(split, steps=60):
+def _run_with_checkpoint(split, device, steps=60):
     torch.manual_seed(0)
-    model = Planted()
+    model = Planted().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     amp = AdaptiveMixedPrecision(model, opt, policy=FP16, capabilities=CPU_NO_BF16, read_every=10)
-    x, y = regression(4096)
+    x, y = regression(4096, device=device)
     for i in range(steps):
         if i == split:
             saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()})
             torch.manual_seed(123)
-            model = Planted()
+            model = Planted().to(device)
             opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
             amp = AdaptiveMixedPrecision(model, opt, policy=FP16, capabilities=CPU_NO_BF16, read_every=10)
             model.load_state_dict(saved["model"])
@@ -218,9 +219,9 @@ def _run_with_checkpoint(split, steps=60):
 
 
 @pytest.mark.parametrize("split", [15, 33])  # after the promotion, mid-window
-def test_resume_from_checkpoint_continues_bitwise(split):
-    m0, a0 = _run_with_checkpoint(split=None)
-    m1, a1 = _run_with_checkpoint(split=split)
+def test_resume_from_checkpoint_continues_bitwise(split, device):
+    m0, a0 = _run_with_checkpoint(None, device)
+    m1, a1 = _run_with_checkpoint(split, device)
     for p, q in zip(m0.parameters(), m1.parameters()):
         assert torch.equal(p, q)
     assert a0.policy == a1.policy and a0.policy.islands == ("inp",)
