@@ -94,7 +94,7 @@ def _common(params, grads, lists, names):
         raise TypeError(f"params is a {type(params).__name__}; pass a list of tensors")
     n = len(params)
     for xs, name in zip(lists, names):
-        if len(xs) != n:
+        if len(xs) != n and not (name == "momentum_buffers" and not xs):  # none without momentum
             raise ValueError(f"{name} has {len(xs)} tensors; params has {n}")
     for i, (p, g) in enumerate(zip(params, grads)):
         if isinstance(g, Tensor) and g.layout != torch.strided:
@@ -136,8 +136,9 @@ def _call(kind, batches, *, steps=(), first=(), lr, beta1=0.9, beta2=0.999, eps=
     if _needs_bits((pb, mb, vb), stochastic_rounding):
         s, o, so = _seed_offset(generator, seed, offset, device)
     _C.optim_step(
-        kind, pb.ptrs, pb.numels, pb.dtypes, gb.ptrs, gb.dtypes,
-        mb.ptrs if mb else [], mb.dtypes if mb else [], vb.ptrs if vb else [], vb.dtypes if vb else [],
+        kind, pb.ptrs, pb.numels, pb.dtypes, gb.ptrs, gb.numels, gb.dtypes,
+        mb.ptrs if mb else [], mb.numels if mb else [], mb.dtypes if mb else [],
+        vb.ptrs if vb else [], vb.numels if vb else [], vb.dtypes if vb else [],
         list(steps), [bool(f) for f in first], float(lr), float(beta1), float(beta2), float(eps), float(momentum),
         float(dampening), bool(nesterov), float(weight_decay), bool(maximize), bool(stochastic_rounding),
         grad_scale.data_ptr() if grad_scale is not None else 0, found_inf.data_ptr() if found_inf is not None else 0,
