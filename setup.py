@@ -177,7 +177,9 @@ ext = Extension(
     sources=sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.cpp")),
     include_dirs=[str(CSRC), pybind11.get_include()],
     language="c++",
-    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-fopenmp", "-fno-fast-math"],
+    # -ffp-contract=off: no FMA contraction, so the CPU kernels round every
+    # operation once, as the CUDA kernels' _rn intrinsics and torch do.
+    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-fopenmp", "-fno-fast-math", "-ffp-contract=off"],
     extra_link_args=["-fopenmp"],
 )
 

@@ -42,7 +42,15 @@ _LAZY = {
 }
 
 
+# Submodules that need torch, reachable as attributes (adaptive_amp.optim.AdamW).
+_LAZY_MODULES = ("optim",)
+
+
 def __getattr__(name):
+    if name in _LAZY_MODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'adaptive_amp' has no attribute {name!r}")

@@ -491,7 +491,7 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(prog="python -m adaptive_amp bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--suites", default="gpt2,many", help="comma-separated: " + ",".join(SUITES) + ",sround")
+    parser.add_argument("--suites", default="gpt2,many", help="comma-separated: " + ",".join(SUITES) + ",sround,optim")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--json", help="write the rows to this JSON file")
     parser.add_argument("--cpu", action="store_true", help="also time the CPU variants")
@@ -505,7 +505,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     suites = [s for s in args.suites.split(",") if s]
     sround = "sround" in suites  # the stochastic-rounding suite; the others are unscale suites
-    suites = [s for s in suites if s != "sround"]
+    optim_suite = "optim" in suites  # the fused-optimizer suite (GPU)
+    suites = [s for s in suites if s not in ("sround", "optim")]
     cuda = args.device.startswith("cuda")
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     rows = []
@@ -538,6 +539,16 @@ def main(argv=None):
         print("\n".join(sround_summary(sround_rows)))
         report["sround"] = [asdict(r) for r in sround_rows]
         rows += sround_rows
+    if optim_suite:
+        if cuda:
+            from .bench_optim import format_optim, optim_gpu
+
+            optim_rows = optim_gpu(device=args.device, reps=args.reps)
+            print(format_optim(optim_rows))
+            report["optim"] = [asdict(r) for r in optim_rows]
+            rows += optim_rows
+        else:
+            print("optim suite: needs a CUDA GPU (the CPU step is covered by tests/test_optim.py)")
     if args.stats:
         stats_suites = suites or list(SUITES)
         stats_rows = stats_gpu(stats_suites, device=args.device, reps=args.reps) if cuda else stats_cpu(stats_suites)

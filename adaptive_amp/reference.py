@@ -7,6 +7,8 @@ the semantics of its namesake in ``ops.py``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -273,3 +275,117 @@ def stochastic_round_ste(x, dtype, *, random_bits=None, seed=None, offset=None, 
     rounded = stochastic_round(x.detach(), dtype, random_bits=random_bits, seed=seed, offset=offset, scale=scale,
                                saturate=saturate)
     return _StraightThrough.apply(x, rounded, scale)
+
+
+# --------------------------------------------------------------------------- fused optimizers
+# Twins of adaptive_amp.optim.adamw_step_ / sgd_step_ (contract: csrc/optim.h).
+# Every operation is one fp32 torch op (rounded once; torch does not fuse
+# eager ops), in the contract's order; the host constants are rounded to fp32
+# from Python's doubles, the bias corrections computed in doubles. Divisors
+# are full tensors: torch turns division by a 0-dim tensor into
+# multiplication by its reciprocal, which rounds twice.
+_OPTIM_STREAMS = 3
+
+
+def _f32(value) -> torch.Tensor:
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def _optim_pow(b: float, t: int) -> float:
+    r = 1.0
+    while t:
+        if t & 1:
+            r = r * b
+        b = b * b
+        t >>= 1
+    return r
+
+
+def _optim_bits(random_bits, k, stream, x, seed, offset):
+    """The int32 words of value `stream` of tensor k (explicit, or Philox at offset + 3k + stream)."""
+    if random_bits is not None:
+        bits = random_bits[k]
+        if isinstance(bits, (tuple, list)):
+            bits = bits[stream]
+        elif stream != 0:
+            raise ValueError(f"random_bits[{k}]: bf16 moments need a (param, exp_avg, exp_avg_sq) tuple of words")
+        return bits.reshape(x.shape)
+    off = (int(offset or 0) + _OPTIM_STREAMS * k + stream) % (1 << 64)
+    return philox_random_bits(x.shape, seed, off, device=x.device)
+
+
+def _optim_store(dst, y, stochastic_rounding, random_bits, k, stream, seed, offset):
+    """y (fp32) into dst: as is for fp32, by stochastic rounding or to nearest for bf16."""
+    if dst.dtype == torch.float32:
+        dst.copy_(y)
+    elif stochastic_rounding:
+        dst.copy_(stochastic_round(y, torch.bfloat16, random_bits=_optim_bits(random_bits, k, stream, y, seed, offset)))
+    else:
+        dst.copy_(y.to(torch.bfloat16))
+
+
+def _optim_grad(grad, grad_scale, maximize):
+    g = grad.float()
+    if grad_scale is not None:
+        g = g / torch.full_like(g, float(grad_scale.reshape(-1)[0]))
+    return -g if maximize else g
+
+
+def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
+                maximize=False, stochastic_rounding=True, grad_scale=None, found_inf=None, random_bits=None,
+                seed=None, offset=None):
+    """Twin of :func:`adaptive_amp.optim.adamw_step_`.
+
+    Random words: ``random_bits[k]`` (int32, the tensor's size; with bf16
+    moments a tuple (param, exp_avg, exp_avg_sq) of them), or Philox with
+    ``seed`` at ``offset + 3k + s`` as the contract states.
+    """
+    if found_inf is not None and float(found_inf.reshape(-1)[0]) != 0.0:
+        return
+    lr_f, b1, b2, eps_f = _f32(lr), _f32(beta1), _f32(beta2), _f32(eps)
+    lr_wd, omb1, omb2 = _f32(lr * weight_decay), _f32(1.0 - beta1), _f32(1.0 - beta2)
+    for k, (p, grad, m, v, st) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
+        dev = p.device
+        t = int(float(st.reshape(-1)[0]) + 1.0)
+        bc1 = _f32(1.0 - _optim_pow(float(beta1), t)).to(dev)
+        bc2_sqrt = _f32(math.sqrt(1.0 - _optim_pow(float(beta2), t))).to(dev)
+        c = [x.to(dev) for x in (lr_f, b1, b2, eps_f, lr_wd, omb1, omb2)]
+        lr_d, b1_d, b2_d, eps_d, lr_wd_d, omb1_d, omb2_d = c
+        g = _optim_grad(grad, grad_scale, maximize)
+        x = p.float()
+        if weight_decay != 0:
+            x = x - lr_wd_d * x
+        mv = b1_d * m.float() + omb1_d * g
+        vv = b2_d * v.float() + omb2_d * (g * g)
+        step_size = torch.full_like(x, float(lr_f)) / torch.full_like(x, float(bc1))
+        # sqrt in double, rounded once to fp32: the exactly rounded fp32 sqrt
+        # (torch's vectorized fp32 sqrt is within 0.5001 ulp, not exact).
+        denom = torch.sqrt(vv.double()).float() / torch.full_like(vv, float(bc2_sqrt)) + eps_d
+        x = x - (step_size * mv) / denom
+        _optim_store(m, mv, stochastic_rounding, random_bits, k, 1, seed, offset)
+        _optim_store(v, vv, stochastic_rounding, random_bits, k, 2, seed, offset)
+        _optim_store(p, x, stochastic_rounding, random_bits, k, 0, seed, offset)
+
+
+def sgd_step_(params, grads, momentum_buffers, first=(), *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
+              nesterov=False, maximize=False, stochastic_rounding=True, grad_scale=None, found_inf=None,
+              random_bits=None, seed=None, offset=None):
+    """Twin of :func:`adaptive_amp.optim.sgd_step_` (random words as in :func:`adamw_step_`; stream 1 is the
+    momentum buffer)."""
+    if found_inf is not None and float(found_inf.reshape(-1)[0]) != 0.0:
+        return
+    lr_f, mom, omd, wd = _f32(lr), _f32(momentum), _f32(1.0 - dampening), _f32(weight_decay)
+    for k, (p, grad) in enumerate(zip(params, grads)):
+        dev = p.device
+        lr_d, mom_d, omd_d, wd_d = (x.to(dev) for x in (lr_f, mom, omd, wd))
+        g = _optim_grad(grad, grad_scale, maximize)
+        x = p.float()
+        if weight_decay != 0:
+            g = g + wd_d * x
+        if momentum != 0:
+            buf = momentum_buffers[k]
+            b = g if first[k] else mom_d * buf.float() + omd_d * g
+            g = g + mom_d * b if nesterov else b
+            _optim_store(buf, b, stochastic_rounding, random_bits, k, 1, seed, offset)
+        x = x - lr_d * g
+        _optim_store(p, x, stochastic_rounding, random_bits, k, 0, seed, offset)

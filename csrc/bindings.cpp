@@ -10,6 +10,7 @@
 
 #include "core.h"
 #include "dlpack_abi.h"
+#include "optim.h"
 #include "scale_update.h"
 #include "sround.h"
 #include "stats.h"
@@ -336,6 +337,63 @@ void tensor_stats(const std::vector<std::uintptr_t>& ptrs, const std::vector<std
   aamp::tensor_stats(a);
 }
 
+// Fused optimizer step (csrc/optim.h). Each list comes as pointers, element
+// counts and dtype codes; the core compares the counts with params'.
+std::vector<aamp::TensorRef> optim_refs(const std::vector<std::uintptr_t>& ptrs, const std::vector<std::int64_t>& numels,
+                                        const std::vector<int>& dtypes, const char* name) {
+  if (ptrs.size() != dtypes.size() || ptrs.size() != numels.size()) {
+    throw aamp::ArgumentError(std::string(name) + ": pointer, size and dtype lists differ in length");
+  }
+  std::vector<aamp::TensorRef> refs(ptrs.size());
+  for (std::size_t i = 0; i < ptrs.size(); ++i) {
+    refs[i].data = reinterpret_cast<void*>(ptrs[i]);
+    refs[i].numel = numels[i];
+    refs[i].dtype = aamp::dtype_from_code(dtypes[i], aamp::item_name(name, i));
+  }
+  return refs;
+}
+
+void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::vector<std::int64_t>& numels,
+                const std::vector<int>& param_dtypes, const std::vector<std::uintptr_t>& grads,
+                const std::vector<std::int64_t>& grad_numels, const std::vector<int>& grad_dtypes,
+                const std::vector<std::uintptr_t>& exp_avgs, const std::vector<std::int64_t>& exp_avg_numels,
+                const std::vector<int>& exp_avg_dtypes, const std::vector<std::uintptr_t>& exp_avg_sqs,
+                const std::vector<std::int64_t>& exp_avg_sq_numels, const std::vector<int>& exp_avg_sq_dtypes, const std::vector<std::uintptr_t>& steps,
+                const std::vector<bool>& first, double lr, double beta1, double beta2, double eps, double momentum,
+                double dampening, bool nesterov, double weight_decay, bool maximize, bool stochastic_rounding,
+                std::uintptr_t grad_scale, std::uintptr_t found_inf, std::uint64_t seed, std::uint64_t offset,
+                std::uintptr_t seed_offset, int device, std::uintptr_t stream) {
+  aamp::OptimArgs a;
+  if (kind != 0 && kind != 1) throw aamp::ArgumentError("kind: expected 0 (AdamW) or 1 (SGD)");
+  a.kind = static_cast<aamp::OptimKind>(kind);
+  a.params = optim_refs(params, numels, param_dtypes, "params");
+  a.grads = optim_refs(grads, grad_numels, grad_dtypes, "grads");
+  const char* buf_name = kind == 0 ? "exp_avgs" : "momentum_buffers";
+  a.exp_avgs = optim_refs(exp_avgs, exp_avg_numels, exp_avg_dtypes, buf_name);
+  a.exp_avg_sqs = optim_refs(exp_avg_sqs, exp_avg_sq_numels, exp_avg_sq_dtypes, "exp_avg_sqs");
+  for (std::uintptr_t p : steps) a.steps.push_back(as_ptr<float>(p));
+  for (bool f : first) a.first.push_back(f ? 1 : 0);
+  a.lr = lr;
+  a.beta1 = beta1;
+  a.beta2 = beta2;
+  a.eps = eps;
+  a.momentum = momentum;
+  a.dampening = dampening;
+  a.nesterov = nesterov;
+  a.weight_decay = weight_decay;
+  a.maximize = maximize;
+  a.stochastic_rounding = stochastic_rounding;
+  a.grad_scale = as_ptr<const float>(grad_scale);
+  a.found_inf = as_ptr<const float>(found_inf);
+  a.seed = seed;
+  a.offset = offset;
+  a.seed_offset = as_ptr<const std::uint64_t>(seed_offset);
+  a.place.device = device;
+  a.place.stream = stream;
+  py::gil_scoped_release release;
+  aamp::optim_step(a);
+}
+
 std::size_t stats_workspace_bytes(const std::vector<std::int64_t>& numels) {
   std::vector<aamp::TensorRef> refs(numels.size());
   for (std::size_t i = 0; i < numels.size(); ++i) refs[i].numel = numels[i];
@@ -399,6 +457,15 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out_numel"), py::arg("out_dtype"), py::arg("bits"), py::arg("bits_numel"), py::arg("bits_dtype"),
         py::arg("seed"), py::arg("offset"), py::arg("seed_offset"), py::arg("scale"), py::arg("has_scale_value"),
         py::arg("scale_value"), py::arg("saturate"), py::arg("amax"), py::arg("device"), py::arg("stream"));
+
+  m.def("optim_step", &optim_step, py::arg("kind"), py::arg("params"), py::arg("numels"), py::arg("param_dtypes"),
+        py::arg("grads"), py::arg("grad_numels"), py::arg("grad_dtypes"), py::arg("exp_avgs"),
+        py::arg("exp_avg_numels"), py::arg("exp_avg_dtypes"), py::arg("exp_avg_sqs"), py::arg("exp_avg_sq_numels"),
+        py::arg("exp_avg_sq_dtypes"), py::arg("steps"), py::arg("first"), py::arg("lr"),
+        py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("momentum"), py::arg("dampening"),
+        py::arg("nesterov"), py::arg("weight_decay"), py::arg("maximize"), py::arg("stochastic_rounding"),
+        py::arg("grad_scale"), py::arg("found_inf"), py::arg("seed"), py::arg("offset"), py::arg("seed_offset"),
+        py::arg("device"), py::arg("stream"));
 
   m.attr("STATS_CHUNK") = aamp::kStatsChunk;
   {
