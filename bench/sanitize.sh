@@ -1,13 +1,16 @@
 #!/bin/bash
 # Run compute-sanitizer's four tools over bench/sanitize_driver.py, restricted
-# to adaptive_amp's kernels. Usage: bash bench/sanitize.sh [OUTDIR]
+# to adaptive_amp's kernels. Usage: bash bench/sanitize.sh [OUTDIR [TOOL...]]
+# (default: all four tools)
 # Needs a GPU machine whose runtime lets compute-sanitizer attach (not gVisor).
 out=${1:-.}
 here=$(cd "$(dirname "$0")" && pwd)
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 filter="kns=aamp"  # every kernel of ours lives in namespace aamp
 status=0
-for tool in memcheck racecheck initcheck synccheck; do
+tools=("${@:2}")
+[ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck initcheck synccheck)
+for tool in "${tools[@]}"; do
   # initcheck must see every kernel: memory that torch's (unchecked) kernels
   # wrote would otherwise count as never written.
   args=(--tool "$tool" --error-exitcode 3)

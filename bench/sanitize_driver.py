@@ -6,7 +6,9 @@
 Covers: unscale (every mode, fp32-only and mixed lists, unaligned views,
 several launches), the loss-scale update (dynamic and predictive), stochastic
 rounding to every target (aligned, unaligned, with amax), tensor_stats (with
-and without a format, per-tensor scales, long lists).
+and without a format, per-tensor scales, long lists), the fused optimizer
+steps (AdamW and SGD, bf16 and fp32 parameters, fp32 and bf16 moments, an
+unaligned view, a skipped step).
 """
 
 import torch
@@ -60,5 +62,19 @@ for ts in lists[:3] + [mixed(300)]:
     aa.tensor_stats(ts, fmt="float16").to_dict()
     aa.tensor_stats(ts, fmt="float8_e4m3fn", scale=torch.rand(len(ts), device=dev)).to_dict()
 
+from adaptive_amp import optim  # noqa: E402
+
+flat = torch.randn(40003, device=dev).bfloat16()
+params = [torch.nn.Parameter(t) for t in (torch.randn(1000, device=dev).bfloat16(), flat[1:20001],
+                                          torch.randn(333, device=dev), torch.randn(0, device=dev).bfloat16())]
+for make in (lambda ps: optim.AdamW(ps, lr=1e-3), lambda ps: optim.AdamW(ps, moment_dtype=torch.bfloat16),
+             lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)):
+    opt = make(params)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.grad_scale = torch.tensor(2.0, device=dev)
+        opt.found_inf = torch.tensor(float(step == 1), device=dev)  # the second step is skipped
+        opt.step()
 torch.cuda.synchronize()
 print("sanitize driver: done")
