@@ -97,6 +97,8 @@ class AdaptiveMixedPrecision:
             back (None: never, the default).
         layer_types: the module types whose statistics are collected (and
             which can become islands); default: the analyzer's.
+        layer_stats: collect per-layer statistics every ``read_every`` steps
+            (False: only while diagnosing a storm).
         scaler_kwargs: extra GradScaler arguments (mode, hysteresis, ...).
         monitor: a StabilityMonitor to use instead of the default one.
     """
@@ -105,7 +107,8 @@ class AdaptiveMixedPrecision:
                  sample_inputs=None, *, loss_fn=None, capabilities: Optional[Capabilities] = None, overrides=None,
                  adapt: bool = True, read_every: int = 50, storm_rate: float = 0.25, scale_floor: float = 1.0,
                  max_promotions: int = 2, switch_compute: bool = True, demote_after: Optional[int] = None,
-                 layer_types: Sequence[type] = DEFAULT_LAYER_TYPES, scaler_kwargs: Optional[dict] = None,
+                 layer_types: Sequence[type] = DEFAULT_LAYER_TYPES, layer_stats: bool = True,
+                 scaler_kwargs: Optional[dict] = None,
                  monitor: Optional[StabilityMonitor] = None, progress: bool = True):
         if isinstance(optimizer_or_optimizers, torch.optim.Optimizer):
             optimizers = [optimizer_or_optimizers]
@@ -129,6 +132,7 @@ class AdaptiveMixedPrecision:
         self.switch_compute = switch_compute
         self.demote_after = demote_after
         self.layer_types = tuple(layer_types)
+        self.layer_stats = bool(layer_stats)
         self._scaler_kwargs = dict(scaler_kwargs or {})
         self.monitor = monitor or StabilityMonitor(read_every=read_every, overflow_rate=storm_rate,
                                                    scale_floor=scale_floor)
@@ -199,7 +203,9 @@ class AdaptiveMixedPrecision:
         return self._step
 
     def _stats_due(self) -> bool:
-        return self.monitor.stats_due(self._step) or self._step < self._diagnose_until
+        if self._step < self._diagnose_until:
+            return True
+        return self.layer_stats and self.monitor.stats_due(self._step)
 
     @contextlib.contextmanager
     def autocast(self):
