@@ -12,9 +12,12 @@ and optimizer (AdamW, fused on CUDA):
   compute forced to fp16, finds the layer and promotes it to fp32.
 
 For each run: the final loss (fp32 evaluation of held-out batches), the
-mean training loss of the last steps, the step time, the per-step overhead
-of the recipe's scaler/controller (timed against the same loop without it),
-skipped steps and the policy in force at the end. The table is printed and
+mean training loss of the last steps, the wall time per step while training,
+the step time and the per-step overhead of the recipe's scaler/controller
+(the same steps without it) from a round-robin timing phase after training
+(every run timed in turn, several rounds, medians: the host's speed drifts,
+and a small model's step is bound by the host), skipped steps and the policy
+in force at the end. The table is printed and
 written with the adaptive runs' reports (text, JSON, PNG plots when
 matplotlib is installed) under ``--out``.
 """
@@ -52,7 +55,8 @@ class Config:
     max_grad_norm: float = 1.0
     planted: float = 1e6
     read_every: int = 50
-    overhead_steps: int = 30
+    timing_rounds: int = 7  # round-robin rounds of the step-time phase
+    timing_steps: int = 30  # steps per recipe per round
 
     @classmethod
     def for_device(cls, device: str, steps: Optional[int] = None) -> "Config":
@@ -60,7 +64,7 @@ class Config:
             return cls(device, steps or 2000, batch=32, length=64, d_model=128, layers=2)
         # Small enough for 2 CPU cores: all six runs in a few minutes.
         return cls(device, steps or 150, batch=16, length=32, d_model=64, layers=1, read_every=10,
-                   overhead_steps=5)
+                   timing_rounds=3, timing_steps=5)
 
 
 @dataclass
@@ -70,10 +74,11 @@ class RunResult:
     seed: int
     final_loss: float  # fp32 evaluation on held-out batches
     train_loss: float  # mean training loss of the last 10% of steps (NaN if any of them was NaN)
-    step_ms: float
-    overhead_ms: float  # per step, against the same loop without the scaler/controller; NaN for fp32
+    train_ms: float  # wall time per training step, over the training run
     skipped_steps: int
     policy: str
+    step_ms: float = math.nan  # median of the round-robin step-time phase
+    overhead_ms: float = math.nan  # step_ms minus the same steps without the scaler/controller; NaN for fp32
     events: List[dict] = field(default_factory=list)
 
 
@@ -139,6 +144,15 @@ class _Loop:
             self.amp = AdaptiveMixedPrecision(model, opt, policy=policy, sample_inputs=sample[:, :-1],
                                               loss_fn=None, read_every=cfg.read_every, progress=False)
 
+    def enter(self) -> None:
+        """Set the process-wide TF32 switches this recipe trains with (the controller's policy decides
+        for adaptive_amp; fp32 and torch AMP keep torch's default, off), so runs do not leak into
+        each other."""
+        if self.cfg.device == "cuda":
+            tf32 = bool(self.amp.policy.tf32) if self.amp is not None else False
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
+
     def step(self, tokens, *, bare: bool = False) -> torch.Tensor:
         """One training step; `bare` runs the same precision without the scaler/controller."""
         cfg, model, opt = self.cfg, self.model, self.opt
@@ -189,11 +203,12 @@ def _time_steps(loop: _Loop, data, start: int, n: int, bare: bool) -> float:
 
 
 def run(cfg: Config, scenario: str, recipe: str, seed: int, corpus: MarkovCorpus, data, held_out,
-        progress: bool = True, report_dir: Optional[str] = None) -> RunResult:
-    """Train one (scenario, recipe, seed) and measure it."""
+        progress: bool = True, report_dir: Optional[str] = None):
+    """Train one (scenario, recipe, seed) and evaluate it; returns (RunResult, the loop for timing)."""
     model = _model(cfg, corpus, scenario, seed)
     opt = _optimizer(model, cfg)
     loop = _Loop(recipe, model, opt, cfg, corpus, scenario, data[0])
+    loop.enter()
     init_scale = loop.scaler.get_scale() if loop.scaler is not None else math.nan
     warm = min(10, cfg.steps // 10)
     losses, scales = [], []
@@ -208,7 +223,7 @@ def run(cfg: Config, scenario: str, recipe: str, seed: int, corpus: MarkovCorpus
             scales.append(loop.scaler._get_scale_async().detach().clone())
         bar.update()
     _sync(cfg.device)
-    step_ms = (time.perf_counter() - t0) / max(1, cfg.steps - warm) * 1e3
+    train_ms = (time.perf_counter() - t0) / max(1, cfg.steps - warm) * 1e3
     bar.close()
     losses_h = torch.stack(losses).float().cpu().tolist()
     scales_h = torch.stack(scales).float().cpu().tolist() if scales else []
@@ -218,20 +233,42 @@ def run(cfg: Config, scenario: str, recipe: str, seed: int, corpus: MarkovCorpus
         final = statistics.fmean(_lm_loss(model, t, corpus.vocab).item() for t in held_out)
     model.train()
     result = RunResult(scenario, recipe, seed, final_loss=final, train_loss=statistics.fmean(tail),
-                       step_ms=step_ms, overhead_ms=math.nan, skipped_steps=loop.skipped(init_scale, scales_h),
+                       train_ms=train_ms, skipped_steps=loop.skipped(init_scale, scales_h),
                        policy=str(loop.amp.policy) if loop.amp else ("float32" if recipe == "fp32" else
                                                                       "autocast float16 + GradScaler"))
     if loop.amp is not None:
         result.events = [e.to_dict() for e in loop.amp.events]
         if report_dir is not None:
             _save_report(loop.amp, report_dir)
-    if recipe != "fp32" and cfg.overhead_steps:
-        # The same steps with and without the scaler/controller, after training (so both are warm).
-        n = cfg.overhead_steps
-        with_it = _time_steps(loop, data, cfg.steps, n, bare=False)
-        without = _time_steps(loop, data, cfg.steps + n, n, bare=True)
-        result.overhead_ms = with_it - without
-    return result
+    return result, loop
+
+
+def time_round_robin(pairs, cfg: Config, data, progress: bool = True) -> None:
+    """Step times of trained runs, measured in rounds that visit every run in turn.
+
+    A small model's step is bound by the host; the host's speed drifts over
+    minutes, so timing each run during its own training would compare runs
+    made under different conditions. Here every run does ``timing_steps``
+    steps per round, with and without its scaler/controller, for
+    ``timing_rounds`` rounds, and the medians are kept: all runs see the
+    same conditions.
+    """
+    with_it = {id(r): [] for r, _ in pairs}
+    without = {id(r): [] for r, _ in pairs}
+    bar = _bar(cfg.timing_rounds * len(pairs), "step-time rounds", progress)
+    start = cfg.steps
+    for _ in range(cfg.timing_rounds):
+        for result, loop in pairs:
+            loop.enter()
+            with_it[id(result)].append(_time_steps(loop, data, start, cfg.timing_steps, bare=False))
+            if result.recipe != "fp32":
+                without[id(result)].append(_time_steps(loop, data, start, cfg.timing_steps, bare=True))
+            bar.update()
+    bar.close()
+    for result, _ in pairs:
+        result.step_ms = statistics.median(with_it[id(result)])
+        if without[id(result)]:
+            result.overhead_ms = result.step_ms - statistics.median(without[id(result)])
 
 
 def _save_report(amp, directory: str) -> None:
@@ -248,10 +285,10 @@ def _table(results: List[RunResult]) -> str:
     for r in results:
         rows.append({"scenario": r.scenario, "recipe": r.recipe, "seed": r.seed,
                      "final_loss": f"{r.final_loss:.4f}", "train_loss": f"{r.train_loss:.4f}",
-                     "step_ms": f"{r.step_ms:.2f}",
+                     "train_ms": f"{r.train_ms:.2f}", "step_ms": f"{r.step_ms:.2f}",
                      "overhead_ms": "-" if math.isnan(r.overhead_ms) else f"{r.overhead_ms:.3f}",
                      "skipped": r.skipped_steps, "policy": r.policy})
-    return comparison_table(rows, ["scenario", "recipe", "seed", "final_loss", "train_loss", "step_ms",
+    return comparison_table(rows, ["scenario", "recipe", "seed", "final_loss", "train_loss", "train_ms", "step_ms",
                                    "overhead_ms", "skipped", "policy"])
 
 
@@ -280,9 +317,11 @@ def verdicts(results: List[RunResult]) -> List[str]:
         lines.append(f"ordinary: |adaptive - torch AMP| final loss {diff:.4f}, torch AMP run-to-run spread "
                      f"{spread:.4f} over {len(losses)} seeds: "
                      + ("PASS" if within else "FAIL" if within is not None else "n/a (one seed)"))
+        fewer = mean(ours, 'skipped_steps') < mean(torch_amp, 'skipped_steps')
+        none = mean(ours, 'skipped_steps') == 0 == mean(torch_amp, 'skipped_steps')
         lines.append(f"ordinary: skipped steps {mean(ours, 'skipped_steps'):.1f} (adaptive) vs "
                      f"{mean(torch_amp, 'skipped_steps'):.1f} (torch AMP): "
-                     f"{'PASS' if mean(ours, 'skipped_steps') < mean(torch_amp, 'skipped_steps') else 'FAIL'}")
+                     + ("PASS" if fewer else "equal (neither skipped a step)" if none else "FAIL"))
         lines.append(f"ordinary: step time {mean(ours, 'step_ms'):.2f} ms (adaptive) vs "
                      f"{mean(torch_amp, 'step_ms'):.2f} ms (torch AMP): "
                      f"{'PASS' if mean(ours, 'step_ms') < mean(torch_amp, 'step_ms') else 'FAIL'}")
@@ -313,7 +352,7 @@ def main(argv=None) -> int:
 
     corpus = MarkovCorpus(device=device)
     gen = torch.Generator(device=device).manual_seed(1234)
-    data = corpus.batch((cfg.steps + 2 * cfg.overhead_steps) * cfg.batch, cfg.length + 1, gen)
+    data = corpus.batch((cfg.steps + cfg.timing_steps) * cfg.batch, cfg.length + 1, gen)
     data = list(data.split(cfg.batch))
     held_out = list(corpus.batch(8 * cfg.batch, cfg.length + 1, gen).split(cfg.batch))
     print(f"adaptive_amp demo on {device}"
@@ -322,17 +361,23 @@ def main(argv=None) -> int:
             f"tokens; loss floor (entropy rate) {corpus.entropy:.3f}", flush=True)
     results: List[RunResult] = []
     for scenario in scenarios:
+        pairs = []
         for recipe in RECIPES:
             for seed in range(seeds if scenario == "ordinary" and recipe != "fp32" else 1):
                 report_dir = os.path.join(args.out, f"report_{scenario}") if recipe == "adaptive" and seed == 0 else None
-                results.append(run(cfg, scenario, recipe, seed, corpus, data, held_out,
-                                   progress=not args.no_progress, report_dir=report_dir))
-                r = results[-1]
+                r, loop = run(cfg, scenario, recipe, seed, corpus, data, held_out, progress=not args.no_progress,
+                              report_dir=report_dir)
+                pairs.append((r, loop))
                 print(f"  {scenario:8s} {recipe:9s} seed {seed}: final loss {r.final_loss:.4f}, "
-                      f"{r.step_ms:.2f} ms/step, {r.skipped_steps} skipped", flush=True)
+                      f"{r.train_ms:.2f} ms/step while training, {r.skipped_steps} skipped", flush=True)
                 for e in r.events:
                     if e["kind"] in ("promote", "switch_compute", "demote", "diagnose"):
                         print(f"      step {e['step']}: {e['kind']}: {e['message']}", flush=True)
+        time_round_robin(pairs, cfg, data, progress=not args.no_progress)
+        for r, loop in pairs:
+            if loop.amp is not None:
+                loop.amp.remove()
+        results.extend(r for r, _ in pairs)
     table = _table(results)
     checks = verdicts(results)
     print()
