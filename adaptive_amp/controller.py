@@ -138,6 +138,7 @@ class AdaptiveMixedPrecision:
                                                    scale_floor=scale_floor)
 
         self.policy = self._resolve_policy(policy, sample_inputs, loss_fn, overrides, progress)
+        self._check_param_dtype(self.policy)
         self.adjuster = DynamicPrecisionAdjuster(model, self.policy)
         self.scaler = self._make_scaler(self.policy)
         self._tf32_before = self._apply_tf32(self.policy.tf32)
@@ -168,6 +169,28 @@ class AdaptiveMixedPrecision:
             self.analysis = PrecisionAnalyzer(layer_types=self.layer_types, progress=progress).analyze(
                 self.model, sample_inputs, loss_fn)
         return AdaptivePrecisionSelector().select(self.model, self.capabilities, self.analysis, overrides)
+
+    def _check_param_dtype(self, policy: PrecisionPolicy) -> None:
+        """bf16 parameters ("bf16-pure"): cast the model, and insist on optimizers that round stochastically."""
+        if policy.param_dtype == torch.float32:
+            return
+        if policy.param_dtype != torch.bfloat16:
+            raise ValueError(f"policy params={dtype_name(policy.param_dtype)}: parameters are kept in float32 or, "
+                             "with stochastic rounding (policy 'bf16-pure'), in bfloat16")
+        if policy.islands:
+            raise ValueError("policy 'bf16-pure' cannot have fp32 islands: an island computes in float32 and "
+                             "its weights would be bfloat16; use params=float32 for islands")
+        from . import optim
+
+        for opt in self.optimizers:
+            if not isinstance(opt, (optim.AdamW, optim.SGD)) or not all(
+                    g.get("stochastic_rounding", False) for g in opt.param_groups):
+                raise TypeError(f"policy 'bf16-pure' keeps the weights in bfloat16, so its optimizer must round "
+                                f"updates stochastically (round to nearest drops every update below half an ulp); "
+                                f"got {type(opt).__module__}.{type(opt).__name__}. Use adaptive_amp.optim.AdamW "
+                                "or adaptive_amp.optim.SGD (stochastic_rounding=True), created on the model's "
+                                "parameters")
+        self.model.to(torch.bfloat16)  # in place: the optimizers keep the same Parameter objects
 
     def _make_scaler(self, policy: PrecisionPolicy) -> GradScaler:
         kwargs = dict(self._scaler_kwargs)
@@ -440,6 +463,10 @@ class AdaptiveMixedPrecision:
         if missing:
             raise ValueError(f"AdaptiveMixedPrecision.load_state_dict: missing entries {missing}")
         policy = PrecisionPolicy.from_dict(state["policy"])
+        if policy.param_dtype != self.policy.param_dtype:
+            raise ValueError(f"AdaptiveMixedPrecision.load_state_dict: the saved policy keeps parameters in "
+                             f"{dtype_name(policy.param_dtype)}, this one in {dtype_name(self.policy.param_dtype)}; "
+                             "create the controller with the saved policy")
         scaler = self._make_scaler(policy)
         if bool(state["scaler_enabled"]) != scaler.is_enabled():
             raise ValueError("AdaptiveMixedPrecision.load_state_dict: the saved scaler's enabled state does not "

@@ -225,11 +225,20 @@ _KEYS = {"params": "param_dtype", "p": "param_dtype", "param_dtype": "param_dtyp
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
+#: Named policies. "bf16-pure": weights, gradients and compute all in bf16, no fp32 master copy (half the
+#: parameter memory); it needs an optimizer that rounds its updates stochastically (adaptive_amp.optim),
+#: since round-to-nearest drops every update below half a bf16 ulp.
+PRESETS = {"bf16-pure": {"param_dtype": torch.bfloat16, "compute_dtype": torch.bfloat16},
+           "pure-bf16": {"param_dtype": torch.bfloat16, "compute_dtype": torch.bfloat16}}
+
+
 def parse_policy_fields(s: str) -> dict:
     """The PrecisionPolicy fields a (possibly partial) policy string sets, by field name."""
     text = s.replace(" ", "").replace("\t", "")
     if not text:
         raise ValueError("policy string is empty")
+    if text.lower() in PRESETS:
+        return dict(PRESETS[text.lower()])
     if "=" not in text:  # jmp's shorthand: one dtype for everything
         dtype = parse_dtype(text, f"policy {s!r}: field 'params'")
         return {"param_dtype": dtype, "compute_dtype": dtype}

@@ -259,3 +259,31 @@ def test_policy_arguments():
         AdaptiveMixedPrecision(model, opt, policy=FP16, storm_rate=0)
     with pytest.raises(ValueError, match="islands"):
         AdaptiveMixedPrecision(model, opt, policy="params=float32,compute=float16,islands=missing")
+
+
+def test_bf16_pure_policy_casts_the_model_and_needs_a_stochastic_rounding_optimizer():
+    from adaptive_amp import optim
+
+    torch.manual_seed(0)
+    model = Planted(amplify=1.0)
+    with pytest.raises(TypeError, match="adaptive_amp.optim.AdamW"):
+        AdaptiveMixedPrecision(model, torch.optim.AdamW(model.parameters()), policy="bf16-pure")
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused: nothing changed
+    opt = optim.AdamW(model.parameters(), lr=3e-3)
+    amp = AdaptiveMixedPrecision(model, opt, policy="bf16-pure", capabilities=CPU_BF16)
+    assert amp.policy == PrecisionPolicy.from_string("params=bfloat16,compute=bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters()) and not amp.scaler.is_enabled()
+    x, y = regression(4096)
+    first = last = None
+    for i in range(150):
+        b = slice((i * 64) % 4096, (i * 64) % 4096 + 64)
+        with amp.autocast():
+            loss = nn.functional.mse_loss(model(x[b]).float(), y[b])
+        amp.backward(loss)
+        amp.step()
+        amp.zero_grad()
+        first = loss.item() if first is None else first
+        last = loss.item()
+    assert last < 0.3 * first
+    with pytest.raises(ValueError, match="islands"):
+        AdaptiveMixedPrecision(model, opt, policy="params=bfloat16,compute=bfloat16,islands=inp")

@@ -328,3 +328,10 @@ def test_detect_real_gpu():
     if not torch.version.hip:
         assert caps.fp16 == (sm >= (7, 0)) and caps.bf16 == (sm >= (8, 0)) and caps.fp8 == (sm >= (8, 9))
     assert HardwareDetector().detect().device_type == "cuda"
+
+
+@pytest.mark.parametrize("name", ["bf16-pure", "pure-bf16", " BF16-Pure "])
+def test_bf16_pure_preset(name):
+    p = PrecisionPolicy.from_string(name)
+    assert p.param_dtype == torch.bfloat16 and p.compute_dtype == torch.bfloat16 and p.loss_scale is None
+    assert PrecisionPolicy.from_string(str(p)) == p
