@@ -176,8 +176,9 @@ def main(argv=None) -> int:
     analyze.add_argument("--device", help="default: cuda when available, else cpu")
     analyze.add_argument("--json", metavar="PATH", help="also write the analysis as JSON")
     analyze.add_argument("--candidates", help="formats, comma-separated (default float16,bfloat16,float8_e4m3fn)")
-    analyze.add_argument("--threshold", type=float, default=0.02,
-                         help="model-output relative error above which a layer is risky (default 0.02)")
+    analyze.add_argument("--threshold", type=float, default=None,
+                         help="model-output relative error above which a layer is risky, for every format "
+                              "(default: 0.02 for fp16/bf16, 0.1 for e4m3, 0.2 for e5m2)")
     analyze.add_argument("--fp8-margin", type=int, default=0, help="fp8 scaling margin in powers of two")
     analyze.add_argument("--batch", type=int, default=8, help="demo model: sequences in the sample batch")
     analyze.add_argument("--length", type=int, default=64, help="demo model: tokens per sequence")

@@ -47,9 +47,12 @@ from .stats import format_name
 DEFAULT_CANDIDATES = (torch.float16, torch.bfloat16, "float8_e4m3fn")
 DEFAULT_LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.MultiheadAttention)
 #: Relative L2 error of the model's output above which a layer is risky in a format. bf16 rounds
-#: with a relative step of 2**-8, so an ordinary layer in bf16 stays well below this; a layer that
-#: loses several bits of its result (cancellation, tiny values) goes above it.
-DEFAULT_ERROR_THRESHOLD = 0.02
+#: with a relative step of 2**-8, so an ordinary layer in bf16 stays well below 0.02; a layer that
+#: loses several bits of its result (cancellation, tiny values) goes above it. Scaled fp8 keeps 3
+#: (e4m3) or 2 (e5m2) mantissa bits, so an ordinary layer's own error is a few percent there: its
+#: thresholds are wider, else every layer would be flagged.
+DEFAULT_ERROR_THRESHOLDS = {"float16": 0.02, "bfloat16": 0.02, "float8_e4m3fn": 0.1, "float8_e5m2": 0.2}
+DEFAULT_ERROR_THRESHOLD = DEFAULT_ERROR_THRESHOLDS["bfloat16"]
 #: Formats simulated with per-tensor scaling (see the module docstring).
 SCALED_FORMATS = ("float8_e4m3fn", "float8_e5m2")
 
@@ -83,7 +86,7 @@ class PrecisionAnalysis:
     """The results of :meth:`PrecisionAnalyzer.analyze`."""
 
     results: List[LayerPrecision]
-    error_threshold: float
+    error_threshold: Dict[str, float]  # format -> model-output error above which a layer is risky
     candidates: Tuple[str, ...]
     grad_amax: Optional[float] = None  # largest |gradient| of the model's parameters (with loss_fn)
     skipped: Dict[str, str] = field(default_factory=dict)  # layer -> why it was not analyzed
@@ -94,6 +97,12 @@ class PrecisionAnalysis:
             if r.name == name and r.dtype == fmt:
                 return r
         raise KeyError(f"no result for layer {name!r} in {fmt}")
+
+    def threshold(self, dtype) -> float:
+        """The model-output error above which a layer is risky in `dtype`."""
+        fmt = format_name(dtype)
+        t = self.error_threshold
+        return float(t) if isinstance(t, (int, float)) else float(t.get(fmt, DEFAULT_ERROR_THRESHOLD))
 
     def risky_layers(self, dtype) -> List[Tuple[str, str]]:
         """(layer, reason) for the layers that overflow in `dtype` or whose model-output error is above
@@ -107,8 +116,8 @@ class PrecisionAnalysis:
             elif r.overflow:
                 reasons.append(f"overflow: activation amax {r.amax:.3g} vs {fmt} max {r.format_max:.3g}"
                                + ("" if math.isfinite(r.layer_error) else ", non-finite output"))
-            if not r.model_error <= self.error_threshold:  # also catches NaN
-                reasons.append(f"model output error {r.model_error:.3g} > {self.error_threshold:g}")
+            if not r.model_error <= self.threshold(fmt):  # also catches NaN
+                reasons.append(f"model output error {r.model_error:.3g} > {self.threshold(fmt):g}")
             if reasons:
                 risky.append((r.name, "; ".join(reasons)))
         return risky
@@ -127,7 +136,7 @@ class PrecisionAnalysis:
         widths = [max([len(c)] + [len(row[j]) for row in cells]) for j, c in enumerate(cols)]
         left = {"layer", "type", "dtype"}
         lines = [f"precision analysis: {len({r.name for r in rows})} layer(s), formats {', '.join(self.candidates)}, "
-                 f"model-error threshold {self.error_threshold:g}"
+                 f"model-error thresholds {', '.join(f'{self.threshold(c):g} ({c})' for c in self.candidates)}"
                  + (f", grad amax {self.grad_amax:.3g}" if self.grad_amax is not None else "")]
         for row in [cols] + cells:
             lines.append("  ".join(v.ljust(w) if c in left else v.rjust(w) for v, c, w in zip(row, cols, widths)))
@@ -137,7 +146,7 @@ class PrecisionAnalysis:
 
     def to_dict(self) -> dict:
         return {
-            "error_threshold": self.error_threshold,
+            "error_threshold": {c: self.threshold(c) for c in self.candidates},
             "candidates": list(self.candidates),
             "grad_amax": self.grad_amax if self.grad_amax is None or math.isfinite(self.grad_amax) else None,
             "skipped": dict(self.skipped),
@@ -279,7 +288,9 @@ class PrecisionAnalyzer:
             ``"bfloat16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``).
         layer_types: the module types to analyze (subclasses count).
         error_threshold: relative L2 error of the model's output above which
-            a layer is risky in a format.
+            a layer is risky: one number for every format, a dict by format
+            name, or None for DEFAULT_ERROR_THRESHOLDS (0.02 for fp16 and
+            bf16, 0.1 for e4m3, 0.2 for e5m2).
         progress: show a tqdm progress bar when tqdm is installed.
         fp8_margin: fp8 scales are ``fp8_max / amax * 2**-fp8_margin``
             (TransformerEngine's ``margin``): headroom for values larger than
@@ -287,12 +298,19 @@ class PrecisionAnalyzer:
     """
 
     def __init__(self, candidates: Sequence = DEFAULT_CANDIDATES, layer_types: Sequence[type] = DEFAULT_LAYER_TYPES,
-                 error_threshold: float = DEFAULT_ERROR_THRESHOLD, progress: bool = True, fp8_margin: int = 0):
+                 error_threshold=None, progress: bool = True, fp8_margin: int = 0):
         self.candidates = tuple(format_name(c) for c in candidates)
         self.layer_types = tuple(layer_types)
-        if not error_threshold > 0:
-            raise ValueError(f"error_threshold is {error_threshold}; pass a positive relative error")
-        self.error_threshold = float(error_threshold)
+        if error_threshold is None:
+            thresholds = dict(DEFAULT_ERROR_THRESHOLDS)
+        elif isinstance(error_threshold, dict):
+            thresholds = {**DEFAULT_ERROR_THRESHOLDS, **{format_name(k): v for k, v in error_threshold.items()}}
+        else:
+            thresholds = {fmt: error_threshold for fmt in DEFAULT_ERROR_THRESHOLDS}
+        for fmt, t in thresholds.items():
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+                raise ValueError(f"error_threshold for {fmt} is {t!r}; pass a positive relative error")
+        self.error_threshold = {fmt: float(t) for fmt, t in thresholds.items()}
         self.progress = progress
         if isinstance(fp8_margin, bool) or not isinstance(fp8_margin, int) or fp8_margin < 0:
             raise ValueError(f"fp8_margin is {fp8_margin!r}; pass an int >= 0 (a power-of-two headroom)")

@@ -234,9 +234,9 @@ class TrainingReport:
     def _sensitivity_lines(self) -> List[str]:
         layers = self.sensitive_layers()
         total = len(self.sensitive_layers(limit=None))
-        threshold = self.analysis.get("error_threshold")
+        threshold = _thresholds_text(self.analysis.get("error_threshold"))
         head = "most sensitive layers (relative model-output error"
-        head += f"; risky above {_fmt(threshold)} or on overflow)" if threshold is not None else ")"
+        head += f"; risky above {threshold} or on overflow)" if threshold else ")"
         if not layers:
             return [head + ": the analysis has no results"]
         dtypes = list(self.analysis.get("candidates") or
@@ -378,9 +378,14 @@ class TrainingReport:
                 bar.set_hatch(hatch)
             legend.append(Patch(facecolor=color, label=dtype))
         threshold = self.analysis.get("error_threshold")
-        if threshold:
-            ax.axhline(threshold, color="red", linestyle="--", linewidth=1)
-            legend.append(Line2D([], [], color="red", linestyle="--", label=f"risky above {threshold:g}"))
+        by_value = {}
+        for fmt, t in (threshold.items() if isinstance(threshold, dict) else [("", threshold)] if threshold else []):
+            if not dtypes or not fmt or fmt in dtypes:
+                by_value.setdefault(float(t), []).append(fmt)
+        for t, fmts in sorted(by_value.items()):
+            ax.axhline(t, color="red", linestyle="--", linewidth=1)
+            label = f"risky above {t:g}" + (f" ({', '.join(f for f in fmts if f)})" if any(fmts) else "")
+            legend.append(Line2D([], [], color="red", linestyle="--", label=label))
         ax.set_yscale("log")
         ax.set_xticks(range(len(layers)))
         ax.set_xticklabels([e["name"] or "(model)" for e in layers], rotation=60, ha="right", fontsize=7)
@@ -653,6 +658,20 @@ def _legend_line(label: str):
     from matplotlib.lines import Line2D
 
     return Line2D([], [], color="black", linestyle="--", linewidth=1, label=label)
+
+
+def _thresholds_text(threshold) -> str:
+    """An analysis' error threshold(s) as text: one number, or "0.02 (float16, bfloat16), 0.1 (...)"."""
+    if threshold is None:
+        return ""
+    if not isinstance(threshold, dict):
+        return _fmt(threshold)
+    by_value = {}
+    for fmt, t in threshold.items():
+        by_value.setdefault(float(t), []).append(fmt)
+    if len(by_value) == 1:
+        return _fmt(next(iter(by_value)))
+    return ", ".join(f"{_fmt(t)} ({', '.join(fmts)})" for t, fmts in sorted(by_value.items()))
 
 
 def _save(fig, path: str) -> None:

@@ -355,3 +355,21 @@ def test_tinylm_analysis_runs_and_restores_modes():
     assert all(m.training for m in model.modules())
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
     assert analysis.risky_layers(torch.bfloat16) == []
+
+
+def test_error_thresholds_per_format():
+    from adaptive_amp.analysis import DEFAULT_ERROR_THRESHOLDS
+
+    assert PrecisionAnalyzer().error_threshold == DEFAULT_ERROR_THRESHOLDS
+    assert DEFAULT_ERROR_THRESHOLDS["float8_e4m3fn"] > DEFAULT_ERROR_THRESHOLDS["bfloat16"]
+    one = PrecisionAnalyzer(error_threshold=0.3).error_threshold
+    assert set(one.values()) == {0.3}
+    mixed = PrecisionAnalyzer(error_threshold={torch.bfloat16: 0.05}).error_threshold
+    assert mixed["bfloat16"] == 0.05 and mixed["float16"] == DEFAULT_ERROR_THRESHOLDS["float16"]
+    for bad in (0, -1.0, {"float16": 0}, {"float16": "x"}):
+        with pytest.raises(ValueError, match="error_threshold"):
+            PrecisionAnalyzer(error_threshold=bad)
+    analysis = PrecisionAnalyzer(candidates=("float16", "float8_e4m3fn"), progress=False).analyze(
+        Net(), torch.randn(4, 8))
+    assert analysis.threshold("float8_e4m3fn") == DEFAULT_ERROR_THRESHOLDS["float8_e4m3fn"]
+    assert analysis.to_dict()["error_threshold"] == {"float16": 0.02, "float8_e4m3fn": 0.1}

@@ -79,7 +79,7 @@ def test_analyze_options(capsys):
     assert main(["analyze", "--model", "test_cli:tiny_model_no_loss", "--candidates", "bfloat16",
                  "--threshold", "0.5", "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "formats bfloat16, model-error threshold 0.5\n" in out and "grad amax" not in out
+    assert "formats bfloat16, model-error thresholds 0.5 (bfloat16)\n" in out and "grad amax" not in out
 
 
 def test_analyze_demo_model(capsys):
