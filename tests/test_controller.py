@@ -287,3 +287,38 @@ def test_bf16_pure_policy_casts_the_model_and_needs_a_stochastic_rounding_optimi
     assert last < 0.3 * first
     with pytest.raises(ValueError, match="islands"):
         AdaptiveMixedPrecision(model, opt, policy="params=bfloat16,compute=bfloat16,islands=inp")
+
+
+def test_bf16_pure_resume_with_the_generator_state_continues_bitwise():
+    """Stochastic rounding draws from the default generator: a checkpoint that keeps its state (as one
+    must for dropout too) resumes bitwise."""
+    from adaptive_amp import optim
+
+    def run(split):
+        torch.manual_seed(0)
+        model = Planted(amplify=1.0)
+        opt = optim.AdamW(model.parameters(), lr=3e-3)
+        amp = AdaptiveMixedPrecision(model, opt, policy="bf16-pure", capabilities=CPU_BF16, read_every=7)
+        x, y = regression(1024)
+        for i in range(30):
+            if i == split:
+                saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                                       "amp": amp.state_dict(), "rng": torch.get_rng_state()})
+                torch.manual_seed(99)  # whatever happened in between
+                model = Planted(amplify=1.0)
+                opt = optim.AdamW(model.parameters(), lr=3e-3)
+                amp = AdaptiveMixedPrecision(model, opt, policy="bf16-pure", capabilities=CPU_BF16, read_every=7)
+                model.load_state_dict(saved["model"])
+                opt.load_state_dict(saved["opt"])
+                amp.load_state_dict(saved["amp"])
+                torch.set_rng_state(saved["rng"])
+            b = slice((i * 64) % 1024, (i * 64) % 1024 + 64)
+            with amp.autocast():
+                loss = nn.functional.mse_loss(model(x[b]).float(), y[b])
+            amp.backward(loss)
+            amp.step()
+            amp.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for p, q in zip(run(None), run(13)):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, q)
