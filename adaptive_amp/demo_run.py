@@ -3,8 +3,8 @@
 Two scenarios, each trained under three recipes with the same data, seed
 and optimizer (AdamW, fused on CUDA):
 
-* ``ordinary``: TinyLM as it is. fp32; torch AMP (autocast fp16 +
-  torch.amp.GradScaler, clipping after ``unscale_``); adaptive_amp with
+* ``ordinary``: TinyLM as it is. fp32; torch AMP (autocast fp16 on CUDA,
+  bf16 on the CPU, + torch.amp.GradScaler, clipping after ``unscale_``); adaptive_amp with
   ``policy="auto"`` (hardware detection and a sensitivity analysis of a
   sample batch pick the policy).
 * ``planted``: TinyLM with an input projection whose fp16 outputs overflow.
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .demo import MarkovCorpus, TinyLM
+from .policy import dtype_name
 
 RECIPES = ("fp32", "torch_amp", "adaptive")
 FORCED_FP16 = "params=float32,compute=float16,loss_scale=dynamic:65536"
@@ -63,7 +64,7 @@ class Config:
         if device == "cuda":
             return cls(device, steps or 2000, batch=32, length=64, d_model=128, layers=2)
         # Small enough for 2 CPU cores: all six runs in a few minutes.
-        return cls(device, steps or 150, batch=16, length=32, d_model=64, layers=1, read_every=10,
+        return cls(device, steps or 200, batch=16, length=32, d_model=64, layers=1, read_every=10,
                    timing_rounds=3, timing_steps=5)
 
 
@@ -137,6 +138,9 @@ class _Loop:
         self.amp = self.scaler = None
         if recipe == "torch_amp":
             self.scaler = torch.amp.GradScaler(cfg.device)
+            # torch AMP's usual dtype: fp16 on CUDA; bf16 on the CPU, where fp16 matmuls are emulated and slow
+            # (the planted scenario is about fp16 overflow, so it uses fp16 everywhere).
+            self.dtype = torch.float16 if cfg.device == "cuda" or scenario == "planted" else torch.bfloat16
         elif recipe == "adaptive":
             from .controller import AdaptiveMixedPrecision
 
@@ -162,7 +166,7 @@ class _Loop:
             nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             opt.step()
         elif self.recipe == "torch_amp" or bare:
-            dtype = torch.float16 if self.recipe == "torch_amp" else self.amp.policy.compute_dtype
+            dtype = self.dtype if self.recipe == "torch_amp" else self.amp.policy.compute_dtype
             with torch.autocast(cfg.device, dtype=dtype, enabled=dtype != torch.float32):
                 loss = _lm_loss(model, tokens, self.vocab)
             if bare:
@@ -235,7 +239,7 @@ def run(cfg: Config, scenario: str, recipe: str, seed: int, corpus: MarkovCorpus
     result = RunResult(scenario, recipe, seed, final_loss=final, train_loss=statistics.fmean(tail),
                        train_ms=train_ms, skipped_steps=loop.skipped(init_scale, scales_h),
                        policy=str(loop.amp.policy) if loop.amp else ("float32" if recipe == "fp32" else
-                                                                      "autocast float16 + GradScaler"))
+                                                                      f"autocast {dtype_name(loop.dtype)} + GradScaler"))
     if loop.amp is not None:
         result.events = [e.to_dict() for e in loop.amp.events]
         if report_dir is not None:
@@ -253,6 +257,8 @@ def time_round_robin(pairs, cfg: Config, data, progress: bool = True) -> None:
     ``timing_rounds`` rounds, and the medians are kept: all runs see the
     same conditions.
     """
+    if cfg.timing_rounds == 0:
+        return
     with_it = {id(r): [] for r, _ in pairs}
     without = {id(r): [] for r, _ in pairs}
     bar = _bar(cfg.timing_rounds * len(pairs), "step-time rounds", progress)
@@ -332,17 +338,23 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m adaptive_amp demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="default: cuda when a GPU is available, else cpu (a smaller configuration)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 2000 GPU, 150 CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 2000 GPU, 200 CPU)")
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds per recipe of the ordinary scenario (run-to-run spread; default 3 GPU, 1 CPU)")
     parser.add_argument("--scenarios", default="ordinary,planted", help="comma-separated: ordinary, planted")
     parser.add_argument("--out", default="adaptive_amp_demo", help="directory for the table, JSON and reports")
+    parser.add_argument("--timing-rounds", type=int, default=None,
+                        help="rounds of the round-robin step-time phase (default 7 GPU, 3 CPU; 0 skips it)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU; use --device cpu")
     cfg = Config.for_device(device, args.steps)
+    if args.timing_rounds is not None:
+        if args.timing_rounds < 0:
+            parser.error("--timing-rounds must be >= 0")
+        cfg.timing_rounds = args.timing_rounds
     seeds = args.seeds or (3 if device == "cuda" else 1)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     for s in scenarios:
