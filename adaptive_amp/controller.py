@@ -193,13 +193,12 @@ class AdaptiveMixedPrecision:
         self.model.to(torch.bfloat16)  # in place: the optimizers keep the same Parameter objects
 
     def _make_scaler(self, policy: PrecisionPolicy) -> GradScaler:
-        kwargs = dict(self._scaler_kwargs)
-        if policy.loss_scale is not None:
-            kwargs = {**policy.loss_scale.grad_scaler_kwargs(), **kwargs}
-        else:
-            kwargs = {}
-        device = self.device.type
-        return GradScaler(device, enabled=policy.loss_scale is not None and device in ("cuda", "cpu"), **kwargs)
+        """The policy's GradScaler (scaler_kwargs win over the policy's settings); a disabled one when the
+        policy needs no loss scaling, so that the step code is the same either way."""
+        if policy.loss_scale is None:
+            return GradScaler(self.device.type, enabled=False)
+        kwargs = {**policy.loss_scale.grad_scaler_kwargs(), **self._scaler_kwargs}
+        return GradScaler(self.device.type, **kwargs)
 
     def _apply_tf32(self, on: bool):
         if self.device.type != "cuda":
