@@ -267,6 +267,7 @@ def test_views_with_storage_offsets(device):
     (lambda L: L[0].__setitem__(0, torch.zeros(37, dtype=torch.float16)), TypeError, r"params\[0\]"),
     (lambda L: L[0].__setitem__(1, torch.zeros(9, 5).t()), ValueError, r"params\[1\]"),
     (lambda L: L[4].pop(), ValueError, r"steps"),
+    (lambda L: L[3].__setitem__(0, L[3][0].bfloat16()), TypeError, r"exp_avg_sqs\[0\].*exp_avgs\[0\]"),
 ])
 def test_bad_inputs_name_argument_and_change_nothing(mutate, err, match):
     lists = _lists([(37,), (5, 9)], torch.bfloat16, torch.float32)
