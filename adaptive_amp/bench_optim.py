@@ -1,8 +1,8 @@
 """The fused-optimizer suite of ``python -m adaptive_amp bench --suites optim``.
 
-One optimizer step over the GPT-2-small parameter set (148 tensors, 124M
-parameters; 2.7 GB or more of traffic, far beyond L2), timed in one run with
-CUDA events (medians after warm-up):
+One optimizer step (``opt.step()``, gradients already in place) over the
+GPT-2-small parameter set (148 tensors, 124M parameters; 1.7 GB or more of
+traffic per step, far beyond L2), side by side in one run:
 
 * ours: ``adaptive_amp.optim.AdamW`` on bf16 params with fp32 moments (and
   with bf16 moments), stochastic rounding; ``adaptive_amp.optim.SGD`` with
@@ -14,12 +14,32 @@ CUDA events (medians after warm-up):
   ``torch.randint`` to the fp32 pattern and truncating);
 * the device copy ceiling measured in the same run.
 
+Each row reports three times per step, medians over ``reps`` rounds of
+``n`` back-to-back steps (after warm-up):
+
+* ``wall_ms``, pipelined wall time: ``synchronize``; host clock; ``n``
+  steps; ``synchronize``; host clock; divided by ``n``. What a training loop
+  sees: the host enqueues step k+1 while the GPU runs step k, so a step
+  costs max(host, GPU) plus what does not overlap. The 1.1x target of
+  issue 8 is judged on this number.
+* ``gpu_ms``, device time with the host hidden: a ``torch.cuda._sleep``
+  long enough to cover the host's enqueueing is put on the stream first,
+  then CUDA events around the ``n`` steps; the GPU runs them back to back
+  from a full queue, so the events measure kernels and the gaps between
+  them only. GB/s and the fraction of the copy ceiling come from this.
+* ``host_ms``: host clock around the same ``n`` ``step()`` calls while the
+  GPU is still asleep (Python, validation, launch overhead; no waiting).
+
 GB/s counts the bytes each step must move (below), and "B/param" the memory
 of parameter + optimizer state per parameter, without / with the gradient.
+The pure-torch row runs fewer steps per round (it launches thousands of
+kernels per step, more than the launch queue holds behind the sleep).
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass
 from typing import List
 
@@ -44,7 +64,12 @@ class OptimRow(Row):
     kind: str = ""
     bytes_per_param: int = 0
     bytes_per_param_with_grad: int = 0
-    ratio_to_torch: float = 0.0
+    ratio_to_torch: float = 0.0  # pipelined wall time over torch's (the issue-8 target)
+    gpu_ms: float = 0.0
+    host_ms: float = 0.0
+    wall_ms: float = 0.0
+    gpu_ratio_to_torch: float = 0.0
+    steps_per_round: int = 0
 
 
 def _params(device, dtype, gen):
@@ -83,63 +108,113 @@ def _torch_sr_adamw(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=
     return step
 
 
-def optim_gpu(device="cuda", warmup=5, reps=30, progress=print) -> List[OptimRow]:
+def _cycles_per_ms(device) -> float:
+    """GPU clock cycles per millisecond of torch.cuda._sleep, measured (the clock varies)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    torch.cuda._sleep(20_000_000)
+    end.record()
+    end.synchronize()
+    return 20_000_000 / start.elapsed_time(end)
+
+
+def time_steps(step, device, *, n=20, warmup=3, reps=10, cycles_per_ms=None):
+    """(gpu_ms, wall_ms, host_ms) per step of ``step()``; see the module docstring."""
+    cycles_per_ms = cycles_per_ms or _cycles_per_ms(device)
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    gpu, wall, host = [], [], []
+    for _ in range(reps):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        wall.append(wall_ms / n)
+        # Asleep for twice the whole pipelined run: the host is done enqueueing long before the GPU wakes.
+        torch.cuda._sleep(int(max(2.0 * wall_ms, 1.0) * cycles_per_ms))
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        host.append((time.perf_counter() - t0) * 1e3 / n)
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end) / n)
+    return statistics.median(gpu), statistics.median(wall), statistics.median(host)
+
+
+def optim_gpu(device="cuda", warmup=3, reps=10, n=20, progress=print) -> List[OptimRow]:
     from . import optim
 
-    device, timer = _gpu_setup(device, warmup, reps)
+    device, timer = _gpu_setup(device, 5, 30)
     numel = sum(torch.Size(s).numel() for s in gpt2_small_shapes())
     copy_gbps, _ = _ceilings(device, timer)
+    cycles = _cycles_per_ms(device)
     gen = torch.Generator(device=device).manual_seed(0)
     rows: List[OptimRow] = []
 
-    def add(name, kind, ms):
+    def add(name, kind, times, steps):
+        gpu_ms, wall_ms, host_ms = times
         moved = _MOVED[kind] * numel
-        gbps = moved / ms / 1e6
+        gbps = moved / gpu_ms / 1e6
         mem = _MEMORY[kind]
-        rows.append(OptimRow("optim", name, "eager", ms, moved, gbps, gbps / copy_gbps, kind, mem[0], mem[1]))
-        progress(f"optim: {name}: {ms:.3f} ms")
+        rows.append(OptimRow("optim", name, "eager", wall_ms, moved, gbps, gbps / copy_gbps, kind, mem[0], mem[1],
+                             gpu_ms=gpu_ms, host_ms=host_ms, wall_ms=wall_ms, steps_per_round=steps))
+        progress(f"optim: {name}: GPU {gpu_ms:.3f} ms, wall {wall_ms:.3f} ms, host {host_ms:.3f} ms per step")
 
-    def time_opt(make, dtype):
+    def time_opt(make, dtype, steps=n):
         ps = _params(device, dtype, gen)
         opt = make(ps)
-        ms = timer.eager(lambda i: opt.step())
+        times = time_steps(opt.step, device, n=steps, warmup=warmup, reps=reps, cycles_per_ms=cycles)
         del opt, ps
         torch.cuda.empty_cache()
-        return ms
+        return times
 
     add("torch.optim.AdamW(fused=True) fp32", "adamw_fp32",
-        time_opt(lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), torch.float32))
+        time_opt(lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), torch.float32), n)
     add("adaptive_amp.optim.AdamW bf16, fp32 moments, SR", "adamw_bf16_m32",
-        time_opt(lambda ps: optim.AdamW(ps, lr=1e-3), torch.bfloat16))
+        time_opt(lambda ps: optim.AdamW(ps, lr=1e-3), torch.bfloat16), n)
     add("adaptive_amp.optim.AdamW bf16, bf16 moments, SR", "adamw_bf16_m16",
-        time_opt(lambda ps: optim.AdamW(ps, lr=1e-3, moment_dtype=torch.bfloat16), torch.bfloat16))
+        time_opt(lambda ps: optim.AdamW(ps, lr=1e-3, moment_dtype=torch.bfloat16), torch.bfloat16), n)
     ps = _params(device, torch.bfloat16, gen)
-    add("pure-torch SR AdamW bf16 (foreach + randint)", "adamw_bf16_m32", timer.eager(lambda i, s=_torch_sr_adamw(ps): s()))
+    add("pure-torch SR AdamW bf16 (foreach + randint)", "adamw_bf16_m32",
+        time_steps(_torch_sr_adamw(ps), device, n=2, warmup=2, reps=max(3, reps // 2), cycles_per_ms=cycles), 2)
     del ps
     torch.cuda.empty_cache()
     add("torch.optim.SGD(momentum=0.9, fused=True) fp32", "sgd_fp32",
-        time_opt(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True), torch.float32))
+        time_opt(lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True), torch.float32), n)
     add("adaptive_amp.optim.SGD(momentum=0.9) bf16, SR", "sgd_bf16_m32",
-        time_opt(lambda ps: optim.SGD(ps, lr=1e-3, momentum=0.9), torch.bfloat16))
+        time_opt(lambda ps: optim.SGD(ps, lr=1e-3, momentum=0.9), torch.bfloat16), n)
     # The copy ceiling, as a row: 1 GiB read + 1 GiB written.
-    rows.append(OptimRow("optim", "device copy (ceiling)", "eager", 2 * (1 << 30) / copy_gbps / 1e6, 2 << 30,
-                         copy_gbps, 1.0, "copy", 0, 0))
-    base = {r.kind.split("_")[0]: r.ms for r in rows if r.name.startswith("torch.optim")}
+    copy_ms = 2 * (1 << 30) / copy_gbps / 1e6
+    rows.append(OptimRow("optim", "device copy (ceiling)", "eager", copy_ms, 2 << 30, copy_gbps, 1.0, "copy", 0, 0,
+                         gpu_ms=copy_ms, wall_ms=float("nan"), host_ms=float("nan")))
+    base = {r.kind.split("_")[0]: r for r in rows if r.name.startswith("torch.optim")}
     for r in rows:
-        family = r.kind.split("_")[0]
-        r.ratio_to_torch = r.ms / base[family] if family in base else float("nan")
+        ref = base.get(r.kind.split("_")[0])
+        r.ratio_to_torch = r.wall_ms / ref.wall_ms if ref else float("nan")
+        r.gpu_ratio_to_torch = r.gpu_ms / ref.gpu_ms if ref else float("nan")
     return rows
 
 
 def format_optim(rows: List[OptimRow]) -> str:
-    head = f"{'optimizer step (GPT-2 small, 124M params)':52} {'ms':>8} {'GB/s':>8} {'of copy':>8} " \
-           f"{'x torch':>8} {'B/param':>8} {'+grad':>6}"
+    head = (f"{'optimizer step (GPT-2 small, 124M params)':50} {'GPU ms':>7} {'wall ms':>7} {'host ms':>7} "
+            f"{'GB/s':>7} {'of copy':>7} {'x torch':>7} {'GPU x':>6} {'B/param':>7} {'+grad':>5}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.name:52} {r.ms:8.3f} {r.gbps:8.1f} {100 * r.ceiling_fraction:7.1f}% "
-                     f"{r.ratio_to_torch:8.2f} {r.bytes_per_param:8d} {r.bytes_per_param_with_grad:6d}")
+        lines.append(f"{r.name:50} {r.gpu_ms:7.3f} {r.wall_ms:7.3f} {r.host_ms:7.3f} {r.gbps:7.0f} "
+                     f"{100 * r.ceiling_fraction:6.1f}% {r.ratio_to_torch:7.2f} {r.gpu_ratio_to_torch:6.2f} "
+                     f"{r.bytes_per_param:7d} {r.bytes_per_param_with_grad:5d}")
+    lines.append("GPU ms: device time, host hidden behind a sleep; wall ms: steps back to back, one sync at the end; "
+                 "host ms: time in step() on the host. x torch: wall-time ratio; GPU x: GPU-time ratio.")
     ours = next((r for r in rows if r.name.startswith("adaptive_amp.optim.AdamW bf16, fp32")), None)
     if ours is not None:
-        lines.append(f"target: SR AdamW step <= 1.1x torch fused AdamW fp32: {ours.ratio_to_torch:.2f}x "
-                     f"({'met' if ours.ratio_to_torch <= 1.1 else 'NOT met'})")
+        lines.append(f"target: SR AdamW step <= 1.1x torch fused AdamW fp32 (pipelined wall time): "
+                     f"{ours.ratio_to_torch:.2f}x ({'met' if ours.ratio_to_torch <= 1.1 else 'NOT met'}); "
+                     f"GPU time {ours.gpu_ratio_to_torch:.2f}x, host time {ours.host_ms:.3f} ms")
     return "\n".join(lines)

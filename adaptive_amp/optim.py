@@ -223,11 +223,73 @@ def _by_device(params):
     return groups.items()
 
 
+def _shared_steps(steps):
+    """One float32 buffer whose elements are the given step counters, and its 0-dim views (in order).
+
+    Counters that already are the elements of one buffer (a plan built before) keep it, so that a
+    CUDA graph captured over a step goes on updating the tensors that ``state`` holds.
+    """
+    base = steps[0]._base
+    if (base is not None and base.dim() == 1 and base.numel() == len(steps)
+            and all(s._base is base and s.dim() == 0 and s.storage_offset() == i for i, s in enumerate(steps))):
+        return base, steps
+    buf = torch.cat([s.detach().reshape(1) for s in steps])
+    return buf, list(buf.unbind(0))
+
+
+class _DevicePlan:
+    """One param group's params with gradients on one device: the native plan and what a step needs."""
+
+    __slots__ = ("native", "params", "device", "steps", "bits", "where")
+
+    def __init__(self, native, params, device, steps, bits):
+        self.native = native
+        self.params = params  # for the autograd version bump
+        self.device = device  # _native device index
+        self.steps = steps  # AdamW: the shared step buffer, else None
+        self.bits = bits  # whether a launch draws random bits (SR to bf16 somewhere)
+        self.where = torch.device("cpu") if device == _native.CPU else torch.device("cuda", device)
+
+
+class _GroupPlan:
+    """What one step of one param group reuses while it holds (see _C.OptimPlan for the checks)."""
+
+    __slots__ = ("group", "state", "key", "devices", "absent", "first")
+
+    def __init__(self, group, state, key, devices, absent, first):
+        self.group = group
+        self.first = first  # SGD: {param: True} for the momentum buffers created by the build
+        self.state = state
+        self.key = key  # what of the group's options the plan's lists depend on (SGD: whether momentum is used)
+        self.devices = devices
+        self.absent = absent  # a native plan that only checks that params without grads still have none
+
+    def holds(self, group, state, key):
+        if self.group is not group or self.state is not state or self.key != key:
+            return False
+        if self.absent is not None and not self.absent.collect():
+            return False
+        return all(d.native.collect() for d in self.devices)
+
+
 class _Fused(torch.optim.Optimizer):
-    """What AdamW and SGD share: option checks, state_dict loading, the GradScaler hand-over."""
+    """What AdamW and SGD share: option checks, state_dict loading, the GradScaler hand-over, and the
+    cached per-group plans that keep the host work of a step small.
+
+    A step of a group whose plan holds reads only the gradients (one C++ loop,
+    _C.OptimPlan.collect) and launches once per device. The plan is built
+    (every list validated as the functional ops do, state created) on the
+    first step and again whenever anything it assumed changed: the group's
+    param list or a param's storage, the optimizer's state (load_state_dict,
+    a replaced moment or counter), which params have gradients, or a
+    gradient's dtype, shape, device or layout. AdamW's ``state[p]["step"]``
+    counters of a group and device are 0-dim views of one float32 buffer, so
+    that one add moves them all (torch's convention and state_dict layout).
+    """
 
     _step_supports_amp_scaling = True
     _moment_keys: tuple = ()
+    _kind = _ADAMW
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -257,6 +319,7 @@ class _Fused(torch.optim.Optimizer):
                 step = st["step"]
                 step = step if isinstance(step, Tensor) else torch.tensor(float(step))
                 st["step"] = step.detach().to(device=p.device, dtype=torch.float32, copy=True).reshape(())
+        self._plans = {}
 
     def _scaler_tensors(self):
         return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
@@ -273,6 +336,109 @@ class _Fused(torch.optim.Optimizer):
                 raise TypeError(f"params: {name} does not support complex parameters (dtype {p.dtype})")
             out.append(p)
         return out
+
+    # ---------------------------------------------------------------- plans
+    @staticmethod
+    def _plan_key(group):
+        return None
+
+    def _init_state(self, group, params):
+        """Creates missing state; returns {param: True} for SGD buffers created now."""
+        raise NotImplementedError
+
+    def _lists(self, group, ps):
+        """(lists, names, keys) for the functional validation and the plan of params ps."""
+        raise NotImplementedError
+
+    def _build_plan(self, group):
+        """Validates the group's lists as the functional ops do (raising before anything is written),
+        creates missing state and returns a plan, or None when a plan cannot describe the group."""
+        name = type(self).__name__
+        with_grad = self._params_with_grad(group, name)
+        first = self._init_state(group, with_grad)
+        index = {id(p): i for i, p in enumerate(group["params"])}
+        absent = [i for i, p in enumerate(group["params"]) if p.grad is None]
+        devices = []
+        for _, ps in _by_device(with_grad):
+            lists, names, keys = self._lists(group, ps)
+            batches, device = _common(ps, lists[1], lists, names)
+            if self._kind == _ADAMW:
+                for i, t in enumerate(lists[4]):
+                    if t.numel() != 1:
+                        raise ValueError(f"steps[{i}] has {t.numel()} elements; pass a 1-element float32 tensor")
+                buf, views = _shared_steps(lists[4])
+                for p, v in zip(ps, views):
+                    self.state[p]["step"] = v
+                step_ptrs = [buf.data_ptr() + 4 * i for i in range(len(ps))]
+            else:
+                buf, step_ptrs = None, []
+            pb, _, mb, vb = (batches + [None])[:4]
+            states = [self.state[p] for p in ps]
+            values = [st[k] for st in states for k in keys]
+            value_ptrs = [v.data_ptr() if k != "step" else 0 for st in states for k, v in
+                          ((k, st[k]) for k in keys)]
+            flags = [bool(first.get(p, False)) for p in ps] if mb is not None and self._kind == _SGD else []
+            native = _C.OptimPlan(self._kind, group["params"], [index[id(p)] for p in ps], [], list(ps), pb.ptrs,
+                                  pb.numels, pb.dtypes, [p.shape for p in ps], [p.dtype for p in ps], self.state,
+                                  states, list(keys), values, value_ptrs, mb.ptrs if mb else [],
+                                  mb.dtypes if mb else [], vb.ptrs if vb else [], vb.dtypes if vb else [], step_ptrs,
+                                  flags, device)
+            bits = group["stochastic_rounding"] and _needs_bits((pb, mb, vb), True)
+            devices.append(_DevicePlan(native, list(ps), device, buf, bits))
+        absent_plan = None
+        if absent:
+            absent_plan = _C.OptimPlan(self._kind, group["params"], [], absent, [], [], [], [], [], [], {}, [], [],
+                                       [], [], [], [], [], [], [], [], _native.CPU)
+        return _GroupPlan(group, self.state, self._plan_key(group), devices, absent_plan, first)
+
+    def _launch(self, plan, group, hyper, grad_scale, found_inf):
+        for dp in plan.devices:
+            device = dp.device
+            gs = _device_scalar(grad_scale, "grad_scale", device)
+            fi = _device_scalar(found_inf, "found_inf", device)
+            so = _seed_offset(self.generator, None, None, device)[2] if dp.bits else None
+            dp.native.launch(*hyper, gs.data_ptr() if gs is not None else 0, fi.data_ptr() if fi is not None else 0,
+                             0, 0, so.data_ptr() if so is not None else 0, _stream(device))
+            if dp.steps is not None:
+                # torch's convention: the count moves on unless the step was skipped (on the device).
+                dp.steps.add_(1)
+                if fi is not None:
+                    dp.steps.sub_(fi.reshape(()))
+            torch.autograd.graph.increment_version(dp.params)
+
+    def _step_group(self, group, hyper, grad_scale, found_inf):
+        plans = self.__dict__.get("_plans")
+        if plans is None:
+            plans = self._plans = {}
+        plan = plans.get(id(group))
+        key = self._plan_key(group)
+        if plan is None or not plan.holds(group, self.state, key):
+            plans.pop(id(group), None)
+            plan = self._build_plan(group)
+            if not plan.holds(group, self.state, key):
+                # What only the core checks (a gradient of another dtype than its param, say): the
+                # functional op names it, or does the step; the plan is built again next time.
+                return self._functional_step(group, plan.first, hyper, grad_scale, found_inf)
+            plans[id(group)] = plan
+        self._launch(plan, group, hyper, grad_scale, found_inf)
+
+    def _functional_step(self, group, first, hyper, grad_scale, found_inf):
+        lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize, sr = hyper
+        for _, ps in _by_device(self._params_with_grad(group, type(self).__name__)):
+            lists, _, _ = self._lists(group, ps)
+            common = dict(lr=lr, weight_decay=weight_decay, maximize=maximize, stochastic_rounding=sr,
+                          grad_scale=grad_scale, found_inf=found_inf, generator=self.generator)
+            if self._kind == _ADAMW:
+                adamw_step_(*lists, beta1=beta1, beta2=beta2, eps=eps, **common)
+                steps = lists[4]
+                torch._foreach_add_(steps, 1)
+                if found_inf is not None:
+                    torch._foreach_sub_(steps, [found_inf.to(steps[0].device, non_blocking=True).reshape(())]
+                                        * len(steps))
+            else:
+                flags = [bool(first.get(p, False)) for p in ps] if lists[2] else []
+                sgd_step_(*lists, flags, momentum=momentum, dampening=dampening, nesterov=nesterov, **common)
+            torch.autograd.graph.increment_version(ps)
 
 
 class AdamW(_Fused):
@@ -314,6 +480,22 @@ class AdamW(_Fused):
                         moment_dtype=moment_dtype)
         super().__init__(params, defaults)
 
+    def _init_state(self, group, params):
+        for p in params:
+            st = self.state[p]
+            if len(st) == 0:
+                st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                st["exp_avg"] = torch.zeros_like(p, dtype=group["moment_dtype"], memory_format=torch.contiguous_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, dtype=group["moment_dtype"],
+                                                    memory_format=torch.contiguous_format)
+        return {}
+
+    def _lists(self, group, ps):
+        states = [self.state[p] for p in ps]
+        lists = [list(ps), [p.grad for p in ps], [st["exp_avg"] for st in states],
+                 [st["exp_avg_sq"] for st in states], [st["step"] for st in states]]
+        return lists, ["params", "grads", "exp_avgs", "exp_avg_sqs", "steps"], ("step", "exp_avg", "exp_avg_sq")
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -324,30 +506,12 @@ class AdamW(_Fused):
         for group in self.param_groups:
             if group.get("amsgrad"):
                 raise ValueError("amsgrad=True is not supported by adaptive_amp.optim.AdamW")
-            _check_lr(group["lr"])
-            params = self._params_with_grad(group, "AdamW")
-            for p in params:
-                st = self.state[p]
-                if len(st) == 0:
-                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    st["exp_avg"] = torch.zeros_like(p, dtype=group["moment_dtype"],
-                                                     memory_format=torch.contiguous_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=group["moment_dtype"],
-                                                        memory_format=torch.contiguous_format)
+            lr = group["lr"]
+            _check_lr(lr)
             beta1, beta2 = group["betas"]
-            for _, ps in _by_device(params):
-                steps = [self.state[p]["step"] for p in ps]
-                adamw_step_(ps, [p.grad for p in ps], [self.state[p]["exp_avg"] for p in ps],
-                            [self.state[p]["exp_avg_sq"] for p in ps], steps, lr=group["lr"], beta1=beta1,
-                            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                            maximize=group["maximize"], stochastic_rounding=group["stochastic_rounding"],
-                            grad_scale=grad_scale, found_inf=found_inf, generator=self.generator)
-                # torch's convention: the count moves on unless the step was skipped (on the device).
-                torch._foreach_add_(steps, 1)
-                if found_inf is not None:
-                    torch._foreach_sub_(steps, [found_inf.to(steps[0].device, non_blocking=True).reshape(())]
-                                        * len(steps))
-                torch.autograd.graph.increment_version(ps)
+            hyper = (float(lr), float(beta1), float(beta2), float(group["eps"]), 0.0, 0.0, False,
+                     float(group["weight_decay"]), bool(group["maximize"]), bool(group["stochastic_rounding"]))
+            self._step_group(group, hyper, grad_scale, found_inf)
         return loss
 
 
@@ -382,6 +546,30 @@ class SGD(_Fused):
                         stochastic_rounding=stochastic_rounding, moment_dtype=moment_dtype)
         super().__init__(params, defaults)
 
+    _kind = _SGD
+
+    @staticmethod
+    def _plan_key(group):
+        return group["momentum"] != 0
+
+    def _init_state(self, group, params):
+        first = {}
+        if group["momentum"] != 0:
+            for p in params:
+                st = self.state[p]
+                if st.get("momentum_buffer") is None:
+                    st["momentum_buffer"] = torch.zeros_like(p, dtype=group["moment_dtype"],
+                                                             memory_format=torch.contiguous_format)
+                    first[p] = True
+        return first
+
+    def _lists(self, group, ps):
+        if group["momentum"] != 0:
+            bufs = [self.state[p]["momentum_buffer"] for p in ps]
+            return [list(ps), [p.grad for p in ps], bufs], ["params", "grads", "momentum_buffers"], \
+                ("momentum_buffer",)
+        return [list(ps), [p.grad for p in ps], []], ["params", "grads", "momentum_buffers"], ()
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -390,25 +578,12 @@ class SGD(_Fused):
                 loss = closure()
         grad_scale, found_inf = self._scaler_tensors()
         for group in self.param_groups:
-            _check_lr(group["lr"])
-            params = self._params_with_grad(group, "SGD")
+            lr = group["lr"]
+            _check_lr(lr)
             momentum = group["momentum"]
-            first = {}
-            if momentum != 0:
-                for p in params:
-                    st = self.state[p]
-                    if st.get("momentum_buffer") is None:
-                        st["momentum_buffer"] = torch.zeros_like(p, dtype=group["moment_dtype"],
-                                                                 memory_format=torch.contiguous_format)
-                        first[p] = True
-            for _, ps in _by_device(params):
-                bufs = [self.state[p]["momentum_buffer"] for p in ps] if momentum != 0 else []
-                sgd_step_(ps, [p.grad for p in ps], bufs, [first.get(p, False) for p in ps] if bufs else [],
-                          lr=group["lr"], momentum=momentum, dampening=group["dampening"],
-                          weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                          maximize=group["maximize"], stochastic_rounding=group["stochastic_rounding"],
-                          grad_scale=grad_scale, found_inf=found_inf, generator=self.generator)
-                torch.autograd.graph.increment_version(ps)
+            hyper = (float(lr), 0.0, 0.0, 0.0, float(momentum), float(group["dampening"]), bool(group["nesterov"]),
+                     float(group["weight_decay"]), bool(group["maximize"]), bool(group["stochastic_rounding"]))
+            self._step_group(group, hyper, grad_scale, found_inf)
         return loss
 
 

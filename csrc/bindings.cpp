@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -394,6 +395,165 @@ void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::
   aamp::optim_step(a);
 }
 
+// One optimizer param group's tensors on one device, described once and kept
+// between steps (adaptive_amp/optim.py builds it after validating every
+// list): the params' and moments' pointers, element counts and dtypes, the
+// step counters' pointers. A step then only reads each planned parameter's
+// .grad in one C++ loop and launches; the core validates the assembled
+// arguments again before anything is written.
+//
+// collect() checks that the plan still holds and reports kStale otherwise,
+// so that the caller rebuilds it (and its full validation names any
+// problem): the group's list has the same length and the same parameter
+// objects at the planned places, each parameter has the same data pointer,
+// its state dict is the same object holding the same moment and step
+// objects (with the same data pointers), its gradient has the parameter's
+// dtype, shape and device and is contiguous; parameters planned without a
+// gradient still have none. Only attribute reads: nothing is written.
+class OptimPlan {
+ public:
+  OptimPlan(int kind, py::list group_params, std::vector<std::size_t> planned, std::vector<std::size_t> absent,
+            py::list params, const std::vector<std::uintptr_t>& param_ptrs, const std::vector<std::int64_t>& numels,
+            const std::vector<int>& codes, py::list shapes, py::list dtypes, py::dict state, py::list states,
+            py::list keys, py::list values, const std::vector<std::uintptr_t>& value_ptrs,
+            const std::vector<std::uintptr_t>& exp_avgs, const std::vector<int>& exp_avg_codes,
+            const std::vector<std::uintptr_t>& exp_avg_sqs, const std::vector<int>& exp_avg_sq_codes,
+            const std::vector<std::uintptr_t>& steps, const std::vector<bool>& first, int device)
+      : group_params_(std::move(group_params)), length_(static_cast<std::size_t>(py::len(group_params_))),
+        planned_(std::move(planned)), absent_(std::move(absent)), params_(std::move(params)),
+        param_ptrs_(param_ptrs), shapes_(std::move(shapes)), dtypes_(std::move(dtypes)), state_(std::move(state)),
+        states_(std::move(states)), keys_(std::move(keys)), values_(std::move(values)), value_ptrs_(value_ptrs) {
+    if (kind != 0 && kind != 1) throw aamp::ArgumentError("kind: expected 0 (AdamW) or 1 (SGD)");
+    const std::size_t n = planned_.size();
+    const std::size_t nk = static_cast<std::size_t>(py::len(keys_));
+    if (static_cast<std::size_t>(py::len(params_)) != n || param_ptrs_.size() != n || numels.size() != n ||
+        codes.size() != n || static_cast<std::size_t>(py::len(shapes_)) != n ||
+        static_cast<std::size_t>(py::len(dtypes_)) != n || static_cast<std::size_t>(py::len(states_)) != n ||
+        static_cast<std::size_t>(py::len(values_)) != n * nk || value_ptrs_.size() != n * nk) {
+      throw aamp::ArgumentError("params: the plan's lists differ in length");
+    }
+    a_.kind = static_cast<aamp::OptimKind>(kind);
+    a_.params = tensor_refs(param_ptrs, numels, codes);
+    a_.grads = tensor_refs(std::vector<std::uintptr_t>(n, 0), numels, codes);
+    if (!exp_avgs.empty()) a_.exp_avgs = tensor_refs(exp_avgs, numels, exp_avg_codes);
+    if (!exp_avg_sqs.empty()) a_.exp_avg_sqs = tensor_refs(exp_avg_sqs, numels, exp_avg_sq_codes);
+    for (std::uintptr_t p : steps) a_.steps.push_back(as_ptr<float>(p));
+    for (bool f : first) a_.first.push_back(f ? 1 : 0);
+    a_.place.device = device;
+  }
+
+  std::size_t size() const { return planned_.size(); }
+
+  bool collect() {
+    static PyObject* grad_name = PyUnicode_InternFromString("grad");
+    static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
+    static PyObject* shape_name = PyUnicode_InternFromString("shape");
+    static PyObject* device_name = PyUnicode_InternFromString("get_device");
+    static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
+    static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    PyObject* list = group_params_.ptr();
+    if (static_cast<std::size_t>(PyList_GET_SIZE(list)) != length_) return false;
+    const std::size_t nk = static_cast<std::size_t>(PyList_GET_SIZE(keys_.ptr()));
+    for (std::size_t i = 0; i < planned_.size(); ++i) {
+      PyObject* param = PyList_GET_ITEM(params_.ptr(), i);
+      if (PyList_GET_ITEM(list, planned_[i]) != param) return false;
+      if (!same_ptr(param, data_ptr_name, param_ptrs_[i])) return false;
+      PyObject* st = PyList_GET_ITEM(states_.ptr(), i);
+      if (nk != 0) {
+        PyObject* now = PyDict_GetItemWithError(state_.ptr(), param);  // borrowed
+        if (now != st) {
+          PyErr_Clear();
+          return false;
+        }
+      }
+      for (std::size_t k = 0; k < nk; ++k) {
+        PyObject* v = PyDict_GetItemWithError(st, PyList_GET_ITEM(keys_.ptr(), k));
+        if (v != PyList_GET_ITEM(values_.ptr(), i * nk + k)) {
+          PyErr_Clear();
+          return false;
+        }
+        if (value_ptrs_[i * nk + k] != 0 && !same_ptr(v, data_ptr_name, value_ptrs_[i * nk + k])) return false;
+      }
+      py::object grad = get_attr(param, grad_name);
+      if (!grad || grad.is_none()) return clear();
+      py::object dtype = get_attr(grad.ptr(), dtype_name);
+      if (!dtype || dtype.ptr() != PyList_GET_ITEM(dtypes_.ptr(), i)) return clear();
+      py::object contiguous = call_method(grad.ptr(), contiguous_name);
+      if (!contiguous || contiguous.ptr() != Py_True) return clear();  // sparse layouts raise
+      py::object shape = get_attr(grad.ptr(), shape_name);
+      if (!shape) return clear();
+      const int same = PyObject_RichCompareBool(shape.ptr(), PyList_GET_ITEM(shapes_.ptr(), i), Py_EQ);
+      if (same != 1) return clear();
+      py::object device = call_method(grad.ptr(), device_name);
+      if (!device || PyLong_AsLong(device.ptr()) != a_.place.device) return clear();
+      py::object ptr = call_method(grad.ptr(), data_ptr_name);
+      if (!ptr) return clear();
+      a_.grads[i].data = reinterpret_cast<void*>(PyLong_AsUnsignedLongLong(ptr.ptr()));
+      if (a_.grads[i].numel > 0 && a_.grads[i].data == nullptr) return false;
+    }
+    for (std::size_t at : absent_) {
+      if (at >= length_) return false;
+      py::object grad = get_attr(PyList_GET_ITEM(list, at), grad_name);
+      if (!grad || !grad.is_none()) return clear();
+    }
+    return true;
+  }
+
+  // One native step over the gradients that the last collect() found.
+  void launch(double lr, double beta1, double beta2, double eps, double momentum, double dampening, bool nesterov,
+              double weight_decay, bool maximize, bool stochastic_rounding, std::uintptr_t grad_scale,
+              std::uintptr_t found_inf, std::uint64_t seed, std::uint64_t offset, std::uintptr_t seed_offset,
+              std::uintptr_t stream) {
+    a_.lr = lr;
+    a_.beta1 = beta1;
+    a_.beta2 = beta2;
+    a_.eps = eps;
+    a_.momentum = momentum;
+    a_.dampening = dampening;
+    a_.nesterov = nesterov;
+    a_.weight_decay = weight_decay;
+    a_.maximize = maximize;
+    a_.stochastic_rounding = stochastic_rounding;
+    a_.grad_scale = as_ptr<const float>(grad_scale);
+    a_.found_inf = as_ptr<const float>(found_inf);
+    a_.seed = seed;
+    a_.offset = offset;
+    a_.seed_offset = as_ptr<const std::uint64_t>(seed_offset);
+    a_.place.stream = stream;
+    {
+      py::gil_scoped_release release;
+      aamp::optim_step(a_);
+    }
+    // A new momentum buffer is new for one step only (a skipped step leaves it
+    // at zero, which the next step reads as history: see optim.SGD).
+    std::fill(a_.first.begin(), a_.first.end(), std::uint8_t{0});
+  }
+
+ private:
+  static bool clear() {
+    PyErr_Clear();
+    return false;
+  }
+  static bool same_ptr(PyObject* x, PyObject* data_ptr_name, std::uintptr_t want) {
+    py::object ptr = call_method(x, data_ptr_name);
+    if (!ptr) return clear();
+    const std::uintptr_t got = PyLong_AsUnsignedLongLong(ptr.ptr());
+    if (PyErr_Occurred()) return clear();
+    return got == want;
+  }
+
+  py::list group_params_;
+  std::size_t length_;
+  std::vector<std::size_t> planned_, absent_;
+  py::list params_;
+  std::vector<std::uintptr_t> param_ptrs_;
+  py::list shapes_, dtypes_;
+  py::dict state_;
+  py::list states_, keys_, values_;
+  std::vector<std::uintptr_t> value_ptrs_;
+  aamp::OptimArgs a_;
+};
+
 std::size_t stats_workspace_bytes(const std::vector<std::int64_t>& numels) {
   std::vector<aamp::TensorRef> refs(numels.size());
   for (std::size_t i = 0; i < numels.size(); ++i) refs[i].numel = numels[i];
@@ -466,6 +626,24 @@ PYBIND11_MODULE(_C, m) {
         py::arg("nesterov"), py::arg("weight_decay"), py::arg("maximize"), py::arg("stochastic_rounding"),
         py::arg("grad_scale"), py::arg("found_inf"), py::arg("seed"), py::arg("offset"), py::arg("seed_offset"),
         py::arg("device"), py::arg("stream"));
+
+  py::class_<OptimPlan>(m, "OptimPlan")
+      .def(py::init<int, py::list, std::vector<std::size_t>, std::vector<std::size_t>, py::list,
+                    const std::vector<std::uintptr_t>&, const std::vector<std::int64_t>&, const std::vector<int>&,
+                    py::list, py::list, py::dict, py::list, py::list, py::list, const std::vector<std::uintptr_t>&,
+                    const std::vector<std::uintptr_t>&, const std::vector<int>&, const std::vector<std::uintptr_t>&,
+                    const std::vector<int>&, const std::vector<std::uintptr_t>&, const std::vector<bool>&, int>(),
+           py::arg("kind"), py::arg("group_params"), py::arg("planned"), py::arg("absent"), py::arg("params"),
+           py::arg("param_ptrs"), py::arg("numels"), py::arg("codes"), py::arg("shapes"), py::arg("dtypes"),
+           py::arg("state"), py::arg("states"), py::arg("keys"), py::arg("values"), py::arg("value_ptrs"),
+           py::arg("exp_avgs"), py::arg("exp_avg_codes"), py::arg("exp_avg_sqs"), py::arg("exp_avg_sq_codes"),
+           py::arg("steps"), py::arg("first"), py::arg("device"))
+      .def("__len__", &OptimPlan::size)
+      .def("collect", &OptimPlan::collect)
+      .def("launch", &OptimPlan::launch, py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+           py::arg("momentum"), py::arg("dampening"), py::arg("nesterov"), py::arg("weight_decay"),
+           py::arg("maximize"), py::arg("stochastic_rounding"), py::arg("grad_scale"), py::arg("found_inf"),
+           py::arg("seed"), py::arg("offset"), py::arg("seed_offset"), py::arg("stream"));
 
   m.attr("STATS_CHUNK") = aamp::kStatsChunk;
   {

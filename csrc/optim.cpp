@@ -127,6 +127,14 @@ void validate_optim(const OptimArgs& a) {
   }
   if (adam) {
     check_list(a.exp_avg_sqs, a, "exp_avg_sqs", false);
+    // The kernels take one moment type per tensor: a mixed pair would be read and written with the wrong width.
+    for (std::size_t k = 0; k < a.exp_avg_sqs.size(); ++k) {
+      if (a.exp_avg_sqs[k].dtype != a.exp_avgs[k].dtype) {
+        throw_dtype(item_name("exp_avg_sqs", k), std::string("has dtype ") + dtype_name(a.exp_avg_sqs[k].dtype) +
+                                                     "; expected " + dtype_name(a.exp_avgs[k].dtype) +
+                                                     ", the dtype of exp_avgs[" + std::to_string(k) + "]");
+      }
+    }
     if (a.steps.size() != a.params.size()) {
       throw_argument("steps", "has " + std::to_string(a.steps.size()) + " entries; params has " +
                                   std::to_string(a.params.size()));

@@ -54,7 +54,7 @@
 //     (device memory for CUDA), read there: no host sync, capturable in a CUDA
 //     graph. seed_offset, when set, holds {seed, offset} and overrides them.
 //   * params: float32 or bfloat16; grads[k] the dtype and size of params[k];
-//     moments float32 or bfloat16, the size of params[k]. Empty tensors are
+//     moments float32 or bfloat16 (exp_avg_sqs[k] of exp_avgs[k]'s dtype), the size of params[k]. Empty tensors are
 //     skipped; views with storage offsets are fine (a scalar path when not
 //     16-byte aligned).
 //   * Every argument is validated before any element is written; errors name

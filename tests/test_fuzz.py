@@ -9,7 +9,8 @@ Bounded for CI. For a long run set ``AAMP_FUZZ_EXAMPLES`` (examples per
 test, e.g. 2000); ``AAMP_FUZZ_LONG_LISTS`` likewise for the slow
 long-list test (default: a tenth of it, at least 3).
 
-Oracles: unscale_and_check_ values and found_inf bitwise (NaN as a class),
+Oracles: adamw_step_ / sgd_step_ bitwise on every list (NaN as a class);
+unscale_and_check_ values and found_inf bitwise (NaN as a class),
 its stats within the tolerance of tests/test_unscale.py; stochastic_round
 bitwise for every target; tensor_stats counts/extrema exact, mean/std/norm
 within the tolerance of tests/test_tensor_stats.py; update_scale_ bitwise on
@@ -27,7 +28,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import adaptive_amp
-from adaptive_amp import reference
+from adaptive_amp import optim, reference
 from conftest import assert_bitwise_equal, assert_stats_match, requires_cuda
 
 N_EXAMPLES = int(os.environ.get("AAMP_FUZZ_EXAMPLES", "40"))
@@ -421,3 +422,147 @@ def test_cuda_tensor_stats_match_reference(tensors, fmt):
     got = adaptive_amp.tensor_stats(gpu, fmt=fmt).to_dict()
     exp = reference.tensor_stats(tensors, fmt=fmt)
     assert_stats_match(got, exp, f"cuda fmt={fmt}")
+
+
+# --------------------------------------------------------------------------- adamw_step_ / sgd_step_
+#
+# Native (adaptive_amp.optim) against reference.adamw_step_ / sgd_step_ with
+# the same seed and offset, bitwise (NaN as a class) on params, moments and
+# untouched steps: random list lengths, shapes (empty and 0-dim included),
+# views at storage offsets, bf16/fp32 params, fp32/bf16 moments, special
+# values in the grads, grad_scale and found_inf.
+
+PARAM_DTYPES = [torch.float32, torch.bfloat16]
+LRS = [0.0, 1e-4, 1e-3, 0.1, 1.0, 3.0]
+GRAD_SCALES = [None, 1.0, 0.5, 3.0, 65536.0, 2.0**-20, 0.0, INF]
+
+
+@st.composite
+def optim_lists(draw, with_steps=True):
+    """(params, grads, exp_avgs, exp_avg_sqs, steps) of random length, per-tensor param dtypes, one moment
+    dtype for both moment lists."""
+    n = draw(st.integers(1, 8))
+
+    mdt = sdt = draw(st.sampled_from(PARAM_DTYPES))  # the kernels take exp_avg_sq of exp_avg's dtype
+    ps, gs, ms, vs, steps = [], [], [], [], []
+    for _ in range(n):
+        shape = draw(shapes)
+        pdt = draw(st.sampled_from(PARAM_DTYPES))
+        ps.append(draw(tensors_(dtype=pdt, shape=shape, specials=False)))
+        gs.append(draw(tensors_(dtype=pdt, shape=shape, specials=True)))
+        ms.append(draw(tensors_(dtype=mdt, shape=shape, specials=False)))
+        v = draw(tensors_(dtype=sdt, shape=shape, specials=False))
+        v.abs_()
+        vs.append(v)
+        if with_steps:
+            steps.append(torch.tensor(float(draw(st.sampled_from([0, 1, 2, 9, 1000, 2**20])))))
+    return ps, gs, ms, vs, steps
+
+
+def _optim_scalars(draw):
+    gs = draw(st.sampled_from(GRAD_SCALES))
+    fi = draw(st.sampled_from([None, 0.0, 0.0, 1.0]))
+    seed = draw(st.integers(0, 2**64 - 1))
+    offset = draw(st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 2**64 - 1, 2**64 - 3, 2**32 - 1])))
+    return (None if gs is None else scalar(gs)), (None if fi is None else scalar(fi)), seed, offset
+
+
+def _copies(lists, device="cpu"):
+    return [[clone_keep_offset(t, device) for t in xs] for xs in lists]
+
+
+def _assert_optim_lists(got, exp, names):
+    for xs, ys, name in zip(got, exp, names):
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            assert_bitwise_equal(x.cpu(), y.cpu(), f"{name}[{i}]")
+
+
+def _run_adamw(data, lists, device="cpu"):
+    grad_scale, found_inf, seed, offset = _optim_scalars(data.draw)
+    kw = dict(lr=data.draw(st.sampled_from(LRS)), beta1=data.draw(st.sampled_from([0.0, 0.5, 0.9, 0.99])),
+              beta2=data.draw(st.sampled_from([0.0, 0.9, 0.999, 0.9999])),
+              eps=data.draw(st.sampled_from([0.0, 1e-8, 1e-6, 1e-30])),
+              weight_decay=data.draw(st.sampled_from([0.0, 0.01, 0.1, 1.0])), maximize=data.draw(st.booleans()),
+              stochastic_rounding=data.draw(st.booleans()), seed=seed, offset=offset)
+    on = (lambda t: None if t is None else t.to(device))
+    native, ref = _copies(lists, device), _copies(lists)
+    optim.adamw_step_(*native, grad_scale=on(grad_scale), found_inf=on(found_inf), **kw)
+    reference.adamw_step_(*ref, grad_scale=grad_scale, found_inf=found_inf, **kw)
+    _assert_optim_lists(native, ref, ["params", "grads", "exp_avgs", "exp_avg_sqs", "steps"])
+
+
+def _run_sgd(data, lists, device="cpu"):
+    ps, gs, ms = lists[:3]
+    grad_scale, found_inf, seed, offset = _optim_scalars(data.draw)
+    momentum = data.draw(st.sampled_from([0.0, 0.5, 0.9, 0.99]))
+    nesterov = momentum > 0 and data.draw(st.booleans())
+    kw = dict(lr=data.draw(st.sampled_from(LRS)), momentum=momentum,
+              dampening=0.0 if nesterov else data.draw(st.sampled_from([0.0, 0.1, 1.0])), nesterov=nesterov,
+              weight_decay=data.draw(st.sampled_from([0.0, 0.01, 0.1])), maximize=data.draw(st.booleans()),
+              stochastic_rounding=data.draw(st.booleans()), seed=seed, offset=offset)
+    bufs = ms if momentum else []
+    first = [data.draw(st.booleans()) for _ in ps] if momentum else []
+    on = (lambda t: None if t is None else t.to(device))
+    native, ref = _copies([ps, gs, bufs], device), _copies([ps, gs, bufs])
+    optim.sgd_step_(*native, first, grad_scale=on(grad_scale), found_inf=on(found_inf), **kw)
+    reference.sgd_step_(*ref, first, grad_scale=grad_scale, found_inf=found_inf, **kw)
+    _assert_optim_lists(native, ref, ["params", "grads", "momentum_buffers"])
+
+
+@FUZZ
+@given(data=st.data(), lists=optim_lists())
+def test_adamw_step_matches_reference(data, lists):
+    _run_adamw(data, lists)
+
+
+@FUZZ
+@given(data=st.data(), lists=optim_lists(with_steps=False))
+def test_sgd_step_matches_reference(data, lists):
+    _run_sgd(data, lists)
+
+
+def long_optim_lists(count, seed):
+    """count tensors of 0-6 elements at storage offsets 0-3, from a seed (too many for hypothesis draws)."""
+    g = torch.Generator().manual_seed(seed)
+    mdt = PARAM_DTYPES[int(torch.randint(2, (), generator=g))]
+    specials = torch.tensor([NAN, INF, -INF, 0.0, -0.0, F32_TINY, F32_MAX])
+
+    def view(n, dtype, positive=False, special=False):
+        off = int(torch.randint(4, (), generator=g))
+        base = torch.randn(off + n + 1, generator=g)
+        if special and n and float(torch.rand((), generator=g)) < 0.05:
+            base[off + int(torch.randint(n, (), generator=g))] = specials[int(torch.randint(7, (), generator=g))]
+        base = (base.abs() if positive else base).to(dtype)
+        return base[off:off + n]
+
+    lists = [[], [], [], [], []]
+    for _ in range(count):
+        n = int(torch.randint(7, (), generator=g))
+        pdt = PARAM_DTYPES[int(torch.randint(2, (), generator=g))]
+        for xs, t in zip(lists, (view(n, pdt), view(n, pdt, special=True), view(n, mdt), view(n, mdt, True),
+                                 torch.tensor(float(torch.randint(0, 50, (), generator=g))))):
+            xs.append(t)
+    return lists
+
+
+@FUZZ_LONG
+@given(data=st.data(), count=st.integers(561, 1200), seed=st.integers(0, 2**31 - 1), adam=st.booleans())
+def test_optim_long_lists_match_reference(data, count, seed, adam):
+    """Lists longer than one CUDA launch table (560 tensors): the Philox index k runs over the whole list."""
+    lists = long_optim_lists(count, seed)
+    _run_adamw(data, lists) if adam else _run_sgd(data, lists)
+
+
+@cuda_test
+@FUZZ
+@given(data=st.data(), lists=optim_lists(), adam=st.booleans())
+def test_cuda_optim_steps_match_reference(data, lists, adam):
+    _run_adamw(data, lists, "cuda") if adam else _run_sgd(data, lists, "cuda")
+
+
+@cuda_test
+@FUZZ_LONG
+@given(data=st.data(), count=st.integers(561, 1200), adam=st.booleans())
+def test_cuda_optim_long_lists_match_reference(data, count, adam):
+    lists = long_optim_lists(count, data.draw(st.integers(0, 2**31 - 1)))
+    _run_adamw(data, lists, "cuda") if adam else _run_sgd(data, lists, "cuda")

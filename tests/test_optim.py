@@ -267,6 +267,7 @@ def test_views_with_storage_offsets(device):
     (lambda L: L[0].__setitem__(0, torch.zeros(37, dtype=torch.float16)), TypeError, r"params\[0\]"),
     (lambda L: L[0].__setitem__(1, torch.zeros(9, 5).t()), ValueError, r"params\[1\]"),
     (lambda L: L[4].pop(), ValueError, r"steps"),
+    (lambda L: L[3].__setitem__(0, L[3][0].bfloat16()), TypeError, r"exp_avg_sqs\[0\].*exp_avgs\[0\]"),
 ])
 def test_bad_inputs_name_argument_and_change_nothing(mutate, err, match):
     lists = _lists([(37,), (5, 9)], torch.bfloat16, torch.float32)
@@ -436,3 +437,189 @@ def test_sr_adamw_trains_bf16_like_fp32():
     assert fp32 < 0.25 * initial, (initial, fp32)
     assert rn > 3 * fp32, (fp32, rn)  # round to nearest: stuck near the start
     assert abs(sr - fp32) <= 0.05 * fp32, (fp32, sr, rn)
+
+
+# --------------------------------------------------------------------------- cached step plans
+#
+# The oracle: the same optimizer with its plans dropped before every step (so
+# every step builds and validates from scratch) must give bitwise the same
+# params and state as the one that reuses its plans; the random bits come
+# from torch.manual_seed before each step.
+
+
+def _pair(cls, dtype, device, **kw):
+    out = []
+    for _ in range(2):
+        model = _model(dtype, device)
+        out.append((model, getattr(optim, cls)(model.parameters(), lr=1e-2, **kw)))
+    return out
+
+
+def _grads(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
+
+
+def _step_both(pair, seed, fresh=True):
+    for k, (model, opt) in enumerate(pair):
+        if k == 0 and fresh:
+            opt._plans = {}
+        torch.manual_seed(seed)
+        opt.step()
+
+
+def _assert_same(pair):
+    (m0, o0), (m1, o1) = pair
+    for p, q in zip(m0.parameters(), m1.parameters()):
+        assert_bitwise_equal(p.detach(), q.detach(), "param")
+        assert set(o0.state[p]) == set(o1.state[q])
+        for key, v in o0.state[p].items():
+            if isinstance(v, torch.Tensor):
+                assert_bitwise_equal(v, o1.state[q][key], key)
+
+
+PLAN_CASES = [("AdamW", {}), ("AdamW", dict(moment_dtype=torch.bfloat16)), ("SGD", dict(momentum=0.9)),
+              ("SGD", {})]
+
+
+@pytest.mark.parametrize("cls,kw", PLAN_CASES)
+def test_plan_steady_steps_equal_fresh_steps(device, cls, kw):
+    pair = _pair(cls, torch.bfloat16, device, **kw)
+    for s in range(4):
+        for model, _ in pair:
+            _grads(model, s)  # new grad tensors, as after zero_grad(set_to_none=True)
+        _step_both(pair, s)
+        _assert_same(pair)
+    assert len(pair[1][1]._plans) == 1
+
+
+@pytest.mark.parametrize("cls,kw", PLAN_CASES)
+def test_plan_rebuilt_when_params_grads_or_state_change(cls, kw):
+    pair = _pair(cls, torch.bfloat16, "cpu", **kw)
+
+    def step(s, change=None):
+        for model, opt in pair:
+            _grads(model, s)
+            if change is not None:
+                change(model, opt)
+        _step_both(pair, s)
+        _assert_same(pair)
+
+    step(0)
+    step(1, lambda m, o: setattr(m[0].bias, "grad", None))  # a grad set to None: that param is left alone
+    step(2)  # and comes back
+    step(3, lambda m, o: setattr(m[2].weight, "data", m[2].weight.detach().clone()))  # a param's storage
+    if cls == "AdamW" or kw:
+        key = "exp_avg" if cls == "AdamW" else "momentum_buffer"
+        step(4, lambda m, o: o.state[m[0].weight].__setitem__(key, torch.full_like(o.state[m[0].weight][key], 0.5)))
+        step(5, lambda m, o: o.load_state_dict(o.state_dict()))
+        step(6, lambda m, o: o.state.__setitem__(m[0].bias, {}))  # state dropped: created anew
+    # A param replaced in its group.
+    new = [torch.nn.Parameter(torch.randn(3, generator=torch.Generator().manual_seed(9)).bfloat16()) for _ in pair]
+    for i, (model, opt) in enumerate(pair):
+        _grads(model, 7)
+        opt.param_groups[0]["params"][1] = new[i]
+        new[i].grad = torch.ones(3, dtype=torch.bfloat16)
+        torch.manual_seed(7)
+        if i == 0:
+            opt._plans = {}
+        opt.step()
+    assert_bitwise_equal(new[0].detach(), new[1].detach(), "replaced param")
+    # A param group added.
+    extra = [torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16)) for _ in pair]
+    for e, (_, opt) in zip(extra, pair):
+        opt.add_param_group({"params": [e], "lr": 0.5})
+        e.grad = torch.full((5,), 0.25, dtype=torch.bfloat16)
+    _step_both(pair, 8)
+    assert_bitwise_equal(extra[0].detach(), extra[1].detach(), "added group")
+    assert not torch.equal(extra[1].detach(), torch.ones(5, dtype=torch.bfloat16))
+    assert len(pair[1][1]._plans) == 2
+
+
+def test_plan_steps_are_views_of_one_counter_and_round_trip():
+    model = _model(torch.bfloat16)
+    opt = optim.AdamW(model.parameters(), lr=1e-2)
+    for s in range(3):
+        _grads(model, s)
+        opt.step()
+    steps = [opt.state[p]["step"] for p in model.parameters()]
+    assert all(t.dtype == torch.float32 and t.shape == () and float(t) == 3.0 for t in steps)
+    assert all(t._base is steps[0]._base for t in steps)  # one add per step moves them all
+    sd = opt.state_dict()
+    other = optim.AdamW(_model(torch.bfloat16).parameters(), lr=1e-2)
+    other.load_state_dict(sd)
+    assert float(other.state[next(iter(other.state))]["step"]) == 3.0
+
+
+def test_plan_momentum_switched_on_later():
+    pair = _pair("SGD", torch.bfloat16, "cpu", momentum=0.0)
+    for s in range(3):
+        for model, opt in pair:
+            _grads(model, s)
+            if s == 2:
+                opt.param_groups[0]["momentum"] = 0.9
+        _step_both(pair, s)
+        _assert_same(pair)
+    assert "momentum_buffer" in pair[1][1].state[next(pair[1][0].parameters())]
+
+
+def _bad_grad_cases():
+    def other_dtype(p):
+        p.grad.data = p.grad.float()
+
+    def other_shape(p):
+        p.grad.data = torch.zeros(p.numel() + 1, dtype=p.dtype)
+
+    def non_contiguous(p):
+        p.grad.data = torch.zeros(p.shape[::-1], dtype=p.dtype).t()
+
+    def sparse(p):
+        p.grad = p.grad.to_sparse()
+
+    return [(other_dtype, TypeError, r"grads\[\d\]"), (other_shape, ValueError, r"grads\[\d\]"),
+            (non_contiguous, ValueError, r"grads\[\d\].*contiguous"),
+            (sparse, ValueError, "sparse")]
+
+
+@pytest.mark.parametrize("mutate,err,match", _bad_grad_cases())
+@pytest.mark.parametrize("cls", ["AdamW", "SGD"])
+def test_plan_bad_grad_errors_and_changes_nothing(cls, mutate, err, match):
+    model = _model(torch.bfloat16)
+    opt = getattr(optim, cls)(model.parameters(), lr=1e-2, **({"momentum": 0.9} if cls == "SGD" else {}))
+    for s in range(2):
+        _grads(model, s)
+        opt.step()
+    _grads(model, 5)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = {(i, k): v.clone() for i, p in enumerate(model.parameters()) for k, v in opt.state[p].items()}
+    mutate(model[2].weight)
+    with pytest.raises(err, match=match):
+        opt.step()
+    for p, before in zip(model.parameters(), params):
+        assert_bitwise_equal(p.detach(), before, "param")
+    after = {(i, k): v for i, p in enumerate(model.parameters()) for k, v in opt.state[p].items()}
+    assert set(after) == set(state)
+    for k in state:
+        assert_bitwise_equal(after[k], state[k], str(k))
+    # Fixed, it goes on.
+    _grads(model, 6)
+    opt.step()
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("cls", ["AdamW", "SGD"])
+def test_plan_grad_on_another_device_errors(cls):
+    model = _model(torch.bfloat16, "cuda")
+    opt = getattr(optim, cls)(model.parameters(), lr=1e-2, momentum=0.9) if cls == "SGD" else \
+        optim.AdamW(model.parameters(), lr=1e-2)
+    _grads(model, 0)
+    opt.step()
+    _grads(model, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    model[2].weight.grad.data = model[2].weight.grad.cpu()
+    with pytest.raises(ValueError, match="cpu|cuda"):
+        opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert_bitwise_equal(p.detach(), b, "param")
