@@ -12,6 +12,19 @@
 // moments) and writes one partial; no block barrier on the hot path.
 // Stage 2: one block per tensor merges its partials in a fixed order and
 // writes the final statistics (stats_math.h), so one transfer reads them all.
+//
+// EXPERIMENTS (AAMP_STATS_VARIANT, experiments.h; to be removed once
+// measured, keeping the winner): variant 0 is the path above. Variant 1
+// (a) takes each thread's pivot from its first loaded vector (the same
+// element as variant 0, so the same per-thread sums) instead of a separate
+// load whose result the SASS consumed before issuing the chunk's bulk loads
+// (a full DRAM latency per chunk), and (b) merges the chunk's 8 warp
+// partials in a fixed order through shared memory into one block partial,
+// so the finishing merge chains are 8x shorter (GPT-2's embedding: 2356
+// partials instead of 18.8k). Variant 2 is variant 1 plus an L2 prefetch of
+// the chunk's later vectors at its start, so that the whole 64 KB chunk is
+// in flight at once instead of one batch of kUnroll vectors per thread at a
+// time (each batch otherwise waits a full DRAM latency).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -19,6 +32,7 @@
 
 #include "cuda_elements.cuh"
 #include "cuda_utils.cuh"
+#include "experiments.h"
 #include "multi_tensor.cuh"
 #include "stats.h"
 #include "stats_math.h"
@@ -74,6 +88,52 @@ __device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, in
     done = nvec * kPer;
   }
   for (int i = done + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
+}
+
+// EXPERIMENT (variants 1, 2): for_each for the fast path, which also sets
+// f.pivot to the element thread_share names (the same pivot as variant 0):
+// for a thread with vectors, the first element of its first vector, taken
+// after the batch's loads are issued, so no load waits on another.
+template <class E, bool kPrefetch, class F>
+__device__ __forceinline__ void for_each_pivot(const typename E::T* __restrict__ x, int n, int pivot_index, F& f) {
+  using T = typename E::T;
+  constexpr int kPer = 16 / sizeof(T);
+  int nvec = 0;
+  if ((reinterpret_cast<std::uintptr_t>(x) & 15u) == 0) {
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    nvec = n / kPer;
+    if (kPrefetch) {
+      // The batches after the first: into L2 now, so that their loads below
+      // find them there instead of each waiting for DRAM in turn.
+      for (int idx = threadIdx.x + kThreads * kUnroll; idx < nvec; idx += kThreads) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(xv + idx));
+      }
+    }
+    for (int base = threadIdx.x; base < nvec; base += kThreads * kUnroll) {
+      Vec16<E> v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int idx = base + u * kThreads;
+        if (idx < nvec) v[u].raw = __ldg(xv + idx);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * kThreads < nvec) {
+          // base == threadIdx.x: the thread's first vector, whose first
+          // element is element threadIdx.x * kPer == pivot_index. Set here,
+          // after every load of the batch is issued: placed right after the
+          // loads, ptxas scheduled its wait on the first load between them.
+          if (u == 0 && base == static_cast<int>(threadIdx.x)) f.pivot = stats_pivot(E::load(v[0].e[0]));
+#pragma unroll
+          for (int k = 0; k < kPer; ++k) f(E::load(v[u].e[k]));
+        }
+      }
+    }
+  }
+  // Threads without vectors (unaligned data, short last chunks): the pivot is
+  // in the scalar part, loaded here as variant 0 does.
+  if (static_cast<int>(threadIdx.x) >= nvec) f.pivot = stats_pivot(E::load(x[pivot_index]));
+  for (int i = nvec * kPer + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
 }
 
 // How many elements for_each gives this thread, and the index of an element
@@ -238,14 +298,21 @@ struct ScaleArg {
   __device__ __forceinline__ float of(int t) const { return ptr != nullptr ? ptr[t * stride] : value; }
 };
 
-template <class E, bool kFmt>
+template <class E, bool kFmt, int kVariant>
 __device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restrict__ x, int n, float scale,
                                                   FormatLimits lim) {
   int at;
   const int share = thread_share<E>(x, n, at);
-  const float pivot = stats_pivot(E::load(x[at]));
-  Fast<kFmt> fast(pivot, scale, lim);
-  for_each<E>(x, n, fast);
+  float pivot;
+  Fast<kFmt> fast(0.0f, scale, lim);
+  if (kVariant == 0) {
+    pivot = stats_pivot(E::load(x[at]));
+    fast.pivot = pivot;
+    for_each<E>(x, n, fast);
+  } else {
+    for_each_pivot<E, kVariant == 2>(x, n, at, fast);
+    pivot = fast.pivot;
+  }
   const bool finite_scale = !kFmt || (__float_as_uint(scale) & 0x7fffffffu) < 0x7f800000u;
   if (finite_scale && fast.trusted(share)) return fast.partial(share);
   Careful<kFmt> careful(pivot, scale, lim);
@@ -253,11 +320,45 @@ __device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restric
   return careful.partial();
 }
 
-template <class Table, bool kFmt, int kOnly>
+// Partials kept per chunk: one per warp (variant 0) or one per block.
+template <int kVariant>
+constexpr int partials_per_chunk() {
+  return kVariant == 0 ? kWarps : 1;
+}
+
+// EXPERIMENT (variants 1, 2): the block's warp partials (each valid in its
+// lane 0) merged into one, valid in thread 0. Warp w's partial goes to slot
+// w; warp 0 then reduces the slots with the same fixed shuffle tree (lanes
+// past kWarps hold empty partials, which merge as no-ops), so the order is
+// fixed. The slots alternate between two buffers by chunk parity: the one
+// barrier per chunk then also orders warp 0's reads of chunk i before any
+// write of chunk i + 2.
+__device__ __forceinline__ void block_reduce(StatsPartial& p, StatsPartial (*slots)[kWarps], int parity) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) slots[parity][warp] = p;
+  __syncthreads();
+  if (warp == 0) {
+    if (lane < kWarps) {
+      p = slots[parity][lane];
+    } else {
+      p.mean = 0.0;
+      p.m2 = 0.0;
+      p.count = p.zero = p.nan = p.inf = p.at_most_lo = p.below_hi = p.over = 0;
+      p.min_key = 0x7fffffff;
+      p.max_key = static_cast<int>(0x80000000u);
+      p.abs_key = 0xffffffffu;
+    }
+    warp_reduce(p);
+  }
+}
+
+template <class Table, bool kFmt, int kOnly, int kVariant>
 __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
     stats_kernel(const __grid_constant__ Table table, ScaleArg scale, FormatLimits lim,
                  StatsPartial* __restrict__ partials) {
+  __shared__ StatsPartial slots[kVariant == 0 ? 1 : 2][kWarps];
   const unsigned total = table.chunk_begin[table.count];
+  int parity = 0;
   for (unsigned c = blockIdx.x; c < total; c += gridDim.x) {
     const int t = table_find(table, c);
     const unsigned local = c - table.chunk_begin[t];
@@ -271,22 +372,28 @@ __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
     switch (static_cast<DType>(dtype)) {
       case DType::kFloat32: {
         const float* x = static_cast<const float*>(table.data[t]);
-        p = run_chunk<F32, kFmt>(x + offset, n, s, lim);
+        p = run_chunk<F32, kFmt, kVariant>(x + offset, n, s, lim);
         break;
       }
       case DType::kFloat16: {
         const unsigned short* x = static_cast<const unsigned short*>(table.data[t]);
-        p = run_chunk<F16, kFmt>(x + offset, n, s, lim);
+        p = run_chunk<F16, kFmt, kVariant>(x + offset, n, s, lim);
         break;
       }
       default: {
         const unsigned short* x = static_cast<const unsigned short*>(table.data[t]);
-        p = run_chunk<BF16, kFmt>(x + offset, n, s, lim);
+        p = run_chunk<BF16, kFmt, kVariant>(x + offset, n, s, lim);
         break;
       }
     }
     warp_reduce(p);
-    if ((threadIdx.x & 31) == 0) partials[static_cast<std::size_t>(c) * kWarps + (threadIdx.x >> 5)] = p;
+    if (kVariant == 0) {
+      if ((threadIdx.x & 31) == 0) partials[static_cast<std::size_t>(c) * kWarps + (threadIdx.x >> 5)] = p;
+    } else {
+      block_reduce(p, slots, parity);
+      parity ^= 1;
+      if (threadIdx.x == 0) partials[c] = p;
+    }
   }
 }
 
@@ -317,15 +424,15 @@ __device__ __forceinline__ StatsTotals shfl_down(const StatsTotals& t, int o) {
 // tensors keep 256-thread blocks, most of whose threads would idle.
 constexpr int kWideFinish = 512;
 
-template <class Table, bool kFmt, int kFinishThreads>
+template <class Table, bool kFmt, int kFinishThreads, int kPerChunk>
 __global__ void __launch_bounds__(kFinishThreads)
     stats_finish_kernel(const __grid_constant__ Table table, ScaleArg scale, const StatsPartial* __restrict__ partials,
                         double* __restrict__ out) {
   const int t = blockIdx.x;
   const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
   StatsTotals tot;
-  const std::size_t last = static_cast<std::size_t>(end) * kWarps;
-  std::size_t p = static_cast<std::size_t>(begin) * kWarps + threadIdx.x;
+  const std::size_t last = static_cast<std::size_t>(end) * kPerChunk;
+  std::size_t p = static_cast<std::size_t>(begin) * kPerChunk + threadIdx.x;
   // Each merge depends on the one before, so a thread's partials form a
   // chain: the next one is loaded before the current one is merged, so the
   // load overlaps the merge (the merge order is unchanged).
@@ -355,25 +462,38 @@ __global__ void __launch_bounds__(kFinishThreads)
   }
 }
 
-template <class Table, bool kFmt, int kOnly>
-void launch(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* partials, double* out,
-            cudaStream_t stream, int device) {
+template <class Table, bool kFmt, int kOnly, int kVariant>
+void launch_variant(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* partials, double* out,
+                    cudaStream_t stream, int device) {
   const unsigned total = table.chunk_begin[table.count];
   if (total > 0) {
     // One block per chunk up to a cap; the kernel loops past it.
     const unsigned cap = static_cast<unsigned>(multiprocessor_count(device)) * 256u;
-    stats_kernel<Table, kFmt, kOnly><<<std::min(total, cap), kThreads, 0, stream>>>(table, scale, lim, partials);
+    stats_kernel<Table, kFmt, kOnly, kVariant>
+        <<<std::min(total, cap), kThreads, 0, stream>>>(table, scale, lim, partials);
     AAMP_CUDA_CHECK_LAUNCH("stats_kernel");
   }
+  constexpr int kPer = partials_per_chunk<kVariant>();
   unsigned most = 0;  // the most chunks of one tensor
   for (int i = 0; i < table.count; ++i) most = std::max(most, table.chunk_begin[i + 1] - table.chunk_begin[i]);
   const unsigned blocks = static_cast<unsigned>(table.count);
-  if (most * kWarps > 8u * kThreads) {
-    stats_finish_kernel<Table, kFmt, kWideFinish><<<blocks, kWideFinish, 0, stream>>>(table, scale, partials, out);
+  if (most * kPer > 8u * kThreads) {
+    stats_finish_kernel<Table, kFmt, kWideFinish, kPer>
+        <<<blocks, kWideFinish, 0, stream>>>(table, scale, partials, out);
   } else {
-    stats_finish_kernel<Table, kFmt, kThreads><<<blocks, kThreads, 0, stream>>>(table, scale, partials, out);
+    stats_finish_kernel<Table, kFmt, kThreads, kPer><<<blocks, kThreads, 0, stream>>>(table, scale, partials, out);
   }
   AAMP_CUDA_CHECK_LAUNCH("stats_finish_kernel");
+}
+
+template <class Table, bool kFmt, int kOnly>
+void launch(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* partials, double* out,
+            cudaStream_t stream, int device) {
+  switch (experiment(Experiment::kStats)) {  // EXPERIMENT: see the top of the file
+    case 1: return launch_variant<Table, kFmt, kOnly, 1>(table, scale, lim, partials, out, stream, device);
+    case 2: return launch_variant<Table, kFmt, kOnly, 2>(table, scale, lim, partials, out, stream, device);
+    default: return launch_variant<Table, kFmt, kOnly, 0>(table, scale, lim, partials, out, stream, device);
+  }
 }
 
 // fp32-only lists (the common case: fp32 gradients and master weights) get
@@ -417,7 +537,8 @@ void tensor_stats_cuda(const StatsArgs& a) {
       next = fill_table(large, a.tensors, first, kStatsChunk);
       launch_table(large, a, scale, lim, partials, out, stream);
     }
-    // Partials are indexed per launch; advance past this launch's chunks.
+    // Partials are indexed per launch; advance past this launch's chunks (at
+    // kWarps slots a chunk for every variant: the workspace has room).
     std::int64_t used = 0;
     for (std::size_t i = first; i < next; ++i) used += (a.tensors[i].numel + kStatsChunk - 1) / kStatsChunk;
     partials += used * kWarps;
