@@ -15,6 +15,7 @@ from adaptive_amp.adjust import DynamicPrecisionAdjuster
 from adaptive_amp import tensor_stats
 from adaptive_amp.analysis import PrecisionAnalysis, PrecisionAnalyzer, current_scale
 from adaptive_amp.demo import TinyLM
+from conftest import cuda_param
 
 
 @dataclass(frozen=True)
@@ -53,16 +54,17 @@ def hooks_and_forwards(model):
 # ---------------------------------------------------------------- adjuster
 
 
-def test_islands_run_in_fp32_others_in_compute_dtype():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_islands_run_in_fp32_others_in_compute_dtype(device, dtype):
     torch.manual_seed(0)
-    model, x = Net(), torch.randn(4, 8)
-    adj = DynamicPrecisionAdjuster(model, Policy(torch.bfloat16, ("b",)))
+    model, x = Net().to(device), torch.randn(4, 8, device=device)
+    adj = DynamicPrecisionAdjuster(model, Policy(dtype, ("b",)))
     with adj.autocast():
         y = model(x)
-    assert model.a.seen == (torch.float32, torch.bfloat16)
-    assert model.b.seen == (torch.float32, torch.float32)  # its input came from a in bf16: cast back up
-    assert model.c.seen == (torch.float32, torch.bfloat16)
-    assert y.dtype == torch.bfloat16
+    assert model.a.seen == (torch.float32, dtype)
+    assert model.b.seen == (torch.float32, torch.float32)  # its input came from a in low precision: cast back up
+    assert model.c.seen == (torch.float32, dtype)
+    assert y.dtype == dtype
     assert adj.islands == ("b",)
 
 
@@ -197,10 +199,10 @@ class Planted(nn.Module):
         return torch.cat([ordinary, big, cancel], dim=-1)
 
 
-@pytest.fixture(scope="module")
-def planted():
+@pytest.fixture(scope="module", params=["cpu", cuda_param()])
+def planted(request):
     torch.manual_seed(1)
-    model, x = Planted(), torch.randn(64, 16)
+    model, x = Planted().to(request.param), torch.randn(64, 16).to(request.param)
     analysis = PrecisionAnalyzer().analyze(model, x, loss_fn=lambda y: y.square().mean())
     return model, x, analysis
 
