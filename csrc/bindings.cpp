@@ -591,8 +591,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_variant", &aamp::set_experiment, py::arg("name"), py::arg("value"));
   m.def("_get_variant", [](const std::string& name) {
     if (name == "stats" || name == "AAMP_STATS_VARIANT") return aamp::experiment(aamp::Experiment::kStats);
-    if (name == "sround_e4m3" || name == "AAMP_SR_E4M3_VARIANT") return aamp::experiment(aamp::Experiment::kSroundE4M3);
-    throw aamp::ArgumentError("_get_variant: unknown experiment '" + name + "' (stats, sround_e4m3)");
+    throw aamp::ArgumentError("_get_variant: unknown experiment '" + name + "' (stats)");
   }, py::arg("name"));
 
   m.attr("UNSCALE_CHUNK") = aamp::kUnscaleChunk;

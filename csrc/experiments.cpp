@@ -18,13 +18,12 @@ struct Info {
 };
 
 constexpr Info kInfo[] = {
-    {"stats", "AAMP_STATS_VARIANT", 3},
-    {"sround_e4m3", "AAMP_SR_E4M3_VARIANT", 3},
+    {"stats", "AAMP_STATS_VARIANT", 2},
 };
 static_assert(sizeof(kInfo) / sizeof(kInfo[0]) == static_cast<int>(Experiment::kCount), "one Info per experiment");
 
 constexpr int kUnread = -1;
-std::atomic<int> g_value[static_cast<int>(Experiment::kCount)] = {{kUnread}, {kUnread}};
+std::atomic<int> g_value[static_cast<int>(Experiment::kCount)] = {{kUnread}};
 
 int checked(const Info& info, long v, const std::string& source) {
   if (v < 0 || v >= info.variants) {
@@ -59,7 +58,7 @@ void set_experiment(const std::string& name, int value) {
       return;
     }
   }
-  throw ArgumentError("_set_variant: unknown experiment '" + name + "' (stats, sround_e4m3)");
+  throw ArgumentError("_set_variant: unknown experiment '" + name + "' (stats)");
 }
 
 }  // namespace aamp

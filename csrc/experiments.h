@@ -12,16 +12,15 @@
 namespace aamp {
 
 enum class Experiment : int {
-  kStats = 0,       // AAMP_STATS_VARIANT: tensor_stats main loop (stats_cuda.cu)
-  kSroundE4M3 = 1,  // AAMP_SR_E4M3_VARIANT: fp32 -> e4m3 stochastic rounding (sround_cuda.cu)
+  kStats = 0,  // AAMP_STATS_VARIANT: tensor_stats main loop (stats_cuda.cu)
   kCount
 };
 
 // The variant in force (environment at first use, or the last set_experiment).
 int experiment(Experiment e);
 
-// Sets an experiment's variant by its name ("stats" or "sround_e4m3" or the
-// environment variable's name); ArgumentError on an unknown name or variant.
+// Sets an experiment's variant by its name ("stats" or the environment
+// variable's name); ArgumentError on an unknown name or variant.
 void set_experiment(const std::string& name, int value);
 
 }  // namespace aamp

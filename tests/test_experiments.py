@@ -1,5 +1,5 @@
 """EXPERIMENTS (to be removed with csrc/experiments.h once measured): the runtime variant switch, and every
-variant meeting the same contract on the GPU (stats against the CPU kernel; stochastic rounding bitwise)."""
+tensor_stats variant meeting the same contract on the GPU (against the CPU kernel)."""
 import pytest
 import torch
 
@@ -12,23 +12,24 @@ from conftest import assert_stats_match, requires_cuda
 def _restore():
     yield
     _C._set_variant("stats", 0)
-    _C._set_variant("sround_e4m3", 0)
 
 
 def test_switch():
-    for name, env in (("stats", "AAMP_STATS_VARIANT"), ("sround_e4m3", "AAMP_SR_E4M3_VARIANT")):
-        for v in (2, 1, 0):
-            _C._set_variant(env if v == 1 else name, v)
-            assert _C._get_variant(name) == v
-        with pytest.raises(ValueError, match="not in 0..2"):
-            _C._set_variant(name, 3)
-    with pytest.raises(ValueError, match="unknown experiment"):
-        _C._set_variant("nope", 0)
+    for v in (1, 0):
+        _C._set_variant("AAMP_STATS_VARIANT" if v == 1 else "stats", v)
+        assert _C._get_variant("stats") == v
+    with pytest.raises(ValueError, match="not in 0..1"):
+        _C._set_variant("stats", 2)
+    for gone in ("sround_e4m3", "nope"):
+        with pytest.raises(ValueError, match="unknown experiment"):
+            _C._set_variant(gone, 0)
+        with pytest.raises(ValueError, match="unknown experiment"):
+            _C._get_variant(gone)
 
 
 @pytest.mark.cuda
 @requires_cuda
-@pytest.mark.parametrize("variant", [0, 1, 2])
+@pytest.mark.parametrize("variant", [0, 1])
 def test_stats_variants_match_cpu(variant):
     g = torch.Generator().manual_seed(variant)
     sizes = [1, 5, 16383, 16384, 16385, 3 * 16384 + 7, 300_001]
@@ -43,20 +44,3 @@ def test_stats_variants_match_cpu(variant):
         assert_stats_match(gpu, cpu, f"variant {variant} fmt={fmt}")
         assert str(gpu) == str(again)  # deterministic run to run
 
-
-@pytest.mark.cuda
-@requires_cuda
-@pytest.mark.parametrize("variant", [1, 2])
-def test_sround_e4m3_variants_bitwise(variant):
-    x = torch.randn(1_000_003, generator=torch.Generator().manual_seed(1)) * 2.0 ** torch.randint(-12, 8, (1,))
-    x[[0, 5, 77]] = torch.tensor([float("nan"), float("inf"), 1e-30])
-    cpu = adaptive_amp.stochastic_round(x, torch.float8_e4m3fn, seed=3, offset=4)
-    for shift in (0, 1):
-        xs = x.cuda()[shift:]
-        _C._set_variant("sround_e4m3", variant)
-        got = adaptive_amp.stochastic_round(xs, torch.float8_e4m3fn, seed=3, offset=4).cpu()
-        _C._set_variant("sround_e4m3", 0)
-        base = adaptive_amp.stochastic_round(xs, torch.float8_e4m3fn, seed=3, offset=4).cpu()
-        assert torch.equal(got.view(torch.uint8), base.view(torch.uint8))
-        if shift == 0:
-            assert torch.equal(got.view(torch.uint8), cpu.view(torch.uint8))
