@@ -18,12 +18,6 @@
 // 2356 partials).
 // Stage 2: one block per tensor merges its partials in a fixed order and
 // writes the final statistics (stats_math.h), so one transfer reads them all.
-//
-// EXPERIMENT (AAMP_STATS_VARIANT, experiments.h; to be removed once
-// measured, keeping the winner): variant 0 is the design above with 4
-// vectors (64 bytes) in flight per thread; variant 1 keeps 8 (128 bytes,
-// 32 KB per block), so a 64 KB chunk of fp32 takes 2 batches, each waiting
-// one DRAM latency, instead of 4.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -31,7 +25,6 @@
 
 #include "cuda_elements.cuh"
 #include "cuda_utils.cuh"
-#include "experiments.h"
 #include "multi_tensor.cuh"
 #include "stats.h"
 #include "stats_math.h"
@@ -43,13 +36,12 @@ namespace {
 #ifndef AAMP_STATS_THREADS
 #define AAMP_STATS_THREADS 256
 #endif
-// Build-time knob for tuning sweeps (ADAPTIVE_AMP_NVCC_FLAGS).
+#ifndef AAMP_STATS_UNROLL
+#define AAMP_STATS_UNROLL 4
+#endif
+// Build-time knobs for tuning sweeps (ADAPTIVE_AMP_NVCC_FLAGS).
 constexpr int kThreads = AAMP_STATS_THREADS;
-// 16-byte loads in flight per thread, by variant (see the top of the file).
-template <int kVariant>
-constexpr int unroll_of() {
-  return kVariant == 1 ? 8 : 4;
-}
+constexpr int kUnroll = AAMP_STATS_UNROLL;  // 16-byte loads in flight per thread
 constexpr int kWarps = kThreads / 32;
 static_assert(kWarps <= 32, "warp 0 merges the warp partials, one a lane");
 constexpr int kAnyDType = -1;
@@ -62,12 +54,11 @@ using elements::Vec16;
 
 // Calls f(value) for this thread's elements of a chunk: the careful path's
 // walk. The assignment of elements to threads depends only on n and the
-// alignment, never on timing (nor on kUnroll, which only groups the loads).
+// alignment, never on timing.
 template <class E, class F>
 __device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, int n, F& f) {
   using T = typename E::T;
   constexpr int kPer = 16 / sizeof(T);
-  constexpr int kUnroll = 4;
   int done = 0;
   if ((reinterpret_cast<std::uintptr_t>(x) & 15u) == 0) {
     const uint4* xv = reinterpret_cast<const uint4*>(x);
@@ -92,11 +83,10 @@ __device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, in
   for (int i = done + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
 }
 
-// for_each for the fast path (the same elements in the same order, kUnroll
-// vectors in flight), which also sets f.pivot to the element thread_share
+// for_each for the fast path (the same elements in the same order), which also sets f.pivot to the element thread_share
 // names: for a thread with vectors, the first element of its first vector,
 // taken after the batch's loads are issued, so no load waits on another.
-template <class E, int kUnroll, class F>
+template <class E, class F>
 __device__ __forceinline__ void for_each_pivot(const typename E::T* __restrict__ x, int n, int pivot_index, F& f) {
   using T = typename E::T;
   constexpr int kPer = 16 / sizeof(T);
@@ -293,13 +283,13 @@ struct ScaleArg {
   __device__ __forceinline__ float of(int t) const { return ptr != nullptr ? ptr[t * stride] : value; }
 };
 
-template <class E, bool kFmt, int kUnroll>
+template <class E, bool kFmt>
 __device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restrict__ x, int n, float scale,
                                                   FormatLimits lim) {
   int at;
   const int share = thread_share<E>(x, n, at);
   Fast<kFmt> fast(0.0f, scale, lim);
-  for_each_pivot<E, kUnroll>(x, n, at, fast);
+  for_each_pivot<E>(x, n, at, fast);
   const bool finite_scale = !kFmt || (__float_as_uint(scale) & 0x7fffffffu) < 0x7f800000u;
   if (finite_scale && fast.trusted(share)) return fast.partial(share);
   Careful<kFmt> careful(fast.pivot, scale, lim);
@@ -332,11 +322,10 @@ __device__ __forceinline__ void block_reduce(StatsPartial& p, StatsPartial (*slo
   }
 }
 
-template <class Table, bool kFmt, int kOnly, int kVariant>
+template <class Table, bool kFmt, int kOnly>
 __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
     stats_kernel(const __grid_constant__ Table table, ScaleArg scale, FormatLimits lim,
                  StatsPartial* __restrict__ partials) {
-  constexpr int kUnroll = unroll_of<kVariant>();
   __shared__ StatsPartial slots[2][kWarps];
   const unsigned total = table.chunk_begin[table.count];
   int parity = 0;
@@ -353,17 +342,17 @@ __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
     switch (static_cast<DType>(dtype)) {
       case DType::kFloat32: {
         const float* x = static_cast<const float*>(table.data[t]);
-        p = run_chunk<F32, kFmt, kUnroll>(x + offset, n, s, lim);
+        p = run_chunk<F32, kFmt>(x + offset, n, s, lim);
         break;
       }
       case DType::kFloat16: {
         const unsigned short* x = static_cast<const unsigned short*>(table.data[t]);
-        p = run_chunk<F16, kFmt, kUnroll>(x + offset, n, s, lim);
+        p = run_chunk<F16, kFmt>(x + offset, n, s, lim);
         break;
       }
       default: {
         const unsigned short* x = static_cast<const unsigned short*>(table.data[t]);
-        p = run_chunk<BF16, kFmt, kUnroll>(x + offset, n, s, lim);
+        p = run_chunk<BF16, kFmt>(x + offset, n, s, lim);
         break;
       }
     }
@@ -439,14 +428,14 @@ __global__ void __launch_bounds__(kFinishThreads)
   }
 }
 
-template <class Table, bool kFmt, int kOnly, int kVariant>
-void launch_variant(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* partials, double* out,
-                    cudaStream_t stream, int device) {
+template <class Table, bool kFmt, int kOnly>
+void launch(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* partials, double* out,
+            cudaStream_t stream, int device) {
   const unsigned total = table.chunk_begin[table.count];
   if (total > 0) {
     // One block per chunk up to a cap; the kernel loops past it.
     const unsigned cap = static_cast<unsigned>(multiprocessor_count(device)) * 256u;
-    stats_kernel<Table, kFmt, kOnly, kVariant>
+    stats_kernel<Table, kFmt, kOnly>
         <<<std::min(total, cap), kThreads, 0, stream>>>(table, scale, lim, partials);
     AAMP_CUDA_CHECK_LAUNCH("stats_kernel");
   }
@@ -460,15 +449,6 @@ void launch_variant(const Table& table, ScaleArg scale, FormatLimits lim, StatsP
     stats_finish_kernel<Table, kFmt, kThreads><<<blocks, kThreads, 0, stream>>>(table, scale, partials, out);
   }
   AAMP_CUDA_CHECK_LAUNCH("stats_finish_kernel");
-}
-
-template <class Table, bool kFmt, int kOnly>
-void launch(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* partials, double* out,
-            cudaStream_t stream, int device) {
-  switch (experiment(Experiment::kStats)) {  // EXPERIMENT: see the top of the file
-    case 1: return launch_variant<Table, kFmt, kOnly, 1>(table, scale, lim, partials, out, stream, device);
-    default: return launch_variant<Table, kFmt, kOnly, 0>(table, scale, lim, partials, out, stream, device);
-  }
 }
 
 // fp32-only lists (the common case: fp32 gradients and master weights) get
