@@ -83,9 +83,10 @@ __device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, in
   for (int i = done + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
 }
 
-// for_each for the fast path (the same elements in the same order), which also sets f.pivot to the element thread_share
-// names: for a thread with vectors, the first element of its first vector,
-// taken after the batch's loads are issued, so no load waits on another.
+// for_each for the fast path (the same elements in the same order), which
+// also sets f.pivot to the element thread_share names: for a thread with
+// vectors, the first element of its first vector, taken after the batch's
+// loads are issued, so no load waits on another.
 template <class E, class F>
 __device__ __forceinline__ void for_each_pivot(const typename E::T* __restrict__ x, int n, int pivot_index, F& f) {
   using T = typename E::T;
