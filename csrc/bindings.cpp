@@ -11,7 +11,6 @@
 
 #include "core.h"
 #include "dlpack_abi.h"
-#include "experiments.h"
 #include "optim.h"
 #include "scale_update.h"
 #include "sround.h"
@@ -585,15 +584,6 @@ PYBIND11_MODULE(_C, m) {
     d["compiler"] = __VERSION__;
     return d;
   });
-
-  // EXPERIMENTS (to be removed once measured; experiments.h): switch a
-  // kernel variant within one process, for bench/ab_perf.py.
-  m.def("_set_variant", &aamp::set_experiment, py::arg("name"), py::arg("value"));
-  m.def("_get_variant", [](const std::string& name) {
-    if (name == "stats" || name == "AAMP_STATS_VARIANT") return aamp::experiment(aamp::Experiment::kStats);
-    if (name == "sround_e4m3" || name == "AAMP_SR_E4M3_VARIANT") return aamp::experiment(aamp::Experiment::kSroundE4M3);
-    throw aamp::ArgumentError("_get_variant: unknown experiment '" + name + "' (stats, sround_e4m3)");
-  }, py::arg("name"));
 
   m.attr("UNSCALE_CHUNK") = aamp::kUnscaleChunk;
   m.def("unscale_workspace_bytes", &unscale_workspace_bytes, py::arg("numels"), py::arg("stats"));

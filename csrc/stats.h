@@ -104,14 +104,14 @@ struct StatsArgs {
 // partial reduction.
 constexpr std::int64_t kStatsChunk = 16384;
 
-// Workspace slots per chunk: the CUDA kernel keeps one partial per warp (no
-// block-wide barrier on the hot path), the CPU one per chunk.
-constexpr int kStatsPartialsPerChunk = 16;
+// Workspace slots per chunk: both the CUDA and the CPU kernel keep one
+// partial per chunk.
+constexpr int kStatsPartialsPerChunk = 1;
 
-// The partial results of one warp (CUDA) or one chunk (CPU). Moments are of
-// the finite x: their count, mean and sum of squared deviations from the mean
-// (M2), merged with Chan et al.'s formula. Extrema are kept as integer keys so
-// that they reduce exactly in any order: min_key/max_key order floats
+// The partial results of one chunk. Moments are of the finite x: their
+// count, mean and sum of squared deviations from the mean (M2), merged with
+// Chan et al.'s formula. Extrema are kept as integer keys so that they
+// reduce exactly in any order: min_key/max_key order floats
 // (-0 < +0), abs_key is 2*|x|bits - 2 (unsigned, so zeros wrap to the top
 // and never win a min).
 struct StatsPartial {

@@ -1,30 +1,23 @@
 // CUDA implementation of the statistics family (contract in stats.h).
 //
 // Stage 1: one block per chunk of kStatsChunk elements, 16-byte vector loads
-// when the tensor is aligned (a scalar path otherwise). Each thread first
-// takes a lean fast path that assumes what nearly all data satisfy (finite
-// values whose squares neither overflow nor underflow fp32, and a pivot, an
-// element next to the thread's own, near their mean): fp32 sums of x - pivot,
-// float min/max, integer counts. A thread whose elements break that
-// assumption (fp32_sums_trusted) visits them again with every special handled
-// and fp64 sums. Each warp then reduces its threads in a fixed order (integer
-// reductions for counts and extrema, a shuffle tree of Chan merges for the
-// moments) and writes one partial; no block barrier on the hot path.
+// when the tensor is aligned (a scalar path otherwise), kUnroll of them in
+// flight per thread. Each thread first takes a lean fast path that assumes
+// what nearly all data satisfy (finite values whose squares neither overflow
+// nor underflow fp32, and a pivot, an element next to the thread's own, near
+// their mean): fp32 sums of x - pivot, float min/max, integer counts. The
+// pivot is the first element of the thread's first vector, taken from that
+// loaded vector after the whole batch's loads are issued, so no load of the
+// chunk waits on another. A thread whose elements break the fast path's
+// assumption (fp32_sums_trusted) visits them again with every special
+// handled and fp64 sums. Each warp then reduces its threads in a fixed order
+// (integer reductions for counts and extrema, a shuffle tree of Chan merges
+// for the moments), and warp 0 merges the block's warp partials, in a fixed
+// order through shared memory, into one partial per chunk (one barrier per
+// chunk), which keeps the finishing merge chains short (GPT-2's embedding:
+// 2356 partials).
 // Stage 2: one block per tensor merges its partials in a fixed order and
 // writes the final statistics (stats_math.h), so one transfer reads them all.
-//
-// EXPERIMENTS (AAMP_STATS_VARIANT, experiments.h; to be removed once
-// measured, keeping the winner): variant 0 is the path above. Variant 1
-// (a) takes each thread's pivot from its first loaded vector (the same
-// element as variant 0, so the same per-thread sums) instead of a separate
-// load whose result the SASS consumed before issuing the chunk's bulk loads
-// (a full DRAM latency per chunk), and (b) merges the chunk's 8 warp
-// partials in a fixed order through shared memory into one block partial,
-// so the finishing merge chains are 8x shorter (GPT-2's embedding: 2356
-// partials instead of 18.8k). Variant 2 is variant 1 plus an L2 prefetch of
-// the chunk's later vectors at its start, so that the whole 64 KB chunk is
-// in flight at once instead of one batch of kUnroll vectors per thread at a
-// time (each batch otherwise waits a full DRAM latency).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -32,7 +25,6 @@
 
 #include "cuda_elements.cuh"
 #include "cuda_utils.cuh"
-#include "experiments.h"
 #include "multi_tensor.cuh"
 #include "stats.h"
 #include "stats_math.h"
@@ -51,7 +43,7 @@ namespace {
 constexpr int kThreads = AAMP_STATS_THREADS;
 constexpr int kUnroll = AAMP_STATS_UNROLL;  // 16-byte loads in flight per thread
 constexpr int kWarps = kThreads / 32;
-static_assert(kWarps <= kStatsPartialsPerChunk, "workspace holds kStatsPartialsPerChunk partials a chunk");
+static_assert(kWarps <= 32, "warp 0 merges the warp partials, one a lane");
 constexpr int kAnyDType = -1;
 
 using elements::BF16;
@@ -60,8 +52,9 @@ using elements::F32;
 using elements::Vec16;
 
 
-// Calls f(value) for this thread's elements of a chunk. The assignment of
-// elements to threads depends only on n and the alignment, never on timing.
+// Calls f(value) for this thread's elements of a chunk: the careful path's
+// walk. The assignment of elements to threads depends only on n and the
+// alignment, never on timing.
 template <class E, class F>
 __device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, int n, F& f) {
   using T = typename E::T;
@@ -90,11 +83,11 @@ __device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, in
   for (int i = done + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
 }
 
-// EXPERIMENT (variants 1, 2): for_each for the fast path, which also sets
-// f.pivot to the element thread_share names (the same pivot as variant 0):
-// for a thread with vectors, the first element of its first vector, taken
-// after the batch's loads are issued, so no load waits on another.
-template <class E, bool kPrefetch, class F>
+// for_each for the fast path (the same elements in the same order), which
+// also sets f.pivot to the element thread_share names: for a thread with
+// vectors, the first element of its first vector, taken after the batch's
+// loads are issued, so no load waits on another.
+template <class E, class F>
 __device__ __forceinline__ void for_each_pivot(const typename E::T* __restrict__ x, int n, int pivot_index, F& f) {
   using T = typename E::T;
   constexpr int kPer = 16 / sizeof(T);
@@ -102,13 +95,6 @@ __device__ __forceinline__ void for_each_pivot(const typename E::T* __restrict__
   if ((reinterpret_cast<std::uintptr_t>(x) & 15u) == 0) {
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     nvec = n / kPer;
-    if (kPrefetch) {
-      // The batches after the first: into L2 now, so that their loads below
-      // find them there instead of each waiting for DRAM in turn.
-      for (int idx = threadIdx.x + kThreads * kUnroll; idx < nvec; idx += kThreads) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(xv + idx));
-      }
-    }
     for (int base = threadIdx.x; base < nvec; base += kThreads * kUnroll) {
       Vec16<E> v[kUnroll];
 #pragma unroll
@@ -131,7 +117,7 @@ __device__ __forceinline__ void for_each_pivot(const typename E::T* __restrict__
     }
   }
   // Threads without vectors (unaligned data, short last chunks): the pivot is
-  // in the scalar part, loaded here as variant 0 does.
+  // in the scalar part, loaded on its own.
   if (static_cast<int>(threadIdx.x) >= nvec) f.pivot = stats_pivot(E::load(x[pivot_index]));
   for (int i = nvec * kPer + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
 }
@@ -298,41 +284,26 @@ struct ScaleArg {
   __device__ __forceinline__ float of(int t) const { return ptr != nullptr ? ptr[t * stride] : value; }
 };
 
-template <class E, bool kFmt, int kVariant>
+template <class E, bool kFmt>
 __device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restrict__ x, int n, float scale,
                                                   FormatLimits lim) {
   int at;
   const int share = thread_share<E>(x, n, at);
-  float pivot;
   Fast<kFmt> fast(0.0f, scale, lim);
-  if (kVariant == 0) {
-    pivot = stats_pivot(E::load(x[at]));
-    fast.pivot = pivot;
-    for_each<E>(x, n, fast);
-  } else {
-    for_each_pivot<E, kVariant == 2>(x, n, at, fast);
-    pivot = fast.pivot;
-  }
+  for_each_pivot<E>(x, n, at, fast);
   const bool finite_scale = !kFmt || (__float_as_uint(scale) & 0x7fffffffu) < 0x7f800000u;
   if (finite_scale && fast.trusted(share)) return fast.partial(share);
-  Careful<kFmt> careful(pivot, scale, lim);
+  Careful<kFmt> careful(fast.pivot, scale, lim);
   for_each<E>(x, n, careful);
   return careful.partial();
 }
 
-// Partials kept per chunk: one per warp (variant 0) or one per block.
-template <int kVariant>
-constexpr int partials_per_chunk() {
-  return kVariant == 0 ? kWarps : 1;
-}
-
-// EXPERIMENT (variants 1, 2): the block's warp partials (each valid in its
-// lane 0) merged into one, valid in thread 0. Warp w's partial goes to slot
-// w; warp 0 then reduces the slots with the same fixed shuffle tree (lanes
-// past kWarps hold empty partials, which merge as no-ops), so the order is
-// fixed. The slots alternate between two buffers by chunk parity: the one
-// barrier per chunk then also orders warp 0's reads of chunk i before any
-// write of chunk i + 2.
+// The block's warp partials (each valid in its lane 0) merged into one,
+// valid in thread 0. Warp w's partial goes to slot w; warp 0 then reduces the
+// slots with the same fixed shuffle tree (lanes past kWarps hold empty
+// partials, which merge as no-ops), so the order is fixed. The slots
+// alternate between two buffers by chunk parity: the one barrier per chunk
+// then also orders warp 0's reads of chunk i before any write of chunk i + 2.
 __device__ __forceinline__ void block_reduce(StatsPartial& p, StatsPartial (*slots)[kWarps], int parity) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) slots[parity][warp] = p;
@@ -352,11 +323,11 @@ __device__ __forceinline__ void block_reduce(StatsPartial& p, StatsPartial (*slo
   }
 }
 
-template <class Table, bool kFmt, int kOnly, int kVariant>
+template <class Table, bool kFmt, int kOnly>
 __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
     stats_kernel(const __grid_constant__ Table table, ScaleArg scale, FormatLimits lim,
                  StatsPartial* __restrict__ partials) {
-  __shared__ StatsPartial slots[kVariant == 0 ? 1 : 2][kWarps];
+  __shared__ StatsPartial slots[2][kWarps];
   const unsigned total = table.chunk_begin[table.count];
   int parity = 0;
   for (unsigned c = blockIdx.x; c < total; c += gridDim.x) {
@@ -372,28 +343,24 @@ __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
     switch (static_cast<DType>(dtype)) {
       case DType::kFloat32: {
         const float* x = static_cast<const float*>(table.data[t]);
-        p = run_chunk<F32, kFmt, kVariant>(x + offset, n, s, lim);
+        p = run_chunk<F32, kFmt>(x + offset, n, s, lim);
         break;
       }
       case DType::kFloat16: {
         const unsigned short* x = static_cast<const unsigned short*>(table.data[t]);
-        p = run_chunk<F16, kFmt, kVariant>(x + offset, n, s, lim);
+        p = run_chunk<F16, kFmt>(x + offset, n, s, lim);
         break;
       }
       default: {
         const unsigned short* x = static_cast<const unsigned short*>(table.data[t]);
-        p = run_chunk<BF16, kFmt, kVariant>(x + offset, n, s, lim);
+        p = run_chunk<BF16, kFmt>(x + offset, n, s, lim);
         break;
       }
     }
     warp_reduce(p);
-    if (kVariant == 0) {
-      if ((threadIdx.x & 31) == 0) partials[static_cast<std::size_t>(c) * kWarps + (threadIdx.x >> 5)] = p;
-    } else {
-      block_reduce(p, slots, parity);
-      parity ^= 1;
-      if (threadIdx.x == 0) partials[c] = p;
-    }
+    block_reduce(p, slots, parity);
+    parity ^= 1;
+    if (threadIdx.x == 0) partials[c] = p;
   }
 }
 
@@ -419,20 +386,20 @@ __device__ __forceinline__ StatsTotals shfl_down(const StatsTotals& t, int o) {
 // stride of them, then a shuffle tree, then the warps in order), and the
 // final statistics. Empty tensors get their row too.
 // Finishing blocks are wide when a tensor has many partials, so that its
-// chain of merges (GPT-2's embedding: ~19k warp partials) is short; 512
+// chain of merges (GPT-2's embedding: 2356 partials) is short; 512
 // threads fit the registers that the fp64 totals need. Lists of small
 // tensors keep 256-thread blocks, most of whose threads would idle.
 constexpr int kWideFinish = 512;
 
-template <class Table, bool kFmt, int kFinishThreads, int kPerChunk>
+template <class Table, bool kFmt, int kFinishThreads>
 __global__ void __launch_bounds__(kFinishThreads)
     stats_finish_kernel(const __grid_constant__ Table table, ScaleArg scale, const StatsPartial* __restrict__ partials,
                         double* __restrict__ out) {
   const int t = blockIdx.x;
   const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
   StatsTotals tot;
-  const std::size_t last = static_cast<std::size_t>(end) * kPerChunk;
-  std::size_t p = static_cast<std::size_t>(begin) * kPerChunk + threadIdx.x;
+  const std::size_t last = static_cast<std::size_t>(end);
+  std::size_t p = static_cast<std::size_t>(begin) + threadIdx.x;
   // Each merge depends on the one before, so a thread's partials form a
   // chain: the next one is loaded before the current one is merged, so the
   // load overlaps the merge (the merge order is unchanged).
@@ -462,38 +429,27 @@ __global__ void __launch_bounds__(kFinishThreads)
   }
 }
 
-template <class Table, bool kFmt, int kOnly, int kVariant>
-void launch_variant(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* partials, double* out,
-                    cudaStream_t stream, int device) {
+template <class Table, bool kFmt, int kOnly>
+void launch(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* partials, double* out,
+            cudaStream_t stream, int device) {
   const unsigned total = table.chunk_begin[table.count];
   if (total > 0) {
     // One block per chunk up to a cap; the kernel loops past it.
     const unsigned cap = static_cast<unsigned>(multiprocessor_count(device)) * 256u;
-    stats_kernel<Table, kFmt, kOnly, kVariant>
+    stats_kernel<Table, kFmt, kOnly>
         <<<std::min(total, cap), kThreads, 0, stream>>>(table, scale, lim, partials);
     AAMP_CUDA_CHECK_LAUNCH("stats_kernel");
   }
-  constexpr int kPer = partials_per_chunk<kVariant>();
   unsigned most = 0;  // the most chunks of one tensor
   for (int i = 0; i < table.count; ++i) most = std::max(most, table.chunk_begin[i + 1] - table.chunk_begin[i]);
   const unsigned blocks = static_cast<unsigned>(table.count);
-  if (most * kPer > 8u * kThreads) {
-    stats_finish_kernel<Table, kFmt, kWideFinish, kPer>
+  if (most > 8u * kThreads) {
+    stats_finish_kernel<Table, kFmt, kWideFinish>
         <<<blocks, kWideFinish, 0, stream>>>(table, scale, partials, out);
   } else {
-    stats_finish_kernel<Table, kFmt, kThreads, kPer><<<blocks, kThreads, 0, stream>>>(table, scale, partials, out);
+    stats_finish_kernel<Table, kFmt, kThreads><<<blocks, kThreads, 0, stream>>>(table, scale, partials, out);
   }
   AAMP_CUDA_CHECK_LAUNCH("stats_finish_kernel");
-}
-
-template <class Table, bool kFmt, int kOnly>
-void launch(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* partials, double* out,
-            cudaStream_t stream, int device) {
-  switch (experiment(Experiment::kStats)) {  // EXPERIMENT: see the top of the file
-    case 1: return launch_variant<Table, kFmt, kOnly, 1>(table, scale, lim, partials, out, stream, device);
-    case 2: return launch_variant<Table, kFmt, kOnly, 2>(table, scale, lim, partials, out, stream, device);
-    default: return launch_variant<Table, kFmt, kOnly, 0>(table, scale, lim, partials, out, stream, device);
-  }
 }
 
 // fp32-only lists (the common case: fp32 gradients and master weights) get
@@ -537,11 +493,11 @@ void tensor_stats_cuda(const StatsArgs& a) {
       next = fill_table(large, a.tensors, first, kStatsChunk);
       launch_table(large, a, scale, lim, partials, out, stream);
     }
-    // Partials are indexed per launch; advance past this launch's chunks (at
-    // kWarps slots a chunk for every variant: the workspace has room).
+    // Partials are indexed per launch, one a chunk; advance past this
+    // launch's chunks.
     std::int64_t used = 0;
     for (std::size_t i = first; i < next; ++i) used += (a.tensors[i].numel + kStatsChunk - 1) / kStatsChunk;
-    partials += used * kWarps;
+    partials += used;
     first = next;
   }
 }
