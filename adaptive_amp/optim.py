@@ -340,7 +340,9 @@ class _Fused(torch.optim.Optimizer):
     # ---------------------------------------------------------------- plans
     @staticmethod
     def _plan_key(group):
-        return None
+        """The group settings a plan depends on besides its tensors (a change rebuilds it): whether
+        launches draw random bits."""
+        return bool(group["stochastic_rounding"])
 
     def _init_state(self, group, params):
         """Creates missing state; returns {param: True} for SGD buffers created now."""
@@ -550,7 +552,7 @@ class SGD(_Fused):
 
     @staticmethod
     def _plan_key(group):
-        return group["momentum"] != 0
+        return bool(group["stochastic_rounding"]), group["momentum"] != 0
 
     def _init_state(self, group, params):
         first = {}

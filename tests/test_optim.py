@@ -238,11 +238,33 @@ def test_many_tensors_beyond_one_table(device):
 def test_empty_lists_and_params(device):
     optim.adamw_step_([], [], [], [], [], **ADAM_KW)
     model = torch.nn.Linear(2, 2).to(device)
+    before = [p.detach().clone() for p in model.parameters()]
     opt = optim.AdamW(model.parameters())
     opt.step()  # no grads: nothing to do
-    opt = optim.AdamW([torch.nn.Parameter(torch.empty(0, device=device))])
-    opt.param_groups[0]["params"][0].grad = torch.empty(0, device=device)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and not opt.state
+    empty = torch.nn.Parameter(torch.empty(0, device=device))
+    opt = optim.AdamW([empty])
+    empty.grad = torch.empty(0, device=device)
     opt.step()
+    assert float(opt.state[empty]["step"]) == 1.0 and opt.state[empty]["exp_avg"].numel() == 0
+
+
+@pytest.mark.parametrize("cls", [optim.AdamW, optim.SGD])
+def test_turning_stochastic_rounding_on_later_draws_fresh_bits_each_step(cls):
+    """The plan records whether launches draw random bits: changing the group's flag rebuilds it."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4096).bfloat16())
+    opt = cls([p], lr=1e-3, stochastic_rounding=False)
+    deltas = []
+    for step in range(3):
+        if step == 1:
+            opt.param_groups[0]["stochastic_rounding"] = True
+        before = p.detach().float().clone()
+        p.grad = torch.full_like(p, 1e-3)
+        opt.step()
+        deltas.append(p.detach().float() - before)
+    # With the same gradient every step, the same random bits would round the same way twice.
+    assert not torch.equal(deltas[1], deltas[2])
 
 
 def test_views_with_storage_offsets(device):
