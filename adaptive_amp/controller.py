@@ -25,6 +25,7 @@ lost beyond those the scaler had already skipped.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -99,6 +100,9 @@ class AdaptiveMixedPrecision:
             which can become islands); default: the analyzer's.
         layer_stats: collect per-layer statistics every ``read_every`` steps
             (False: only while diagnosing a storm).
+        track_grad_norm: without loss scaling or clipping, measure the
+            gradient norm every step anyway (a few small launches, no sync),
+            for the monitor's gradient-norm detector.
         scaler_kwargs: extra GradScaler arguments (mode, hysteresis, ...).
         monitor: a StabilityMonitor to use instead of the default one.
     """
@@ -108,6 +112,7 @@ class AdaptiveMixedPrecision:
                  adapt: bool = True, read_every: int = 50, storm_rate: float = 0.25, scale_floor: float = 1.0,
                  max_promotions: int = 2, switch_compute: bool = True, demote_after: Optional[int] = None,
                  layer_types: Sequence[type] = DEFAULT_LAYER_TYPES, layer_stats: bool = True,
+                 track_grad_norm: bool = True,
                  scaler_kwargs: Optional[dict] = None,
                  monitor: Optional[StabilityMonitor] = None, progress: bool = True):
         if isinstance(optimizer_or_optimizers, torch.optim.Optimizer):
@@ -133,6 +138,7 @@ class AdaptiveMixedPrecision:
         self.demote_after = demote_after
         self.layer_types = tuple(layer_types)
         self.layer_stats = bool(layer_stats)
+        self.track_grad_norm = bool(track_grad_norm)
         self._scaler_kwargs = dict(scaler_kwargs or {})
         self.monitor = monitor or StabilityMonitor(read_every=read_every, overflow_rate=storm_rate,
                                                    scale_floor=scale_floor)
@@ -155,7 +161,7 @@ class AdaptiveMixedPrecision:
         self._promoted: List[str] = []  # islands this controller added, oldest first
         self._demotions: Dict[str, int] = {}  # layer -> times it was demoted (its wait doubles each time)
         self._diagnose_until = -1  # collect activation statistics at every step before this one
-        self._scale_before_storm = self.policy.loss_scale.init_scale if self.policy.loss_scale else None
+        self._scale_before_storm = self.scaler.get_scale() if self.scaler.is_enabled() else None
 
     # ------------------------------------------------------------ set-up
     def _resolve_policy(self, policy, sample_inputs, loss_fn, overrides, progress) -> PrecisionPolicy:
@@ -209,7 +215,8 @@ class AdaptiveMixedPrecision:
         return before
 
     def remove(self) -> None:
-        """Take the policy off the model (islands unwrapped, TF32 settings restored)."""
+        """Take the policy off the model (islands unwrapped, TF32 settings restored). A "bf16-pure" model
+        keeps its bf16 parameters: they are the only copy."""
         self.adjuster.remove()
         if self._tf32_before is not None:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32_before
@@ -240,13 +247,14 @@ class AdaptiveMixedPrecision:
             islands = set(self.policy.islands)
             for name, module in self.model.named_modules():
                 if name and isinstance(module, self.layer_types) and name not in islands:
-                    def hook(mod, args, out, name=name):
+                    def hook(mod, args, kwargs, out, name=name):
                         t, x = _first_tensor(out), _first_tensor(args)
+                        x = _first_tensor(kwargs) if x is None else x
                         if t is not None and t.numel() and t.dtype in _STATS_DTYPES:
                             ok = x is not None and x.numel() and x.dtype in _STATS_DTYPES
                             # contiguous(): a copy only for strided tensors
                             seen.append((name, x.detach().contiguous() if ok else None, t.detach().contiguous()))
-                    handles.append(module.register_forward_hook(hook))
+                    handles.append(module.register_forward_hook(hook, with_kwargs=True))
         try:
             with self.adjuster.autocast():
                 yield
@@ -295,6 +303,8 @@ class AdaptiveMixedPrecision:
             self.scaler.update()
             if grad_norm is None:
                 grad_norm = self.scaler.last_grad_norm
+        elif grad_norm is None and self.track_grad_norm:
+            grad_norm = self._grad_norm()
         loss = None
         if self._loss_sum is not None:
             loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
@@ -308,6 +318,20 @@ class AdaptiveMixedPrecision:
         if self.monitor.read_due(self._step - 1) and self.adapt:
             self._adapt()
         return results[0] if len(results) == 1 else results
+
+    def _grad_norm(self) -> Optional[torch.Tensor]:
+        """The L2 norm of all gradients, on the device (no sync): without loss scaling nothing else
+        measures it. After the step, as the scaler's norm is (the gradients are unchanged by it)."""
+        grads = [p.grad for opt in self.optimizers for g in opt.param_groups for p in g["params"]
+                 if p.grad is not None and not p.grad.is_sparse]
+        if not grads:
+            return None
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).float()).to(self.device)
+                 for gs in by_device.values()]
+        return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
@@ -378,7 +402,8 @@ class AdaptiveMixedPrecision:
             for row in ls.rows:
                 bad = row["inf_count"] + row["nan_count"] + row.get("overflow_count", 0)
                 name = row["name"]
-                if bad and inputs.get((ls.step, name), False) and name not in islands and name not in found:
+                # No input statistics (an integer input, say): the layer made its output from what it was given.
+                if bad and inputs.get((ls.step, name), True) and name not in islands and name not in found:
                     found.append(name)
         return found
 
@@ -416,6 +441,7 @@ class AdaptiveMixedPrecision:
         if stable_steps < wait:
             return
         self._promoted.pop()
+        self._promotions = max(0, self._promotions - 1)  # a relapse is promoted again, not a reason to switch
         self._demotions[layer] = self._demotions.get(layer, 0) + 1
         policy = self.policy.replace(islands=tuple(i for i in self.policy.islands if i != layer))
         self._decide("demote", f"{stable_steps} stable steps; {layer} goes back to "
@@ -431,7 +457,7 @@ class AdaptiveMixedPrecision:
         """
         from .report import TrainingReport
 
-        self.monitor.read()
+        self.events.extend(self.monitor.read())  # the last, partial window
         report = TrainingReport(self.monitor.history(), [e.to_dict() for e in self.events],
                                 list(self.policy_history),
                                 analysis=self.analysis.to_dict() if self.analysis is not None else None,
@@ -455,41 +481,55 @@ class AdaptiveMixedPrecision:
                           "scale_before_storm": self._scale_before_storm}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved. Everything is checked first: a refused state changes
+        nothing."""
+        where = "AdaptiveMixedPrecision.load_state_dict"
         if not isinstance(state, dict) or state.get("version") != 1:
-            raise ValueError("AdaptiveMixedPrecision.load_state_dict: not a state_dict of this class (version 1)")
+            raise ValueError(f"{where}: not a state_dict of this class (version 1)")
         missing = [k for k in ("step", "policy", "policy_history", "scaler_enabled", "scaler", "monitor", "events",
                                "adapt") if k not in state]
         if missing:
-            raise ValueError(f"AdaptiveMixedPrecision.load_state_dict: missing entries {missing}")
+            raise ValueError(f"{where}: missing entries {missing}")
         policy = PrecisionPolicy.from_dict(state["policy"])
         if policy.param_dtype != self.policy.param_dtype:
-            raise ValueError(f"AdaptiveMixedPrecision.load_state_dict: the saved policy keeps parameters in "
-                             f"{dtype_name(policy.param_dtype)}, this one in {dtype_name(self.policy.param_dtype)}; "
-                             "create the controller with the saved policy")
+            raise ValueError(f"{where}: the saved policy keeps parameters in {dtype_name(policy.param_dtype)}, this "
+                             f"one in {dtype_name(self.policy.param_dtype)}; create the controller with the saved "
+                             "policy")
+        modules = dict(self.model.named_modules())
+        unknown = [name for name in policy.islands if name not in modules]
+        if unknown:
+            raise ValueError(f"{where}: policy.islands names modules the model does not have: {unknown}")
         scaler = self._make_scaler(policy)
         if bool(state["scaler_enabled"]) != scaler.is_enabled():
-            raise ValueError("AdaptiveMixedPrecision.load_state_dict: the saved scaler's enabled state does not "
-                             "match the saved policy")
+            raise ValueError(f"{where}: the saved scaler's enabled state does not match the saved policy")
         if scaler.is_enabled():
             scaler.load_state_dict(state["scaler"])
-        monitor = StabilityMonitor(read_every=self.monitor.read_every, stats_every=self.monitor.stats_every,
-                                   window=self.monitor.window, spike_z=self.monitor.spike_z,
-                                   grad_norm_z=self.monitor.grad_norm_z,
-                                   overflow_rate=self.monitor.overflow_threshold,
-                                   scale_floor=self.monitor.scale_floor, min_history=self.monitor.min_history)
+        # Into a copy of this monitor (its class and settings stay), so a refused state leaves ours alone;
+        # a shallow copy is enough, since loading replaces every piece of the monitor's state.
+        monitor = copy.copy(self.monitor)
         monitor.load_state_dict(state["monitor"])
-        adapt = state["adapt"]
-        events = [Event.from_dict(e) for e in state["events"]]
-        self.adjuster.set_policy(policy)  # validates the islands against this model before anything changes
-        self.policy, self.scaler, self.monitor, self.events = policy, scaler, monitor, events
-        self.policy_history = [tuple(p) for p in state["policy_history"]]
-        self._step = int(state["step"])
-        self._last_change = int(adapt["last_change"])
-        self._promotions = int(adapt["promotions"])
-        self._promoted = list(adapt["promoted"])
-        self._demotions = {str(k): int(v) for k, v in adapt["demotions"].items()}
-        self._diagnose_until = int(adapt["diagnose_until"])
-        self._scale_before_storm = adapt["scale_before_storm"]
+        try:
+            adapt = state["adapt"]
+            parsed = dict(step=int(state["step"]), last_change=int(adapt["last_change"]),
+                          promotions=int(adapt["promotions"]), promoted=[str(n) for n in adapt["promoted"]],
+                          demotions={str(k): int(v) for k, v in adapt["demotions"].items()},
+                          diagnose_until=int(adapt["diagnose_until"]),
+                          scale_before_storm=adapt["scale_before_storm"],
+                          events=[Event.from_dict(e) for e in state["events"]],
+                          policy_history=[(int(a), str(b)) for a, b in state["policy_history"]])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{where}: missing or malformed adaptation state ({exc!r})") from None
+        self.adjuster.set_policy(policy)
+        self._apply_tf32(policy.tf32)
+        self.policy, self.scaler, self.monitor = policy, scaler, monitor
+        self.events, self.policy_history = parsed["events"], parsed["policy_history"]
+        self._step = parsed["step"]
+        self._last_change = parsed["last_change"]
+        self._promotions = parsed["promotions"]
+        self._promoted = parsed["promoted"]
+        self._demotions = parsed["demotions"]
+        self._diagnose_until = parsed["diagnose_until"]
+        self._scale_before_storm = parsed["scale_before_storm"]
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
 
     def __repr__(self):

@@ -278,9 +278,10 @@ class StabilityMonitor:
         for i in new:
             z = _robust_z(loss[max(0, i - self.window):i], loss[i], self.min_history)
             if z > self.spike_z:
+                seen = i - max(0, i - self.window)
                 events.append(Event(int(steps[i]), "loss_spike",
                                     f"loss {loss[i]:.4g} is {z:.1f} robust standard deviations above the "
-                                    f"median of the previous {self.window} steps", data={"z": z, "loss": loss[i]}))
+                                    f"median of the previous {seen} steps", data={"z": z, "loss": loss[i]}))
 
         lo = max(0, len(steps) - self.window)
         span = len(steps) - lo
@@ -402,6 +403,12 @@ def _native_cpu():
     return _native.CPU
 
 
+#: The smallest spread a z-score divides by, relative to max(|median|, 1): a reference window of (nearly)
+#: equal values (a fixed batch, losses quantized to bf16) must not turn a change in the last bits into a
+#: "spike" of millions of standard deviations.
+_MIN_SPREAD = 1e-3
+
+
 def _robust_z(reference: np.ndarray, value: float, min_count: int) -> float:
     ref = reference[np.isfinite(reference)]
     if ref.size < min_count or not math.isfinite(value):
@@ -409,7 +416,8 @@ def _robust_z(reference: np.ndarray, value: float, min_count: int) -> float:
     med = float(np.median(ref))
     mad = float(np.median(np.abs(ref - med)))
     if mad == 0.0:
-        mad = float(np.mean(np.abs(ref - med))) or 1e-12 * max(abs(med), 1e-30)
+        mad = float(np.mean(np.abs(ref - med)))
+    mad = max(mad, _MIN_SPREAD * max(abs(med), 1.0))
     return _MAD_TO_SIGMA * (value - med) / mad
 
 

@@ -162,11 +162,69 @@ def test_ordinary_model_trains_bitwise_like_torch_amp_without_adapting(device):
 
 def test_demotion_waits_and_doubles_its_wait_after_a_relapse():
     torch.manual_seed(0)
-    _, amp, _ = train(Planted(), "adaptive", 200, amp_kwargs={"demote_after": 30})
-    decisions = [(e.step, e.kind) for e in amp.events if e.kind in ("promote", "demote")]
+    _, amp, _ = train(Planted(), "adaptive", 400, amp_kwargs={"demote_after": 30})
+    decisions = [(e.step, e.kind) for e in amp.events if e.kind in ("promote", "demote", "switch_compute")]
     # promoted at the first read; demoted after 30 stable steps; overflows again and is promoted at the next
-    # read; the second demotion waits 60 steps.
-    assert decisions[:4] == [(10, "promote"), (40, "demote"), (50, "promote"), (110, "demote")]
+    # read; each demotion waits twice as long as the one before; relapses never switch compute.
+    assert decisions == [(10, "promote"), (40, "demote"), (50, "promote"), (110, "demote"), (120, "promote"),
+                         (240, "demote"), (250, "promote")]
+    assert amp.policy.compute_dtype == torch.float16 and amp.policy.islands == ("inp",)
+
+
+class PlantedKeywordCall(Planted):
+    """The planted model, whose layers are called with keyword arguments."""
+
+    def forward(self, x):
+        return self.out(input=nn.functional.gelu(self.hidden(input=self.norm(self.inp(input=x)))))
+
+
+def test_layers_called_with_keyword_arguments_are_promoted():
+    torch.manual_seed(0)
+    _, amp, _ = train(PlantedKeywordCall(), "adaptive", 30)
+    assert [(e.step, e.layer) for e in amp.events if e.kind == "promote"] == [(10, "inp")]
+    assert "switch_compute" not in [e.kind for e in amp.events]
+
+
+def test_restored_scale_is_the_scalers_own_initial_scale():
+    torch.manual_seed(0)
+    _, amp, _ = train(Planted(), "adaptive", 11, amp_kwargs={"scaler_kwargs": {"init_scale": 1024.0}})
+    promote = [e for e in amp.events if e.kind == "promote"]
+    assert "restored to 1024" in promote[0].message and amp.scaler.get_scale() == 1024.0
+
+
+def test_report_includes_the_events_of_the_last_partial_window():
+    torch.manual_seed(0)
+    model = Planted(amplify=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    amp = AdaptiveMixedPrecision(model, opt, policy="float32", capabilities=CPU_NO_BF16, read_every=10)
+    x, y = regression(256)
+    for i in range(15):
+        with amp.autocast():
+            loss = nn.functional.mse_loss(model(x[:16]), y[:16])
+        amp.backward(loss * float("nan") if i == 12 else loss)
+        amp.step()
+        amp.zero_grad()
+    report = amp.report(plots=False)
+    assert [e.kind for e in amp.events] == ["nan_loss"] and amp.events[0].step == 12
+    assert [e["kind"] for e in report.to_dict()["events"]] == ["nan_loss"]
+
+
+def test_gradient_norm_is_tracked_without_scaling_or_clipping():
+    torch.manual_seed(0)
+    model = Planted(amplify=1.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    amp = AdaptiveMixedPrecision(model, opt, policy="params=float32,compute=bfloat16", capabilities=CPU_BF16,
+                                 read_every=2)
+    x, y = regression(64)
+    expected = []
+    for _ in range(2):
+        with amp.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        amp.backward(loss)
+        expected.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+        amp.step()
+        amp.zero_grad()
+    assert amp.monitor.history()["grad_norm"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_gradient_accumulation_and_several_optimizers():

@@ -93,6 +93,15 @@ def test_loss_spike_is_found_and_smooth_noise_is_not():
     assert spikes[0].data["z"] > 10
 
 
+def test_constant_reference_windows_do_not_make_spikes_of_rounding_noise():
+    mon = StabilityMonitor(read_every=30, min_history=10)
+    events = feed(mon, [2.0] * 29 + [2.0 + 2.0 ** -20], norm=[1.0] * 29 + [1.000001])
+    assert not [e for e in events if e.kind in ("loss_spike", "grad_norm_anomaly")]
+    feed(mon, [3.0], start=30, norm=[10.0])  # a real jump still counts
+    events = mon.read()
+    assert {e.kind for e in events} >= {"loss_spike", "grad_norm_anomaly"}
+
+
 def test_overflow_rate_storm_and_no_report_once_it_stops():
     mon = StabilityMonitor(read_every=10, window=20, overflow_rate=0.25, min_history=5)
     assert "overflow_rate" not in kinds(feed(mon, noisy(10), found=[1, 0, 0, 0, 0, 0, 0, 0, 0, 0]))
