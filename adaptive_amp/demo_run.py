@@ -64,7 +64,7 @@ class Config:
         if device == "cuda":
             return cls(device, steps or 2000, batch=32, length=64, d_model=128, layers=2)
         # Small enough for 2 CPU cores: all six runs in a few minutes.
-        return cls(device, steps or 200, batch=16, length=32, d_model=64, layers=1, read_every=10,
+        return cls(device, steps or 500, batch=16, length=32, d_model=64, layers=1, read_every=10,
                    timing_rounds=3, timing_steps=5)
 
 
@@ -338,9 +338,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m adaptive_amp demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="default: cuda when a GPU is available, else cpu (a smaller configuration)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 2000 GPU, 200 CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 2000 GPU, 500 CPU)")
     parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds per recipe of the ordinary scenario (run-to-run spread; default 3 GPU, 1 CPU)")
+                        help="seeds per recipe of the ordinary scenario (run-to-run spread; default 3 GPU, 2 CPU)")
     parser.add_argument("--scenarios", default="ordinary,planted", help="comma-separated: ordinary, planted")
     parser.add_argument("--out", default="adaptive_amp_demo", help="directory for the table, JSON and reports")
     parser.add_argument("--timing-rounds", type=int, default=None,
@@ -355,7 +355,7 @@ def main(argv=None) -> int:
         if args.timing_rounds < 0:
             parser.error("--timing-rounds must be >= 0")
         cfg.timing_rounds = args.timing_rounds
-    seeds = args.seeds or (3 if device == "cuda" else 1)
+    seeds = args.seeds or (3 if device == "cuda" else 2)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     for s in scenarios:
         if s not in ("ordinary", "planted"):
