@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from .ops import tensor_stats
+from ._progress import progress_bar
 from .stats import format_name
 
 DEFAULT_CANDIDATES = (torch.float16, torch.bfloat16, "float8_e4m3fn")
@@ -257,29 +258,6 @@ def _sqnr_db(rel_error: float) -> float:
     return -20.0 * math.log10(rel_error) if math.isfinite(rel_error) else -math.inf
 
 
-def _progress(total: int, enabled: bool):
-    """A tqdm bar when tqdm is installed (it is optional), else a stand-in that does nothing."""
-    if enabled:
-        try:
-            from tqdm.auto import tqdm
-
-            return tqdm(total=total, desc="precision analysis", unit="run")
-        except ImportError:
-            pass
-
-    class _NoBar:
-        def update(self, n=1):
-            pass
-
-        def set_postfix_str(self, s):
-            pass
-
-        def close(self):
-            pass
-
-    return _NoBar()
-
-
 class PrecisionAnalyzer:
     """Simulates each layer in each candidate format and measures what it costs.
 
@@ -360,7 +338,8 @@ class PrecisionAnalyzer:
         for n, _ in layers:
             if not seen_out[n]:
                 skipped[n] = "not called by the model's forward (its parent computes with its weights directly)"
-        bar = _progress(len(analyzed) * len(self.candidates), self.progress)
+        bar = progress_bar(len(analyzed) * len(self.candidates), "precision analysis", unit="run",
+                           enabled=self.progress)
         try:
             for name, layer in analyzed:
                 ref_layer = torch.cat(seen_out[name])

@@ -37,6 +37,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from ._progress import progress_bar
 from .demo import MarkovCorpus, TinyLM
 from .policy import dtype_name
 
@@ -81,32 +82,6 @@ class RunResult:
     step_ms: float = math.nan  # median of the round-robin step-time phase
     overhead_ms: float = math.nan  # step_ms minus the same steps without the scaler/controller; NaN for fp32
     events: List[dict] = field(default_factory=list)
-
-
-def _bar(total: int, desc: str, enabled: bool):
-    """tqdm when installed (an optional extra), else a line of text every 10%."""
-    if enabled:
-        try:
-            from tqdm.auto import tqdm
-
-            return tqdm(total=total, desc=desc, unit="step", leave=False)
-        except ImportError:
-            pass
-    return _TextBar(total, desc, enabled)
-
-
-class _TextBar:
-    def __init__(self, total, desc, enabled):
-        self.total, self.desc, self.enabled, self.n, self.next = total, desc, enabled, 0, 0
-
-    def update(self, n=1):
-        self.n += n
-        if self.enabled and self.n >= self.next:
-            print(f"  {self.desc}: {self.n}/{self.total}", file=sys.stderr, flush=True)
-            self.next += max(1, self.total // 10)
-
-    def close(self):
-        pass
 
 
 def _sync(device: str):
@@ -216,7 +191,7 @@ def run(cfg: Config, scenario: str, recipe: str, seed: int, corpus: MarkovCorpus
     init_scale = loop.scaler.get_scale() if loop.scaler is not None else math.nan
     warm = min(10, cfg.steps // 10)
     losses, scales = [], []
-    bar = _bar(cfg.steps, f"{scenario}/{recipe}", progress)
+    bar = progress_bar(cfg.steps, f"{scenario}/{recipe}", unit="step", enabled=progress, text=True)
     t0 = 0.0
     for step in range(cfg.steps):
         if step == warm:
@@ -261,7 +236,7 @@ def time_round_robin(pairs, cfg: Config, data, progress: bool = True) -> None:
         return
     with_it = {id(r): [] for r, _ in pairs}
     without = {id(r): [] for r, _ in pairs}
-    bar = _bar(cfg.timing_rounds * len(pairs), "step-time rounds", progress)
+    bar = progress_bar(cfg.timing_rounds * len(pairs), "step-time rounds", unit="run", enabled=progress, text=True)
     start = cfg.steps
     for _ in range(cfg.timing_rounds):
         for result, loop in pairs:
