@@ -337,6 +337,24 @@ class _Fused(torch.optim.Optimizer):
             out.append(p)
         return out
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of every param group (skipped on the device when a GradScaler handed a found_inf)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale, found_inf = self._scaler_tensors()
+        for group in self.param_groups:
+            _check_lr(group["lr"])
+            self._step_group(group, self._hyper(group), grad_scale, found_inf)
+        return loss
+
+    @staticmethod
+    def _hyper(group) -> tuple:
+        """(lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize, stochastic_rounding)."""
+        raise NotImplementedError
+
     # ---------------------------------------------------------------- plans
     @staticmethod
     def _plan_key(group):
@@ -498,23 +516,13 @@ class AdamW(_Fused):
                  [st["exp_avg_sq"] for st in states], [st["step"] for st in states]]
         return lists, ["params", "grads", "exp_avgs", "exp_avg_sqs", "steps"], ("step", "exp_avg", "exp_avg_sq")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale, found_inf = self._scaler_tensors()
-        for group in self.param_groups:
-            if group.get("amsgrad"):
-                raise ValueError("amsgrad=True is not supported by adaptive_amp.optim.AdamW")
-            lr = group["lr"]
-            _check_lr(lr)
-            beta1, beta2 = group["betas"]
-            hyper = (float(lr), float(beta1), float(beta2), float(group["eps"]), 0.0, 0.0, False,
-                     float(group["weight_decay"]), bool(group["maximize"]), bool(group["stochastic_rounding"]))
-            self._step_group(group, hyper, grad_scale, found_inf)
-        return loss
+    @staticmethod
+    def _hyper(group) -> tuple:
+        if group.get("amsgrad"):
+            raise ValueError("amsgrad=True is not supported by adaptive_amp.optim.AdamW")
+        beta1, beta2 = group["betas"]
+        return (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), 0.0, 0.0, False,
+                float(group["weight_decay"]), bool(group["maximize"]), bool(group["stochastic_rounding"]))
 
 
 class SGD(_Fused):
@@ -572,21 +580,11 @@ class SGD(_Fused):
                 ("momentum_buffer",)
         return [list(ps), [p.grad for p in ps], []], ["params", "grads", "momentum_buffers"], ()
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale, found_inf = self._scaler_tensors()
-        for group in self.param_groups:
-            lr = group["lr"]
-            _check_lr(lr)
-            momentum = group["momentum"]
-            hyper = (float(lr), 0.0, 0.0, 0.0, float(momentum), float(group["dampening"]), bool(group["nesterov"]),
-                     float(group["weight_decay"]), bool(group["maximize"]), bool(group["stochastic_rounding"]))
-            self._step_group(group, hyper, grad_scale, found_inf)
-        return loss
+    @staticmethod
+    def _hyper(group) -> tuple:
+        return (float(group["lr"]), 0.0, 0.0, 0.0, float(group["momentum"]), float(group["dampening"]),
+                bool(group["nesterov"]), float(group["weight_decay"]), bool(group["maximize"]),
+                bool(group["stochastic_rounding"]))
 
 
 __all__: List[str] = ["AdamW", "SGD", "adamw_step_", "sgd_step_"]
