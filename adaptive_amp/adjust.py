@@ -81,16 +81,21 @@ class DynamicPrecisionAdjuster:
         dtype = self.policy.compute_dtype
         return torch.autocast(self.device_type, dtype=dtype, enabled=dtype != torch.float32)
 
-    def set_policy(self, policy) -> None:
-        """Switch to `policy`: wraps new islands, unwraps dropped ones. Parameters are not touched."""
+    def check_policy(self, policy) -> None:
+        """Raises ValueError if `policy` cannot be applied to this model (nothing is changed)."""
         dtype = policy.compute_dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"policy.compute_dtype is {dtype}; expected torch.float32, float16 or bfloat16")
         modules = dict(self.model.named_modules())
-        wanted = tuple(dict.fromkeys(policy.islands))  # keep order, drop repeats
-        unknown = [name for name in wanted if name not in modules]
+        unknown = [name for name in policy.islands if name not in modules]
         if unknown:
             raise ValueError(f"policy.islands names modules the model does not have: {unknown}")
+
+    def set_policy(self, policy) -> None:
+        """Switch to `policy`: wraps new islands, unwraps dropped ones. Parameters are not touched."""
+        self.check_policy(policy)
+        modules = dict(self.model.named_modules())
+        wanted = tuple(dict.fromkeys(policy.islands))  # keep order, drop repeats
         for name in [n for n in self._wrapped if n not in wanted]:
             self._unwrap(name, modules.get(name))
         for name in wanted:

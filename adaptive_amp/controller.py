@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .adjust import DynamicPrecisionAdjuster
-from .analysis import DEFAULT_LAYER_TYPES, PrecisionAnalyzer
+from .analysis import DEFAULT_LAYER_TYPES, PrecisionAnalyzer, _tensors
 from .hardware import Capabilities, HardwareDetector
 from .monitor import Event, StabilityMonitor
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
@@ -44,16 +44,8 @@ _STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what tensor_st
 
 
 def _first_tensor(value) -> Optional[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            t = _first_tensor(v)
-            if t is not None:
-                return t
-    if isinstance(value, dict):
-        return _first_tensor(list(value.values()))
-    return None
+    found = _tensors(value)
+    return found[0] if found else None
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -495,10 +487,10 @@ class AdaptiveMixedPrecision:
             raise ValueError(f"{where}: the saved policy keeps parameters in {dtype_name(policy.param_dtype)}, this "
                              f"one in {dtype_name(self.policy.param_dtype)}; create the controller with the saved "
                              "policy")
-        modules = dict(self.model.named_modules())
-        unknown = [name for name in policy.islands if name not in modules]
-        if unknown:
-            raise ValueError(f"{where}: policy.islands names modules the model does not have: {unknown}")
+        try:
+            self.adjuster.check_policy(policy)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
         scaler = self._make_scaler(policy)
         if bool(state["scaler_enabled"]) != scaler.is_enabled():
             raise ValueError(f"{where}: the saved scaler's enabled state does not match the saved policy")

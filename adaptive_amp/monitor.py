@@ -36,6 +36,7 @@ least-squares slope per step and the variance over a window).
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -203,7 +204,7 @@ class StabilityMonitor:
 
     def overflow_rate(self, since_step: Optional[int] = None, window: Optional[int] = None) -> float:
         """Fraction of skipped steps over the last `window` read steps (not before `since_step`); NaN if none."""
-        found = self._column("found_inf")[-(window or self.window):]
+        found = self._column("found_inf", -(window or self.window))
         steps = np.asarray(self._steps[-(window or self.window):])
         if since_step is not None:
             found = found[steps >= since_step]
@@ -212,29 +213,22 @@ class StabilityMonitor:
         return float(np.mean(np.nan_to_num(found) > 0))
 
     def steps_since(self, step: int) -> int:
-        return int(np.sum(np.asarray(self._steps) >= step)) if self._steps else 0
+        """Read steps at or after `step` (steps are recorded in increasing order)."""
+        return len(self._steps) - bisect.bisect_left(self._steps, step)
 
     def last_scale(self) -> float:
-        scales = [s for s in self._cols["scale"] if s is not None and s == s]
-        return scales[-1] if scales else math.nan
-
-    def scale_at(self, step: int) -> float:
-        """The recorded scale of the last read step at or before `step` (NaN if none)."""
-        best = math.nan
-        for s, v in zip(self._steps, self._cols["scale"]):
-            if s > step:
-                break
-            if v is not None and v == v:
-                best = v
-        return best
+        for s in reversed(self._cols["scale"]):
+            if s is not None and s == s:
+                return s
+        return math.nan
 
     def _recent_losses(self, window: Optional[int]) -> np.ndarray:
-        loss = self._column("loss")[-(window or self.window):]
+        loss = self._column("loss", -(window or self.window))
         return loss[np.isfinite(loss)]
 
     def loss_trend(self, window: Optional[int] = None) -> float:
         """Least-squares slope of the finite losses over the last `window` steps (per step); NaN if < 2."""
-        loss = self._column("loss")[-(window or self.window):]
+        loss = self._column("loss", -(window or self.window))
         steps = np.asarray(self._steps[-(window or self.window):], dtype=np.float64)
         ok = np.isfinite(loss)
         if ok.sum() < 2:
@@ -254,19 +248,22 @@ class StabilityMonitor:
                 return ls
         return None
 
-    def _column(self, name: str) -> np.ndarray:
-        """A history column as float64, unknown values as NaN."""
-        return np.asarray([math.nan if v is None else v for v in self._cols[name]], dtype=np.float64)
+    def _column(self, name: str, start: int = 0) -> np.ndarray:
+        """A history column from index `start` (negative: from the end) as float64, unknown values as NaN."""
+        return np.asarray([math.nan if v is None else v for v in self._cols[name][start:]], dtype=np.float64)
 
     # ------------------------------------------------------------ detectors
     def _detect(self, first: int, new_stats: List[LayerStats]) -> List[Event]:
         events: List[Event] = []
-        steps = np.asarray(self._steps)
-        known = np.asarray([v is not None for v in self._cols["loss"]])
-        loss = self._column("loss")
-        found = np.nan_to_num(self._column("found_inf")) > 0
-        norm = self._column("grad_norm")
-        scale = self._column("scale")
+        # Only the new steps and the window before them matter: work on that tail, not the whole history.
+        base = max(0, first - self.window)
+        first -= base
+        steps = np.asarray(self._steps[base:])
+        known = np.asarray([v is not None for v in self._cols["loss"][base:]])
+        loss = self._column("loss", base)
+        found = np.nan_to_num(self._column("found_inf", base)) > 0
+        norm = self._column("grad_norm", base)
+        scale = self._column("scale", base)
         new = range(first, len(steps))
 
         bad = [i for i in new if known[i] and not math.isfinite(loss[i])]

@@ -354,6 +354,29 @@ std::vector<aamp::TensorRef> optim_refs(const std::vector<std::uintptr_t>& ptrs,
   return refs;
 }
 
+// The hyperparameters and per-step scalars of one optimizer call, as both entries receive them.
+void set_step_scalars(aamp::OptimArgs& a, double lr, double beta1, double beta2, double eps, double momentum,
+                      double dampening, bool nesterov, double weight_decay, bool maximize, bool stochastic_rounding,
+                      std::uintptr_t grad_scale, std::uintptr_t found_inf, std::uint64_t seed, std::uint64_t offset,
+                      std::uintptr_t seed_offset, std::uintptr_t stream) {
+  a.lr = lr;
+  a.beta1 = beta1;
+  a.beta2 = beta2;
+  a.eps = eps;
+  a.momentum = momentum;
+  a.dampening = dampening;
+  a.nesterov = nesterov;
+  a.weight_decay = weight_decay;
+  a.maximize = maximize;
+  a.stochastic_rounding = stochastic_rounding;
+  a.grad_scale = as_ptr<const float>(grad_scale);
+  a.found_inf = as_ptr<const float>(found_inf);
+  a.seed = seed;
+  a.offset = offset;
+  a.seed_offset = as_ptr<const std::uint64_t>(seed_offset);
+  a.place.stream = stream;
+}
+
 void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::vector<std::int64_t>& numels,
                 const std::vector<int>& param_dtypes, const std::vector<std::uintptr_t>& grads,
                 const std::vector<std::int64_t>& grad_numels, const std::vector<int>& grad_dtypes,
@@ -374,23 +397,9 @@ void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::
   a.exp_avg_sqs = optim_refs(exp_avg_sqs, exp_avg_sq_numels, exp_avg_sq_dtypes, "exp_avg_sqs");
   for (std::uintptr_t p : steps) a.steps.push_back(as_ptr<float>(p));
   for (bool f : first) a.first.push_back(f ? 1 : 0);
-  a.lr = lr;
-  a.beta1 = beta1;
-  a.beta2 = beta2;
-  a.eps = eps;
-  a.momentum = momentum;
-  a.dampening = dampening;
-  a.nesterov = nesterov;
-  a.weight_decay = weight_decay;
-  a.maximize = maximize;
-  a.stochastic_rounding = stochastic_rounding;
-  a.grad_scale = as_ptr<const float>(grad_scale);
-  a.found_inf = as_ptr<const float>(found_inf);
-  a.seed = seed;
-  a.offset = offset;
-  a.seed_offset = as_ptr<const std::uint64_t>(seed_offset);
+  set_step_scalars(a, lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize,
+                   stochastic_rounding, grad_scale, found_inf, seed, offset, seed_offset, stream);
   a.place.device = device;
-  a.place.stream = stream;
   py::gil_scoped_release release;
   aamp::optim_step(a);
 }
@@ -504,22 +513,8 @@ class OptimPlan {
               double weight_decay, bool maximize, bool stochastic_rounding, std::uintptr_t grad_scale,
               std::uintptr_t found_inf, std::uint64_t seed, std::uint64_t offset, std::uintptr_t seed_offset,
               std::uintptr_t stream) {
-    a_.lr = lr;
-    a_.beta1 = beta1;
-    a_.beta2 = beta2;
-    a_.eps = eps;
-    a_.momentum = momentum;
-    a_.dampening = dampening;
-    a_.nesterov = nesterov;
-    a_.weight_decay = weight_decay;
-    a_.maximize = maximize;
-    a_.stochastic_rounding = stochastic_rounding;
-    a_.grad_scale = as_ptr<const float>(grad_scale);
-    a_.found_inf = as_ptr<const float>(found_inf);
-    a_.seed = seed;
-    a_.offset = offset;
-    a_.seed_offset = as_ptr<const std::uint64_t>(seed_offset);
-    a_.place.stream = stream;
+    set_step_scalars(a_, lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize,
+                     stochastic_rounding, grad_scale, found_inf, seed, offset, seed_offset, stream);
     {
       py::gil_scoped_release release;
       aamp::optim_step(a_);
