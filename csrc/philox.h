@@ -10,7 +10,11 @@
 
 #include <cstdint>
 
-#include "host_device.h"
+#if defined(__CUDACC__)
+#define AAMP_HD __host__ __device__ __forceinline__
+#else
+#define AAMP_HD inline
+#endif
 
 namespace aamp {
 
