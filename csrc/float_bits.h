@@ -1,4 +1,4 @@
-// Host-side conversions between fp32 and the 16-bit formats, bit-exact with
+// Conversions between fp32 and the 16-bit formats for the host, bit-exact with
 // the hardware conversions the CUDA kernels use (round to nearest even,
 // subnormals kept, NaN stays NaN with its payload truncated and quieted, as
 // x86 F16C and CUDA's cvt do). Branch-free so the compiler can vectorize the
@@ -6,21 +6,10 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
+
+#include "host_device.h"  // f32_bits, f32_from_bits
 
 namespace aamp {
-
-inline std::uint32_t f32_bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-inline float f32_from_bits(std::uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // cond ? a : b on words, written so that compilers keep both sides computed
 // and blend (a branch would stop loops from vectorizing: with trapping math on,
@@ -32,9 +21,10 @@ inline std::uint32_t select_u32(bool cond, std::uint32_t a, std::uint32_t b) {
 
 inline bool f32_bits_nonfinite(std::uint32_t u) { return (u & 0x7f800000u) == 0x7f800000u; }
 
-inline float bf16_to_f32(std::uint16_t h) { return f32_from_bits(static_cast<std::uint32_t>(h) << 16); }
+// bf16 both ways also serve device code (the optimizers' round-to-nearest path).
+AAMP_HD float bf16_to_f32(std::uint16_t h) { return f32_from_bits(static_cast<std::uint32_t>(h) << 16); }
 
-inline std::uint16_t f32_to_bf16(float f) {
+AAMP_HD std::uint16_t f32_to_bf16(float f) {
   std::uint32_t u = f32_bits(f);
   std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   std::uint32_t nan = (u >> 16) | 0x0040u;  // quiet, sign and top payload kept

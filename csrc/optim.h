@@ -67,6 +67,7 @@
 #include <vector>
 
 #include "core.h"
+#include "host_device.h"
 
 namespace aamp {
 
@@ -107,13 +108,7 @@ OptimConsts optim_consts(const OptimArgs& a);
 // The per-tensor bias corrections of AdamW from the step count t, as the
 // contract states: binary exponentiation in double, every operation rounded
 // once (explicit intrinsics on the device, so nothing is contracted).
-#if defined(__CUDACC__)
-#define AAMP_OPTIM_HD __host__ __device__ __forceinline__
-#else
-#define AAMP_OPTIM_HD inline
-#endif
-
-AAMP_OPTIM_HD double optim_dmul(double a, double b) {
+AAMP_HD double optim_dmul(double a, double b) {
 #if defined(__CUDA_ARCH__)
   return __dmul_rn(a, b);
 #else
@@ -121,7 +116,7 @@ AAMP_OPTIM_HD double optim_dmul(double a, double b) {
 #endif
 }
 
-AAMP_OPTIM_HD double optim_pow(double b, float t) {
+AAMP_HD double optim_pow(double b, float t) {
   std::uint64_t n = t > 0.0f ? static_cast<std::uint64_t>(t) : 0u;
   double r = 1.0;
   while (n != 0) {
@@ -136,7 +131,7 @@ struct BiasCorrection {
   float bc1, bc2_sqrt;
 };
 
-AAMP_OPTIM_HD BiasCorrection optim_bias_correction(double beta1, double beta2, float t) {
+AAMP_HD BiasCorrection optim_bias_correction(double beta1, double beta2, float t) {
 #if defined(__CUDA_ARCH__)
   return BiasCorrection{__double2float_rn(__dsub_rn(1.0, optim_pow(beta1, t))),
                         __double2float_rn(__dsqrt_rn(__dsub_rn(1.0, optim_pow(beta2, t))))};

@@ -31,7 +31,7 @@ float load(const void* base, std::int64_t i) {
   if constexpr (sizeof(T) == 4) {
     return static_cast<const float*>(base)[i];
   } else {
-    return optim_rule::from_bf16(static_cast<const std::uint16_t*>(base)[i]);
+    return bf16_to_f32(static_cast<const std::uint16_t*>(base)[i]);
   }
 }
 

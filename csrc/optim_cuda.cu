@@ -95,7 +95,7 @@ struct Store<std::uint16_t> {
     return __uint_as_float(half << 16);
   }
   __device__ static float load1(const void* p, std::int64_t i) {
-    return optim_rule::from_bf16(static_cast<const std::uint16_t*>(p)[i]);
+    return bf16_to_f32(static_cast<const std::uint16_t*>(p)[i]);
   }
   __device__ static void store1(void* p, std::int64_t i, float y, std::uint32_t r, bool sr) {
     static_cast<std::uint16_t*>(p)[i] = optim_rule::to_bf16(y, r, sr);

@@ -8,10 +8,11 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "optim.h"
-#include "philox.h"  // AAMP_HD
+#include "float_bits.h"
+#include "host_device.h"
+#include "philox.h"
 #include "sround_rule.h"
 
 namespace aamp {
@@ -91,33 +92,10 @@ AAMP_HD void sgd(float& p, float& buf, float g, bool first, const Scalars& s) {
 
 // An fp32 value to bf16 bits: stochastic rounding with word r, or round to
 // nearest even (NaN quieted, as the hardware conversion does).
-AAMP_HD std::uint32_t bits(float y) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(y);
-#else
-  std::uint32_t u;
-  std::memcpy(&u, &y, 4);
-  return u;
-#endif
-}
-
 AAMP_HD std::uint16_t to_bf16(float y, std::uint32_t r, bool sr) {
-  const std::uint32_t u = bits(y);
-  if (sr) return static_cast<std::uint16_t>(sround_element<SrBF16>(u, u, r, false));
-  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const bool is_nan = (u & 0x7fffffffu) > 0x7f800000u;
-  return static_cast<std::uint16_t>(is_nan ? ((u >> 16) | 0x0040u) : rounded);
-}
-
-AAMP_HD float from_bf16(std::uint16_t h) {
-  const std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
+  if (!sr) return f32_to_bf16(y);
+  const std::uint32_t u = f32_bits(y);
+  return static_cast<std::uint16_t>(sround_element<SrBF16>(u, u, r, false));
 }
 
 }  // namespace optim_rule

@@ -10,11 +10,7 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define AAMP_HD __host__ __device__ __forceinline__
-#else
-#define AAMP_HD inline
-#endif
+#include "host_device.h"
 
 namespace aamp {
 

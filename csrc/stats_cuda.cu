@@ -52,43 +52,14 @@ using elements::F32;
 using elements::Vec16;
 
 
-// Calls f(value) for this thread's elements of a chunk: the careful path's
-// walk. The assignment of elements to threads depends only on n and the
-// alignment, never on timing.
-template <class E, class F>
-__device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, int n, F& f) {
-  using T = typename E::T;
-  constexpr int kPer = 16 / sizeof(T);
-  int done = 0;
-  if ((reinterpret_cast<std::uintptr_t>(x) & 15u) == 0) {
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
-    const int nvec = n / kPer;
-    for (int base = threadIdx.x; base < nvec; base += kThreads * kUnroll) {
-      Vec16<E> v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int idx = base + u * kThreads;
-        if (idx < nvec) v[u].raw = __ldg(xv + idx);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * kThreads < nvec) {
-#pragma unroll
-          for (int k = 0; k < kPer; ++k) f(E::load(v[u].e[k]));
-        }
-      }
-    }
-    done = nvec * kPer;
-  }
-  for (int i = done + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
-}
-
-// for_each for the fast path (the same elements in the same order), which
-// also sets f.pivot to the element thread_share names: for a thread with
-// vectors, the first element of its first vector, taken after the batch's
-// loads are issued, so no load waits on another.
-template <class E, class F>
-__device__ __forceinline__ void for_each_pivot(const typename E::T* __restrict__ x, int n, int pivot_index, F& f) {
+// Calls f(value) for this thread's elements of a chunk. The assignment of
+// elements to threads depends only on n and the alignment, never on timing.
+// With kPivot (the fast path) it also sets f.pivot to the element
+// thread_share names, pivot_index: for a thread with vectors, the first
+// element of its first vector, taken after the batch's loads are issued, so
+// no load waits on another.
+template <class E, bool kPivot, class F>
+__device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, int n, int pivot_index, F& f) {
   using T = typename E::T;
   constexpr int kPer = 16 / sizeof(T);
   int nvec = 0;
@@ -109,7 +80,9 @@ __device__ __forceinline__ void for_each_pivot(const typename E::T* __restrict__
           // element is element threadIdx.x * kPer == pivot_index. Set here,
           // after every load of the batch is issued: placed right after the
           // loads, ptxas scheduled its wait on the first load between them.
-          if (u == 0 && base == static_cast<int>(threadIdx.x)) f.pivot = stats_pivot(E::load(v[0].e[0]));
+          if constexpr (kPivot) {
+            if (u == 0 && base == static_cast<int>(threadIdx.x)) f.pivot = stats_pivot(E::load(v[0].e[0]));
+          }
 #pragma unroll
           for (int k = 0; k < kPer; ++k) f(E::load(v[u].e[k]));
         }
@@ -118,7 +91,9 @@ __device__ __forceinline__ void for_each_pivot(const typename E::T* __restrict__
   }
   // Threads without vectors (unaligned data, short last chunks): the pivot is
   // in the scalar part, loaded on its own.
-  if (static_cast<int>(threadIdx.x) >= nvec) f.pivot = stats_pivot(E::load(x[pivot_index]));
+  if constexpr (kPivot) {
+    if (static_cast<int>(threadIdx.x) >= nvec) f.pivot = stats_pivot(E::load(x[pivot_index]));
+  }
   for (int i = nvec * kPer + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
 }
 
@@ -150,7 +125,7 @@ struct FormatBits {
   unsigned hi;   // bits(hi):     |y| < hi   <=>  |y|bits - hi < 0
   unsigned max;  // bits(max):    |y| > max  <=>  max - |y|bits < 0
   __device__ explicit FormatBits(FormatLimits l)
-      : lo1(stats_bits(l.lo) + 1u), hi(stats_bits(l.hi)), max(stats_bits(l.max)) {}
+      : lo1(f32_bits(l.lo) + 1u), hi(f32_bits(l.hi)), max(f32_bits(l.max)) {}
 };
 
 // The sign bit of d (as 0 or 1).
@@ -290,11 +265,11 @@ __device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restric
   int at;
   const int share = thread_share<E>(x, n, at);
   Fast<kFmt> fast(0.0f, scale, lim);
-  for_each_pivot<E>(x, n, at, fast);
+  for_each<E, true>(x, n, at, fast);
   const bool finite_scale = !kFmt || (__float_as_uint(scale) & 0x7fffffffu) < 0x7f800000u;
   if (finite_scale && fast.trusted(share)) return fast.partial(share);
   Careful<kFmt> careful(fast.pivot, scale, lim);
-  for_each<E>(x, n, careful);
+  for_each<E, false>(x, n, 0, careful);
   return careful.partial();
 }
 

@@ -5,16 +5,10 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "core.h"
+#include "host_device.h"
 #include "stats.h"
-
-#ifdef __CUDACC__
-#define AAMP_HD __host__ __device__ __forceinline__
-#else
-#define AAMP_HD inline
-#endif
 
 namespace aamp {
 
@@ -40,32 +34,12 @@ inline FormatLimits format_limits(DType f) {
   }
 }
 
-AAMP_HD std::uint32_t stats_bits(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
-}
-
-AAMP_HD float stats_float(std::uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
-
 // A signed integer that orders like the float (-0 < +0); an involution.
 AAMP_HD std::int32_t order_key(std::uint32_t bits) {
   const std::int32_t i = static_cast<std::int32_t>(bits);
   return i ^ ((i >> 31) & 0x7fffffff);
 }
-AAMP_HD float key_float(std::int32_t key) { return stats_float(static_cast<std::uint32_t>(order_key(static_cast<std::uint32_t>(key)))); }
+AAMP_HD float key_float(std::int32_t key) { return f32_from_bits(static_cast<std::uint32_t>(order_key(static_cast<std::uint32_t>(key)))); }
 
 // 2*|x|bits - 2 as unsigned: monotone in |x| for nonzero x; +-0 wrap to 0xfffffffe.
 AAMP_HD std::uint32_t abs_key(std::uint32_t bits) { return (bits << 1) - 2u; }
@@ -146,7 +120,7 @@ struct StatsTotals {
 };
 
 // The pivot of a group: one of its elements when finite, else 0.
-AAMP_HD float stats_pivot(float x) { return (stats_bits(x) & 0x7fffffffu) < 0x7f800000u ? x : 0.0f; }
+AAMP_HD float stats_pivot(float x) { return (f32_bits(x) & 0x7fffffffu) < 0x7f800000u ? x : 0.0f; }
 
 // The statistics of one tensor from its totals, into out[0 .. kStatFields).
 AAMP_HD void finalize_stats(const StatsTotals& t, long long numel, float scale, bool has_format, double* out) {
@@ -165,7 +139,7 @@ AAMP_HD void finalize_stats(const StatsTotals& t, long long numel, float scale, 
     if (n > 1.0) sd = sqrt(t.m2 / (n - 1.0));
     l2 = sqrt(t.m2 + n * mean * mean);
     if (t.abs_key < kNoAbsKey) {
-      man = stats_float((t.abs_key >> 1) + 1u);
+      man = f32_from_bits((t.abs_key >> 1) + 1u);
       range = log2(amax / man);
     }
   }
@@ -181,7 +155,7 @@ AAMP_HD void finalize_stats(const StatsTotals& t, long long numel, float scale, 
   if (has_format) {
     over = static_cast<double>(t.over);
     // Zeros are at most lo (0 * s == 0); a zero or non-finite scale underflows nothing.
-    const bool scaled = scale != 0.0f && (stats_bits(scale) & 0x7fffffffu) < 0x7f800000u;
+    const bool scaled = scale != 0.0f && (f32_bits(scale) & 0x7fffffffu) < 0x7f800000u;
     under = scaled ? static_cast<double>(t.at_most_lo - t.zero) : 0.0;
     sub = static_cast<double>(t.below_hi - t.at_most_lo);
   }
