@@ -44,10 +44,12 @@
 //     run and independent of thread and block counts. Counts and extrema are
 //     integer reductions (order-free). Moments: small groups of elements
 //     (a GPU thread's share of a chunk, a CPU block) sum x - pivot in fp32,
-//     the pivot being one of the group's own elements; a group whose sums
-//     cannot be trusted (a NaN or inf, squares that overflow or underflow
-//     fp32, or a pivot far from the group's mean, i.e. cancellation) is
-//     summed again in fp64. Groups become (count, mean, M2) in fp64 and merge
+//     the pivot being one of the chunk's (GPU) or block's (CPU) own
+//     elements; a group whose sums cannot be trusted (a NaN or inf, squares
+//     that overflow or underflow fp32, or a pivot far from the group's mean,
+//     i.e. cancellation) is summed again in fp64. On the GPU the groups of a
+//     chunk share its pivot and their sums add up in fp64 in a fixed order;
+//     chunks (and CPU blocks) become (count, mean, M2) in fp64 and merge
 //     with Chan's formula, so std stays accurate for large tensors, for
 //     |mean| >> std and next to outliers.
 //   * The caller provides `workspace` of stats_workspace_bytes(...) bytes and

@@ -2,20 +2,21 @@
 //
 // Stage 1: one block per chunk of kStatsChunk elements, 16-byte vector loads
 // when the tensor is aligned (a scalar path otherwise), kUnroll of them in
-// flight per thread. Each thread first takes a lean fast path that assumes
-// what nearly all data satisfy (finite values whose squares neither overflow
-// nor underflow fp32, and a pivot, an element next to the thread's own, near
-// their mean): fp32 sums of x - pivot, float min/max, integer counts. The
-// pivot is the first element of the thread's first vector, taken from that
-// loaded vector after the whole batch's loads are issued, so no load of the
-// chunk waits on another. A thread whose elements break the fast path's
-// assumption (fp32_sums_trusted) visits them again with every special
-// handled and fp64 sums. Each warp then reduces its threads in a fixed order
-// (integer reductions for counts and extrema, a shuffle tree of Chan merges
-// for the moments), and warp 0 merges the block's warp partials, in a fixed
-// order through shared memory, into one partial per chunk (one barrier per
-// chunk), which keeps the finishing merge chains short (GPT-2's embedding:
-// 2356 partials).
+// flight per thread; a whole aligned chunk runs without bounds checks. Each
+// thread first takes a lean fast path that assumes what nearly all data
+// satisfy (finite values whose squares neither overflow nor underflow fp32,
+// and the chunk's pivot, its first element, near their mean): fp32 sums of
+// x - pivot, float min/max, integer counts. A thread whose elements break the
+// fast path's assumption (fp32_sums_trusted) visits them again with every
+// special handled and fp64 sums. Every thread of a chunk sums against the
+// same pivot, so the reductions only add: each warp reduces its threads in a
+// fixed order (integer reductions for counts and extrema, a shuffle tree of
+// fp64 additions for the sums), warp 0 does the same over the block's warps
+// through shared memory (one barrier per chunk), and the chunk's sums become
+// one (count, mean, M2) partial. (A pivot per thread needed a Chan merge,
+// with its fp64 division, at every step of those trees: a third of the
+// kernel's instructions.) One partial per chunk keeps the finishing merge
+// chains short (GPT-2's embedding: 2356 partials).
 // Stage 2: one block per tensor merges its partials in a fixed order and
 // writes the final statistics (stats_math.h), so one transfer reads them all.
 #include <cuda_bf16.h>
@@ -54,63 +55,63 @@ using elements::Vec16;
 
 // Calls f(value) for this thread's elements of a chunk. The assignment of
 // elements to threads depends only on n and the alignment, never on timing.
-// With kPivot (the fast path) it also sets f.pivot to the element
-// thread_share names, pivot_index: for a thread with vectors, the first
-// element of its first vector, taken after the batch's loads are issued, so
-// no load waits on another.
-template <class E, bool kPivot, class F>
-__device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, int n, int pivot_index, F& f) {
+// kFull: a whole chunk (n == kStatsChunk) on 16 bytes, whose vectors divide
+// evenly into the batches, so no load needs a bounds check.
+template <class E, bool kFull, class F>
+__device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, int n, F& f) {
   using T = typename E::T;
   constexpr int kPer = 16 / sizeof(T);
+  static_assert(kStatsChunk % (kThreads * kUnroll * 16) == 0, "whole chunks are whole batches of vectors");
   int nvec = 0;
-  if ((reinterpret_cast<std::uintptr_t>(x) & 15u) == 0) {
+  if (kFull || (reinterpret_cast<std::uintptr_t>(x) & 15u) == 0) {
     const uint4* xv = reinterpret_cast<const uint4*>(x);
-    nvec = n / kPer;
+    nvec = kFull ? static_cast<int>(kStatsChunk) / kPer : n / kPer;
     for (int base = threadIdx.x; base < nvec; base += kThreads * kUnroll) {
       Vec16<E> v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int idx = base + u * kThreads;
-        if (idx < nvec) v[u].raw = __ldg(xv + idx);
+        if (kFull || idx < nvec) v[u].raw = __ldg(xv + idx);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * kThreads < nvec) {
-          // base == threadIdx.x: the thread's first vector, whose first
-          // element is element threadIdx.x * kPer == pivot_index. Set here,
-          // after every load of the batch is issued: placed right after the
-          // loads, ptxas scheduled its wait on the first load between them.
-          if constexpr (kPivot) {
-            if (u == 0 && base == static_cast<int>(threadIdx.x)) f.pivot = stats_pivot(E::load(v[0].e[0]));
-          }
+        if (kFull || base + u * kThreads < nvec) {
 #pragma unroll
           for (int k = 0; k < kPer; ++k) f(E::load(v[u].e[k]));
         }
       }
     }
   }
-  // Threads without vectors (unaligned data, short last chunks): the pivot is
-  // in the scalar part, loaded on its own.
-  if constexpr (kPivot) {
-    if (static_cast<int>(threadIdx.x) >= nvec) f.pivot = stats_pivot(E::load(x[pivot_index]));
+  if constexpr (!kFull) {
+    for (int i = nvec * kPer + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
   }
-  for (int i = nvec * kPer + threadIdx.x; i < n; i += kThreads) f(E::load(x[i]));
 }
 
-// How many elements for_each gives this thread, and the index of an element
-// next to them (the pivot of its sums).
-template <class E>
-__device__ __forceinline__ int thread_share(const typename E::T* x, int n, int& pivot_index) {
+// How many elements for_each gives this thread.
+template <class E, bool kFull>
+__device__ __forceinline__ int thread_share(const typename E::T* x, int n) {
   constexpr int kPer = 16 / sizeof(typename E::T);
+  if (kFull) return static_cast<int>(kStatsChunk) / kThreads;
   const int tid = threadIdx.x;
   const bool aligned = (reinterpret_cast<std::uintptr_t>(x) & 15u) == 0;
   const int nvec = aligned ? n / kPer : 0;
   const int done = nvec * kPer;
   const int vecs = tid < nvec ? (nvec - 1 - tid) / kThreads + 1 : 0;
   const int tail = tid < n - done ? (n - done - 1 - tid) / kThreads + 1 : 0;
-  pivot_index = min(aligned ? tid * kPer : tid, n - 1);
   return vecs * kPer + tail;
 }
+
+// A group's (a thread's, a warp's, the block's) results for a chunk: counts
+// and extrema as in StatsPartial, and the fp64 sums of d = x - pivot over its
+// finite elements. Every group of a chunk uses the chunk's pivot, so groups
+// merge by adding; the chunk's (count, mean, M2) are formed once, from the
+// block's sums (moments_from_sums).
+struct ChunkSums {
+  double s = 0.0, ss = 0.0;
+  unsigned count = 0, zero = 0, nan = 0, inf = 0, at_most_lo = 0, below_hi = 0, over = 0;
+  int min_key = 0x7fffffff, max_key = static_cast<int>(0x80000000u);
+  unsigned abs_key = 0xffffffffu;
+};
 
 // Integer thresholds on |y| bits for the fast path: |y| and the format limits
 // are non-negative floats, whose bit patterns order as unsigned integers, so
@@ -167,20 +168,19 @@ struct Fast {
     return fp32_sums_trusted(s, ss, static_cast<double>(n), amax);
   }
 
-  __device__ __forceinline__ StatsPartial partial(int n) const {
-    StatsPartial p;
-    moments_from_sums(static_cast<double>(n), pivot, s, ss, p.mean, p.m2);
-    p.count = n;
-    p.zero = zero;
-    p.nan = 0;
-    p.inf = 0;
-    p.at_most_lo = lo;
-    p.below_hi = hi;
-    p.over = over;
-    p.min_key = order_key(__float_as_uint(mn));
-    p.max_key = order_key(__float_as_uint(mx));
-    p.abs_key = ak;
-    return p;
+  __device__ __forceinline__ ChunkSums sums(int n) const {
+    ChunkSums c;
+    c.s = s;
+    c.ss = ss;
+    c.count = n;
+    c.zero = zero;
+    c.at_most_lo = lo;
+    c.below_hi = hi;
+    c.over = over;
+    c.min_key = order_key(__float_as_uint(mn));
+    c.max_key = order_key(__float_as_uint(mx));
+    c.abs_key = ak;
+    return c;
   }
 };
 
@@ -189,67 +189,54 @@ template <bool kFmt>
 struct Careful {
   float pivot, scale;
   FormatLimits lim;
-  double s = 0.0, ss = 0.0;
-  StatsPartial p;
+  ChunkSums c;
 
-  __device__ Careful(float pv, float sc, FormatLimits l) : pivot(pv), scale(sc), lim(l) {
-    p.count = p.zero = p.nan = p.inf = p.at_most_lo = p.below_hi = p.over = 0;
-    p.min_key = 0x7fffffff;
-    p.max_key = static_cast<int>(0x80000000u);
-    p.abs_key = 0xffffffffu;
-  }
+  __device__ Careful(float pv, float sc, FormatLimits l) : pivot(pv), scale(sc), lim(l) {}
 
   __device__ void operator()(float v) {
     const unsigned u = __float_as_uint(v);
     const unsigned a = u & 0x7fffffffu;
     if (a >= 0x7f800000u) {
-      p.nan += a > 0x7f800000u;
-      p.inf += a == 0x7f800000u;
+      c.nan += a > 0x7f800000u;
+      c.inf += a == 0x7f800000u;
       return;
     }
-    p.count += 1;
-    p.zero += a == 0;
-    p.min_key = min(p.min_key, order_key(u));
-    p.max_key = max(p.max_key, order_key(u));
-    p.abs_key = min(p.abs_key, abs_key(u));
+    c.count += 1;
+    c.zero += a == 0;
+    c.min_key = min(c.min_key, order_key(u));
+    c.max_key = max(c.max_key, order_key(u));
+    c.abs_key = min(c.abs_key, abs_key(u));
     const double d = static_cast<double>(v) - pivot;
-    s += d;
-    ss = fma(d, d, ss);
+    c.s += d;
+    c.ss = fma(d, d, c.ss);
     if (kFmt) {
       const float ay = fabsf(v * scale);
-      p.at_most_lo += ay <= lim.lo;
-      p.below_hi += ay < lim.hi;
-      p.over += ay > lim.max;
+      c.at_most_lo += ay <= lim.lo;
+      c.below_hi += ay < lim.hi;
+      c.over += ay > lim.max;
     }
-  }
-
-  __device__ StatsPartial partial() {
-    moments_from_sums(static_cast<double>(p.count), pivot, s, ss, p.mean, p.m2);
-    return p;
   }
 };
 
-// Warp-wide reduction in a fixed order. Valid in lane 0.
-__device__ __forceinline__ void warp_reduce(StatsPartial& p) {
+// Warp-wide reduction in a fixed order (a shuffle tree for the sums). Valid
+// in lane 0.
+__device__ __forceinline__ void warp_reduce(ChunkSums& c) {
   constexpr unsigned kAll = 0xffffffffu;
-  double n = p.count;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    const double n_b = __shfl_down_sync(kAll, n, o);
-    const double mean_b = __shfl_down_sync(kAll, p.mean, o);
-    const double m2_b = __shfl_down_sync(kAll, p.m2, o);
-    merge_moments(n, p.mean, p.m2, n_b, mean_b, m2_b);
+    c.s += __shfl_down_sync(kAll, c.s, o);
+    c.ss += __shfl_down_sync(kAll, c.ss, o);
   }
-  p.count = __reduce_add_sync(kAll, p.count);
-  p.zero = __reduce_add_sync(kAll, p.zero);
-  p.nan = __reduce_add_sync(kAll, p.nan);
-  p.inf = __reduce_add_sync(kAll, p.inf);
-  p.at_most_lo = __reduce_add_sync(kAll, p.at_most_lo);
-  p.below_hi = __reduce_add_sync(kAll, p.below_hi);
-  p.over = __reduce_add_sync(kAll, p.over);
-  p.min_key = __reduce_min_sync(kAll, p.min_key);
-  p.max_key = __reduce_max_sync(kAll, p.max_key);
-  p.abs_key = __reduce_min_sync(kAll, p.abs_key);
+  c.count = __reduce_add_sync(kAll, c.count);
+  c.zero = __reduce_add_sync(kAll, c.zero);
+  c.nan = __reduce_add_sync(kAll, c.nan);
+  c.inf = __reduce_add_sync(kAll, c.inf);
+  c.at_most_lo = __reduce_add_sync(kAll, c.at_most_lo);
+  c.below_hi = __reduce_add_sync(kAll, c.below_hi);
+  c.over = __reduce_add_sync(kAll, c.over);
+  c.min_key = __reduce_min_sync(kAll, c.min_key);
+  c.max_key = __reduce_max_sync(kAll, c.max_key);
+  c.abs_key = __reduce_min_sync(kAll, c.abs_key);
 }
 
 struct ScaleArg {
@@ -259,50 +246,62 @@ struct ScaleArg {
   __device__ __forceinline__ float of(int t) const { return ptr != nullptr ? ptr[t * stride] : value; }
 };
 
-template <class E, bool kFmt>
-__device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restrict__ x, int n, float scale,
-                                                  FormatLimits lim) {
-  int at;
-  const int share = thread_share<E>(x, n, at);
-  Fast<kFmt> fast(0.0f, scale, lim);
-  for_each<E, true>(x, n, at, fast);
+// This thread's sums of a chunk: the fast path, or the careful one when its
+// fp32 sums cannot be trusted (or the scale is not finite).
+template <class E, bool kFmt, bool kFull>
+__device__ __forceinline__ ChunkSums thread_sums(const typename E::T* __restrict__ x, int n, float pivot, float scale,
+                                                 FormatLimits lim) {
+  Fast<kFmt> fast(pivot, scale, lim);
+  for_each<E, kFull>(x, n, fast);
   const bool finite_scale = !kFmt || (__float_as_uint(scale) & 0x7fffffffu) < 0x7f800000u;
-  if (finite_scale && fast.trusted(share)) return fast.partial(share);
-  Careful<kFmt> careful(fast.pivot, scale, lim);
-  for_each<E, false>(x, n, 0, careful);
-  return careful.partial();
+  const int share = thread_share<E, kFull>(x, n);
+  if (finite_scale && fast.trusted(share)) return fast.sums(share);
+  Careful<kFmt> careful(pivot, scale, lim);
+  for_each<E, false>(x, n, careful);
+  return careful.c;
 }
 
-// The block's warp partials (each valid in its lane 0) merged into one,
-// valid in thread 0. Warp w's partial goes to slot w; warp 0 then reduces the
-// slots with the same fixed shuffle tree (lanes past kWarps hold empty
-// partials, which merge as no-ops), so the order is fixed. The slots
-// alternate between two buffers by chunk parity: the one barrier per chunk
-// then also orders warp 0's reads of chunk i before any write of chunk i + 2.
-__device__ __forceinline__ void block_reduce(StatsPartial& p, StatsPartial (*slots)[kWarps], int parity) {
+// The chunk's partial, valid in thread 0. Its pivot is its first element
+// (0 if that is not finite), loaded by every thread next to its first batch.
+// The warps' sums meet in slots[parity], reduced by warp 0 in a fixed order
+// (lanes past kWarps hold empty sums, which add nothing); the slots alternate
+// between two buffers by chunk parity, so the one barrier per chunk also
+// orders warp 0's reads of chunk i before any write of chunk i + 2.
+template <class E, bool kFmt>
+__device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restrict__ x, int n, float scale,
+                                                  FormatLimits lim, ChunkSums (*slots)[kWarps], int parity) {
+  const float pivot = stats_pivot(E::load(x[0]));
+  const bool full = n == static_cast<int>(kStatsChunk) && (reinterpret_cast<std::uintptr_t>(x) & 15u) == 0;
+  ChunkSums c = full ? thread_sums<E, kFmt, true>(x, n, pivot, scale, lim)
+                     : thread_sums<E, kFmt, false>(x, n, pivot, scale, lim);
+  warp_reduce(c);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) slots[parity][warp] = p;
+  if (lane == 0) slots[parity][warp] = c;
   __syncthreads();
+  StatsPartial p;
   if (warp == 0) {
-    if (lane < kWarps) {
-      p = slots[parity][lane];
-    } else {
-      p.mean = 0.0;
-      p.m2 = 0.0;
-      p.count = p.zero = p.nan = p.inf = p.at_most_lo = p.below_hi = p.over = 0;
-      p.min_key = 0x7fffffff;
-      p.max_key = static_cast<int>(0x80000000u);
-      p.abs_key = 0xffffffffu;
-    }
-    warp_reduce(p);
+    c = lane < kWarps ? slots[parity][lane] : ChunkSums();
+    warp_reduce(c);
+    moments_from_sums(static_cast<double>(c.count), pivot, c.s, c.ss, p.mean, p.m2);
+    p.count = c.count;
+    p.zero = c.zero;
+    p.nan = c.nan;
+    p.inf = c.inf;
+    p.at_most_lo = c.at_most_lo;
+    p.below_hi = c.below_hi;
+    p.over = c.over;
+    p.min_key = c.min_key;
+    p.max_key = c.max_key;
+    p.abs_key = c.abs_key;
   }
+  return p;
 }
 
 template <class Table, bool kFmt, int kOnly>
 __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
     stats_kernel(const __grid_constant__ Table table, ScaleArg scale, FormatLimits lim,
                  StatsPartial* __restrict__ partials) {
-  __shared__ StatsPartial slots[2][kWarps];
+  __shared__ ChunkSums slots[2][kWarps];
   const unsigned total = table.chunk_begin[table.count];
   int parity = 0;
   for (unsigned c = blockIdx.x; c < total; c += gridDim.x) {
@@ -318,22 +317,20 @@ __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
     switch (static_cast<DType>(dtype)) {
       case DType::kFloat32: {
         const float* x = static_cast<const float*>(table.data[t]);
-        p = run_chunk<F32, kFmt>(x + offset, n, s, lim);
+        p = run_chunk<F32, kFmt>(x + offset, n, s, lim, slots, parity);
         break;
       }
       case DType::kFloat16: {
         const unsigned short* x = static_cast<const unsigned short*>(table.data[t]);
-        p = run_chunk<F16, kFmt>(x + offset, n, s, lim);
+        p = run_chunk<F16, kFmt>(x + offset, n, s, lim, slots, parity);
         break;
       }
       default: {
         const unsigned short* x = static_cast<const unsigned short*>(table.data[t]);
-        p = run_chunk<BF16, kFmt>(x + offset, n, s, lim);
+        p = run_chunk<BF16, kFmt>(x + offset, n, s, lim, slots, parity);
         break;
       }
     }
-    warp_reduce(p);
-    block_reduce(p, slots, parity);
     parity ^= 1;
     if (threadIdx.x == 0) partials[c] = p;
   }

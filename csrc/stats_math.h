@@ -74,15 +74,17 @@ AAMP_HD void moments_from_sums(double n, double pivot, double s, double ss, doub
 // its largest |x|) are accurate: no overflow or NaN, squares far from the
 // fp32 subnormal range, and little cancellation in M2 = ss - s^2/n (the pivot
 // within a few standard deviations of the group's mean; a group whose pivot is an
-// outlier is summed again in fp64).
+// outlier is summed again in fp64). ss <= C * M2 is tested as
+// C * s^2 <= (C - 1) * ss * n, without a division (products of fp32 values
+// and a count, exact enough in fp64 for a threshold).
 constexpr float kStatsTinyAmax = 0x1p-30f;
 constexpr double kStatsMaxCancellation = 16.0;
 AAMP_HD bool fp32_sums_trusted(float s, float ss, double n, float amax) {
   if (!(ss <= 3.0e38f)) return false;  // inf or NaN
   if (amax > 0.0f && amax < kStatsTinyAmax) return false;
   if (ss == 0.0f || n == 0.0) return true;
-  const double m2 = static_cast<double>(ss) - static_cast<double>(s) * s / n;
-  return static_cast<double>(ss) <= kStatsMaxCancellation * m2;
+  const double sd = s;
+  return kStatsMaxCancellation * sd * sd <= (kStatsMaxCancellation - 1.0) * static_cast<double>(ss) * n;
 }
 
 // The reduction of partials of one tensor.
