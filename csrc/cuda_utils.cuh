@@ -60,4 +60,26 @@ int multiprocessor_count(int device);
 
 inline cudaStream_t as_stream(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 
+// x * m + c and hi(x * m) + c as integer multiply-adds, which run on the FMA
+// pipe. With m a power of two these are a shift and add, which ptxas would
+// emit on the ALU pipe instead (LEA, LEA.HI); kernels that saturate the ALU
+// pipe pass m in a register whose value ptxas cannot know (runtime_zero) to
+// keep the multiply-add.
+__device__ __forceinline__ unsigned imad(unsigned x, unsigned m, unsigned c) {
+  unsigned d;
+  asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(m), "r"(c));
+  return d;
+}
+__device__ __forceinline__ unsigned imad_hi(unsigned x, unsigned m, unsigned c) {
+  unsigned d;
+  asm("mad.hi.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(m), "r"(c));
+  return d;
+}
+
+// 0, from a value ptxas cannot fold (a count that is never negative, read
+// from the kernel's parameters).
+__device__ __forceinline__ unsigned runtime_zero(long long never_negative) {
+  return static_cast<unsigned>(static_cast<unsigned long long>(never_negative) >> 63);
+}
+
 }  // namespace aamp

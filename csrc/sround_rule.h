@@ -110,6 +110,7 @@ struct SroundFast {
   static constexpr std::uint32_t kXOff = (static_cast<std::uint32_t>(kDrop) << 23) +
                                          (static_cast<std::uint32_t>(127 - Fmt::kBias) << 23);
   static constexpr std::uint32_t kLo = static_cast<std::uint32_t>(kMTop - 31) << 23;  // smallest a with m <= 31
+  static constexpr int kMiOff = kMTop - 255;  // kMTop - e = (na >> 23) + kMiOff, na = 0x7fffffff - a
 };
 
 // r >> (32 - m) for m in [1, 31] (any value otherwise): the high word of
@@ -132,21 +133,16 @@ AAMP_HD std::uint32_t sround_shr_clamp(std::uint32_t z, std::uint32_t m) {
 }
 
 // na = 0x7fffffff - |y| bits (|y| finite), the complement of the magnitude
-// (one LOP3 from y, and no negation later): the magnitude of SR(y, r)
-// before the limit clamp.
+// (one LOP3 from y, and no negation later), and mi = (na >> 23) + kMiOff,
+// which is kMTop - e (a parameter so that the CUDA kernel can compute it on
+// another pipe, see FastInt there): the magnitude of SR(y, r) before the
+// limit clamp.
 template <class Fmt>
-AAMP_HD std::uint32_t sround_magnitude_fast_na(std::uint32_t na, std::uint32_t r) {
+AAMP_HD std::uint32_t sround_magnitude_fast_na(std::uint32_t na, int mi, std::uint32_t r) {
   using K = SroundFast<Fmt>;
-  const int mi = static_cast<int>(na >> 23) + (K::kMTop - 255);  // kMTop - e
   const std::uint32_t m = static_cast<std::uint32_t>(mi > K::kDrop ? mi : K::kDrop);
   const std::uint32_t z = (m << 23) + (sround_high_bits(r, m) - na + (0x7fffffffu - K::kXOff));
   return sround_shr_clamp(z, m);
-}
-
-// a = |y| bits (finite).
-template <class Fmt>
-AAMP_HD std::uint32_t sround_magnitude_fast(std::uint32_t a, std::uint32_t r) {
-  return sround_magnitude_fast_na<Fmt>(a ^ 0x7fffffffu, r);
 }
 
 }  // namespace aamp
