@@ -25,8 +25,7 @@ bool is_stats_format(DType t) {
 std::size_t stats_workspace_bytes(const std::vector<TensorRef>& tensors) {
   std::int64_t chunks = 0;
   for (const TensorRef& t : tensors) chunks += chunks_of(t.numel);
-  return static_cast<std::size_t>(chunks) * kStatsPartialsPerChunk * sizeof(StatsPartial) +
-         tensors.size() * sizeof(std::uint32_t);  // the CUDA kernel's arrival count per tensor
+  return static_cast<std::size_t>(chunks) * kStatsPartialsPerChunk * sizeof(StatsPartial);
 }
 
 void validate_stats(const StatsArgs& a) {

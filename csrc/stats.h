@@ -107,8 +107,7 @@ struct StatsArgs {
 constexpr std::int64_t kStatsChunk = 16384;
 
 // Workspace slots per chunk: both the CUDA and the CPU kernel keep one
-// partial per chunk; after them the CUDA kernel keeps one 32-bit arrival
-// count per tensor (stats_workspace_bytes counts both).
+// partial per chunk.
 constexpr int kStatsPartialsPerChunk = 1;
 
 // The partial results of one chunk. Moments are of the finite x: their

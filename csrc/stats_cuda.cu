@@ -17,11 +17,8 @@
 // with its fp64 division, at every step of those trees: a third of the
 // kernel's instructions.) One partial per chunk keeps the finishing merge
 // chains short (GPT-2's embedding: 2356 partials).
-// Stage 2, in the same kernel: the block whose chunk is the last of its
-// tensor to arrive merges the tensor's partials in a fixed order and writes
-// its final statistics (stats_math.h), so one transfer reads them all. (A
-// second kernel for this cost about 7% of the GPT-2 set's time: its launch
-// and its merges waited for the whole grid.)
+// Stage 2: one block per tensor merges its partials in a fixed order and
+// writes the final statistics (stats_math.h), so one transfer reads them all.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -300,89 +297,19 @@ __device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restric
   return p;
 }
 
-__device__ __forceinline__ StatsTotals shfl_down(const StatsTotals& t, int o) {
-  constexpr unsigned kAll = 0xffffffffu;
-  StatsTotals q;
-  q.n = __shfl_down_sync(kAll, t.n, o);
-  q.mean = __shfl_down_sync(kAll, t.mean, o);
-  q.m2 = __shfl_down_sync(kAll, t.m2, o);
-  q.zero = __shfl_down_sync(kAll, t.zero, o);
-  q.nan = __shfl_down_sync(kAll, t.nan, o);
-  q.inf = __shfl_down_sync(kAll, t.inf, o);
-  q.at_most_lo = __shfl_down_sync(kAll, t.at_most_lo, o);
-  q.below_hi = __shfl_down_sync(kAll, t.below_hi, o);
-  q.over = __shfl_down_sync(kAll, t.over, o);
-  q.min_key = __shfl_down_sync(kAll, t.min_key, o);
-  q.max_key = __shfl_down_sync(kAll, t.max_key, o);
-  q.abs_key = __shfl_down_sync(kAll, t.abs_key, o);
-  return q;
-}
-
-// A partial written by another block of this kernel, read from L2 (past
-// this multiprocessor's L1).
-__device__ __forceinline__ StatsPartial load_partial(const StatsPartial* p) {
-  static_assert(sizeof(StatsPartial) % 8 == 0, "read as 64-bit words");
-  union {
-    unsigned long long w[sizeof(StatsPartial) / 8];
-    StatsPartial p;
-  } u;
-  const unsigned long long* src = reinterpret_cast<const unsigned long long*>(p);
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(StatsPartial) / 8); ++i) u.w[i] = __ldcg(src + i);
-  return u.p;
-}
-
-// Tensor t's final statistics from its chunks' partials, by the whole block
-// (the block whose chunk arrived last): each thread a fixed stride of them,
-// then a shuffle tree, then the warps in order, so the order is fixed
-// whichever block finishes. Not inlined: its fp64 totals would otherwise
-// raise the register count of the chunk loop.
-template <class Table, bool kFmt>
-__device__ __noinline__ void finish_tensor(const Table& table, int t, const StatsPartial* partials, float scale,
-                                           double* __restrict__ out) {
-  __shared__ alignas(StatsTotals) unsigned char raw[sizeof(StatsTotals) * kWarps];
-  StatsTotals* s_tot = reinterpret_cast<StatsTotals*>(raw);
-  const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
-  StatsTotals tot;
-  for (unsigned p = begin + threadIdx.x; p < end; p += kThreads) tot.add(load_partial(partials + p));
-#pragma unroll 1
-  for (int o = 16; o > 0; o >>= 1) tot.add(shfl_down(tot, o));
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) s_tot[warp] = tot;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kWarps; ++w) tot.add(s_tot[w]);
-    const long long numel = static_cast<long long>(end - begin - 1) * kStatsChunk + (table.meta[t] >> 4) + 1;
-    finalize_stats(tot, numel, scale, kFmt, out + static_cast<std::size_t>(t) * kStatFields);
-  }
-}
-
-// One block per chunk (the grid loops past its cap). The chunk's partial
-// goes to `partials`; the block whose chunk is the last of its tensor to
-// arrive (an atomic count per tensor, zeroed before the launch) merges the
-// tensor's partials and writes its statistics, so no second kernel waits
-// for the whole grid: tensors finish while others are still read. A tensor
-// of one chunk is finished from its partial directly; empty tensors get
-// their row first.
 template <class Table, bool kFmt, int kOnly>
 __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
     stats_kernel(const __grid_constant__ Table table, ScaleArg scale, FormatLimits lim,
-                 StatsPartial* __restrict__ partials, unsigned* __restrict__ arrived, double* __restrict__ out) {
+                 StatsPartial* __restrict__ partials) {
   __shared__ ChunkSums slots[2][kWarps];
-  __shared__ bool s_last;
-  for (int t = blockIdx.x * kThreads + threadIdx.x; t < table.count; t += gridDim.x * kThreads) {
-    if (table.chunk_begin[t + 1] == table.chunk_begin[t]) {
-      finalize_stats(StatsTotals(), 0, kFmt ? scale.of(t) : 1.0f, kFmt, out + static_cast<std::size_t>(t) * kStatFields);
-    }
-  }
   const unsigned total = table.chunk_begin[table.count];
   int parity = 0;
   for (unsigned c = blockIdx.x; c < total; c += gridDim.x) {
     const int t = table_find(table, c);
-    const unsigned chunks = table.chunk_begin[t + 1] - table.chunk_begin[t];
     const unsigned local = c - table.chunk_begin[t];
+    const unsigned last = table.chunk_begin[t + 1] - table.chunk_begin[t] - 1;
     const unsigned meta = table.meta[t];
-    const int n = local == chunks - 1 ? static_cast<int>(meta >> 4) + 1 : static_cast<int>(kStatsChunk);
+    const int n = local == last ? static_cast<int>(meta >> 4) + 1 : static_cast<int>(kStatsChunk);
     const std::int64_t offset = static_cast<std::int64_t>(local) * kStatsChunk;
     const unsigned dtype = kOnly == kAnyDType ? (meta & 15u) : static_cast<unsigned>(kOnly);
     const float s = kFmt ? scale.of(t) : 1.0f;
@@ -405,52 +332,113 @@ __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
       }
     }
     parity ^= 1;
-    if (chunks == 1) {
-      if (threadIdx.x == 0) {
-        StatsTotals tot;
-        tot.add(p);
-        finalize_stats(tot, n, s, kFmt, out + static_cast<std::size_t>(t) * kStatFields);
-      }
-      continue;  // uniform across the block
+    if (threadIdx.x == 0) partials[c] = p;
+  }
+}
+
+__device__ __forceinline__ StatsTotals shfl_down(const StatsTotals& t, int o) {
+  constexpr unsigned kAll = 0xffffffffu;
+  StatsTotals q;
+  q.n = __shfl_down_sync(kAll, t.n, o);
+  q.mean = __shfl_down_sync(kAll, t.mean, o);
+  q.m2 = __shfl_down_sync(kAll, t.m2, o);
+  q.zero = __shfl_down_sync(kAll, t.zero, o);
+  q.nan = __shfl_down_sync(kAll, t.nan, o);
+  q.inf = __shfl_down_sync(kAll, t.inf, o);
+  q.at_most_lo = __shfl_down_sync(kAll, t.at_most_lo, o);
+  q.below_hi = __shfl_down_sync(kAll, t.below_hi, o);
+  q.over = __shfl_down_sync(kAll, t.over, o);
+  q.min_key = __shfl_down_sync(kAll, t.min_key, o);
+  q.max_key = __shfl_down_sync(kAll, t.max_key, o);
+  q.abs_key = __shfl_down_sync(kAll, t.abs_key, o);
+  return q;
+}
+
+// One block per tensor: its partials in a fixed order (each thread a fixed
+// stride of them, then a shuffle tree, then the warps in order), and the
+// final statistics. Empty tensors get their row too.
+// Finishing blocks are wide when a tensor has many partials, so that its
+// chain of merges (GPT-2's embedding: 2356 partials) is short; 512
+// threads fit the registers that the fp64 totals need. Lists of small
+// tensors keep 256-thread blocks, most of whose threads would idle.
+constexpr int kWideFinish = 512;
+
+template <class Table, bool kFmt, int kFinishThreads>
+__global__ void __launch_bounds__(kFinishThreads)
+    stats_finish_kernel(const __grid_constant__ Table table, ScaleArg scale, const StatsPartial* __restrict__ partials,
+                        double* __restrict__ out) {
+  const int t = blockIdx.x;
+  const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
+  StatsTotals tot;
+  const std::size_t last = static_cast<std::size_t>(end);
+  std::size_t p = static_cast<std::size_t>(begin) + threadIdx.x;
+  // Each merge depends on the one before, so a thread's partials form a
+  // chain: the next one is loaded before the current one is merged, so the
+  // load overlaps the merge (the merge order is unchanged).
+  if (p < last) {
+    StatsPartial current = partials[p];
+    for (p += kFinishThreads; p < last; p += kFinishThreads) {
+      const StatsPartial next = partials[p];
+      tot.add(current);
+      current = next;
     }
-    if (threadIdx.x == 0) {
-      partials[c] = p;
-      __threadfence();  // the partial is visible before the count says so
-      s_last = atomicAdd(arrived + t, 1u) == chunks - 1;
-      if (s_last) __threadfence();  // and every other partial of t is visible to this block
-    }
-    __syncthreads();
-    if (s_last) finish_tensor<Table, kFmt>(table, t, partials, s, out);
+    tot.add(current);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) tot.add(shfl_down(tot, o));
+  constexpr int kFinishWarps = kFinishThreads / 32;
+  __shared__ alignas(StatsTotals) unsigned char raw[sizeof(StatsTotals) * kFinishWarps];
+  StatsTotals* s_tot = reinterpret_cast<StatsTotals*>(raw);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) s_tot[warp] = tot;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kFinishWarps; ++w) tot.add(s_tot[w]);
+    const unsigned meta = table.meta[t];
+    const long long chunks = end - begin;
+    const long long numel = chunks > 0 ? (chunks - 1) * kStatsChunk + static_cast<long long>(meta >> 4) + 1 : 0;
+    finalize_stats(tot, numel, kFmt ? scale.of(t) : 1.0f, kFmt, out + static_cast<std::size_t>(t) * kStatFields);
   }
 }
 
 template <class Table, bool kFmt, int kOnly>
-void launch(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* partials, unsigned* arrived,
-            double* out, cudaStream_t stream, int device) {
+void launch(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* partials, double* out,
+            cudaStream_t stream, int device) {
   const unsigned total = table.chunk_begin[table.count];
-  // One block per chunk up to a cap (the kernel loops past it); at least
-  // one, which writes the rows of empty tensors.
-  const unsigned cap = static_cast<unsigned>(multiprocessor_count(device)) * 256u;
-  const unsigned grid = std::max(1u, std::min(total, cap));
-  stats_kernel<Table, kFmt, kOnly><<<grid, kThreads, 0, stream>>>(table, scale, lim, partials, arrived, out);
-  AAMP_CUDA_CHECK_LAUNCH("stats_kernel");
+  if (total > 0) {
+    // One block per chunk up to a cap; the kernel loops past it.
+    const unsigned cap = static_cast<unsigned>(multiprocessor_count(device)) * 256u;
+    stats_kernel<Table, kFmt, kOnly>
+        <<<std::min(total, cap), kThreads, 0, stream>>>(table, scale, lim, partials);
+    AAMP_CUDA_CHECK_LAUNCH("stats_kernel");
+  }
+  unsigned most = 0;  // the most chunks of one tensor
+  for (int i = 0; i < table.count; ++i) most = std::max(most, table.chunk_begin[i + 1] - table.chunk_begin[i]);
+  const unsigned blocks = static_cast<unsigned>(table.count);
+  if (most > 8u * kThreads) {
+    stats_finish_kernel<Table, kFmt, kWideFinish>
+        <<<blocks, kWideFinish, 0, stream>>>(table, scale, partials, out);
+  } else {
+    stats_finish_kernel<Table, kFmt, kThreads><<<blocks, kThreads, 0, stream>>>(table, scale, partials, out);
+  }
+  AAMP_CUDA_CHECK_LAUNCH("stats_finish_kernel");
 }
 
 // fp32-only lists (the common case: fp32 gradients and master weights) get
 // the specialized kernel; anything else the mixed one.
 template <class Table>
 void launch_table(const Table& table, const StatsArgs& a, ScaleArg scale, FormatLimits lim, StatsPartial* partials,
-                  unsigned* arrived, double* out, cudaStream_t stream) {
+                  double* out, cudaStream_t stream) {
   bool all_f32 = true;
   for (int i = 0; i < table.count; ++i) all_f32 &= (table.meta[i] & 15u) == static_cast<unsigned>(DType::kFloat32);
   constexpr int kF32 = static_cast<int>(DType::kFloat32);
   const int device = a.place.device;
   if (a.has_format) {
-    all_f32 ? launch<Table, true, kF32>(table, scale, lim, partials, arrived, out, stream, device)
-            : launch<Table, true, kAnyDType>(table, scale, lim, partials, arrived, out, stream, device);
+    all_f32 ? launch<Table, true, kF32>(table, scale, lim, partials, out, stream, device)
+            : launch<Table, true, kAnyDType>(table, scale, lim, partials, out, stream, device);
   } else {
-    all_f32 ? launch<Table, false, kF32>(table, scale, lim, partials, arrived, out, stream, device)
-            : launch<Table, false, kAnyDType>(table, scale, lim, partials, arrived, out, stream, device);
+    all_f32 ? launch<Table, false, kF32>(table, scale, lim, partials, out, stream, device)
+            : launch<Table, false, kAnyDType>(table, scale, lim, partials, out, stream, device);
   }
 }
 
@@ -459,13 +447,7 @@ void launch_table(const Table& table, const StatsArgs& a, ScaleArg scale, Format
 void tensor_stats_cuda(const StatsArgs& a) {
   DeviceGuard guard(a.place.device);
   cudaStream_t stream = as_stream(a.place.stream);
-  // The workspace (stats_workspace_bytes): one partial per chunk, then one
-  // arrival count per tensor, zeroed here.
   auto* partials = static_cast<StatsPartial*>(a.workspace);
-  std::int64_t all_chunks = 0;
-  for (const TensorRef& t : a.tensors) all_chunks += (t.numel + kStatsChunk - 1) / kStatsChunk;
-  unsigned* arrived = reinterpret_cast<unsigned*>(partials + all_chunks);
-  AAMP_CUDA_CHECK(cudaMemsetAsync(arrived, 0, a.tensors.size() * sizeof(unsigned), stream));
   const FormatLimits lim = format_limits(a.format);
   // The tables are large; keep them off the stack.
   static thread_local SmallTable small;
@@ -478,10 +460,10 @@ void tensor_stats_cuda(const StatsArgs& a) {
     std::size_t next;
     if (a.tensors.size() - first <= static_cast<std::size_t>(SmallTable::capacity)) {
       next = fill_table(small, a.tensors, first, kStatsChunk);
-      launch_table(small, a, scale, lim, partials, arrived + first, out, stream);
+      launch_table(small, a, scale, lim, partials, out, stream);
     } else {
       next = fill_table(large, a.tensors, first, kStatsChunk);
-      launch_table(large, a, scale, lim, partials, arrived + first, out, stream);
+      launch_table(large, a, scale, lim, partials, out, stream);
     }
     // Partials are indexed per launch, one a chunk; advance past this
     // launch's chunks.
