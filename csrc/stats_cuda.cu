@@ -61,7 +61,7 @@ template <class E, bool kFull, class F>
 __device__ __forceinline__ void for_each(const typename E::T* __restrict__ x, int n, F& f) {
   using T = typename E::T;
   constexpr int kPer = 16 / sizeof(T);
-  static_assert(kStatsChunk % (kThreads * kUnroll * 16) == 0, "whole chunks are whole batches of vectors");
+  static_assert(kStatsChunk / kPer % (kThreads * kUnroll) == 0, "whole chunks are whole batches of vectors");
   int nvec = 0;
   if (kFull || (reinterpret_cast<std::uintptr_t>(x) & 15u) == 0) {
     const uint4* xv = reinterpret_cast<const uint4*>(x);
