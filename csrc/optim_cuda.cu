@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "cuda_utils.cuh"
+#include "multi_tensor.cuh"  // table_find
 #include "optim.h"
 #include "optim_rule.h"
 #include "philox.h"
@@ -48,20 +49,9 @@ struct OptimTable {
   std::uint32_t chunk_begin[kCap + 1];
   int count;
 };
-using SmallTable = OptimTable<64>;
-using LargeTable = OptimTable<560>;
-static_assert(sizeof(LargeTable) <= 32764 - 512, "optimizer table exceeds the kernel parameter limit");
-
-// The tensor that owns `chunk`: the last i with chunk_begin[i] <= chunk.
-template <class Table>
-__device__ __forceinline__ int table_find_optim(const Table& table, std::uint32_t chunk) {
-  int lo = 0, hi = table.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (table.chunk_begin[mid] <= chunk) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
+using OptimSmallTable = OptimTable<64>;
+using OptimLargeTable = OptimTable<560>;
+static_assert(sizeof(OptimLargeTable) <= 32764 - 512, "optimizer table exceeds the kernel parameter limit");
 
 struct Launch {
   optim_rule::Scalars s;
@@ -160,7 +150,7 @@ __global__ void __launch_bounds__(kThreads) optim_kernel(const __grid_constant__
   const bool has_m = kAdam || s.momentum;
   const unsigned total = table.chunk_begin[table.count];
   for (unsigned c = blockIdx.x; c < total; c += gridDim.x) {
-    const int t = table_find_optim(table, c);
+    const int t = table_find(table, c);
     const unsigned local = c - table.chunk_begin[t];
     const unsigned last = table.chunk_begin[t + 1] - table.chunk_begin[t] - 1;
     const unsigned meta = table.meta[t];
@@ -321,12 +311,12 @@ void optim_step_cuda(const OptimArgs& a) {
   l.seed_offset = a.seed_offset;
   l.sr = a.stochastic_rounding;
   // The tables are large; keep them off the stack.
-  static thread_local SmallTable small;
-  static thread_local LargeTable large;
+  static thread_local OptimSmallTable small;
+  static thread_local OptimLargeTable large;
   std::size_t k = 0;
   while (k < a.params.size()) {
     std::size_t next;
-    if (a.params.size() - k <= static_cast<std::size_t>(SmallTable::capacity)) {
+    if (a.params.size() - k <= static_cast<std::size_t>(OptimSmallTable::capacity)) {
       next = fill(small, a, k);
       launch_table(small, a, k, l, stream, a.place.device);
     } else {
