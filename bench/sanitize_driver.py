@@ -57,7 +57,11 @@ for target in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_
         aa.stochastic_round(src, target, seed=1, offset=2)
         aa.stochastic_round(src, target, scale=0.25, return_amax=True, saturate=True)
 
-for ts in lists[:3] + [mixed(300)]:
+# Chunks that start with a NaN (the pivot search) and a tensor whose first chunks have no finite element.
+led = torch.randn(5 * 16384 + 7, device=dev)
+led[::16384] = float("nan")
+led[:2 * 16384] = float("inf")
+for ts in lists[:3] + [mixed(300), [led, led[3:].half()]]:
     aa.tensor_stats(ts).to_dict()
     aa.tensor_stats(ts, fmt="float16").to_dict()
     aa.tensor_stats(ts, fmt="float8_e4m3fn", scale=torch.rand(len(ts), device=dev)).to_dict()

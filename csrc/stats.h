@@ -44,14 +44,18 @@
 //     run and independent of thread and block counts. Counts and extrema are
 //     integer reductions (order-free). Moments: small groups of elements
 //     (a GPU thread's share of a chunk, a CPU block) sum x - pivot in fp32,
-//     the pivot being one of the chunk's (GPU) or block's (CPU) own
-//     elements; a group whose sums cannot be trusted (a NaN or inf, squares
+//     the pivot being the chunk's (GPU) or block's (CPU) first finite
+//     element; a group whose sums cannot be trusted (a NaN or inf, squares
 //     that overflow or underflow fp32, or a pivot far from the group's mean,
 //     i.e. cancellation) is summed again in fp64. On the GPU the groups of a
 //     chunk share its pivot and their sums add up in fp64 in a fixed order;
-//     chunks (and CPU blocks) become (count, mean, M2) in fp64 and merge
-//     with Chan's formula, so std stays accurate for large tensors, for
-//     |mean| >> std and next to outliers.
+//     CPU blocks become (count, mean, M2) in fp64 and merge with Chan's
+//     formula into their chunk. Per tensor, every chunk's sums are shifted
+//     in fp64 to one reference, the mean of the tensor's first chunk with a
+//     finite element, and added; M2 = ss - s^2/n. That subtraction cancels
+//     at most a factor 1 + n/n0 (n0 the first chunk's count, because
+//     M2 >= n0 (mean0 - mean)^2), so std stays accurate for large tensors,
+//     for |mean| >> std and next to outliers.
 //   * The caller provides `workspace` of stats_workspace_bytes(...) bytes and
 //     `out` of tensors.size() * kStatFields doubles (the core allocates
 //     nothing). Nothing is written before every argument is validated;
@@ -111,14 +115,17 @@ constexpr std::int64_t kStatsChunk = 16384;
 constexpr int kStatsPartialsPerChunk = 1;
 
 // The partial results of one chunk. Moments are of the finite x: their
-// count, mean and sum of squared deviations from the mean (M2), merged with
-// Chan et al.'s formula. Extrema are kept as integer keys so that they
-// reduce exactly in any order: min_key/max_key order floats
-// (-0 < +0), abs_key is 2*|x|bits - 2 (unsigned, so zeros wrap to the top
-// and never win a min).
-struct StatsPartial {
-  double mean;
-  double m2;
+// count and the sums s = sum(x - ref), ss = sum((x - ref)^2) against a
+// reference point of the chunk's choosing (the GPU: the chunk's pivot, with
+// its own sums; the CPU: the chunk's mean, s = 0 and ss = M2). Per tensor the
+// partials are shifted to one reference and added (StatsTotals). Extrema are
+// kept as integer keys so that they reduce exactly in any order:
+// min_key/max_key order floats (-0 < +0), abs_key is 2*|x|bits - 2
+// (unsigned, so zeros wrap to the top and never win a min).
+struct alignas(16) StatsPartial {  // four 16-byte loads on the GPU
+  double ref;
+  double s;
+  double ss;
   std::uint32_t count;  // finite elements
   std::uint32_t zero, nan, inf;
   std::uint32_t at_most_lo;  // finite x with |y| <= half the smallest subnormal of the format
@@ -127,6 +134,7 @@ struct StatsPartial {
   std::int32_t min_key, max_key;
   std::uint32_t abs_key;
 };
+static_assert(sizeof(StatsPartial) == 64, "the workspace holds one 64-byte partial per chunk");
 
 std::size_t stats_workspace_bytes(const std::vector<TensorRef>& tensors);
 

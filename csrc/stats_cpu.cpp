@@ -9,7 +9,8 @@
 // overflow nor underflow fp32, a block's first element near its mean) and sums
 // x - first in fp32; a block where that does not hold (fp32_sums_trusted) is
 // done again element by element in fp64. Either way the block's (count, mean,
-// M2) then merge into the chunk's partial.
+// M2) then merge into the chunk's with Chan's formula; the chunk's partial is
+// its mean as the reference, s = 0 and ss = M2.
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -33,17 +34,22 @@ struct Limits {
   std::uint32_t lo, hi, max;  // fp32 bit patterns of FormatLimits
 };
 
+// A chunk's moments so far: count, mean and M2 of its finite elements.
+struct Moments {
+  double n = 0.0, mean = 0.0, m2 = 0.0;
+
+  void add_sums(double count, double pivot, double s, double ss) {
+    double block_mean, block_m2;
+    moments_from_sums(count, pivot, s, ss, block_mean, block_m2);
+    merge_moments(n, mean, m2, count, block_mean, block_m2);
+  }
+};
+
 // One block on the fast path. Returns false when its result cannot be trusted.
-void add_moments(StatsPartial& p, double n, double pivot, double s, double ss) {
-  double mean, m2;
-  moments_from_sums(n, pivot, s, ss, mean, m2);
-  double count = p.count;
-  merge_moments(count, p.mean, p.m2, n, mean, m2);
-  p.count = static_cast<std::uint32_t>(count);
-}
 
 template <class E, bool kFmt>
-bool fast_block(const typename E::T* x, std::int64_t n, float pivot, float scale, Limits lim, StatsPartial& p) {
+bool fast_block(const typename E::T* x, std::int64_t n, float pivot, float scale, Limits lim, StatsPartial& p,
+                Moments& m) {
   float s = 0.0f, ss = 0.0f;
   unsigned zero = 0, lo = 0, hi = 0, over = 0;
   int mn = INT_MAX, mx = INT_MIN;
@@ -70,7 +76,7 @@ bool fast_block(const typename E::T* x, std::int64_t n, float pivot, float scale
   }
   const float amax = std::max(std::fabs(key_float(mn)), std::fabs(key_float(mx)));
   if (!fp32_sums_trusted(s, ss, static_cast<double>(n), amax)) return false;
-  add_moments(p, static_cast<double>(n), pivot, s, ss);
+  m.add_sums(static_cast<double>(n), pivot, s, ss);
   p.zero += zero;
   p.at_most_lo += lo;
   p.below_hi += hi;
@@ -82,9 +88,12 @@ bool fast_block(const typename E::T* x, std::int64_t n, float pivot, float scale
 }
 
 // The same block element by element in fp64, with every special handled.
+// Its pivot is its first finite element (the block's first element may not
+// be one, and summing |mean| >> std data against 0 would cancel).
 template <class E, bool kFmt>
-void careful_block(const typename E::T* x, std::int64_t n, float pivot, float scale, Limits lim, StatsPartial& p) {
+void careful_block(const typename E::T* x, std::int64_t n, float scale, Limits lim, StatsPartial& p, Moments& m) {
   double s = 0.0, ss = 0.0, finite = 0.0;
+  float pivot = 0.0f;
   for (std::int64_t i = 0; i < n; ++i) {
     const float v = E::load(x[i]);
     const std::uint32_t u = f32_bits(v);
@@ -97,6 +106,7 @@ void careful_block(const typename E::T* x, std::int64_t n, float pivot, float sc
       ++p.inf;
       continue;
     }
+    if (finite == 0.0) pivot = v;
     finite += 1.0;
     p.zero += a == 0 ? 1u : 0u;
     p.min_key = std::min(p.min_key, order_key(u));
@@ -112,17 +122,24 @@ void careful_block(const typename E::T* x, std::int64_t n, float pivot, float sc
       p.over += (ay > lim.max && ay <= 0x7f800000u) ? 1u : 0u;
     }
   }
-  add_moments(p, finite, pivot, s, ss);
+  m.add_sums(finite, pivot, s, ss);
 }
 
 template <class E, bool kFmt>
 void run_chunk(const void* data, std::int64_t n, float scale, Limits lim, StatsPartial& p) {
   const auto* x = static_cast<const typename E::T*>(data);
+  Moments m;
   for (std::int64_t b = 0; b < n; b += kBlock) {
-    const std::int64_t m = std::min(kBlock, n - b);
+    const std::int64_t len = std::min(kBlock, n - b);
     const float pivot = stats_pivot(E::load(x[b]));
-    if (!fast_block<E, kFmt>(x + b, m, pivot, scale, lim, p)) careful_block<E, kFmt>(x + b, m, pivot, scale, lim, p);
+    if (!fast_block<E, kFmt>(x + b, len, pivot, scale, lim, p, m)) {
+      careful_block<E, kFmt>(x + b, len, scale, lim, p, m);
+    }
   }
+  p.count = static_cast<std::uint32_t>(m.n);
+  p.ref = m.mean;
+  p.s = 0.0;
+  p.ss = m.m2;
 }
 
 template <bool kFmt>
@@ -182,7 +199,9 @@ void tensor_stats_cpu(const StatsArgs& a) {
   }
 
   for (std::size_t t = 0; t < count; ++t) {
-    StatsTotals totals;
+    std::int64_t first = chunk_begin[t];
+    while (first < chunk_begin[t + 1] && partials[first].count == 0) ++first;
+    StatsTotals totals(first < chunk_begin[t + 1] ? partial_mean(partials[first]) : 0.0);
     for (std::int64_t c = chunk_begin[t]; c < chunk_begin[t + 1]; ++c) totals.add(partials[c]);
     finalize_stats(totals, a.tensors[t].numel, scale[t], a.has_format, a.out + t * kStatFields);
   }

@@ -12,13 +12,14 @@
 // same pivot, so the reductions only add: each warp reduces its threads in a
 // fixed order (integer reductions for counts and extrema, a shuffle tree of
 // fp64 additions for the sums), warp 0 does the same over the block's warps
-// through shared memory (one barrier per chunk), and the chunk's sums become
-// one (count, mean, M2) partial. (A pivot per thread needed a Chan merge,
-// with its fp64 division, at every step of those trees: a third of the
-// kernel's instructions.) One partial per chunk keeps the finishing merge
-// chains short (GPT-2's embedding: 2356 partials).
-// Stage 2: one block per tensor merges its partials in a fixed order and
-// writes the final statistics (stats_math.h), so one transfer reads them all.
+// through shared memory (one barrier per chunk), and the chunk's sums
+// against its pivot are its partial. (A pivot per thread needed a Chan
+// merge, with its fp64 division, at every step of those trees: a third of
+// the kernel's instructions.)
+// Stage 2: one block per tensor shifts its partials to one reference and
+// adds them in a fixed order (StatsTotals, stats_math.h: again no division
+// per merge), and writes the final statistics, so one transfer reads them
+// all.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -218,15 +219,9 @@ struct Careful {
   }
 };
 
-// Warp-wide reduction in a fixed order (a shuffle tree for the sums). Valid
-// in lane 0.
-__device__ __forceinline__ void warp_reduce(ChunkSums& c) {
+// Warp-wide reductions in a fixed order. Valid in lane 0.
+__device__ __forceinline__ void warp_reduce_counts(ChunkSums& c) {
   constexpr unsigned kAll = 0xffffffffu;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    c.s += __shfl_down_sync(kAll, c.s, o);
-    c.ss += __shfl_down_sync(kAll, c.ss, o);
-  }
   c.count = __reduce_add_sync(kAll, c.count);
   c.zero = __reduce_add_sync(kAll, c.zero);
   c.nan = __reduce_add_sync(kAll, c.nan);
@@ -237,6 +232,17 @@ __device__ __forceinline__ void warp_reduce(ChunkSums& c) {
   c.min_key = __reduce_min_sync(kAll, c.min_key);
   c.max_key = __reduce_max_sync(kAll, c.max_key);
   c.abs_key = __reduce_min_sync(kAll, c.abs_key);
+}
+
+// Sums against one pivot add up (a shuffle tree).
+__device__ __forceinline__ void warp_reduce(ChunkSums& c) {
+  constexpr unsigned kAll = 0xffffffffu;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    c.s += __shfl_down_sync(kAll, c.s, o);
+    c.ss += __shfl_down_sync(kAll, c.ss, o);
+  }
+  warp_reduce_counts(c);
 }
 
 struct ScaleArg {
@@ -261,16 +267,56 @@ __device__ __forceinline__ ChunkSums thread_sums(const typename E::T* __restrict
   return careful.c;
 }
 
+// The first finite element a thread sees in for_each order.
+struct FirstFinite {
+  float value = 0.0f;
+  bool found = false;
+  __device__ __forceinline__ void operator()(float v) {
+    if (!found && (__float_as_uint(v) & 0x7fffffffu) < 0x7f800000u) {
+      value = v;
+      found = true;
+    }
+  }
+};
+
+// The pivot of a chunk whose first element is not finite: the first finite
+// element of the lowest thread that has one (0 if the chunk has none), for
+// every thread. A second read of the chunk and a barrier, in a branch that
+// is uniform per chunk and rare; a pivot of 0 instead would make the sums of
+// |mean| >> std data cancel.
+template <class E>
+__device__ float search_pivot(const typename E::T* __restrict__ x, int n) {
+  __shared__ float candidate[kWarps];
+  __shared__ unsigned has_candidate;
+  FirstFinite f;
+  for_each<E, false>(x, n, f);
+  const unsigned ballot = __ballot_sync(0xffffffffu, f.found);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) has_candidate = 0;
+  __syncthreads();
+  if (ballot != 0 && lane == __ffs(ballot) - 1) {
+    candidate[warp] = f.value;
+    atomicOr(&has_candidate, 1u << warp);
+  }
+  __syncthreads();
+  const unsigned warps = has_candidate;
+  const float pivot = warps != 0 ? candidate[__ffs(warps) - 1] : 0.0f;
+  __syncthreads();  // before has_candidate is reset for a later chunk
+  return pivot;
+}
+
 // The chunk's partial, valid in thread 0. Its pivot is its first element
-// (0 if that is not finite), loaded by every thread next to its first batch.
-// The warps' sums meet in slots[parity], reduced by warp 0 in a fixed order
-// (lanes past kWarps hold empty sums, which add nothing); the slots alternate
-// between two buffers by chunk parity, so the one barrier per chunk also
-// orders warp 0's reads of chunk i before any write of chunk i + 2.
+// (when finite; otherwise search_pivot), loaded by every thread next to its
+// first batch. The warps' sums meet in slots[parity], reduced by warp 0 in a
+// fixed order (lanes past kWarps hold empty sums, which add nothing); the
+// slots alternate between two buffers by chunk parity, so the one barrier
+// per chunk also orders warp 0's reads of chunk i before any write of chunk
+// i + 2.
 template <class E, bool kFmt>
 __device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restrict__ x, int n, float scale,
                                                   FormatLimits lim, ChunkSums (*slots)[kWarps], int parity) {
-  const float pivot = stats_pivot(E::load(x[0]));
+  float pivot = E::load(x[0]);
+  if ((__float_as_uint(pivot) & 0x7fffffffu) >= 0x7f800000u) pivot = search_pivot<E>(x, n);
   const bool full = n == static_cast<int>(kStatsChunk) && (reinterpret_cast<std::uintptr_t>(x) & 15u) == 0;
   ChunkSums c = full ? thread_sums<E, kFmt, true>(x, n, pivot, scale, lim)
                      : thread_sums<E, kFmt, false>(x, n, pivot, scale, lim);
@@ -282,7 +328,9 @@ __device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restric
   if (warp == 0) {
     c = lane < kWarps ? slots[parity][lane] : ChunkSums();
     warp_reduce(c);
-    moments_from_sums(static_cast<double>(c.count), pivot, c.s, c.ss, p.mean, p.m2);
+    p.ref = pivot;
+    p.s = c.s;
+    p.ss = c.ss;
     p.count = c.count;
     p.zero = c.zero;
     p.nan = c.nan;
@@ -338,10 +386,10 @@ __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
 
 __device__ __forceinline__ StatsTotals shfl_down(const StatsTotals& t, int o) {
   constexpr unsigned kAll = 0xffffffffu;
-  StatsTotals q;
+  StatsTotals q(t.ref);
   q.n = __shfl_down_sync(kAll, t.n, o);
-  q.mean = __shfl_down_sync(kAll, t.mean, o);
-  q.m2 = __shfl_down_sync(kAll, t.m2, o);
+  q.s = __shfl_down_sync(kAll, t.s, o);
+  q.ss = __shfl_down_sync(kAll, t.ss, o);
   q.zero = __shfl_down_sync(kAll, t.zero, o);
   q.nan = __shfl_down_sync(kAll, t.nan, o);
   q.inf = __shfl_down_sync(kAll, t.inf, o);
@@ -354,13 +402,42 @@ __device__ __forceinline__ StatsTotals shfl_down(const StatsTotals& t, int o) {
   return q;
 }
 
-// One block per tensor: its partials in a fixed order (each thread a fixed
-// stride of them, then a shuffle tree, then the warps in order), and the
-// final statistics. Empty tensors get their row too.
-// Finishing blocks are wide when a tensor has many partials, so that its
-// chain of merges (GPT-2's embedding: 2356 partials) is short; 512
-// threads fit the registers that the fp64 totals need. Lists of small
-// tensors keep 256-thread blocks, most of whose threads would idle.
+// A fixed-order shuffle tree over the warp (valid in lane 0).
+__device__ __forceinline__ void warp_reduce(StatsTotals& t) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) t.add(shfl_down(t, o));
+}
+
+// The index of the first of partials[begin, end) with a finite element (end
+// if none), for every thread of the block. Nearly always the first one is,
+// and every thread reads it; otherwise the block searches.
+template <int kFinishThreads>
+__device__ unsigned first_counted(const StatsPartial* __restrict__ partials, unsigned begin, unsigned end) {
+  if (begin == end || partials[begin].count > 0) return begin;
+  __shared__ unsigned found[kFinishThreads / 32];
+  unsigned mine = end;
+  for (unsigned p = begin + threadIdx.x; p < end; p += kFinishThreads) {
+    if (partials[p].count > 0) {
+      mine = p;
+      break;
+    }
+  }
+  mine = __reduce_min_sync(0xffffffffu, mine);
+  if ((threadIdx.x & 31) == 0) found[threadIdx.x >> 5] = mine;
+  __syncthreads();
+  unsigned first = end;
+  for (int w = 0; w < kFinishThreads / 32; ++w) first = min(first, found[w]);
+  return first;
+}
+
+// One block per tensor: the partials are shifted to the tensor's reference
+// and added, each thread a fixed stride of them, then a shuffle tree per
+// warp and one over the warps, and the final statistics. Empty tensors get
+// their row too.
+// Finishing blocks are wide when a tensor has many partials, so that each
+// thread's chain of additions (GPT-2's embedding: 2356 partials) is short.
+// Lists of small tensors keep 256-thread blocks, most of whose threads would
+// idle.
 constexpr int kWideFinish = 512;
 
 template <class Table, bool kFmt, int kFinishThreads>
@@ -369,35 +446,34 @@ __global__ void __launch_bounds__(kFinishThreads)
                         double* __restrict__ out) {
   const int t = blockIdx.x;
   const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
-  StatsTotals tot;
-  const std::size_t last = static_cast<std::size_t>(end);
-  std::size_t p = static_cast<std::size_t>(begin) + threadIdx.x;
-  // Each merge depends on the one before, so a thread's partials form a
-  // chain: the next one is loaded before the current one is merged, so the
-  // load overlaps the merge (the merge order is unchanged).
-  if (p < last) {
-    StatsPartial current = partials[p];
-    for (p += kFinishThreads; p < last; p += kFinishThreads) {
-      const StatsPartial next = partials[p];
-      tot.add(current);
-      current = next;
-    }
-    tot.add(current);
+  const unsigned first = first_counted<kFinishThreads>(partials, begin, end);
+  StatsTotals tot(first < end ? partial_mean(partials[first]) : 0.0);
+  // Two partials in flight per step: a thread's chain of loads is the
+  // kernel's latency (the order of the additions is unchanged).
+  unsigned p = begin + threadIdx.x;
+  for (; p + kFinishThreads < end; p += 2 * kFinishThreads) {
+    const StatsPartial a = partials[p], b = partials[p + kFinishThreads];
+    tot.add(a);
+    tot.add(b);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) tot.add(shfl_down(tot, o));
+  if (p < end) tot.add(partials[p]);
+  warp_reduce(tot);
   constexpr int kFinishWarps = kFinishThreads / 32;
+  static_assert(kFinishWarps <= 32, "warp 0 reduces the warps' totals, one a lane");
   __shared__ alignas(StatsTotals) unsigned char raw[sizeof(StatsTotals) * kFinishWarps];
   StatsTotals* s_tot = reinterpret_cast<StatsTotals*>(raw);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) s_tot[warp] = tot;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kFinishWarps; ++w) tot.add(s_tot[w]);
-    const unsigned meta = table.meta[t];
-    const long long chunks = end - begin;
-    const long long numel = chunks > 0 ? (chunks - 1) * kStatsChunk + static_cast<long long>(meta >> 4) + 1 : 0;
-    finalize_stats(tot, numel, kFmt ? scale.of(t) : 1.0f, kFmt, out + static_cast<std::size_t>(t) * kStatFields);
+  if (warp == 0) {
+    tot = lane < kFinishWarps ? s_tot[lane] : StatsTotals(tot.ref);
+    warp_reduce(tot);
+    if (lane == 0) {
+      const unsigned meta = table.meta[t];
+      const long long chunks = end - begin;
+      const long long numel = chunks > 0 ? (chunks - 1) * kStatsChunk + static_cast<long long>(meta >> 4) + 1 : 0;
+      finalize_stats(tot, numel, kFmt ? scale.of(t) : 1.0f, kFmt, out + static_cast<std::size_t>(t) * kStatFields);
+    }
   }
 }
 

@@ -87,15 +87,53 @@ AAMP_HD bool fp32_sums_trusted(float s, float ss, double n, float amax) {
   return kStatsMaxCancellation * sd * sd <= (kStatsMaxCancellation - 1.0) * static_cast<double>(ss) * n;
 }
 
-// The reduction of partials of one tensor.
+// The mean of a partial's finite elements (0 without any).
+AAMP_HD double partial_mean(const StatsPartial& p) {
+  return p.count > 0 ? p.ref + p.s / static_cast<double>(p.count) : 0.0;
+}
+
+// The reduction of partials of one tensor. Moments are kept as sums against
+// one reference point for the whole tensor (the mean of its first partial
+// with a finite element), so partials merge by a shift and additions, and
+// totals by additions alone: no division per merge, as Chan's formula would
+// need at every step of a reduction tree.
 struct StatsTotals {
-  double n = 0.0, mean = 0.0, m2 = 0.0;
+  double ref = 0.0;
+  double n = 0.0, s = 0.0, ss = 0.0;  // count, sum(x - ref), sum((x - ref)^2) over the finite x
   unsigned long long zero = 0, nan = 0, inf = 0, at_most_lo = 0, below_hi = 0, over = 0;
   std::int32_t min_key = 0x7fffffff, max_key = static_cast<std::int32_t>(0x80000000u);
   std::uint32_t abs_key = 0xffffffffu;
 
+  StatsTotals() = default;
+  AAMP_HD explicit StatsTotals(double reference) : ref(reference) {}
+
   AAMP_HD void add(const StatsPartial& p) {
-    merge_moments(n, mean, m2, static_cast<double>(p.count), p.mean, p.m2);
+    // sum((x - ref)^2) = ss_p + 2 d s_p + c d^2 with d = ref_p - ref.
+    const double c = static_cast<double>(p.count);
+    const double d = p.ref - ref;
+    n += c;
+    s += fma(c, d, p.s);
+    ss += fma(d, fma(c, d, 2.0 * p.s), p.ss);
+    add_counts(p);
+  }
+
+  // o must have the same reference.
+  AAMP_HD void add(const StatsTotals& o) {
+    n += o.n;
+    s += o.s;
+    ss += o.ss;
+    add_counts(o);
+  }
+
+  AAMP_HD double mean() const { return ref + s / n; }
+  AAMP_HD double m2() const {
+    const double m = ss - s * (s / n);
+    return m > 0.0 ? m : 0.0;
+  }
+
+ private:
+  template <class P>
+  AAMP_HD void add_counts(const P& p) {
     zero += p.zero;
     nan += p.nan;
     inf += p.inf;
@@ -105,19 +143,6 @@ struct StatsTotals {
     min_key = min_key < p.min_key ? min_key : p.min_key;
     max_key = max_key > p.max_key ? max_key : p.max_key;
     abs_key = abs_key < p.abs_key ? abs_key : p.abs_key;
-  }
-
-  AAMP_HD void add(const StatsTotals& o) {
-    merge_moments(n, mean, m2, o.n, o.mean, o.m2);
-    zero += o.zero;
-    nan += o.nan;
-    inf += o.inf;
-    at_most_lo += o.at_most_lo;
-    below_hi += o.below_hi;
-    over += o.over;
-    min_key = min_key < o.min_key ? min_key : o.min_key;
-    max_key = max_key > o.max_key ? max_key : o.max_key;
-    abs_key = abs_key < o.abs_key ? abs_key : o.abs_key;
   }
 };
 
@@ -137,9 +162,10 @@ AAMP_HD void finalize_stats(const StatsTotals& t, long long numel, float scale, 
     mn = key_float(t.min_key);
     mx = key_float(t.max_key);
     amax = fabs(mn) > fabs(mx) ? fabs(mn) : fabs(mx);
-    mean = t.mean;
-    if (n > 1.0) sd = sqrt(t.m2 / (n - 1.0));
-    l2 = sqrt(t.m2 + n * mean * mean);
+    mean = t.mean();
+    const double m2 = t.m2();
+    if (n > 1.0) sd = sqrt(m2 / (n - 1.0));
+    l2 = sqrt(m2 + n * mean * mean);
     if (t.abs_key < kNoAbsKey) {
       man = f32_from_bits((t.abs_key >> 1) + 1u);
       range = log2(amax / man);

@@ -168,6 +168,29 @@ def test_accuracy_of_mean_and_std_on_2e7_elements(device):
     assert abs(got["mean"][0] - float(y64.mean())) <= 1e-9 * float(y64.mean())
 
 
+def test_accuracy_when_the_first_chunks_are_not_finite_or_an_outlier(device):
+    # Per tensor, chunks are summed against one reference: the mean of the
+    # first chunk with a finite element. Leading chunks without one, chunks
+    # that start with a NaN, and a first counted chunk that is a lone outlier
+    # must not cost accuracy.
+    g = torch.Generator().manual_seed(5)
+    # |mean| >> std after three chunks of NaN, and a NaN first in every
+    # chunk and block: no pivot of 0 may be used for such data.
+    a = torch.cat([torch.full((3 * CHUNK + 11,), NAN), 1000.0 + 1e-3 * torch.randn(5 * CHUNK, generator=g)])
+    a[::1024] = NAN
+    b = torch.cat([torch.full((CHUNK,), INF), torch.randn(4 * CHUNK + 7, generator=g)])
+    b[CHUNK // 2] = 1e8
+    c = torch.cat([torch.full((CHUNK - 1,), NAN), torch.tensor([-3e4]), torch.randn(6 * CHUNK, generator=g)])
+    ts = [t.to(device) for t in (a, b, c)]
+    got = adaptive_amp.tensor_stats(ts).to_dict()
+    for i, t in enumerate(ts):
+        f = t[torch.isfinite(t)].double().cpu()
+        mean, std = float(f.mean()), float(f.std())
+        assert abs(got["mean"][i] - mean) <= 1e-9 * (abs(mean) + std), i
+        assert got["std"][i] == pytest.approx(std, rel=1e-6), i
+        assert got["l2_norm"][i] == pytest.approx(float(f.norm()), rel=1e-6), i
+
+
 def test_semantics_of_specials(device):
     x = torch.tensor([NAN, INF, -INF, 0.0, -0.0, 2.0, -4.0, 1e-30], device=device)
     d = adaptive_amp.tensor_stats([x, torch.zeros(0, device=device), torch.full((3,), NAN, device=device),
