@@ -23,9 +23,17 @@ _TARGET_HELP = "bfloat16, float16, float8_e4m3fn or float8_e5m2 (a torch dtype, 
 _U64 = 1 << 64
 
 
+_known_targets: dict = {}  # dtype arguments seen before (torch dtypes, names) -> code: a plain call's lookup
+
+
 def target_code(dtype) -> int:
     """The target dtype (torch dtype, name, numpy/ml_dtypes dtype) -> our dtype code."""
-    code = None
+    try:
+        code = _known_targets.get(dtype)
+    except TypeError:  # unhashable: the checks below name it
+        code = None
+    if code is not None:
+        return code
     if isinstance(dtype, str):
         name = dtype[len("torch."):] if dtype.startswith("torch.") else dtype
         code = _TARGET_BY_NAME.get(name)
@@ -42,11 +50,15 @@ def target_code(dtype) -> int:
                 code = None
     if code not in TARGETS:
         raise TypeError(f"dtype is {dtype!r}; stochastic_round rounds to {_TARGET_HELP}")
+    if isinstance(dtype, str) or (_native._torch() is not None and isinstance(dtype, _native._torch().dtype)):
+        _known_targets[dtype] = code
     return code
 
 
 def u64(value, name: str) -> int:
     """A seed or offset: an integer in [0, 2**64)."""
+    if type(value) is int and 0 <= value < _U64:  # the common case, without the ABC check
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} is a {type(value).__name__}; pass an integer in [0, 2**64)")
     value = int(value)

@@ -61,24 +61,41 @@ def _stream(device: int) -> int:
     return _raw_stream(device) if _raw_stream is not None else _native.current_stream("torch", device)
 
 
-def _run(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, random_bits, return_amax, out) -> Tensor:
-    """The eager body of both ops: describe, allocate amax, call the core."""
+def _checked(t: Tensor, code: int) -> _native.Array:
+    """A tensor that stochastic_round() has validated (dtype, device, layout, contiguity) as the core sees it."""
+    return _native.Array(t.data_ptr(), t.numel(), code, t.get_device(), "torch", t)  # get_device(): -1 on the CPU
+
+
+def _run(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, random_bits, out, amax,
+         checked=False) -> None:
+    """The eager body of both ops and of plain calls: describe, call the core (amax: None, or 1 element).
+
+    checked: the arguments come from stochastic_round(), which validated them,
+    so they skip the generic description (a few microseconds per tensor).
+    """
     code = _native.torch_dtype_code(dtype)
-    xa = _native.describe(x, "x", writable=False, dtypes=_sround.SOURCES)
-    oa = _native.describe(out, "out", writable=True, dtypes=(code,))
-    bits = None
-    if random_bits is not None:
-        bits = _native.describe(random_bits, "random_bits", writable=False, dtypes=(INT32,))
-    amax = torch.empty(1 if return_amax else 0, dtype=torch.float32, device=x.device)
+    if checked:
+        xa, oa = _checked(x, _native.torch_dtype_code(x.dtype)), _checked(out, code)
+        bits = _checked(random_bits, INT32) if random_bits is not None else None
+    else:
+        xa = _native.describe(x, "x", writable=False, dtypes=_sround.SOURCES)
+        oa = _native.describe(out, "out", writable=True, dtypes=(code,))
+        bits = None
+        if random_bits is not None:
+            bits = _native.describe(random_bits, "random_bits", writable=False, dtypes=(INT32,))
     _sround.call_native(
         x=xa, out_ptr=oa.ptr, out_numel=oa.numel, out_code=code, bits=bits,
         seed=_as_u64(seed) if seed is not None else 0, offset=_as_u64(offset) if offset is not None else 0,
         seed_offset_ptr=seed_offset.data_ptr() if seed_offset is not None else 0,
         scale_ptr=scale.data_ptr() if scale is not None else 0,
         scale_value=_fp32(scale_value) if scale_value is not None else None,
-        saturate=saturate, amax_ptr=amax.data_ptr() if return_amax else 0,
+        saturate=saturate, amax_ptr=amax.data_ptr() if amax is not None else 0,
         device=xa.device, stream=_stream(xa.device))
-    return amax
+
+
+def _amax_for_op(x: Tensor, return_amax: bool) -> Tensor:
+    """The ops' second output: amax, or an empty tensor (their schema returns a tensor either way)."""
+    return torch.empty(1 if return_amax else 0, dtype=torch.float32, device=x.device)
 
 
 @torch.library.custom_op("adaptive_amp::stochastic_round", mutates_args=(), tags=_TAGS)
@@ -95,7 +112,9 @@ def stochastic_round_op(
     return_amax: bool,
 ) -> Tuple[Tensor, Tensor]:
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    amax = _run(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, random_bits, return_amax, out)
+    amax = _amax_for_op(x, return_amax)
+    _run(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, random_bits, out,
+         amax if return_amax else None)
     return out, amax
 
 
@@ -119,7 +138,10 @@ def stochastic_round_out_op(
     return_amax: bool,
     out: Tensor,
 ) -> Tensor:
-    return _run(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, random_bits, return_amax, out)
+    amax = _amax_for_op(x, return_amax)
+    _run(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, random_bits, out,
+         amax if return_amax else None)
+    return amax
 
 
 @stochastic_round_out_op.register_fake
@@ -157,6 +179,8 @@ def _check_tensor_arg(t, name, x, dtype, shape=True):
         raise TypeError(f"{name} has dtype {t.dtype}; expected {dtype}")
     if t.device != x.device:
         raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name} is a {t.layout} tensor; pass a dense tensor")
     if shape and t.shape != x.shape:
         raise ValueError(f"{name} has shape {tuple(t.shape)}; x has shape {tuple(x.shape)}")
     if not t.is_contiguous():
@@ -194,6 +218,9 @@ def stochastic_round(x: Tensor, dtype, *, generator=None, seed=None, offset=None
         if ste:
             raise ValueError("out is not supported by stochastic_round_ste (autograd needs a fresh output)")
         _check_tensor_arg(out, "out", x, target)
+        if out.requires_grad and out.is_leaf:
+            raise ValueError("out is a leaf tensor that requires grad; writing into it would break autograd. "
+                             "Pass out.detach() or a fresh tensor")
     seed_offset = None
     if seed is not None:
         seed = _as_i64(_sround.u64(seed, "seed"))
@@ -216,16 +243,16 @@ def stochastic_round(x: Tensor, dtype, *, generator=None, seed=None, offset=None
     # _is_compiling() is true there), for the straight-through gradient and for
     # tensor subclasses (fake tensors, modes). The kernel call is the same.
     direct = type(x) is Tensor and not _is_compiling() and not (ste and x.requires_grad and torch.is_grad_enabled())
-    if out is not None:
-        args = (x.detach(), target, seed, offset, seed_offset, scale_t, scale_value, bool(saturate), random_bits,
-                bool(return_amax), out)
-        amax = _run(*args) if direct else stochastic_round_out_op(*args)
-        return (out, amax) if return_amax else out
     if direct:
-        result = torch.empty(x.shape, dtype=target, device=x.device)
-        amax = _run(x.detach(), target, seed, offset, seed_offset, scale_t, scale_value, bool(saturate), random_bits,
-                    bool(return_amax), result)
-    else:
-        result, amax = stochastic_round_op(x if ste else x.detach(), target, seed, offset, seed_offset, scale_t,
-                                           scale_value, bool(saturate), random_bits, bool(return_amax))
+        result = out if out is not None else torch.empty(x.shape, dtype=target, device=x.device)
+        amax = torch.empty(1, dtype=torch.float32, device=x.device) if return_amax else None
+        _run(x, target, seed, offset, seed_offset, scale_t, scale_value, bool(saturate), random_bits, result, amax,
+             checked=True)
+        return (result, amax) if return_amax else result
+    if out is not None:
+        amax = stochastic_round_out_op(x.detach(), target, seed, offset, seed_offset, scale_t, scale_value,
+                                       bool(saturate), random_bits, bool(return_amax), out)
+        return (out, amax) if return_amax else out
+    result, amax = stochastic_round_op(x if ste else x.detach(), target, seed, offset, seed_offset, scale_t,
+                                       scale_value, bool(saturate), random_bits, bool(return_amax))
     return (result, amax) if return_amax else result
