@@ -44,18 +44,20 @@
 //     run and independent of thread and block counts. Counts and extrema are
 //     integer reductions (order-free). Moments: small groups of elements
 //     (a GPU thread's share of a chunk, a CPU block) sum x - pivot in fp32,
-//     the pivot being the chunk's (GPU) or block's (CPU) first finite
-//     element; a group whose sums cannot be trusted (a NaN or inf, squares
-//     that overflow or underflow fp32, or a pivot far from the group's mean,
-//     i.e. cancellation) is summed again in fp64. On the GPU the groups of a
-//     chunk share its pivot and their sums add up in fp64 in a fixed order;
-//     CPU blocks become (count, mean, M2) in fp64 and merge with Chan's
-//     formula into their chunk. Per tensor, every chunk's sums are shifted
-//     in fp64 to one reference, the mean of the tensor's first chunk with a
-//     finite element, and added; M2 = ss - s^2/n. That subtraction cancels
-//     at most a factor 1 + n/n0 (n0 the first chunk's count, because
-//     M2 >= n0 (mean0 - mean)^2), so std stays accurate for large tensors,
-//     for |mean| >> std and next to outliers.
+//     the pivot being a finite element of the chunk (GPU: its first
+//     element, or when that is not finite, the first finite one of the
+//     lowest thread that has one) or of the block (CPU: its first finite
+//     one), 0 if there is none; a group whose sums cannot be trusted (a NaN
+//     or inf, squares that overflow or underflow fp32, or a pivot far from
+//     the group's mean, i.e. cancellation) is summed again in fp64. On the
+//     GPU the groups of a chunk share its pivot and their sums add up in
+//     fp64 in a fixed order; CPU blocks become (count, mean, M2) in fp64 and
+//     merge with Chan's formula into their chunk. Per tensor, every chunk's
+//     sums are shifted in fp64 to one reference, the mean of the tensor's
+//     first chunk with a finite element, and added; M2 = ss - s^2/n. That
+//     subtraction cancels at most a factor 1 + n/n0 (n0 the first chunk's
+//     count, because M2 >= n0 (mean0 - mean)^2), so std stays accurate for
+//     large tensors, for |mean| >> std and next to outliers.
 //   * The caller provides `workspace` of stats_workspace_bytes(...) bytes and
 //     `out` of tensors.size() * kStatFields doubles (the core allocates
 //     nothing). Nothing is written before every argument is validated;

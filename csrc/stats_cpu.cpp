@@ -46,7 +46,6 @@ struct Moments {
 };
 
 // One block on the fast path. Returns false when its result cannot be trusted.
-
 template <class E, bool kFmt>
 bool fast_block(const typename E::T* x, std::int64_t n, float pivot, float scale, Limits lim, StatsPartial& p,
                 Moments& m) {
