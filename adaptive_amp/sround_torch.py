@@ -218,9 +218,10 @@ def stochastic_round(x: Tensor, dtype, *, generator=None, seed=None, offset=None
         if ste:
             raise ValueError("out is not supported by stochastic_round_ste (autograd needs a fresh output)")
         _check_tensor_arg(out, "out", x, target)
-        if out.requires_grad and out.is_leaf:
-            raise ValueError("out is a leaf tensor that requires grad; writing into it would break autograd. "
-                             "Pass out.detach() or a fresh tensor")
+        if out.requires_grad:
+            raise ValueError("out requires grad; stochastic_round has no gradient into out, so writing into it "
+                             "would break autograd. Pass out.detach() or a fresh tensor (or use "
+                             "stochastic_round_ste without out)")
     seed_offset = None
     if seed is not None:
         seed = _as_i64(_sround.u64(seed, "seed"))
@@ -248,6 +249,8 @@ def stochastic_round(x: Tensor, dtype, *, generator=None, seed=None, offset=None
         amax = torch.empty(1, dtype=torch.float32, device=x.device) if return_amax else None
         _run(x, target, seed, offset, seed_offset, scale_t, scale_value, bool(saturate), random_bits, result, amax,
              checked=True)
+        if out is not None:  # as torch's own in-place ops: a graph that saved out sees it changed
+            torch.autograd.graph.increment_version(out)
         return (result, amax) if return_amax else result
     if out is not None:
         amax = stochastic_round_out_op(x.detach(), target, seed, offset, seed_offset, scale_t, scale_value,

@@ -32,7 +32,10 @@ def main(label: str) -> str:
             def call(i, fmt=fmt):
                 adaptive_amp.tensor_stats(sets[i % len(sets)], fmt=fmt)
 
-            ms = statistics.median(timer.graph(call, len(sets)) for _ in range(3))
+            times = [timer.graph(call, len(sets)) for _ in range(3)]
+            if None in times:
+                sys.exit("bench/ab_stats.py: CUDA graph capture failed on this machine")
+            ms = statistics.median(times)
             fields.append(f"{key}/{fmt}: {ms:.4f} ms {nbytes / ms / 1e6 / read_gbps:.1%}")
         del sets
         torch.cuda.empty_cache()

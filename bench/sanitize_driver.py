@@ -58,9 +58,11 @@ for target in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_
         aa.stochastic_round(src, target, scale=0.25, return_amax=True, saturate=True)
 
 # Chunks that start with a NaN (the pivot search) and a tensor whose first chunks have no finite element.
-led = torch.randn(5 * 16384 + 7, device=dev)
-led[::16384] = float("nan")
-led[:2 * 16384] = float("inf")
+from adaptive_amp.stats import STATS_CHUNK  # noqa: E402
+
+led = torch.randn(5 * STATS_CHUNK + 7, device=dev)
+led[::STATS_CHUNK] = float("nan")
+led[:2 * STATS_CHUNK] = float("inf")
 for ts in lists[:3] + [mixed(300), [led, led[3:].half()]]:
     aa.tensor_stats(ts).to_dict()
     aa.tensor_stats(ts, fmt="float16").to_dict()

@@ -5,7 +5,8 @@
 // flight per thread; a whole aligned chunk runs without bounds checks. Each
 // thread first takes a lean fast path that assumes what nearly all data
 // satisfy (finite values whose squares neither overflow nor underflow fp32,
-// and the chunk's pivot, its first element, near their mean): fp32 sums of
+// and the chunk's pivot, its first element (or, when that is not finite, one
+// that search_pivot finds), near their mean): fp32 sums of
 // x - pivot, float min/max, integer counts. A thread whose elements break the
 // fast path's assumption (fp32_sums_trusted) visits them again with every
 // special handled and fp64 sums. Every thread of a chunk sums against the
@@ -105,8 +106,7 @@ __device__ __forceinline__ int thread_share(const typename E::T* x, int n) {
 // A group's (a thread's, a warp's, the block's) results for a chunk: counts
 // and extrema as in StatsPartial, and the fp64 sums of d = x - pivot over its
 // finite elements. Every group of a chunk uses the chunk's pivot, so groups
-// merge by adding; the chunk's (count, mean, M2) are formed once, from the
-// block's sums (moments_from_sums).
+// merge by adding, and the block's sums are the chunk's partial.
 struct ChunkSums {
   double s = 0.0, ss = 0.0;
   unsigned count = 0, zero = 0, nan = 0, inf = 0, at_most_lo = 0, below_hi = 0, over = 0;

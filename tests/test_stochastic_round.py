@@ -497,6 +497,18 @@ def test_straight_through_gradient():
     assert not SR(x, torch.bfloat16, seed=1).requires_grad, "plain stochastic_round is not differentiable"
 
 
+def test_out_written_in_place_bumps_its_version_for_autograd():
+    # A graph that saved `out` must see the in-place write, as with torch's own in-place ops.
+    a = torch.ones(64, requires_grad=True)
+    o = torch.zeros(64, dtype=torch.bfloat16)
+    y = (a * o.float()).sum()  # saves o.float(), a copy: unaffected
+    z = (a.bfloat16() * o).sum()  # saves o itself
+    SR(spread(64, 31), torch.bfloat16, seed=1, out=o)
+    y.backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+
+
 # --------------------------------------------------------------------------- bad input
 
 
@@ -515,6 +527,8 @@ def _bad_cases():
          ValueError, "out"),
         ("out leaf requiring grad", lambda o: SR(x, torch.bfloat16, seed=1, out=o.requires_grad_()), ValueError,
          "out"),
+        ("out view requiring grad", lambda o: SR(x[:32], torch.bfloat16, seed=1, out=o.requires_grad_()[:32]),
+         ValueError, "out"),
         ("bits shape", lambda o: SR(x, torch.bfloat16, random_bits=torch.zeros(63, dtype=torch.int32), out=o),
          ValueError, "random_bits"),
         ("bits dtype", lambda o: SR(x, torch.bfloat16, random_bits=torch.zeros(64, dtype=torch.int64), out=o),
