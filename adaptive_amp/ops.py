@@ -236,7 +236,9 @@ def stochastic_round(x, dtype, *, generator=None, seed=None, offset=None, scale=
         saturate: fp16, bf16 and e5m2 values beyond the largest finite value
             go to +-max instead of (stochastically) to +-inf; +-inf inputs
             stay +-inf.
-        out: write the result here (target dtype, x's shape, x's device).
+        out: write the result here (target dtype, x's shape, x's device; a torch
+            ``out`` must not require grad, and its version counter is bumped as
+            torch's in-place ops do).
         random_bits: int32 array of x's shape: the 32 random bits of each
             element (read as unsigned), used instead of Philox.
         return_amax: also return ``max |x|`` (before scaling; NaN if x has a
