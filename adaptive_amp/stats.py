@@ -123,7 +123,7 @@ class TensorStats:
         self._buffer = buffer  # raw bytes: count * len(FIELDS) float64
         self._count = count
         self.fmt = fmt
-        self.names = list(names) if names is not None else [f"tensors[{i}]" for i in range(count)]
+        self._names = list(names) if names is not None else None  # default labels made on first use
         self._framework = framework
         self._device = device
         self._host = None
@@ -131,6 +131,13 @@ class TensorStats:
         self._stream = None
         if framework == "torch" and device != _native.CPU:
             self._stream = _native._torch().cuda.current_stream(device)
+
+    @property
+    def names(self) -> List[str]:
+        """Row labels: the names given to tensor_stats, else ``tensors[i]``."""
+        if self._names is None:
+            self._names = [f"tensors[{i}]" for i in range(self._count)]
+        return self._names
 
     def __len__(self):
         return self._count
