@@ -229,6 +229,9 @@ def test_lazy_result_and_table(device):
         s.table(sort_by="nope")
     with pytest.raises(KeyError, match="nope"):
         s["nope"]
+    unnamed = adaptive_amp.tensor_stats(ts)
+    assert unnamed.names == ["tensors[0]", "tensors[1]", "tensors[2]"]
+    assert unnamed.table(sort_by="nan_count").splitlines()[2].startswith("tensors[1] ")
 
 
 def test_numpy_and_dlpack_inputs():
