@@ -34,15 +34,18 @@ def target_code(dtype) -> int:
         code = None
     if code is not None:
         return code
+    cacheable = False  # names and torch dtypes; numpy dtypes compare equal to other things
     if isinstance(dtype, str):
         name = dtype[len("torch."):] if dtype.startswith("torch.") else dtype
         code = _TARGET_BY_NAME.get(name)
+        cacheable = True
     elif _native.is_torch_tensor(dtype):
         code = None
     else:
         torch = _native._torch()
         if torch is not None and isinstance(dtype, torch.dtype):
             code = _native.torch_dtype_code(dtype)
+            cacheable = True
         else:
             try:
                 code = _TARGET_BY_NAME.get(np.dtype(dtype).name)
@@ -50,7 +53,7 @@ def target_code(dtype) -> int:
                 code = None
     if code not in TARGETS:
         raise TypeError(f"dtype is {dtype!r}; stochastic_round rounds to {_TARGET_HELP}")
-    if isinstance(dtype, str) or (_native._torch() is not None and isinstance(dtype, _native._torch().dtype)):
+    if cacheable:
         _known_targets[dtype] = code
     return code
 
