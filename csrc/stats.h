@@ -58,10 +58,9 @@
 //     subtraction cancels at most a factor 1 + n/n0 (n0 the finite count of
 //     that first chunk, because M2 >= n0 (mean0 - mean)^2): with a full
 //     first chunk, n/65536, so std stays accurate for large tensors and for
-//     |mean| >> std. The worst case is a first counted chunk with a single
-//     finite outlier in a huge tensor: about n * 1e-15 relative in std
-//     (measured 1.7e-7 at n = 1e8), the order of the fp32 group sums' own
-//     rounding.
+//     |mean| >> std. When it cancelled more than kStatsMaxMergeCancellation
+//     (a first counted chunk of a few finite outliers), the partials are
+//     added again against the mean so found (stats_math.h).
 //   * The caller provides `workspace` of stats_workspace_bytes(...) bytes and
 //     `out` of tensors.size() * kStatFields doubles (the core allocates
 //     nothing). Nothing is written before every argument is validated;

@@ -202,6 +202,10 @@ void tensor_stats_cpu(const StatsArgs& a) {
     while (first < chunk_begin[t + 1] && partials[first].count == 0) ++first;
     StatsTotals totals(first < chunk_begin[t + 1] ? partial_mean(partials[first]) : 0.0);
     for (std::int64_t c = chunk_begin[t]; c < chunk_begin[t + 1]; ++c) totals.add(partials[c]);
+    if (totals.needs_second_pass()) {
+      totals = StatsTotals(totals.mean());
+      for (std::int64_t c = chunk_begin[t]; c < chunk_begin[t + 1]; ++c) totals.add(partials[c]);
+    }
     finalize_stats(totals, a.tensors[t].numel, scale[t], a.has_format, a.out + t * kStatFields);
   }
 }

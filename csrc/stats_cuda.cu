@@ -19,8 +19,8 @@
 // the kernel's instructions.)
 // Stage 2: one block per tensor shifts its partials to one reference and
 // adds them in a fixed order (StatsTotals, stats_math.h: again no division
-// per merge), and writes the final statistics, so one transfer reads them
-// all.
+// per merge; a second pass against the mean when the first cancelled), and
+// writes the final statistics, so one transfer reads them all.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -440,14 +440,13 @@ __device__ unsigned first_counted(const StatsPartial* __restrict__ partials, uns
 // idle.
 constexpr int kWideFinish = 512;
 
-template <class Table, bool kFmt, int kFinishThreads>
-__global__ void __launch_bounds__(kFinishThreads)
-    stats_finish_kernel(const __grid_constant__ Table table, ScaleArg scale, const StatsPartial* __restrict__ partials,
-                        double* __restrict__ out) {
-  const int t = blockIdx.x;
-  const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
-  const unsigned first = first_counted<kFinishThreads>(partials, begin, end);
-  StatsTotals tot(first < end ? partial_mean(partials[first]) : 0.0);
+// The block's totals of partials[begin, end) against `ref` (valid in thread
+// 0): each thread a fixed stride of them, a shuffle tree per warp, and one
+// over the warps in warp 0 (through s_tot, free again when this returns).
+template <int kFinishThreads>
+__device__ StatsTotals block_totals(const StatsPartial* __restrict__ partials, unsigned begin, unsigned end,
+                                    double ref, StatsTotals* s_tot) {
+  StatsTotals tot(ref);
   // Two partials in flight per step: a thread's chain of loads is the
   // kernel's latency (the order of the additions is unchanged).
   unsigned p = begin + threadIdx.x;
@@ -460,20 +459,41 @@ __global__ void __launch_bounds__(kFinishThreads)
   warp_reduce(tot);
   constexpr int kFinishWarps = kFinishThreads / 32;
   static_assert(kFinishWarps <= 32, "warp 0 reduces the warps' totals, one a lane");
-  __shared__ alignas(StatsTotals) unsigned char raw[sizeof(StatsTotals) * kFinishWarps];
-  StatsTotals* s_tot = reinterpret_cast<StatsTotals*>(raw);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) s_tot[warp] = tot;
   __syncthreads();
   if (warp == 0) {
-    tot = lane < kFinishWarps ? s_tot[lane] : StatsTotals(tot.ref);
+    tot = lane < kFinishWarps ? s_tot[lane] : StatsTotals(ref);
     warp_reduce(tot);
-    if (lane == 0) {
-      const unsigned meta = table.meta[t];
-      const long long chunks = end - begin;
-      const long long numel = chunks > 0 ? (chunks - 1) * kStatsChunk + static_cast<long long>(meta >> 4) + 1 : 0;
-      finalize_stats(tot, numel, kFmt ? scale.of(t) : 1.0f, kFmt, out + static_cast<std::size_t>(t) * kStatFields);
-    }
+  }
+  __syncthreads();  // s_tot read before any reuse
+  return tot;
+}
+
+template <class Table, bool kFmt, int kFinishThreads>
+__global__ void __launch_bounds__(kFinishThreads)
+    stats_finish_kernel(const __grid_constant__ Table table, ScaleArg scale, const StatsPartial* __restrict__ partials,
+                        double* __restrict__ out) {
+  const int t = blockIdx.x;
+  const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
+  const unsigned first = first_counted<kFinishThreads>(partials, begin, end);
+  __shared__ alignas(StatsTotals) unsigned char raw[sizeof(StatsTotals) * (kFinishThreads / 32)];
+  StatsTotals* s_tot = reinterpret_cast<StatsTotals*>(raw);
+  __shared__ double second_ref;
+  __shared__ bool second_pass;
+  StatsTotals tot =
+      block_totals<kFinishThreads>(partials, begin, end, first < end ? partial_mean(partials[first]) : 0.0, s_tot);
+  if (threadIdx.x == 0) {
+    second_pass = tot.needs_second_pass();
+    second_ref = second_pass ? tot.mean() : 0.0;
+  }
+  __syncthreads();
+  if (second_pass) tot = block_totals<kFinishThreads>(partials, begin, end, second_ref, s_tot);  // uniform, rare
+  if (threadIdx.x == 0) {
+    const unsigned meta = table.meta[t];
+    const long long chunks = end - begin;
+    const long long numel = chunks > 0 ? (chunks - 1) * kStatsChunk + static_cast<long long>(meta >> 4) + 1 : 0;
+    finalize_stats(tot, numel, kFmt ? scale.of(t) : 1.0f, kFmt, out + static_cast<std::size_t>(t) * kStatFields);
   }
 }
 

@@ -131,6 +131,11 @@ struct StatsTotals {
     return m > 0.0 ? m : 0.0;
   }
 
+  // Whether M2 = ss - s^2/n cancelled more than kStatsMaxMergeCancellation
+  // (the reference far from the mean: a first counted partial of a few
+  // finite outliers). The partials are then added again against mean().
+  AAMP_HD bool needs_second_pass() const;
+
  private:
   template <class P>
   AAMP_HD void add_counts(const P& p) {
@@ -145,6 +150,15 @@ struct StatsTotals {
     abs_key = abs_key < p.abs_key ? abs_key : p.abs_key;
   }
 };
+
+// ss may exceed M2 by this factor before the merge is redone against the
+// mean: it costs about log2 of it in bits of M2 (16 of fp64's 52).
+constexpr double kStatsMaxMergeCancellation = 65536.0;
+
+AAMP_HD bool StatsTotals::needs_second_pass() const {
+  if (n == 0.0 || ss == 0.0) return false;
+  return !(ss <= kStatsMaxMergeCancellation * m2());  // also true for a NaN or inf ss
+}
 
 // The pivot of a group: one of its elements when finite, else 0.
 AAMP_HD float stats_pivot(float x) { return (f32_bits(x) & 0x7fffffffu) < 0x7f800000u ? x : 0.0f; }

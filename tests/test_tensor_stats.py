@@ -191,6 +191,19 @@ def test_accuracy_when_the_first_chunks_are_not_finite_or_an_outlier(device):
         assert got["l2_norm"][i] == pytest.approx(float(f.norm()), rel=1e-6), i
 
 
+def test_accuracy_when_the_first_counted_chunk_is_a_lone_outlier(device):
+    # The merge reference is then the outlier, far from the mean: ss - s^2/n
+    # cancels a factor ~n, and the merge is redone against the mean.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4_000_000, generator=g)
+    x[:CHUNK] = NAN
+    x[CHUNK - 1] = 1e5
+    f = x[torch.isfinite(x)].double()
+    got = adaptive_amp.tensor_stats([x.to(device)]).to_dict()
+    assert got["std"][0] == pytest.approx(float(f.std()), rel=1e-10)
+    assert got["l2_norm"][0] == pytest.approx(float(f.norm()), rel=1e-10)
+
+
 def test_semantics_of_specials(device):
     x = torch.tensor([NAN, INF, -INF, 0.0, -0.0, 2.0, -4.0, 1e-30], device=device)
     d = adaptive_amp.tensor_stats([x, torch.zeros(0, device=device), torch.full((3,), NAN, device=device),
