@@ -283,26 +283,25 @@ struct FirstFinite {
 // element of the lowest thread that has one (0 if the chunk has none), for
 // every thread. A second read of the chunk and a barrier, in a branch that
 // is uniform per chunk and rare; a pivot of 0 instead would make the sums of
-// |mean| >> std data cancel.
+// |mean| >> std data cancel. Each warp leaves its first finite element, or
+// NaN for none, in its slot. The caller's next barrier (run_chunk's) comes
+// after every thread's reads here, so a later search cannot overwrite a slot
+// still being read.
 template <class E>
 __device__ float search_pivot(const typename E::T* __restrict__ x, int n) {
   __shared__ float candidate[kWarps];
-  __shared__ unsigned has_candidate;
   FirstFinite f;
   for_each<E, false>(x, n, f);
   const unsigned ballot = __ballot_sync(0xffffffffu, f.found);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (threadIdx.x == 0) has_candidate = 0;
+  const float first = __shfl_sync(0xffffffffu, f.value, ballot != 0 ? __ffs(ballot) - 1 : 0);
+  if (lane == 0) candidate[warp] = ballot != 0 ? first : NAN;
   __syncthreads();
-  if (ballot != 0 && lane == __ffs(ballot) - 1) {
-    candidate[warp] = f.value;
-    atomicOr(&has_candidate, 1u << warp);
+  for (int w = 0; w < kWarps; ++w) {
+    const float v = candidate[w];
+    if (v == v) return v;
   }
-  __syncthreads();
-  const unsigned warps = has_candidate;
-  const float pivot = warps != 0 ? candidate[__ffs(warps) - 1] : 0.0f;
-  __syncthreads();  // before has_candidate is reset for a later chunk
-  return pivot;
+  return 0.0f;
 }
 
 // The chunk's partial, valid in thread 0. Its pivot is its first element
