@@ -441,7 +441,8 @@ constexpr int kWideFinish = 512;
 
 // The block's totals of partials[begin, end) against `ref` (valid in thread
 // 0): each thread a fixed stride of them, a shuffle tree per warp, and one
-// over the warps in warp 0 (through s_tot, free again when this returns).
+// over the warps in warp 0 (through s_tot; a barrier must come before its
+// next use).
 template <int kFinishThreads>
 __device__ StatsTotals block_totals(const StatsPartial* __restrict__ partials, unsigned begin, unsigned end,
                                     double ref, StatsTotals* s_tot) {
@@ -465,7 +466,6 @@ __device__ StatsTotals block_totals(const StatsPartial* __restrict__ partials, u
     tot = lane < kFinishWarps ? s_tot[lane] : StatsTotals(ref);
     warp_reduce(tot);
   }
-  __syncthreads();  // s_tot read before any reuse
   return tot;
 }
 
@@ -482,12 +482,14 @@ __global__ void __launch_bounds__(kFinishThreads)
   __shared__ bool second_pass;
   StatsTotals tot =
       block_totals<kFinishThreads>(partials, begin, end, first < end ? partial_mean(partials[first]) : 0.0, s_tot);
-  if (threadIdx.x == 0) {
-    second_pass = tot.needs_second_pass();
-    second_ref = second_pass ? tot.mean() : 0.0;
+  if (end - begin > 1) {  // uniform; a lone partial is already summed against its own mean
+    if (threadIdx.x == 0) {
+      second_pass = tot.needs_second_pass();
+      second_ref = second_pass ? tot.mean() : 0.0;
+    }
+    __syncthreads();  // also: warp 0 has read s_tot before a second pass reuses it
+    if (second_pass) tot = block_totals<kFinishThreads>(partials, begin, end, second_ref, s_tot);  // rare
   }
-  __syncthreads();
-  if (second_pass) tot = block_totals<kFinishThreads>(partials, begin, end, second_ref, s_tot);  // uniform, rare
   if (threadIdx.x == 0) {
     const unsigned meta = table.meta[t];
     const long long chunks = end - begin;
