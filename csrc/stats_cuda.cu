@@ -441,8 +441,7 @@ constexpr int kWideFinish = 512;
 
 // The block's totals of partials[begin, end) against `ref` (valid in thread
 // 0): each thread a fixed stride of them, a shuffle tree per warp, and one
-// over the warps in warp 0 (through s_tot; a barrier must come before its
-// next use).
+// over the warps in warp 0 (through s_tot).
 template <int kFinishThreads>
 __device__ StatsTotals block_totals(const StatsPartial* __restrict__ partials, unsigned begin, unsigned end,
                                     double ref, StatsTotals* s_tot) {
@@ -469,6 +468,16 @@ __device__ StatsTotals block_totals(const StatsPartial* __restrict__ partials, u
   return tot;
 }
 
+// Warp 0's totals of partials[begin, end) against `ref` (valid in every
+// lane): the rare second pass, which so needs no block barrier.
+__device__ StatsTotals warp_totals(const StatsPartial* __restrict__ partials, unsigned begin, unsigned end,
+                                   double ref) {
+  StatsTotals tot(ref);
+  for (unsigned p = begin + (threadIdx.x & 31); p < end; p += 32) tot.add(partials[p]);
+  warp_reduce(tot);
+  return tot;
+}
+
 template <class Table, bool kFmt, int kFinishThreads>
 __global__ void __launch_bounds__(kFinishThreads)
     stats_finish_kernel(const __grid_constant__ Table table, ScaleArg scale, const StatsPartial* __restrict__ partials,
@@ -477,19 +486,13 @@ __global__ void __launch_bounds__(kFinishThreads)
   const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
   const unsigned first = first_counted<kFinishThreads>(partials, begin, end);
   __shared__ alignas(StatsTotals) unsigned char raw[sizeof(StatsTotals) * (kFinishThreads / 32)];
-  StatsTotals* s_tot = reinterpret_cast<StatsTotals*>(raw);
-  __shared__ double second_ref;
-  __shared__ bool second_pass;
-  StatsTotals tot =
-      block_totals<kFinishThreads>(partials, begin, end, first < end ? partial_mean(partials[first]) : 0.0, s_tot);
-  if (end - begin > 1) {  // uniform; a lone partial is already summed against its own mean
-    if (threadIdx.x == 0) {
-      second_pass = tot.needs_second_pass();
-      second_ref = second_pass ? tot.mean() : 0.0;
-    }
-    __syncthreads();  // also: warp 0 has read s_tot before a second pass reuses it
-    if (second_pass) tot = block_totals<kFinishThreads>(partials, begin, end, second_ref, s_tot);  // rare
-  }
+  StatsTotals tot = block_totals<kFinishThreads>(partials, begin, end,
+                                                 first < end ? partial_mean(partials[first]) : 0.0,
+                                                 reinterpret_cast<StatsTotals*>(raw));
+  if (threadIdx.x >= 32) return;
+  // A lone partial is already summed against its own mean.
+  if (end - begin > 1 && __shfl_sync(0xffffffffu, tot.needs_second_pass(), 0))
+    tot = warp_totals(partials, begin, end, __shfl_sync(0xffffffffu, tot.mean(), 0));
   if (threadIdx.x == 0) {
     const unsigned meta = table.meta[t];
     const long long chunks = end - begin;
