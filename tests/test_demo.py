@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from adaptive_amp.demo import main
 
 
@@ -27,3 +29,20 @@ def test_demo_runs_and_writes_its_table_reports_and_checks(tmp_path, capsys):
     for scenario in ("ordinary", "planted"):
         assert (out / f"report_{scenario}" / "report.txt").exists()
         assert (out / f"report_{scenario}" / "report.json").exists()
+
+
+def test_demo_runs_only_the_recipes_asked_for(tmp_path):
+    out = tmp_path / "demo"
+    assert main(["--device", "cpu", "--steps", "4", "--timing-rounds", "0", "--scenarios", "ordinary",
+                 "--recipes", "torch_amp, adaptive", "--seeds", "1", "--out", str(out), "--no-progress"]) == 0
+    result = json.loads((out / "demo.json").read_text())
+    assert [(r["scenario"], r["recipe"]) for r in result["results"]] == [("ordinary", "torch_amp"),
+                                                                         ("ordinary", "adaptive")]
+    assert any(c.startswith("ordinary: skipped steps") for c in result["checks"])
+
+
+def test_demo_refuses_an_unknown_recipe(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--recipes", "fp32,apex", "--out", str(tmp_path / "demo")])
+    assert "--recipes: unknown recipe 'apex'" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()
