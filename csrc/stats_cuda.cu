@@ -17,10 +17,11 @@
 // against its pivot are its partial. (A pivot per thread needed a Chan
 // merge, with its fp64 division, at every step of those trees: a third of
 // the kernel's instructions.)
-// Stage 2: one block per tensor shifts its partials to one reference and
-// adds them in a fixed order (StatsTotals, stats_math.h: again no division
-// per merge; a second pass against the mean when the first cancelled), and
-// writes the final statistics, so one transfer reads them all.
+// Stage 2: one block per tensor (one warp, in lists of small tensors) shifts
+// its partials to one reference and adds them in a fixed order (StatsTotals,
+// stats_math.h: again no division per merge; a second pass against the mean
+// when the first cancelled), and writes the final statistics, so one
+// transfer reads them all.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -435,8 +436,8 @@ __device__ unsigned first_counted(const StatsPartial* __restrict__ partials, uns
 // their row too.
 // Finishing blocks are wide when a tensor has many partials, so that each
 // thread's chain of additions (GPT-2's embedding: 589 partials) is short.
-// Lists of small tensors keep 256-thread blocks, most of whose threads would
-// idle.
+// Lists with no tensor of more than 2048 partials take 256-thread blocks
+// (and lists of small tensors a warp per tensor, below).
 constexpr int kWideFinish = 512;
 
 // The block's totals of partials[begin, end) against `ref` (valid in thread
@@ -468,14 +469,30 @@ __device__ StatsTotals block_totals(const StatsPartial* __restrict__ partials, u
   return tot;
 }
 
-// Warp 0's totals of partials[begin, end) against `ref` (valid in every
-// lane): the rare second pass, which so needs no block barrier.
+// One warp's totals of partials[begin, end) against `ref` (valid in every
+// lane): each lane a fixed stride of them, then a shuffle tree.
 __device__ StatsTotals warp_totals(const StatsPartial* __restrict__ partials, unsigned begin, unsigned end,
                                    double ref) {
   StatsTotals tot(ref);
   for (unsigned p = begin + (threadIdx.x & 31); p < end; p += 32) tot.add(partials[p]);
   warp_reduce(tot);
   return tot;
+}
+
+// Tensor t's row from its totals (valid in lane 0), by one warp: first the
+// rare second pass, in this warp alone, so it needs no block barrier.
+template <class Table, bool kFmt>
+__device__ void finish_tensor(const Table& table, int t, unsigned begin, unsigned end, StatsTotals tot,
+                              ScaleArg scale, const StatsPartial* __restrict__ partials, double* __restrict__ out) {
+  // A lone partial is already summed against its own mean.
+  if (end - begin > 1 && __shfl_sync(0xffffffffu, tot.needs_second_pass(), 0))
+    tot = warp_totals(partials, begin, end, __shfl_sync(0xffffffffu, tot.mean(), 0));
+  if ((threadIdx.x & 31) == 0) {
+    const unsigned meta = table.meta[t];
+    const long long chunks = end - begin;
+    const long long numel = chunks > 0 ? (chunks - 1) * kStatsChunk + static_cast<long long>(meta >> 4) + 1 : 0;
+    finalize_stats(tot, numel, kFmt ? scale.of(t) : 1.0f, kFmt, out + static_cast<std::size_t>(t) * kStatFields);
+  }
 }
 
 template <class Table, bool kFmt, int kFinishThreads>
@@ -486,19 +503,31 @@ __global__ void __launch_bounds__(kFinishThreads)
   const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
   const unsigned first = first_counted<kFinishThreads>(partials, begin, end);
   __shared__ alignas(StatsTotals) unsigned char raw[sizeof(StatsTotals) * (kFinishThreads / 32)];
-  StatsTotals tot = block_totals<kFinishThreads>(partials, begin, end,
-                                                 first < end ? partial_mean(partials[first]) : 0.0,
-                                                 reinterpret_cast<StatsTotals*>(raw));
-  if (threadIdx.x >= 32) return;
-  // A lone partial is already summed against its own mean.
-  if (end - begin > 1 && __shfl_sync(0xffffffffu, tot.needs_second_pass(), 0))
-    tot = warp_totals(partials, begin, end, __shfl_sync(0xffffffffu, tot.mean(), 0));
-  if (threadIdx.x == 0) {
-    const unsigned meta = table.meta[t];
-    const long long chunks = end - begin;
-    const long long numel = chunks > 0 ? (chunks - 1) * kStatsChunk + static_cast<long long>(meta >> 4) + 1 : 0;
-    finalize_stats(tot, numel, kFmt ? scale.of(t) : 1.0f, kFmt, out + static_cast<std::size_t>(t) * kStatFields);
-  }
+  const StatsTotals tot = block_totals<kFinishThreads>(partials, begin, end,
+                                                       first < end ? partial_mean(partials[first]) : 0.0,
+                                                       reinterpret_cast<StatsTotals*>(raw));
+  if (threadIdx.x < 32) finish_tensor<Table, kFmt>(table, t, begin, end, tot, scale, partials, out);
+}
+
+// Lists whose tensors have at most kWarpFinishPartials partials each (up to
+// 2M elements: lists of many small tensors) finish a tensor per warp. A
+// block per tensor spent most of its time starting and meeting at barriers
+// for one or a few partials. The sums are those of the block kernel's warp 0,
+// in the same order.
+constexpr unsigned kWarpFinishPartials = 32;
+
+template <class Table, bool kFmt>
+__global__ void __launch_bounds__(kThreads)
+    stats_finish_warps_kernel(const __grid_constant__ Table table, ScaleArg scale,
+                              const StatsPartial* __restrict__ partials, double* __restrict__ out) {
+  const int t = blockIdx.x * kWarps + (threadIdx.x >> 5);
+  if (t >= table.count) return;  // whole warps
+  const unsigned begin = table.chunk_begin[t], end = table.chunk_begin[t + 1];
+  const unsigned p = begin + (threadIdx.x & 31);  // this lane's partial, if p < end
+  const unsigned counted = __ballot_sync(0xffffffffu, p < end && partials[p].count > 0);
+  const unsigned first = counted != 0 ? begin + __ffs(counted) - 1 : end;
+  const StatsTotals tot = warp_totals(partials, begin, end, first < end ? partial_mean(partials[first]) : 0.0);
+  finish_tensor<Table, kFmt>(table, t, begin, end, tot, scale, partials, out);
 }
 
 template <class Table, bool kFmt, int kOnly>
@@ -515,7 +544,10 @@ void launch(const Table& table, ScaleArg scale, FormatLimits lim, StatsPartial* 
   unsigned most = 0;  // the most chunks of one tensor
   for (int i = 0; i < table.count; ++i) most = std::max(most, table.chunk_begin[i + 1] - table.chunk_begin[i]);
   const unsigned blocks = static_cast<unsigned>(table.count);
-  if (most > 8u * kThreads) {
+  if (most <= kWarpFinishPartials) {
+    stats_finish_warps_kernel<Table, kFmt>
+        <<<(blocks + kWarps - 1) / kWarps, kThreads, 0, stream>>>(table, scale, partials, out);
+  } else if (most > 8u * kThreads) {
     stats_finish_kernel<Table, kFmt, kWideFinish>
         <<<blocks, kWideFinish, 0, stream>>>(table, scale, partials, out);
   } else {
