@@ -191,17 +191,35 @@ def test_accuracy_when_the_first_chunks_are_not_finite_or_an_outlier(device):
         assert got["l2_norm"][i] == pytest.approx(float(f.norm()), rel=1e-6), i
 
 
-def test_accuracy_when_the_first_counted_chunk_is_a_lone_outlier(device):
+@pytest.mark.parametrize("n", [20 * CHUNK + 7, 4_000_000])  # CUDA: finished by a warp, by a block
+def test_accuracy_when_the_first_counted_chunk_is_a_lone_outlier(device, n):
     # The merge reference is then the outlier, far from the mean: ss - s^2/n
     # cancels a factor ~n, and the merge is redone against the mean.
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(4_000_000, generator=g)
+    x = torch.randn(n, generator=g)
     x[:CHUNK] = NAN
     x[CHUNK - 1] = 1e5
     f = x[torch.isfinite(x)].double()
     got = adaptive_amp.tensor_stats([x.to(device)]).to_dict()
     assert got["std"][0] == pytest.approx(float(f.std()), rel=1e-10)
     assert got["l2_norm"][0] == pytest.approx(float(f.norm()), rel=1e-10)
+
+
+def test_a_row_does_not_depend_on_the_rest_of_the_list(device):
+    # On CUDA a list of small tensors is finished a tensor per warp, a list with a tensor of more than 32
+    # chunks a tensor per block; a tensor's row is the same either way.
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3 * CHUNK + 11, generator=g).add_(1000.0)
+    led_by_nan = torch.randn(5 * CHUNK, generator=g)
+    led_by_nan[:CHUNK + 3] = NAN
+    small, large = torch.randn(100, generator=g), torch.randn(33 * CHUNK, generator=g)
+    rows = []
+    for other in (small, large):
+        got = adaptive_amp.tensor_stats([t.to(device) for t in (x, led_by_nan, other)], fmt="float16")
+        assert_stats_match(got.to_dict(), reference.tensor_stats([x, led_by_nan, other], fmt="float16"),
+                           f"with a tensor of {other.numel()} elements")
+        rows.append(got.raw[:2].cpu())
+    assert torch.equal(rows[0].view(torch.int64), rows[1].view(torch.int64))
 
 
 def test_semantics_of_specials(device):
