@@ -57,13 +57,20 @@ for target in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_
         aa.stochastic_round(src, target, seed=1, offset=2)
         aa.stochastic_round(src, target, scale=0.25, return_amax=True, saturate=True)
 
-# Chunks that start with a NaN (the pivot search) and a tensor whose first chunks have no finite element.
+# Chunks that start with a NaN (the pivot search), tensors whose first chunks have no finite element or
+# only an outlier (the second merge pass), finished a tensor per warp and, with a tensor of more than 32
+# chunks in the list, a tensor per block.
 from adaptive_amp.stats import STATS_CHUNK  # noqa: E402
 
 led = torch.randn(5 * STATS_CHUNK + 7, device=dev)
 led[::STATS_CHUNK] = float("nan")
 led[:2 * STATS_CHUNK] = float("inf")
-for ts in lists[:3] + [mixed(300), [led, led[3:].half()]]:
+outlier = torch.randn(3 * STATS_CHUNK, device=dev)
+outlier[:STATS_CHUNK] = float("nan")
+outlier[STATS_CHUNK - 1] = 1e5
+big = torch.randn(33 * STATS_CHUNK + 5, device=dev)
+big[:2 * STATS_CHUNK] = float("inf")
+for ts in lists[:3] + [mixed(300), [led, led[3:].half(), outlier], [big, outlier]]:
     aa.tensor_stats(ts).to_dict()
     aa.tensor_stats(ts, fmt="float16").to_dict()
     aa.tensor_stats(ts, fmt="float8_e4m3fn", scale=torch.rand(len(ts), device=dev)).to_dict()
