@@ -304,8 +304,9 @@ def verdicts(results: List[RunResult]) -> List[str]:
                      f"{mean(torch_amp, 'skipped_steps'):.1f} (torch AMP): "
                      + ("PASS" if fewer else "equal (neither skipped a step)" if none else "FAIL"))
         if none:
-            # torch's scaler starts at 2^16 and doubles every 2000 steps without overflow; it skips only once
-            # it passes the model's ceiling (about 2^21 for the GPU configuration, measured on an H100: after about 10000 steps).
+            # torch's scaler starts at 2^16 and doubles every 2000 steps without overflow; it skips only once it
+            # passes the model's ceiling (about 2^21 for the GPU configuration on an H100: after about 10000 steps;
+            # bench/loss_scale_ceiling.py measures it).
             lines.append("ordinary: torch AMP skips a step each time its scale grows past what the model's "
                          "gradients allow; see it with a longer run (--steps 14000)")
         lines.append(f"ordinary: step time {mean(ours, 'step_ms'):.2f} ms (adaptive) vs "
