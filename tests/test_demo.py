@@ -46,3 +46,18 @@ def test_demo_refuses_an_unknown_recipe(tmp_path, capsys):
         main(["--recipes", "fp32,apex", "--out", str(tmp_path / "demo")])
     assert "--recipes: unknown recipe 'apex'" in capsys.readouterr().err
     assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.parametrize("torch_dtype, hint", [("float16", True), ("bfloat16", False)])
+def test_verdict_explains_equal_skips_only_where_torch_amp_scales_fp16(torch_dtype, hint):
+    from adaptive_amp.demo_run import RunResult, verdicts
+
+    def result(recipe, seed, loss, policy):
+        return RunResult("ordinary", recipe, seed, final_loss=loss, train_loss=loss, train_ms=1.0, skipped_steps=0,
+                         policy=policy, step_ms=1.0)
+
+    runs = [result("torch_amp", s, 1.0 + s / 10, f"autocast {torch_dtype} + GradScaler") for s in (0, 1)]
+    runs += [result("adaptive", s, 1.05, "params=float32,compute=bfloat16") for s in (0, 1)]
+    lines = verdicts(runs)
+    assert "ordinary: skipped steps 0.0 (adaptive) vs 0.0 (torch AMP): equal (neither skipped a step)" in lines
+    assert any("--steps 14000" in line for line in lines) == hint
