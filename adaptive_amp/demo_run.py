@@ -303,7 +303,7 @@ def verdicts(results: List[RunResult]) -> List[str]:
         lines.append(f"ordinary: skipped steps {mean(ours, 'skipped_steps'):.1f} (adaptive) vs "
                      f"{mean(torch_amp, 'skipped_steps'):.1f} (torch AMP): "
                      + ("PASS" if fewer else "equal (neither skipped a step)" if none else "FAIL"))
-        if none and all("float16" in r.policy for r in torch_amp):
+        if none and all(r.policy.startswith("autocast float16") for r in torch_amp):
             # torch's scaler starts at 2^16 and doubles every 2000 steps without overflow; it skips only once it
             # passes the model's ceiling (about 2^21 for the GPU configuration on an H100: after about 10000 steps;
             # bench/loss_scale_ceiling.py measures it).
