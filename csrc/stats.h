@@ -130,18 +130,19 @@ constexpr int kStatsPartialsPerChunk = 1;
 // partials are shifted to one reference and added (StatsTotals). Extrema are
 // kept as integer keys so that they reduce exactly in any order:
 // min_key/max_key order floats (-0 < +0), abs_key is 2*|x|bits - 2
-// (unsigned, so zeros wrap to the top and never win a min).
+// (unsigned, so zeros wrap to the top and never win a min). A default
+// StatsPartial is empty: it adds nothing to a reduction.
 struct alignas(16) StatsPartial {  // four 16-byte loads on the GPU
-  double ref;
-  double s;
-  double ss;
-  std::uint32_t count;  // finite elements
-  std::uint32_t zero, nan, inf;
-  std::uint32_t at_most_lo;  // finite x with |y| <= half the smallest subnormal of the format
-  std::uint32_t below_hi;    // finite x with |y| below the subnormal/normal rounding boundary
-  std::uint32_t over;        // finite x with |y| > M
-  std::int32_t min_key, max_key;
-  std::uint32_t abs_key;
+  double ref = 0.0;
+  double s = 0.0;
+  double ss = 0.0;
+  std::uint32_t count = 0;  // finite elements
+  std::uint32_t zero = 0, nan = 0, inf = 0;
+  std::uint32_t at_most_lo = 0;  // finite x with |y| <= half the smallest subnormal of the format
+  std::uint32_t below_hi = 0;    // finite x with |y| below the subnormal/normal rounding boundary
+  std::uint32_t over = 0;        // finite x with |y| > M
+  std::int32_t min_key = 0x7fffffff, max_key = static_cast<std::int32_t>(0x80000000u);
+  std::uint32_t abs_key = 0xffffffffu;
 };
 static_assert(sizeof(StatsPartial) == 64, "the workspace holds one 64-byte partial per chunk");
 

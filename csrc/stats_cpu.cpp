@@ -151,14 +151,6 @@ void dispatch_chunk(DType t, const void* data, std::int64_t n, float scale, Limi
   }
 }
 
-StatsPartial empty_partial() {
-  StatsPartial p{};
-  p.min_key = INT_MAX;
-  p.max_key = INT_MIN;
-  p.abs_key = 0xffffffffu;
-  return p;
-}
-
 }  // namespace
 
 void tensor_stats_cpu(const StatsArgs& a) {
@@ -188,7 +180,7 @@ void tensor_stats_cpu(const StatsArgs& a) {
     const std::int64_t offset = (c - chunk_begin[t]) * kStatsChunk;
     const std::int64_t n = std::min(kStatsChunk, ref.numel - offset);
     const void* data = static_cast<const char*>(ref.data) + offset * static_cast<std::int64_t>(dtype_size(ref.dtype));
-    StatsPartial p = empty_partial();
+    StatsPartial p;
     if (a.has_format) {
       dispatch_chunk<true>(ref.dtype, data, n, scale[t], lim, p);
     } else {
@@ -198,14 +190,16 @@ void tensor_stats_cpu(const StatsArgs& a) {
   }
 
   for (std::size_t t = 0; t < count; ++t) {
-    std::int64_t first = chunk_begin[t];
-    while (first < chunk_begin[t + 1] && partials[first].count == 0) ++first;
-    StatsTotals totals(first < chunk_begin[t + 1] ? partial_mean(partials[first]) : 0.0);
-    for (std::int64_t c = chunk_begin[t]; c < chunk_begin[t + 1]; ++c) totals.add(partials[c]);
-    if (totals.needs_second_pass()) {
-      totals = StatsTotals(totals.mean());
-      for (std::int64_t c = chunk_begin[t]; c < chunk_begin[t + 1]; ++c) totals.add(partials[c]);
-    }
+    const std::int64_t begin = chunk_begin[t], end = chunk_begin[t + 1];
+    const auto totals_against = [&](double ref) {
+      StatsTotals tot(ref);
+      for (std::int64_t c = begin; c < end; ++c) tot.add(partials[c]);
+      return tot;
+    };
+    std::int64_t first = begin;
+    while (first < end && partials[first].count == 0) ++first;
+    StatsTotals totals = totals_against(first < end ? partial_mean(partials[first]) : 0.0);
+    if (totals.needs_second_pass()) totals = totals_against(totals.mean());
     finalize_stats(totals, a.tensors[t].numel, scale[t], a.has_format, a.out + t * kStatFields);
   }
 }

@@ -104,17 +104,6 @@ __device__ __forceinline__ int thread_share(const typename E::T* x, int n) {
   return vecs * kPer + tail;
 }
 
-// A group's (a thread's, a warp's, the block's) results for a chunk: counts
-// and extrema as in StatsPartial, and the fp64 sums of d = x - pivot over its
-// finite elements. Every group of a chunk uses the chunk's pivot, so groups
-// merge by adding, and the block's sums are the chunk's partial.
-struct ChunkSums {
-  double s = 0.0, ss = 0.0;
-  unsigned count = 0, zero = 0, nan = 0, inf = 0, at_most_lo = 0, below_hi = 0, over = 0;
-  int min_key = 0x7fffffff, max_key = static_cast<int>(0x80000000u);
-  unsigned abs_key = 0xffffffffu;
-};
-
 // Integer thresholds on |y| bits for the fast path: |y| and the format limits
 // are non-negative floats, whose bit patterns order as unsigned integers, so
 // one integer subtraction per threshold decides a comparison and its sign bit
@@ -170,8 +159,8 @@ struct Fast {
     return fp32_sums_trusted(s, ss, static_cast<double>(n), amax);
   }
 
-  __device__ __forceinline__ ChunkSums sums(int n) const {
-    ChunkSums c;
+  __device__ __forceinline__ StatsPartial sums(int n) const {
+    StatsPartial c;
     c.s = s;
     c.ss = ss;
     c.count = n;
@@ -191,7 +180,7 @@ template <bool kFmt>
 struct Careful {
   float pivot, scale;
   FormatLimits lim;
-  ChunkSums c;
+  StatsPartial c;
 
   __device__ Careful(float pv, float sc, FormatLimits l) : pivot(pv), scale(sc), lim(l) {}
 
@@ -220,8 +209,12 @@ struct Careful {
   }
 };
 
+// A group's (a thread's, a warp's, the block's) results for a chunk are a
+// StatsPartial whose sums are against the chunk's pivot (its ref is set once
+// the block has reduced them): groups merge by adding.
+
 // Warp-wide reductions in a fixed order. Valid in lane 0.
-__device__ __forceinline__ void warp_reduce_counts(ChunkSums& c) {
+__device__ __forceinline__ void warp_reduce_counts(StatsPartial& c) {
   constexpr unsigned kAll = 0xffffffffu;
   c.count = __reduce_add_sync(kAll, c.count);
   c.zero = __reduce_add_sync(kAll, c.zero);
@@ -236,7 +229,7 @@ __device__ __forceinline__ void warp_reduce_counts(ChunkSums& c) {
 }
 
 // Sums against one pivot add up (a shuffle tree).
-__device__ __forceinline__ void warp_reduce(ChunkSums& c) {
+__device__ __forceinline__ void warp_reduce(StatsPartial& c) {
   constexpr unsigned kAll = 0xffffffffu;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -256,7 +249,7 @@ struct ScaleArg {
 // This thread's sums of a chunk: the fast path, or the careful one when its
 // fp32 sums cannot be trusted (or the scale is not finite).
 template <class E, bool kFmt, bool kFull>
-__device__ __forceinline__ ChunkSums thread_sums(const typename E::T* __restrict__ x, int n, float pivot, float scale,
+__device__ __forceinline__ StatsPartial thread_sums(const typename E::T* __restrict__ x, int n, float pivot, float scale,
                                                  FormatLimits lim) {
   Fast<kFmt> fast(pivot, scale, lim);
   for_each<E, kFull>(x, n, fast);
@@ -314,42 +307,29 @@ __device__ float search_pivot(const typename E::T* __restrict__ x, int n) {
 // i + 2.
 template <class E, bool kFmt>
 __device__ __forceinline__ StatsPartial run_chunk(const typename E::T* __restrict__ x, int n, float scale,
-                                                  FormatLimits lim, ChunkSums (*slots)[kWarps], int parity) {
+                                                  FormatLimits lim, StatsPartial (*slots)[kWarps], int parity) {
   float pivot = E::load(x[0]);
   if ((__float_as_uint(pivot) & 0x7fffffffu) >= 0x7f800000u) pivot = search_pivot<E>(x, n);
   const bool full = n == static_cast<int>(kStatsChunk) && (reinterpret_cast<std::uintptr_t>(x) & 15u) == 0;
-  ChunkSums c = full ? thread_sums<E, kFmt, true>(x, n, pivot, scale, lim)
+  StatsPartial c = full ? thread_sums<E, kFmt, true>(x, n, pivot, scale, lim)
                      : thread_sums<E, kFmt, false>(x, n, pivot, scale, lim);
   warp_reduce(c);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (lane == 0) slots[parity][warp] = c;
   __syncthreads();
-  StatsPartial p;
   if (warp == 0) {
-    c = lane < kWarps ? slots[parity][lane] : ChunkSums();
+    c = lane < kWarps ? slots[parity][lane] : StatsPartial();
     warp_reduce(c);
-    p.ref = pivot;
-    p.s = c.s;
-    p.ss = c.ss;
-    p.count = c.count;
-    p.zero = c.zero;
-    p.nan = c.nan;
-    p.inf = c.inf;
-    p.at_most_lo = c.at_most_lo;
-    p.below_hi = c.below_hi;
-    p.over = c.over;
-    p.min_key = c.min_key;
-    p.max_key = c.max_key;
-    p.abs_key = c.abs_key;
+    c.ref = pivot;
   }
-  return p;
+  return c;
 }
 
 template <class Table, bool kFmt, int kOnly>
 __global__ void __launch_bounds__(kThreads, kOnly == kAnyDType ? 2 : 4)
     stats_kernel(const __grid_constant__ Table table, ScaleArg scale, FormatLimits lim,
                  StatsPartial* __restrict__ partials) {
-  __shared__ ChunkSums slots[2][kWarps];
+  __shared__ StatsPartial slots[2][kWarps];
   const unsigned total = table.chunk_begin[table.count];
   int parity = 0;
   for (unsigned c = blockIdx.x; c < total; c += gridDim.x) {
