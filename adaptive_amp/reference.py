@@ -69,12 +69,16 @@ def update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_facto
         if amax_history is not None:
             amax = float(step_amax.item())
             if amax > 0 and math.isfinite(amax):
+                if not 0 <= c[2] < amax_history.numel():
+                    c[2] = 0
                 amax_history.reshape(-1)[c[2]] = amax
                 c[2] = (c[2] + 1) % amax_history.numel()
-            m = float(amax_history.max().item())
+            finite = amax_history[torch.isfinite(amax_history)]
+            m = float(finite.max().item()) if finite.numel() else 0.0
             if m > 0:
                 e = math.frexp(fmt_max / m)[1] - 1  # floor(log2(.)), exactly
-                target = f32(2.0 ** (e - margin - c[3]))
+                k = min(max(e - margin - c[3], -200), 200)
+                target = f32(2.0 ** k)
                 s = min(max(target, min_scale), upper)
     scale.fill_(s)
     growth_tracker.fill_(g)

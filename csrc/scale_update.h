@@ -8,7 +8,8 @@
 //     *skipped += 1; *growth_tracker = 0
 //     *hysteresis_left -= 1
 //     if *hysteresis_left <= 0:      back off:
-//       *scale = max(float(double(*scale) * backoff_factor), min_scale)
+//       b = float(double(*scale) * backoff_factor)
+//       *scale = b < min_scale ? min_scale : b       (a NaN scale stays NaN, as torch)
 //       predictive: *extra_margin += 1
 //   else:
 //     *growth_tracker += 1
@@ -18,10 +19,15 @@
 //                   if g is finite: *scale = min(g, max_scale)
 //       predictive: *extra_margin = max(*extra_margin - 1, 0)
 //     predictive (every clean step):
-//       push *step_amax into the ring buffer amax_history (if finite and > 0)
-//       m = max(amax_history)
-//       if m > 0: *scale = clamp(2^(floor(log2(fmt_max / m)) - margin - *extra_margin),
-//                                min_scale, max_scale)
+//       push *step_amax into the ring buffer amax_history (if finite and > 0;
+//       a position outside [0, history) restarts at 0)
+//       m = max of the finite entries of amax_history
+//       if m > 0: k = floor(log2(fmt_max / m)) - margin - *extra_margin, clamped to
+//                 [-200, 200] (beyond that the float32 result is 0 or inf anyway);
+//                 *scale = clamp(2^k, min_scale, max_scale)
+//
+//   Every loop is bounded for any input (fmt_max is validated finite and > 0;
+//   a non-finite history entry is skipped), so no argument can hang the update.
 //
 //   With hysteresis == 1, min_scale == 0, max_scale == inf and mode dynamic,
 //   this is exactly torch's `_amp_update_scale_` (products in double, rounded
@@ -86,7 +92,9 @@ AAMP_HOST_DEVICE inline void update_scale_step(const ScaleUpdateArgs& a) {
     c[0] -= 1;
     if (c[0] <= 0) {
       const float backed = static_cast<float>(static_cast<double>(*a.scale) * a.backoff_factor);
-      *a.scale = backed > a.min_scale ? backed : a.min_scale;
+      // Written so that NaN passes through: a NaN scale stays NaN (torch keeps
+      // it, and every following step is skipped) instead of becoming min_scale.
+      *a.scale = backed < a.min_scale ? a.min_scale : backed;
       if (a.predictive) c[3] += 1;
     }
     return;
@@ -108,18 +116,29 @@ AAMP_HOST_DEVICE inline void update_scale_step(const ScaleUpdateArgs& a) {
   if (a.predictive && a.history > 0) {
     const float amax = *a.step_amax;
     if (amax > 0.0f && amax - amax == 0.0f) {
+      // The position lives in device memory the host never checked: a value
+      // out of range (a hand-edited counters tensor) restarts the ring.
+      if (c[2] < 0 || c[2] >= a.history) c[2] = 0;
       a.amax_history[c[2]] = amax;
       c[2] = c[2] + 1 == a.history ? 0 : c[2] + 1;
     }
     float m = 0.0f;
-    for (std::int32_t i = 0; i < a.history; ++i) m = a.amax_history[i] > m ? a.amax_history[i] : m;
-    if (m > 0.0f) {
-      // 2^(floor(log2(fmt_max / m)) - margin - extra), exactly, by exponent arithmetic.
+    for (std::int32_t i = 0; i < a.history; ++i) {
+      const float v = a.amax_history[i];
+      if (v - v == 0.0f && v > m) m = v;  // finite entries only (inf would make q = 0 below)
+    }
+    // 2^(floor(log2(fmt_max / m)) - margin - extra), exactly, by exponent arithmetic.
+    // q is finite and > 0 here (fmt_max finite, m finite and > 0), so the two
+    // normalising loops end within ~1100 iterations; k is clamped so the last
+    // loops run at most 200 times.
+    const double q0 = m > 0.0f ? static_cast<double>(a.fmt_max) / m : 0.0;
+    if (q0 > 0.0 && q0 - q0 == 0.0) {
       int e = 0;
-      double q = static_cast<double>(a.fmt_max) / m;
+      double q = q0;
       while (q >= 2.0) { q *= 0.5; ++e; }
       while (q < 1.0) { q *= 2.0; --e; }
-      int k = e - a.margin - c[3];
+      long long k = static_cast<long long>(e) - a.margin - c[3];
+      k = k < -200 ? -200 : (k > 200 ? 200 : k);
       double s = 1.0;
       for (; k > 0; --k) s *= 2.0;
       for (; k < 0; ++k) s *= 0.5;

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import sys
 
 import pytest
 import torch
@@ -184,7 +185,6 @@ BAD_TORCH_VALUES = [
     ("backoff_factor", 1.0, ValueError), ("backoff_factor", 0.0, ValueError), ("backoff_factor", -0.5, ValueError),
     ("backoff_factor", 1.5, ValueError), ("backoff_factor", NAN, ValueError), ("backoff_factor", None, TypeError),
     ("backoff_factor", "0.5", TypeError),
-    ("growth_interval", 0, ValueError), ("growth_interval", -5, ValueError), ("growth_interval", 2**31, ValueError),
     ("growth_interval", 2000.0, TypeError), ("growth_interval", "2000", TypeError),
     ("growth_interval", None, TypeError), ("growth_interval", True, TypeError),
     ("_growth_tracker", -1, ValueError), ("_growth_tracker", 2**31, ValueError), ("_growth_tracker", 1.0, TypeError),
@@ -294,6 +294,38 @@ def test_torch_state_dict_loads_into_a_used_scaler(mode):
     ours = s.state_dict()
     assert {k: ours[k] for k in TORCH_KEYS} == sd
     assert ours["adaptive_amp"] == extra_before, "a torch checkpoint carries no extras: ours are kept"
+
+
+@pytest.mark.parametrize("growth_interval", [0, -5, 2**31, sys.maxsize])
+def test_never_growing_torch_checkpoint_loads_and_runs_like_torch(growth_interval):
+    """torch accepts any int growth_interval (0, negative, beyond int32: the scale never grows); so do we."""
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**7, growth_interval=growth_interval)
+    ours = GradScaler("cpu")
+    ours.load_state_dict(theirs.state_dict())
+    assert ours.get_growth_interval() == growth_interval
+    model_a, model_b = make_model(0), make_model(0)
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.01)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.01)
+    torch.manual_seed(5)
+    a = [train_step(theirs, model_a, opt_a, i, overflow_at=(3,)) for i in range(6)]
+    torch.manual_seed(5)
+    b = [train_step(ours, model_b, opt_b, i, overflow_at=(3,)) for i in range(6)]
+    assert a == b == [2.0**7] * 3 + [2.0**6] * 3
+    assert_params_equal(params_of(model_a), params_of(model_b))
+    assert ours.state_dict()["growth_interval"] == growth_interval
+    assert ours._get_growth_tracker() == theirs._get_growth_tracker()
+
+
+def test_checkpoint_scale_is_clamped_to_the_bounds():
+    """min_scale/max_scale hold from the load on, not only after the next growth or back-off."""
+    sd = torch.amp.GradScaler("cpu", init_scale=2.0**16).state_dict()
+    s = GradScaler("cpu", max_scale=2.0**10)
+    s.load_state_dict(sd)
+    assert s.get_scale() == 2.0**10
+    s = GradScaler("cpu", min_scale=2.0**20)
+    s.scale(torch.ones(()))
+    s.load_state_dict(sd)
+    assert s.get_scale() == 2.0**20 and s._inv_scale.item() == 2.0**-20
 
 
 def test_unknown_keys_are_ignored():
