@@ -1,0 +1,94 @@
+"""AdaptiveMixedPrecision under torch.distributed: every rank takes the same decision at the same step.
+
+What the controller decides from must be the same on every rank, or ranks
+that train one model would run it under different policies (and, with DDP,
+a different set of islands changes nothing in the all-reduce but everything
+in the arithmetic). Its inputs are:
+
+* the skipped-step rate and the loss scale: the same on every rank once the
+  scaler all-reduces found_inf (``process_group``), which this class sets up;
+* the layers whose outputs overflowed, taken from each rank's own activation
+  statistics: a rank whose batch overflows alone would promote a layer the
+  others never saw. :func:`agree_on_layers` makes it the union over ranks
+  (one small all-reduce, only at a read step of an overflow storm, which
+  every rank reaches together because the storm test itself agrees).
+
+The monitor's own detectors (loss spikes and the like) stay per rank: they
+log events and decide nothing.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .controller import AdaptiveMixedPrecision
+
+__all__ = ["CollectiveAdaptiveMixedPrecision", "agree_on_layers", "world_group"]
+
+
+def world_group():
+    """The default process group when torch.distributed runs with several ranks, else None."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def agree_on_layers(layers: Sequence[str], candidates: Sequence[str], group=None,
+                    device: Optional[torch.device] = None) -> List[str]:
+    """The union over the ranks of `group` of each rank's `layers`, in the order of `candidates`.
+
+    `candidates` are the layer names every rank knows in the same order (the
+    model's layers of the watched types); a name outside them is kept only on
+    the rank that named it, so it is refused instead. Collective: every rank
+    of the group must call it at the same point.
+    """
+    index = {name: i for i, name in enumerate(candidates)}
+    unknown = [name for name in layers if name not in index]
+    if unknown:
+        raise ValueError(f"layers {unknown} are not among the model's candidate layers; every rank must "
+                         "be able to name a layer for the ranks to agree on it")
+    mask = torch.zeros(len(candidates), dtype=torch.int32, device=device or torch.device("cpu"))
+    for name in layers:
+        mask[index[name]] = 1
+    torch.distributed.all_reduce(mask, op=torch.distributed.ReduceOp.MAX, group=group)
+    chosen = mask.cpu().tolist()
+    return [name for name, hit in zip(candidates, chosen) if hit]
+
+
+class CollectiveAdaptiveMixedPrecision(AdaptiveMixedPrecision):
+    """:class:`AdaptiveMixedPrecision` whose decisions are collective over a process group.
+
+    Takes the controller's arguments, plus ``process_group`` (default: the
+    world group). The scaler gets the group too (unless ``scaler_kwargs``
+    names another), so every rank skips a step when any rank overflows, and
+    the layers to promote are the union of what each rank saw. Create it on
+    every rank with the same arguments, after ``init_process_group``.
+    """
+
+    def __init__(self, model: nn.Module, optimizer_or_optimizers, policy="auto", sample_inputs=None, *,
+                 process_group=None, scaler_kwargs: Optional[dict] = None, **kwargs):
+        group = process_group if process_group is not None else world_group()
+        if group is None:
+            raise RuntimeError("CollectiveAdaptiveMixedPrecision needs torch.distributed initialized with "
+                               "several ranks (or a process_group); use AdaptiveMixedPrecision for one process")
+        self.process_group = group
+        scaler_kwargs = dict(scaler_kwargs or {})
+        scaler_kwargs.setdefault("process_group", group)
+        super().__init__(model, optimizer_or_optimizers, policy, sample_inputs, scaler_kwargs=scaler_kwargs,
+                         **kwargs)
+
+    def _candidate_layers(self) -> List[str]:
+        return [name for name, module in self.model.named_modules()
+                if name and isinstance(module, self.layer_types)]
+
+    def _overflowing_layers(self) -> List[str]:
+        mine = super()._overflowing_layers()
+        # The communication device: NCCL groups reduce CUDA tensors only.
+        device = self.device if torch.distributed.get_backend(self.process_group) == "nccl" else None
+        islands = set(self.policy.islands)
+        agreed = agree_on_layers(mine, self._candidate_layers(), self.process_group, device)
+        return [name for name in agreed if name not in islands]

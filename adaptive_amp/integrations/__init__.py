@@ -1,0 +1,13 @@
+"""Thin adapters from training frameworks to adaptive_amp, one module per framework.
+
+* :mod:`adaptive_amp.integrations.lightning`: ``Trainer(plugins=[AdaptivePrecision("auto")])``
+  and its Fabric twin ``AdaptiveFabricPrecision``.
+* :mod:`adaptive_amp.integrations.accelerate`: ``prepare_accelerator(accelerator, model, optimizer)``.
+* :mod:`adaptive_amp.integrations.transformers`: ``AdaptiveAmpCallback`` for the transformers Trainer.
+
+Each module imports its framework when it is imported, never before, so
+``import adaptive_amp`` stays free of them. The adapters translate the
+framework's calls into :class:`adaptive_amp.AdaptiveMixedPrecision`'s
+(``autocast``, ``backward``, ``step``, ``state_dict``); the decisions are the
+controller's.
+"""

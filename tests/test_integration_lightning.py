@@ -1,0 +1,223 @@
+"""adaptive_amp inside a real PyTorch Lightning Trainer (CPU): the plain scaler drop-in and AdaptivePrecision.
+
+A tiny transformers GPT-2 (random weights) trains for a few steps under
+deterministic algorithms; runs are compared bitwise with Lightning's own
+MixedPrecision path where the arithmetic is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+pl = pytest.importorskip("pytorch_lightning")
+pytest.importorskip("transformers")
+
+import adaptive_amp  # noqa: E402
+from adaptive_amp.integrations.lightning import AdaptiveFabricPrecision, AdaptivePrecision  # noqa: E402
+from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
+
+from _integ_models import tiny_gpt2, token_batches  # noqa: E402
+
+FP16 = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval=3"
+
+
+class LitGPT2(pl.LightningModule):
+    def __init__(self, optimizer="torch", inject_inf_at=(), lr=1e-3):
+        super().__init__()
+        self.model = tiny_gpt2()
+        self.optimizer_kind = optimizer
+        self.inject_inf_at = set(inject_inf_at)
+        self.lr = lr
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.losses.append(loss.detach().float().item())
+        if self.global_step in self.inject_inf_at:
+            loss = loss * float("inf")  # every gradient becomes inf/NaN: the step must be skipped
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer_kind == "sr":
+            opt = adaptive_amp.optim.AdamW(self.parameters(), lr=self.lr, stochastic_rounding=True)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=False)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _trainer(plugin, max_steps=5, **kw):
+    return pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, plugins=[plugin], logger=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=kw.pop("enable_checkpointing", False), deterministic=True,
+                      num_sanity_val_steps=0, **kw)
+
+
+def _fit(plugin, steps=5, module=None, ckpt_path=None, trainer_kw=None, data=None, **module_kw):
+    pl.seed_everything(0, verbose=False)
+    module = module or LitGPT2(**module_kw)
+    trainer = _trainer(plugin, max_steps=steps, **(trainer_kw or {}))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        warnings.filterwarnings("ignore", ".*The number of training batches.*")
+        data = token_batches(16) if data is None else data
+        trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None),
+                    ckpt_path=ckpt_path)
+    return trainer, module
+
+
+def _same_params(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), f"{name} differs"
+
+
+def test_mixed_precision_takes_our_scaler_bitwise():
+    """The plain path: Lightning's MixedPrecision with our GradScaler == with torch's, bitwise (an overflow
+    injected so that the skip and backoff are compared too)."""
+    theirs = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    ours = adaptive_amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    _, m_theirs = _fit(MixedPrecision("16-mixed", "cpu", scaler=theirs), inject_inf_at=[2])
+    _, m_ours = _fit(MixedPrecision("16-mixed", "cpu", scaler=ours), inject_inf_at=[2])
+    _same_params(m_theirs, m_ours)
+    assert m_theirs.losses == m_ours.losses
+    assert theirs.get_scale() == ours.get_scale()
+    assert ours.skipped_steps == 1
+
+
+@pytest.mark.parametrize("precision,policy", [("16-mixed", FP16), ("bf16-mixed", "params=float32,compute=bfloat16")])
+def test_adaptive_precision_matches_lightning_amp_bitwise(precision, policy):
+    """AdaptivePrecision with a fixed fp16 (or bf16) policy trains exactly as Lightning's own AMP path."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3) if precision == "16-mixed" else None
+    _, m_theirs = _fit(MixedPrecision(precision, "cpu", scaler=scaler), inject_inf_at=[2] if scaler else ())
+    plugin = AdaptivePrecision(policy, read_every=2)
+    trainer, m_ours = _fit(plugin, inject_inf_at=[2] if scaler else ())
+    _same_params(m_theirs, m_ours)
+    assert m_theirs.losses == m_ours.losses
+    amp = plugin.amp
+    assert amp.step_count == 5 and trainer.global_step == 5
+    assert plugin.precision == precision
+    if scaler is not None:
+        assert amp.scaler.get_scale() == scaler.get_scale()
+        assert amp.scaler.skipped_steps == 1
+        report = amp.report(plots=False)
+        assert report.history["found_inf"][:5] == [0, 0, 1, 0, 0]
+
+
+def test_adaptive_precision_auto_one_argument():
+    """`Trainer(plugins=[AdaptivePrecision("auto")])`: the controller selects for this CPU and trains."""
+    plugin = AdaptivePrecision("auto")
+    trainer, module = _fit(plugin, steps=3)
+    expected = adaptive_amp.AdaptivePrecisionSelector().select(
+        module, adaptive_amp.HardwareDetector().detect(torch.device("cpu")))
+    assert str(plugin.amp.policy) == str(expected)
+    assert plugin.amp.step_count == 3 and all(torch.isfinite(torch.tensor(module.losses)))
+
+
+def test_bf16_pure_with_sr_optimizer():
+    plugin = AdaptivePrecision("bf16-pure")
+    _, module = _fit(plugin, steps=6, optimizer="sr", lr=1e-2, data=token_batches(1) * 6)
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    assert module.losses[-1] < module.losses[0]
+    assert plugin.precision == "bf16-true"
+
+
+def test_bf16_pure_refuses_a_plain_optimizer():
+    with pytest.raises(TypeError, match="stochastically"):
+        _fit(AdaptivePrecision("bf16-pure"), steps=1)
+
+
+def test_clip_by_norm_goes_through_the_controller():
+    """gradient_clip_val clips in the controller's step: same parameters as Lightning's unscale + clip."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    _, m_theirs = _fit(MixedPrecision("16-mixed", "cpu", scaler=scaler), trainer_kw={"gradient_clip_val": 0.05})
+    _, m_ours = _fit(AdaptivePrecision(FP16), trainer_kw={"gradient_clip_val": 0.05})
+    # The norm comes from the unscale pass (fp64 across chunks), so it may differ from torch's in the last bits.
+    for p, q in zip(m_theirs.parameters(), m_ours.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_resume_continues_bitwise(tmp_path):
+    """The controller's state rides in Lightning's checkpoints: resuming from step 3 ends where 6 straight
+    steps end (an overflow at step 4, after the resume)."""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    data = token_batches(3)
+    every3 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    straight = AdaptivePrecision(FP16, read_every=2)
+    _, m_straight = _fit(straight, steps=6, inject_inf_at=[4], data=data,
+                         trainer_kw={"enable_checkpointing": True, "callbacks": [every3]})
+    ckpt = tmp_path / "epoch=0-step=3.ckpt"
+    saved = torch.load(ckpt, weights_only=True)  # plain types only: torch's safe loader takes it
+    assert saved["AdaptivePrecision"]["adaptive_amp"]["step"] == 3
+
+    resumed = AdaptivePrecision(FP16, read_every=2)
+    _, m_resumed = _fit(resumed, steps=6, ckpt_path=str(ckpt), inject_inf_at=[4], data=data)
+    _same_params(m_straight, m_resumed)
+    assert m_resumed.losses == m_straight.losses[3:]
+    assert resumed.amp.step_count == 6
+    assert resumed.amp.scaler.state_dict() == straight.amp.scaler.state_dict()
+    assert resumed.amp.scaler.skipped_steps == straight.amp.scaler.skipped_steps == 1
+    # (as JSON: the skipped step's gradient norm is NaN, which == would call different from itself)
+    assert json.dumps(resumed.amp.state_dict()["monitor"]) == json.dumps(straight.amp.state_dict()["monitor"])
+
+
+def test_validate_without_fit_uses_the_policy_autocast():
+    class Val(LitGPT2):
+        def validation_step(self, batch, batch_idx):
+            self.seen = self.model.transformer.h[0].attn.c_attn(
+                self.model.transformer.wte(batch)).dtype
+
+    module = Val()
+    trainer = _trainer(AdaptivePrecision("params=float32,compute=bfloat16"))
+    trainer.validate(module, torch.utils.data.DataLoader(token_batches(1), batch_size=None), verbose=False)
+    assert module.seen == torch.bfloat16
+
+
+def test_fabric_twin_trains_like_the_controller():
+    from lightning_fabric import Fabric
+
+    def run(use_fabric):
+        torch.manual_seed(0)
+        model = tiny_gpt2()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        if use_fabric:
+            precision = AdaptiveFabricPrecision(FP16, read_every=2)
+            fabric = Fabric(accelerator="cpu", devices=1, plugins=[precision])
+            model, opt = fabric.setup(model, opt)
+            amp = precision.connect(model, opt)
+        else:
+            amp = adaptive_amp.AdaptiveMixedPrecision(model, opt, FP16, read_every=2, progress=False)
+        for i, batch in enumerate(token_batches(5)):
+            if use_fabric:
+                loss = model(input_ids=batch, labels=batch).loss
+                fabric.backward(loss * (float("inf") if i == 2 else 1.0))
+                if i != 2:  # Fabric refuses to clip a non-finite norm by default
+                    fabric.clip_gradients(model, opt, max_norm=1.0)
+                opt.step()
+                opt.zero_grad()
+            else:
+                with amp.autocast():
+                    loss = model(input_ids=batch, labels=batch).loss
+                amp.backward(loss * (float("inf") if i == 2 else 1.0))
+                if i != 2:
+                    amp.scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                amp.step()
+                amp.zero_grad()
+        return model, amp
+
+    m_ref, amp_ref = run(False)
+    m_fab, amp_fab = run(True)
+    for p, q in zip(m_ref.parameters(), m_fab.parameters()):
+        assert torch.equal(p, q)
+    assert amp_fab.scaler.skipped_steps == 1 and amp_fab.step_count == 5
+    assert amp_fab.state_dict()["scaler"] == amp_ref.state_dict()["scaler"]
+
+
+def test_fabric_twin_explains_a_missing_connect():
+    with pytest.raises(RuntimeError, match=r"precision.connect\(model, optimizer\)"):
+        AdaptiveFabricPrecision("auto").backward(torch.ones(()), None)
