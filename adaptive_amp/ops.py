@@ -37,10 +37,17 @@ def unscale_and_check_(
 
     Args:
         tensors: arrays of one device (torch tensors on the CPU or a CUDA GPU,
-            numpy arrays, or DLPack arrays such as CuPy's), contiguous,
-            float32, float16 or bfloat16 in any mix. Empty and 0-dim arrays
-            are fine. One kernel launch covers the list (very long lists are
-            chunked into a few launches).
+            numpy arrays, or DLPack arrays such as CuPy's), float32, float16
+            or bfloat16 in any mix. Empty and 0-dim arrays are fine. One
+            kernel launch covers the list (very long lists are chunked into a
+            few launches). Contiguous and ``channels_last`` tensors are
+            worked on in place; any other strided view (slices, transposes,
+            lazily negated views such as ``x.conj().imag``; numpy arrays not
+            C-contiguous or not in the host's byte order) goes through an
+            internal contiguous copy that is copied back afterwards (extra
+            memory traffic; the view's version counter is bumped by that
+            copy). Views with overlapping elements (``expand``) are refused
+            unless ``check_only``, as torch's in-place ops refuse them.
         found_inf: 1-element float32 array on the same device. Set to 1.0 when
             any element of any tensor is NaN or +-inf; left as it was otherwise.
         inv_scale: 1-element float32 array on the same device, read there
@@ -66,7 +73,8 @@ def unscale_and_check_(
         _native.check_scalar(found, "found_inf", found.device)
         _native.check_scalar(inv, "inv_scale", found.device)
         return _empty_stats(found) if return_stats else None
-    batch = _native.describe_many(tensors, "tensors", writable=not check_only, dtypes=_UNSCALE_INPUTS)
+    batch = _native.describe_many(tensors, "tensors", writable=not check_only, dtypes=_UNSCALE_INPUTS,
+                                  strided=True, outputs=[(found_inf, "found_inf")])
     _native.check_scalar(found, "found_inf", batch.device)
     _native.check_scalar(inv, "inv_scale", batch.device)
 
@@ -79,10 +87,11 @@ def unscale_and_check_(
         ws_bytes = _C.unscale_workspace_bytes(batch.numels, True)
         ws_owner, ws_ptr = _native.workspace(batch.framework, batch.device, ws_bytes)
 
-    stream = _native.current_stream(batch.framework, batch.device, tensors[0])
+    stream = _native.current_stream(batch.framework, batch.device, batch.objs[0])
     _C.unscale_and_check(batch.ptrs, batch.numels, batch.dtypes, found.ptr, inv.ptr, check_only, sumsq_ptr,
                          amax_ptr, ws_ptr, ws_bytes, batch.device, stream)
     if not check_only:
+        _native.write_back(batch)
         _native.mark_written(batch)
     _keep_until_done(ws_owner, batch.device)
     return (sumsq, amax) if return_stats else None
@@ -291,8 +300,12 @@ def tensor_stats(tensors, *, fmt=None, scale=None, names=None):
 
     Args:
         tensors: arrays of one device (torch tensors on the CPU or a CUDA GPU,
-            numpy arrays, DLPack arrays), contiguous, float32, float16 or
-            bfloat16 in any mix; empty and 0-dim ones are fine.
+            numpy arrays, DLPack arrays), float32, float16 or bfloat16 in any
+            mix; empty and 0-dim ones are fine. Contiguous and
+            ``channels_last`` tensors are read as they are; other strided
+            views (slices, transposes, expanded or lazily negated views;
+            numpy arrays not C-contiguous or not in the host's byte order)
+            are read through an internal contiguous copy.
         fmt: a target format to measure against: ``"float16"``,
             ``"bfloat16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"`` or the torch
             dtype. Adds ``overflow_count``, ``underflow_count`` and

@@ -116,21 +116,25 @@ py::object call_method(PyObject* obj, PyObject* name) {
 // .get_device(), .numel() and .data_ptr(), instead of one Python pass per
 // question. `codes` maps the allowed dtype objects to dtype codes. Returns
 // (ptrs, numels, codes, device), or None when anything is unusual (another
-// dtype, a sparse or non-contiguous tensor, two devices, a tensor that
+// dtype, a sparse, non-contiguous or lazily negated tensor, two devices, a tensor that
 // requires grad in a writing call, no memory): the Python path then finds and
 // names the problem.
-py::object describe_tensors(py::list xs, py::dict codes, bool writable) {
+py::object describe_tensors(py::object seq, py::dict codes, bool writable) {
   static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
   static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
+  static PyObject* neg_name = PyUnicode_InternFromString("is_neg");
   static PyObject* requires_grad_name = PyUnicode_InternFromString("requires_grad");
   static PyObject* device_name = PyUnicode_InternFromString("get_device");
   static PyObject* numel_name = PyUnicode_InternFromString("numel");
   static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
-  const Py_ssize_t n = PyList_GET_SIZE(xs.ptr());
+  // A list or tuple as it is (the caller holds it until the native call: see _native.describe_many).
+  py::object xs = py::reinterpret_steal<py::object>(PySequence_Fast(seq.ptr(), "xs: expected a list or tuple"));
+  if (!xs) throw py::error_already_set();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(xs.ptr());
   py::list ptrs(n), numels(n), out_codes(n);
   long device = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* x = PyList_GET_ITEM(xs.ptr(), i);
+    PyObject* x = PySequence_Fast_GET_ITEM(xs.ptr(), i);
     py::object dtype = get_attr(x, dtype_name);
     if (!dtype) {
       PyErr_Clear();
@@ -140,6 +144,12 @@ py::object describe_tensors(py::list xs, py::dict codes, bool writable) {
     if (code == nullptr) return py::none();
     py::object contiguous = call_method(x, contiguous_name);
     if (!contiguous || contiguous.ptr() != Py_True) {  // sparse layouts raise
+      PyErr_Clear();
+      return py::none();
+    }
+    // torch's lazy negation: the memory holds -x (real dtypes have no lazy conjugation).
+    py::object neg = call_method(x, neg_name);
+    if (!neg || neg.ptr() != Py_False) {
       PyErr_Clear();
       return py::none();
     }

@@ -88,12 +88,18 @@ def test_unscale_numpy_same_array_twice_refused():
     assert np.array_equal(a, before)
 
 
-def test_unscale_found_inf_aliasing_a_gradient_refused():
+@pytest.mark.parametrize("check_only", [False, True])
+def test_unscale_found_inf_aliasing_a_gradient_refused(check_only):
+    # check_only writes found_inf too: the same alias checks as the writing path (issue 18 item 8).
     t = torch.tensor([1.0, INF, 3.0])
     before = t.clone()
     with pytest.raises(ValueError, match="found_inf"):
-        adaptive_amp.unscale_and_check_([t], t[0:1], scalar(0.5))
+        adaptive_amp.unscale_and_check_([t], t[0:1], scalar(0.5), check_only=check_only)
     assert_bitwise_equal(t, before)
+    a = np.array([1.0, np.inf, 3.0], np.float32)
+    with pytest.raises(ValueError, match="found_inf"):
+        adaptive_amp.unscale_and_check_([a], a[0:1], np.array([0.5], np.float32), check_only=check_only)
+    assert a[0] == 1.0
 
 
 @pytest.mark.parametrize("kind", ["inv_scale_is_scale", "growth_tracker_in_counters"])
