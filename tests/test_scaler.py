@@ -1451,3 +1451,407 @@ def test_ddp_run_matches_single_process(two_ranks):
     torch.manual_seed(0)
     init = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     assert max(float((a - b).abs().max()) for a, b in zip(ref["params"], params_of(init))) > 1e-3
+
+
+# ============================================================== issue 18: robustness and fidelity
+# Each of these failed before its fix (items 3, 5, 6, 10, 11 and 12 of issue 18).
+
+
+def _sgd_pair_run(scaler_a, scaler_b, steps, dtype=torch.float32, model_fn=None, before_step=None, seed=0,
+                  after_update=None):
+    """The same steps under two scalers; returns (params_a, params_b, scales_a, scales_b)."""
+    out = []
+    for scaler in (scaler_a, scaler_b):
+        torch.manual_seed(seed)
+        model = (model_fn or (lambda: make_mlp(seed, dtype=dtype)))()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        gen = torch.Generator().manual_seed(seed + 1)
+        scales = []
+        for i in range(steps):
+            x = torch.randn(8, 16, generator=gen).to(dtype)
+            y = torch.randn(8, 4, generator=gen).to(dtype)
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            scaler.scale(loss).backward()
+            if before_step is not None:
+                before_step(i, scaler, model, opt)
+            scaler.step(opt)
+            scaler.update()
+            if after_update is not None:
+                after_update(i, scaler)
+            scales.append(scaler.get_scale())
+        out.append((params_of(model), scales))
+    (pa, sa), (pb, sb) = out
+    return pa, pb, sa, sb
+
+
+# ---- item 3: plans must not keep optimizers (and their parameters) alive
+
+
+def test_plan_cache_does_not_keep_dead_optimizers_alive():
+    import gc
+    import weakref
+
+    s = GradScaler("cpu", init_scale=4.0)
+    refs = []
+    for k in range(12):
+        model = torch.nn.Linear(8, 8)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        s.scale(model(torch.ones(2, 8)).sum()).backward()
+        s.step(opt)
+        s.update()
+        refs.append([weakref.ref(opt)] + [weakref.ref(p) for p in model.parameters()])
+        del model, opt
+    gc.collect()
+    alive = sum(r() is not None for group in refs for r in group)
+    assert alive == 0, f"{alive} optimizers/parameters of dead optimizers are still alive"
+    assert len(s._plans) == 0
+
+
+def test_new_optimizer_reusing_a_dead_ones_id_gets_its_own_plan():
+    """CPython reuses ids of freed objects: a new optimizer with a dead one's id must never use its plan."""
+    s = GradScaler("cpu", init_scale=8.0)
+    seen_ids = set()
+    reused = 0
+    for k in range(40):
+        w = torch.nn.Parameter(torch.full((k % 5 + 1,), float(k + 1)))
+        opt = torch.optim.SGD([w], lr=0.0)
+        reused += id(opt) in seen_ids
+        seen_ids.add(id(opt))
+        s.scale((w * w).sum()).backward()
+        expected = (2 * w.detach() * 8.0) / 8.0
+        s.unscale_(opt)
+        assert torch.equal(w.grad, expected), k
+        s.step(opt)
+        s.update()
+        del opt, w
+    assert reused > 0, "no id was reused: the test proved nothing (CPython normally reuses them)"
+
+
+# ---- item 5: a NaN scale stays NaN (torch skips every step), clamps do not eat it
+
+
+@pytest.mark.parametrize("how", ["init_scale", "new_scale", "new_scale_tensor"])
+@pytest.mark.parametrize("bounds", [{}, {"min_scale": 1.0, "max_scale": 2.0**20}])
+def test_nan_scale_stays_nan_and_skips_like_torch(how, bounds):
+    def make(cls, **kw):
+        return cls("cpu", init_scale=NAN if how == "init_scale" else 2.0**8, growth_interval=2, **kw)
+
+    def poke(i, scaler):  # at the end of an iteration, where torch documents update(new_scale)
+        if i == 0 and how == "new_scale":
+            scaler.update(new_scale=NAN)
+        if i == 0 and how == "new_scale_tensor":
+            scaler.update(new_scale=torch.tensor(NAN))
+
+    ours, theirs = make(GradScaler, **bounds), make(TorchScaler)
+    pa, pb, sa, sb = _sgd_pair_run(ours, theirs, 6, after_update=poke)
+    first_nan = 0
+    assert all(math.isnan(v) for v in sa[first_nan:]), sa
+    assert all(math.isnan(v) for v in sb[first_nan:]), sb
+    assert_params_equal(pa, pb, "NaN scale")
+    assert all(torch.isfinite(p).all() for p in pa), "a NaN scale turned gradients into NaN without a skip"
+    assert ours.skipped_steps == (6 if how == "init_scale" else 5)
+
+
+def test_nan_scale_backoff_in_the_native_rule_and_its_twin():
+    for ref in (False, True):
+        fn = reference.update_scale_ if ref else adaptive_amp.update_scale_
+        s = torch.tensor([NAN])
+        g = torch.zeros(1, dtype=torch.int32)
+        c = torch.tensor([1, 0, 0, 0], dtype=torch.int32)
+        inv = torch.zeros(1)
+        fn(s, g, torch.ones(1), 2.0, 0.5, 3, counters=c, min_scale=1.0, max_scale=8.0, inv_scale=inv)
+        assert math.isnan(float(s)) and math.isnan(float(inv)), f"reference={ref}"
+        fn(s, g, torch.zeros(1), 2.0, 0.5, 1, counters=c, min_scale=1.0, max_scale=8.0, inv_scale=inv)
+        assert math.isnan(float(s)), "growth of NaN is not finite: no growth, as torch"
+
+
+# ---- item 6: clip_grad_norm_ never returns a stale norm
+
+
+def _torch_norm(model, norm_type=2.0):
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+def test_clip_twice_returns_the_current_norm(norm_type):
+    model = make_mlp(3)
+    opt = make_opt("sgd", model.parameters())
+    s = GradScaler("cpu", init_scale=2.0**10)
+    s.scale(F.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 4)) * 50).backward()
+    first = s.clip_grad_norm_(opt, 0.5, norm_type)
+    expected_second = _torch_norm(model, norm_type)
+    assert float(expected_second) < float(first) - 1e-3, "the first clip must have clipped"
+    second = s.clip_grad_norm_(opt, 0.5, norm_type)
+    torch.testing.assert_close(second, expected_second, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("edit", ["mul_", "replace", "zero_"])
+def test_clip_after_gradients_edited_since_unscale(edit):
+    model = make_mlp(4)
+    opt = make_opt("sgd", model.parameters())
+    s = GradScaler("cpu", init_scale=2.0**10)
+    s.scale(F.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 4))).backward()
+    s.unscale_(opt)
+    p = list(model.parameters())[2]
+    if edit == "mul_":
+        p.grad.mul_(7.0)
+    elif edit == "replace":
+        p.grad = p.grad * 7.0
+    else:
+        p.grad.zero_()
+    expected = _torch_norm(model)
+    got = s.clip_grad_norm_(opt, 1e9)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+
+
+def test_clip_reuses_the_unscale_pass_only_while_gradients_are_unchanged(monkeypatch):
+    """unscale_ then clip, step after step: from the second step on the norm comes from the unscale pass
+    (no second read), and is right; an edit in between is still seen."""
+    model = make_mlp(5)
+    opt = make_opt("sgd", model.parameters())
+    s = GradScaler("cpu", init_scale=2.0**10)
+    remeasured = []
+    orig = s._measure_again
+    monkeypatch.setattr(s, "_measure_again", lambda *a, **k: remeasured.append(1) or orig(*a, **k))
+    gen = torch.Generator().manual_seed(0)
+    for i in range(4):
+        opt.zero_grad()
+        s.scale(F.mse_loss(model(torch.randn(8, 16, generator=gen)), torch.randn(8, 4, generator=gen))).backward()
+        s.unscale_(opt)
+        if i == 3:
+            list(model.parameters())[0].grad.add_(1.0)
+        expected = _torch_norm(model)
+        torch.testing.assert_close(s.clip_grad_norm_(opt, 1e9), expected, rtol=1e-6, atol=0)
+        s.step(opt)
+        s.update()
+    assert remeasured == [1, 1], "measured again on the first step (no snapshot yet) and after the edit only"
+
+
+def test_clip_twice_with_a_fused_optimizer_matches_torchs_recipe():
+    """Folded coefficients compose: the second norm is the norm after the first clip, as torch's."""
+    (m1, o1), (m2, o2) = pair("adamw_fused")
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    ours, theirs = GradScaler("cpu", init_scale=2.0**10), TorchScaler("cpu", init_scale=2.0**10)
+    ours.scale(F.mse_loss(m1(x), y) * 50).backward()
+    theirs.scale(F.mse_loss(m2(x), y) * 50).backward()
+    a1, a2 = ours.clip_grad_norm_(o1, 0.5), ours.clip_grad_norm_(o1, 0.2)
+    theirs.unscale_(o2)
+    b1 = torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.5)
+    b2 = torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.2)
+    torch.testing.assert_close(a1, b1, rtol=1e-6, atol=0)
+    torch.testing.assert_close(a2, b2, rtol=1e-5, atol=0)
+    ours.step(o1)
+    theirs.step(o2)
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+# ---- item 10: fmt_max and the native update cannot hang
+
+
+@pytest.mark.parametrize("fmt_max", [INF, -INF, NAN, 1e39, 0.0, -1.0, 1e-50])
+def test_predictive_fmt_max_is_validated_at_construction(fmt_max):
+    with pytest.raises(ValueError, match="fmt_max"):
+        GradScaler("cpu", mode="predictive", fmt_max=fmt_max)
+
+
+_HANG_PRONE = textwrap.dedent("""
+    import torch, adaptive_amp
+    from adaptive_amp import reference
+    s = torch.tensor([8.0]); g = torch.zeros(1, dtype=torch.int32); f = torch.zeros(1)
+    for fmt in (float("inf"), 1e39):
+        try:
+            adaptive_amp.update_scale_(s, g, f, 2.0, 0.5, 5, counters=torch.tensor([1, 0, 0, 0], dtype=torch.int32),
+                                       step_amax=torch.tensor([1.0]), amax_history=torch.zeros(4), fmt_max=fmt)
+        except ValueError as exc:
+            assert "fmt_max" in str(exc), exc
+        else:
+            raise AssertionError("fmt_max=%r accepted" % fmt)
+    # Hostile device-side state: an inf in the history, a huge margin, a ring position out of range.
+    for hist, margin, pos in (([float("inf"), 2.0], 4, 0), ([0.5, 0.0], -2**31, 1), ([1.0, 3.0], 2**31 - 1, 0),
+                              ([1.0, 3.0], 0, 7), ([1.0, 3.0], 0, -3)):
+        out = []
+        for fn in (adaptive_amp.update_scale_, reference.update_scale_):
+            s = torch.tensor([8.0]); g = torch.zeros(1, dtype=torch.int32)
+            c = torch.tensor([1, 0, pos, 0], dtype=torch.int32); h = torch.tensor(hist)
+            fn(s, g, torch.zeros(1), 2.0, 0.5, 5, counters=c, step_amax=torch.tensor([0.25]), amax_history=h,
+               margin=margin)
+            out.append((s.item(), c.tolist(), h.tolist()))
+        assert out[0] == out[1], (hist, margin, pos, out)
+    print("OK")
+""")
+
+
+def test_native_update_cannot_hang_or_write_out_of_range():
+    """fmt_max beyond float32 looped forever; an inf in the history too; a bad ring position wrote out of
+    bounds. Run in a subprocess with a timeout, so a regression fails instead of hanging the suite."""
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _HANG_PRONE], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
+
+
+# ---- item 11: constructor arguments checked (and bounds applied) at construction
+
+
+@pytest.mark.parametrize("growth_interval", [0, -3, 2**31, sys.maxsize])
+def test_never_growing_intervals_are_accepted_like_torch(growth_interval):
+    ours = GradScaler("cpu", init_scale=2.0**8, growth_interval=growth_interval)
+    theirs = TorchScaler("cpu", init_scale=2.0**8, growth_interval=growth_interval)
+
+    def overflow(i, scaler, model, opt):
+        if i == 4:
+            next(model.parameters()).grad.view(-1)[0] = INF
+
+    pa, pb, sa, sb = _sgd_pair_run(ours, theirs, 8, before_step=overflow)
+    assert sa == sb == [2.0**8] * 4 + [2.0**7] * 4
+    assert_params_equal(pa, pb)
+    assert ours._get_growth_tracker() == theirs._get_growth_tracker()
+    s = GradScaler("cpu", init_scale=2.0**8)
+    s.set_growth_interval(growth_interval)  # the setter too, not only the constructor
+    _sgd_pair_run(s, GradScaler("cpu"), 2)
+
+
+BAD_CONSTRUCTOR_ARGS = [
+    ({"min_scale": NAN}, ValueError, "min_scale"), ({"min_scale": INF}, ValueError, "min_scale"),
+    ({"min_scale": -1.0}, ValueError, "min_scale"), ({"min_scale": 1e39}, ValueError, "min_scale"),
+    ({"min_scale": "1"}, TypeError, "min_scale"),
+    ({"max_scale": NAN}, ValueError, "max_scale"), ({"max_scale": INF}, ValueError, "max_scale"),
+    ({"max_scale": 0.0}, ValueError, "max_scale"), ({"max_scale": 1e-50}, ValueError, "max_scale"),
+    ({"max_scale": -2.0}, ValueError, "max_scale"),
+    ({"growth_interval": 2.5}, TypeError, "growth_interval"), ({"growth_interval": "10"}, TypeError, "growth_interval"),
+    ({"growth_factor": NAN}, ValueError, "growth_factor"),
+    ({"backoff_factor": 0.0}, ValueError, "backoff_factor"), ({"backoff_factor": -0.5}, ValueError, "backoff_factor"),
+    ({"backoff_factor": NAN}, ValueError, "backoff_factor"),
+    ({"init_scale": "big"}, TypeError, "init_scale"),
+    ({"hysteresis": 2**31}, ValueError, "hysteresis"), ({"hysteresis": 1.5}, TypeError, "hysteresis"),
+    ({"margin": 2**40}, ValueError, "margin"), ({"history": True}, TypeError, "history"),
+    ({"fmt_max": "65504"}, TypeError, "fmt_max"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,name", BAD_CONSTRUCTOR_ARGS, ids=[repr(k) for k, _, _ in BAD_CONSTRUCTOR_ARGS])
+def test_bad_constructor_arguments_fail_at_construction(kw, exc, name):
+    with pytest.raises(exc, match=name):
+        GradScaler("cpu", **kw)
+
+
+@pytest.mark.parametrize("setter,value", [("set_growth_factor", 0.5), ("set_growth_factor", NAN),
+                                          ("set_backoff_factor", 0.0), ("set_backoff_factor", 1.5),
+                                          ("set_growth_interval", 3.0)])
+def test_bad_setter_values_fail_at_the_setter(setter, value):
+    s = GradScaler("cpu")
+    before = (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval())
+    with pytest.raises((ValueError, TypeError)):
+        getattr(s, setter)(value)
+    assert (s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == before
+
+
+def test_bounds_apply_to_init_scale_at_construction():
+    s = GradScaler("cpu", init_scale=2.0**16, max_scale=2.0**10)
+    assert s.get_scale() == 2.0**10
+    assert torch.equal(s.scale(torch.tensor(1.0)), torch.tensor(2.0**10))
+    s = GradScaler("cpu", init_scale=1.0, min_scale=2.0**4)
+    assert s.get_scale() == 2.0**4
+    assert s.state_dict()["scale"] == 2.0**4
+    assert GradScaler("cpu", init_scale=3.0, min_scale=1.0, max_scale=8.0).get_scale() == 3.0
+    assert math.isnan(GradScaler("cpu", init_scale=NAN, min_scale=1.0).get_scale())
+
+
+def test_growth_factor_inf_is_accepted_like_torch():
+    """torch accepts growth_factor=inf (the grown scale is never finite: no growth)."""
+    ours = GradScaler("cpu", init_scale=2.0**8, growth_factor=INF, growth_interval=1)
+    theirs = TorchScaler("cpu", init_scale=2.0**8, growth_factor=INF, growth_interval=1)
+    pa, pb, sa, sb = _sgd_pair_run(ours, theirs, 4)
+    assert sa == sb == [2.0**8] * 4
+    assert_params_equal(pa, pb)
+
+
+# ---- item 12: float64 gradients work as in torch's scaler; errors name the parameter
+
+
+def _f64_head_model():
+    torch.manual_seed(0)
+    body = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = body
+            self.head = torch.nn.Linear(16, 4).double()
+
+        def forward(self, x):
+            return self.head(self.body(x.float()).double()).to(x.dtype)
+
+    return Net()
+
+
+@pytest.mark.parametrize("which", ["double_model", "float64_head"])
+def test_float64_gradients_match_torch(which):
+    def poison(i, scaler, model, opt):
+        if i in (3, 7):
+            list(model.parameters())[-1].grad.view(-1)[0] = INF
+
+    kw = dict(model_fn=_f64_head_model) if which == "float64_head" else dict(dtype=torch.float64)
+    ours, theirs = GradScaler("cpu", init_scale=2.0**10, growth_interval=3), \
+        TorchScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    pa, pb, sa, sb = _sgd_pair_run(ours, theirs, 10, before_step=poison, **kw)
+    assert sa == sb
+    assert_interesting_trajectory(sa, 2.0**10)
+    assert_params_equal(pa, pb, which)
+    assert ours.skipped_steps == 2
+
+
+@pytest.mark.parametrize("norm_type", [2.0, INF])
+def test_float64_gradients_clip_and_fused_check(norm_type):
+    model = _f64_head_model()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = GradScaler("cpu", init_scale=2.0**6)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    s.scale(F.mse_loss(model(x), y)).backward()
+    F.mse_loss(twin(x), y).backward()
+    got = s.clip_grad_norm_(opt, 0.05, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.05, norm_type)
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=0)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-9)
+    assert s.step(opt) is True
+    s.update()
+    # A fused optimizer over float64 parameters: the read-only check and the folded clip.
+    fm = torch.nn.Linear(4, 3).double()
+    fo = torch.optim.AdamW(fm.parameters(), lr=1e-2, fused=True)
+    s.scale(fm(torch.randn(2, 4, dtype=torch.float64)).sum().float()).backward()
+    norm = s.clip_grad_norm_(fo, 1e9, norm_type)
+    scaled = torch.nn.utils.get_total_norm([p.grad for p in fm.parameters()], norm_type) / s.get_scale()
+    torch.testing.assert_close(norm.double(), scaled.double(), rtol=1e-5, atol=0)
+    assert bool(s.step(fo))
+
+
+def test_gradient_dtype_no_scaler_takes_is_refused_naming_the_parameter():
+    model = torch.nn.Linear(3, 2)
+    extra = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    opt = torch.optim.SGD([{"params": list(model.parameters())}, {"params": [extra]}], lr=0.1)
+    s = GradScaler("cpu", init_scale=4.0)
+    s.scale(model(torch.ones(1, 3)).sum() + extra.abs().sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"param_groups\[1\]\['params'\]\[0\]\.grad has dtype torch\.complex64"):
+        s.step(opt)
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g), "nothing unscaled before refusing"
+
+
+def test_kernel_errors_name_the_parameter_not_a_list_index():
+    """Two parameters sharing one gradient tensor: the overlap is refused with the parameters' names."""
+    a = torch.nn.Parameter(torch.ones(4))
+    b = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([a, b], lr=0.1)
+    s = GradScaler("cpu", init_scale=4.0)
+    s.scale((a * 3).sum()).backward()
+    b.grad = a.grad
+    with pytest.raises(ValueError) as info:
+        s.unscale_(opt)
+    msg = str(info.value)
+    assert "param_groups[0]['params'][1].grad" in msg and "tensors[" not in msg, msg
+    assert torch.equal(a.grad, torch.full((4,), 12.0)), "nothing written"
