@@ -1,0 +1,230 @@
+"""Hugging Face Accelerate: one call after ``accelerator.prepare``.
+
+Usage::
+
+    accelerator = Accelerator()                       # mixed_precision="no": adaptive_amp decides
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    amp = adaptive_amp.integrations.accelerate.attach(accelerator, model, optimizer, "auto")
+    for batch in loader:                              # the ordinary Accelerate loop, unchanged
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()                              # does not advance on a skipped step
+        optimizer.zero_grad()
+
+What each Accelerate call becomes:
+
+* the model's forward runs under the controller's autocast (policy dtype,
+  fp32 islands, layer statistics on training forwards);
+* ``accelerator.backward(loss)`` is the controller's backward (the loss scaled
+  by :class:`adaptive_amp.GradScaler` where the policy scales, and recorded);
+* ``accelerator.clip_grad_norm_`` is the scaler's ``clip_grad_norm_`` (the
+  norm from the unscale pass, folded into fused optimizers' step);
+* ``optimizer.step()`` is the controller's step (skip, scale update, monitor,
+  adapt), and ``optimizer.step_was_skipped`` (which Accelerate's scheduler
+  wrapper and ``accelerator.optimizer_step_was_skipped`` read) is the
+  scaler's device-side ``found_inf``: the step itself never waits for the
+  device; the flag synchronizes only when it is read as a bool. Accelerate's
+  own test (did the patched ``optimizer.step`` run?) is always true for fused
+  optimizers, which step on the device even when they skip;
+* ``accelerator.save_state`` / ``load_state`` (and the transformers Trainer's
+  checkpoints) keep the controller's state where they keep the scaler's
+  (``scaler.pt``): ``accelerator.scaler`` is this bridge.
+
+The Accelerator must be created with ``mixed_precision="no"``: its own
+autocast and scaler would fight the policy's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict, Optional, Union
+
+import torch
+from torch import nn
+
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+
+from ..controller import AdaptiveMixedPrecision
+from ..distributed import CollectiveAdaptiveMixedPrecision, world_group
+from ..policy import PrecisionPolicy
+
+__all__ = ["AcceleratorBridge", "SkipFlag", "attach"]
+
+
+class SkipFlag:
+    """Whether the last optimizer step was skipped, kept on the device until someone asks.
+
+    ``bool(flag)`` reads it (one synchronization); :attr:`tensor` is the
+    device-side value (nonzero: skipped) for code that wants to stay
+    asynchronous, e.g. ``torch.where`` on a learning rate.
+    """
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, found_inf: Optional[torch.Tensor]):
+        self.tensor = found_inf
+
+    def __bool__(self) -> bool:
+        return self.tensor is not None and bool(self.tensor.item() > 0)
+
+    def __repr__(self):
+        return f"SkipFlag({self.tensor!r})"
+
+
+class _ScaledLoss:
+    """What ``accelerator.scaler.scale(loss)`` returns: its ``backward`` is the controller's."""
+
+    __slots__ = ("_amp", "_loss")
+
+    def __init__(self, amp: AdaptiveMixedPrecision, loss: torch.Tensor):
+        self._amp, self._loss = amp, loss
+
+    def backward(self, **kwargs: Any) -> None:
+        self._amp.backward(self._loss, **kwargs)
+
+
+def _raw_optimizer(optimizer):
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class AcceleratorBridge:
+    """Connects an ``accelerate.Accelerator`` to an :class:`adaptive_amp.AdaptiveMixedPrecision`.
+
+    Installed as ``accelerator.scaler`` (so that Accelerate's backward and
+    checkpoints reach the controller); :meth:`connect` builds the controller
+    on the prepared model and optimizer. Use :func:`attach`, which does both.
+    """
+
+    def __init__(self, accelerator: Accelerator, policy: Union[str, PrecisionPolicy] = "auto",
+                 **controller_kwargs: Any):
+        if accelerator.mixed_precision != "no":
+            raise ValueError(f"the Accelerator was created with mixed_precision={accelerator.mixed_precision!r}; "
+                             "adaptive_amp chooses the precision itself, so create it with mixed_precision='no' "
+                             "(for the transformers Trainer: fp16=False, bf16=False) and pass the policy here")
+        if getattr(accelerator, "scaler", None) is not None:
+            raise ValueError("accelerator.scaler is already set; adaptive_amp installs its own")
+        self.accelerator = accelerator
+        self.policy = policy
+        self.controller_kwargs = {"progress": False, **controller_kwargs}
+        self.amp: Optional[AdaptiveMixedPrecision] = None
+        self._optimizer = None  # the raw optimizer the controller steps
+        self._pending_state: Optional[dict] = None
+        accelerator.scaler = self
+        # Accelerate clips with torch's clip_grad_norm_ after an unscale that, with mixed_precision="no",
+        # does nothing: the scaler's clip knows the scale (and fused optimizers' deferred unscaling).
+        accelerator.clip_grad_norm_ = self.clip_grad_norm_
+
+    # ------------------------------------------------------------ set-up
+    def connect(self, model: nn.Module, optimizer) -> AdaptiveMixedPrecision:
+        """Build the controller on `model` and `optimizer` as ``accelerator.prepare`` returned them."""
+        if isinstance(optimizer, (list, tuple)):
+            raise ValueError("adaptive_amp's Accelerate bridge drives one optimizer; combine the parameter "
+                             "groups into one")
+        if not isinstance(optimizer, AcceleratedOptimizer):
+            raise TypeError("optimizer: pass the optimizer that accelerator.prepare returned (an "
+                            f"AcceleratedOptimizer), got {type(optimizer).__name__}")
+        module = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        raw = _raw_optimizer(optimizer)
+        if self.amp is not None:
+            self.amp.remove()
+        make = CollectiveAdaptiveMixedPrecision if world_group() is not None else AdaptiveMixedPrecision
+        self.amp = make(module, raw, self.policy, **self.controller_kwargs)
+        self._optimizer = raw
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.amp.load_state_dict(state)
+        self._wrap_forward(module)
+        # Instance attribute, as Accelerate patches optimizer.step itself: the object the Accelerator,
+        # its scheduler wrapper and the caller hold stays the same.
+        optimizer.step = functools.partial(self._optimizer_step, optimizer)
+        optimizer._is_overflow = SkipFlag(None)
+        return self.amp
+
+    def _wrap_forward(self, module: nn.Module) -> None:
+        if getattr(module.forward, "_adaptive_amp_bridge", None) is self:
+            return
+        inner = module.forward
+        bridge = self
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            amp = bridge.amp
+            # Training forwards collect the controller's layer statistics on its statistics steps.
+            with (amp.autocast() if module.training else amp.adjuster.autocast()):
+                return inner(*args, **kwargs)
+
+        forward._adaptive_amp_bridge = self
+        module.forward = forward
+
+    def _require_amp(self) -> AdaptiveMixedPrecision:
+        if self.amp is None:
+            raise RuntimeError("adaptive_amp: the controller is not connected yet; call "
+                               "adaptive_amp.integrations.accelerate.attach(accelerator, model, optimizer) "
+                               "after accelerator.prepare")
+        return self.amp
+
+    # ------------------------------------------------------------ the step
+    def _optimizer_step(self, accelerated: AcceleratedOptimizer, closure=None) -> None:
+        if closure is not None:
+            raise RuntimeError("optimizer.step(closure) is not supported with loss scaling")
+        if not accelerated.gradient_state.sync_gradients:
+            return  # accumulating: Accelerate's own step does nothing either
+        amp = self._require_amp()
+        amp.step()
+        scaler = amp.scaler
+        accelerated._is_overflow = SkipFlag(scaler.found_inf if scaler.is_enabled() else None)
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the controller's optimizer's gradients (unscaled) to `max_norm`; the norm as a device tensor."""
+        amp = self._require_amp()
+        owned = {id(p) for g in self._optimizer.param_groups for p in g["params"]}
+        stray = [p for p in parameters if p.grad is not None and id(p) not in owned]
+        if stray:
+            raise ValueError(f"clip_grad_norm_: {len(stray)} parameters with gradients are not in the optimizer "
+                             "adaptive_amp steps; clip the optimizer's parameters")
+        return amp.scaler.clip_grad_norm_(self._optimizer, float(max_norm), norm_type)
+
+    # ------------------------------------------------ the scaler Accelerate sees
+    def scale(self, loss: torch.Tensor) -> _ScaledLoss:
+        return _ScaledLoss(self._require_amp(), loss)
+
+    def unscale_(self, optimizer) -> None:
+        self._require_amp().scaler.unscale_(_raw_optimizer(optimizer))
+
+    def get_scale(self) -> float:
+        return self._require_amp().scaler.get_scale()
+
+    def is_enabled(self) -> bool:
+        return self.amp is not None and self.amp.scaler.is_enabled()
+
+    def state_dict(self) -> Dict[str, Any]:
+        if self.amp is None:
+            return {} if self._pending_state is None else {"adaptive_amp": self._pending_state}
+        return {"adaptive_amp": self.amp.state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if "adaptive_amp" not in state_dict:
+            raise ValueError("scaler state: no 'adaptive_amp' entry; this checkpoint was not saved with "
+                             f"adaptive_amp's Accelerate bridge (keys: {sorted(state_dict)})")
+        if self.amp is None:
+            self._pending_state = state_dict["adaptive_amp"]  # loaded by connect()
+        else:
+            self.amp.load_state_dict(state_dict["adaptive_amp"])
+
+
+def attach(accelerator: Accelerator, model: nn.Module, optimizer, policy: Union[str, PrecisionPolicy] = "auto",
+           **controller_kwargs: Any) -> AdaptiveMixedPrecision:
+    """Run `accelerator`'s training loop under AdaptiveMixedPrecision; returns the controller.
+
+    Call after ``accelerator.prepare`` with the model and optimizer it
+    returned. `policy` and `controller_kwargs` are AdaptiveMixedPrecision's.
+    """
+    bridge = accelerator.scaler if isinstance(accelerator.scaler, AcceleratorBridge) else None
+    if bridge is None:
+        bridge = AcceleratorBridge(accelerator, policy, **controller_kwargs)
+    return bridge.connect(model, optimizer)

@@ -1,0 +1,334 @@
+"""The controller and the integrations under data parallelism: same decisions on every rank, no hang.
+
+    torchrun --standalone --nproc_per_node=2 bench/multi_gpu_integrations.py --out DIR
+        [--backend nccl|gloo] [--device cuda|cpu] [--steps N]
+
+A tiny transformers GPT-2 (random weights, nothing downloaded) trains in
+fp16 under data parallelism. At steps 0 and 1 the output of ``lm_head``
+overflows on rank 1 alone (a forward hook writes an inf into it), so:
+
+* both ranks must skip those steps (found_inf all-reduced by the scaler),
+* the overflow storm that follows must promote ``lm_head`` to an fp32 island
+  on every rank at the same step, although only rank 1's layer statistics
+  saw it (the collective controller takes the union over ranks),
+* scales, clip norms and parameters must agree on every rank afterwards.
+
+Sections (every rank runs every one; rank 0 writes DIR/multi_gpu_integrations.json
+and prints PASS/FAIL per check; exit status 1 if a section raised or a check failed):
+
+  controller  torch DDP + CollectiveAdaptiveMixedPrecision, clipping at 1.0;
+              the same run with the plain controller (each rank decides alone)
+              up to its first decision, as a control: its ranks must decide
+              differently (run further, their collectives would stop matching).
+  resume      the collective run saved at step 4 (model, optimizer and the
+              controller's state_dict on every rank) and resumed in a fresh
+              model: parameters bitwise equal to the straight run's.
+  lightning   Trainer(strategy="ddp", plugins=[AdaptivePrecision(...)]).
+  accelerate  Accelerator() + adaptive_amp.integrations.accelerate.attach.
+
+On two GPUs (NCCL) it takes well under a minute; on the CPU (gloo) about as long.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+from datetime import timedelta  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import adaptive_amp  # noqa: E402
+from adaptive_amp.distributed import CollectiveAdaptiveMixedPrecision  # noqa: E402
+
+POLICY = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval=1000"
+CONTROLLER = dict(read_every=2, storm_rate=0.25, progress=False)
+INJECT_STEPS = (0, 1)
+INJECT_RANK = 1
+VOCAB, SEQ = 96, 16
+
+
+def tiny_gpt2(device):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config).to(device)
+
+
+def batches(steps, rank, device):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(0, VOCAB, (4, SEQ), generator=g).to(device) for _ in range(steps)]
+
+
+class Injector:
+    """Writes an inf into lm_head's output on one rank at chosen steps (the caller sets .step)."""
+
+    def __init__(self, model, rank):
+        self.step = -1
+        self.on = rank == INJECT_RANK
+        lm_head = model.lm_head
+        lm_head.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, out):
+        if self.on and self.step in INJECT_STEPS and module.training:
+            out = out.clone()
+            out.view(-1)[0] = float("inf")
+            return out
+        return None
+
+
+def gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class Report:
+    def __init__(self, out):
+        self.out = out
+        self.checks = []
+        self.errors = []
+        self.facts = {}
+
+    def check(self, section, name, passed, detail=""):
+        self.checks.append({"section": section, "name": name, "passed": bool(passed), "detail": detail})
+        if dist.get_rank() == 0:
+            print(f"[{section}] {'PASS' if passed else 'FAIL'}: {name}" + (f" ({detail})" if detail else ""),
+                  flush=True)
+
+    def save(self):
+        if dist.get_rank() == 0:
+            os.makedirs(self.out, exist_ok=True)
+            with open(os.path.join(self.out, "multi_gpu_integrations.json"), "w") as f:
+                json.dump({"checks": self.checks, "errors": self.errors, "facts": self.facts}, f, indent=1,
+                          default=str)
+
+
+def agree(report, section, per_rank, key, name=None):
+    values = [r[key] for r in per_rank]
+    same = all(json.dumps(v) == json.dumps(values[0]) for v in values)
+    report.check(section, name or f"{key} identical on all ranks", same, "" if same else f"{values}")
+    return same
+
+
+def promoted_lm_head(per_rank, section, report, expect_name="lm_head"):
+    ok = all(any("islands=" in policy and expect_name in policy for _, policy in r["policy_history"][1:])
+             for r in per_rank)
+    report.check(section, f"{expect_name} promoted to an fp32 island on every rank", ok,
+                 "" if ok else str([r["policy_history"] for r in per_rank]))
+
+
+def summary(amp, model, extra=None):
+    s = {"policy_history": [list(p) for p in amp.policy_history],
+         "events": [(e.step, e.kind) for e in amp.events if e.kind in ("promote", "switch_compute", "demote",
+                                                                      "diagnose")],
+         "skipped": amp.scaler.skipped_steps, "scale": amp.scaler.get_scale() if amp.scaler.is_enabled() else None,
+         "params_sum": float(sum(p.detach().double().sum() for p in model.parameters()))}
+    s.update(extra or {})
+    return s
+
+
+# ----------------------------------------------------------------------------- sections
+
+def train_raw(ctx, make, steps, start=0, state=None):
+    """torch DDP around the GPT-2; `make` builds the controller. Returns (model, amp, norms)."""
+    device = ctx["device"]
+    model = tiny_gpt2(device)
+    injector = Injector(model, dist.get_rank())
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                                    else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    amp = make(model, opt, POLICY, **CONTROLLER)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        amp.load_state_dict(state["amp"])
+    norms, saved = [], None
+    data = batches(steps, dist.get_rank(), device)
+    for i in range(start, steps):
+        injector.step = i
+        with amp.autocast():
+            loss = ddp(input_ids=data[i], labels=data[i]).loss
+        amp.backward(loss)
+        amp.step(max_grad_norm=1.0)
+        norms.append(float(amp.scaler.last_grad_norm) if amp.scaler.is_enabled() else None)
+        amp.zero_grad()
+        if ctx.get("save_at") == i + 1:
+            saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                     "opt": copy.deepcopy(opt.state_dict()), "amp": amp.state_dict()}
+    return model, amp, norms, saved
+
+
+def section_controller(ctx, report):
+    steps = ctx["steps"]
+    ctx["save_at"] = 4
+    model, amp, norms, saved = train_raw(ctx, CollectiveAdaptiveMixedPrecision, steps)
+    ctx["saved"], ctx["straight"] = saved, [p.detach().clone() for p in model.parameters()]
+    per_rank = gather(summary(amp, model, {"norms": norms}))
+    report.facts["controller"] = per_rank
+    agree(report, "controller", per_rank, "policy_history", "the same policies at the same steps on all ranks")
+    agree(report, "controller", per_rank, "events", "the same decisions (promote/switch/diagnose) on all ranks")
+    agree(report, "controller", per_rank, "skipped", "the same skipped-step count on all ranks")
+    agree(report, "controller", per_rank, "scale")
+    agree(report, "controller", per_rank, "norms", "clip norms identical on all ranks")
+    agree(report, "controller", per_rank, "params_sum", "parameters identical on all ranks")
+    report.check("controller", "the injected steps were skipped", all(r["skipped"] >= len(INJECT_STEPS)
+                                                                         for r in per_rank))
+    promoted_lm_head(per_rank, "controller", report)
+
+    def plain(model, opt, policy, **kw):  # each rank decides alone; the scaler still agrees on found_inf
+        return adaptive_amp.AdaptiveMixedPrecision(model, opt, policy, scaler_kwargs={"process_group":
+                                                                                     dist.group.WORLD}, **kw)
+
+    # Only to the first decision: after it the ranks' policies differ, and once one rank retires its
+    # scaler (a compute switch) the ranks' collectives no longer match, which gloo aborts on and NCCL
+    # hangs on. That is the failure the collective controller exists to prevent.
+    ctx["save_at"] = None
+    model, amp, _, _ = train_raw(ctx, plain, CONTROLLER["read_every"])
+    control = gather(summary(amp, model))
+    report.facts["control"] = control
+    differ = json.dumps(control[0]["policy_history"]) != json.dumps(control[1]["policy_history"])
+    report.check("controller", "control: without the collective the ranks' policies differ (the overflow was "
+                 "rank-local)", differ, str([c["policy_history"] for c in control]))
+
+
+def section_resume(ctx, report):
+    steps = ctx["steps"]
+    model, amp, _, _ = train_raw(ctx, CollectiveAdaptiveMixedPrecision, steps, start=4, state=ctx["saved"])
+    same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ctx["straight"]))
+    report.check("resume", "resumed parameters bitwise equal to the straight run (every rank)",
+                 all(gather(same)))
+    per_rank = gather(summary(amp, model))
+    agree(report, "resume", per_rank, "policy_history", "the same policies at the same steps on all ranks")
+    report.check("resume", "resumed step count on every rank", all(gather(amp.step_count == steps)))
+
+
+def section_lightning(ctx, report):
+    import pytorch_lightning as pl
+
+    from adaptive_amp.integrations.lightning import AdaptivePrecision
+
+    device = ctx["device"]
+    rank = dist.get_rank()
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_gpt2("cpu")
+            self.injector = Injector(self.model, rank)
+
+        def training_step(self, batch, batch_idx):
+            self.injector.step = self.global_step
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=False)
+
+    plugin = AdaptivePrecision(POLICY, **CONTROLLER)
+    module = Lit()
+    data = [b.cpu() for b in batches(ctx["steps"], rank, "cpu")]
+    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=dist.get_world_size(),
+                         strategy="ddp", max_steps=ctx["steps"], plugins=[plugin], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         gradient_clip_val=1.0, use_distributed_sampler=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    per_rank = gather(summary(plugin.amp, module))
+    report.facts["lightning"] = per_rank
+    agree(report, "lightning", per_rank, "policy_history", "the same policies at the same steps on all ranks")
+    agree(report, "lightning", per_rank, "skipped", "the same skipped-step count on all ranks")
+    agree(report, "lightning", per_rank, "params_sum", "parameters identical on all ranks")
+    report.check("lightning", "the collective controller was used",
+                 isinstance(plugin.amp, CollectiveAdaptiveMixedPrecision))
+    promoted_lm_head(per_rank, "lightning", report, "model.lm_head")
+
+
+def section_accelerate(ctx, report):
+    from accelerate import Accelerator
+
+    from adaptive_amp.integrations.accelerate import attach
+
+    rank = dist.get_rank()
+    accelerator = Accelerator(cpu=ctx["device"].type == "cpu", mixed_precision="no")
+    model = tiny_gpt2("cpu")
+    injector = Injector(model, rank)
+    opt = adaptive_amp.optim.AdamW(model.parameters(), lr=1e-3)  # fused: skips on the device
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    amp = attach(accelerator, model, opt, POLICY, **CONTROLLER)
+    skipped = []
+    for i, batch in enumerate(batches(ctx["steps"], rank, accelerator.device)):
+        injector.step = i
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        skipped.append(bool(accelerator.optimizer_step_was_skipped))
+        opt.zero_grad()
+    per_rank = gather(summary(amp, accelerator.unwrap_model(model),
+                              {"skipped_flags": skipped, "sched_steps": sched.scheduler.last_epoch}))
+    report.facts["accelerate"] = per_rank
+    agree(report, "accelerate", per_rank, "policy_history", "the same policies at the same steps on all ranks")
+    agree(report, "accelerate", per_rank, "skipped_flags", "step_was_skipped identical on all ranks")
+    agree(report, "accelerate", per_rank, "params_sum", "parameters identical on all ranks")
+    r0 = per_rank[0]
+    # (Accelerate's scheduler wrapper steps once per process for each optimizer step)
+    stepped = (ctx["steps"] - sum(r0["skipped_flags"])) * dist.get_world_size()
+    report.check("accelerate", "the scheduler stepped only on steps that were not skipped",
+                 r0["sched_steps"] == stepped and sum(r0["skipped_flags"]) >= len(INJECT_STEPS),
+                 f"{r0['sched_steps']} scheduler steps, flags {r0['skipped_flags']}")
+    promoted_lm_head(per_rank, "accelerate", report)
+
+
+SECTIONS = {"controller": section_controller, "resume": section_resume, "lightning": section_lightning,
+            "accelerate": section_accelerate}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--backend", default="nccl", choices=("nccl", "gloo"))
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--timeout", type=int, default=300, help="seconds a collective may wait (a hang fails)")
+    args = parser.parse_args()
+    if args.steps < 6:
+        parser.error("--steps must be >= 6 (the resume section restarts at step 4)")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    ctx = {"device": device, "steps": args.steps}
+    report = Report(args.out)
+    for name in args.sections.split(","):
+        try:
+            SECTIONS[name](ctx, report)
+        except Exception:  # a section that raised is reported; the rest still run
+            report.errors.append({"section": name, "rank": dist.get_rank(), "error": traceback.format_exc()})
+            print(f"[{name}] rank {dist.get_rank()} raised:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        report.save()
+    failed = [c for c in report.checks if not c["passed"]]
+    if dist.get_rank() == 0:
+        print(f"{len(report.checks) - len(failed)}/{len(report.checks)} checks passed, "
+              f"{len(report.errors)} section errors", flush=True)
+    ok = not failed and not report.errors
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
