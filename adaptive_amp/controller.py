@@ -73,7 +73,8 @@ class AdaptiveMixedPrecision:
             are named as in the eager model (no ``_orig_mod.``).
         optimizer_or_optimizers: one optimizer or a list; all step together.
         policy: ``"auto"`` (detect the hardware, analyze the model when
-            `sample_inputs` are given, select), a PrecisionPolicy, or its
+            `sample_inputs` are given, select), ``"tune"`` (measure candidate
+            recipes on the model, see `tune`), a PrecisionPolicy, or its
             string form (``"params=float32,compute=float16,loss_scale=dynamic:65536"``).
         sample_inputs: a batch for the sensitivity analysis of ``"auto"``
             (a tensor, a tuple of positional arguments, or ``(args, kwargs)``).
@@ -99,6 +100,12 @@ class AdaptiveMixedPrecision:
             for the monitor's gradient-norm detector.
         scaler_kwargs: extra GradScaler arguments (mode, hysteresis, ...).
         monitor: a StabilityMonitor to use instead of the default one.
+        tune: with policy="tune", ``dict(batches=..., loss_fn=fn(model, batch))`` and any option of
+            AdaptivePrecisionSelector.tune; the chosen recipe may replace the optimizer by its
+            stochastic-rounding twin (``amp.optimizers``; it shares the original's param_groups).
+            ``amp.tuning`` holds the trials.
+        memory_guard: an adaptive_amp.pressure.MemoryGuard: lighter recipes under memory pressure,
+            and after an out-of-memory error in :meth:`train_step`.
     """
 
     def __init__(self, model: nn.Module, optimizer_or_optimizers, policy: Union[str, PrecisionPolicy] = "auto",
@@ -108,7 +115,8 @@ class AdaptiveMixedPrecision:
                  include: Selector = None, exclude: Selector = None, layer_stats: bool = True,
                  track_grad_norm: bool = True,
                  scaler_kwargs: Optional[dict] = None,
-                 monitor: Optional[StabilityMonitor] = None, progress: bool = True):
+                 monitor: Optional[StabilityMonitor] = None, progress: bool = True,
+                 tune: Optional[dict] = None, memory_guard=None):
         if isinstance(optimizer_or_optimizers, torch.optim.Optimizer):
             optimizers = [optimizer_or_optimizers]
         else:
@@ -139,13 +147,22 @@ class AdaptiveMixedPrecision:
         self.monitor = monitor or StabilityMonitor(read_every=read_every, overflow_rate=storm_rate,
                                                    scale_floor=scale_floor)
 
-        self.policy = self._resolve_policy(policy, sample_inputs, loss_fn, overrides, progress)
-        self._check_param_dtype(self.policy)
+        # Registered now, before any compiled call of the model (policy="tune" makes some), so that its graphs
+        # trace them.
+        self._collector = ActivationCollector(self.layers)
+        self.tuning = None  # policy="tune": the TuneResult (trials, A/B table)
+        self._tune_options = tune
+        # A MemoryGuard (adaptive_amp.pressure): lighter recipes under memory pressure or out of memory.
+        self.memory_guard = memory_guard
+        try:
+            self.policy = self._resolve_policy(policy, sample_inputs, loss_fn, overrides, progress)
+            self._check_param_dtype(self.policy)
+        except BaseException:
+            self._collector.remove()  # a refused policy leaves the model as it was
+            raise
         self.adjuster = DynamicPrecisionAdjuster(model, self.policy)
         self.scaler = self._make_scaler(self.policy)
         self._tf32_before = self._apply_tf32(self.policy.tf32)
-        # Registered now, before any compiled call of the model, so that its graphs trace them.
-        self._collector = ActivationCollector(self.layers)
         self._warned_no_records = False
 
         self.events: List[Event] = []
@@ -168,6 +185,10 @@ class AdaptiveMixedPrecision:
             return policy
         if not isinstance(policy, str):
             raise TypeError(f"policy must be 'auto', a PrecisionPolicy or its string form, got {type(policy).__name__}")
+        if policy.strip().lower() == "tune":
+            from .tune import tune_controller
+
+            return tune_controller(self, self._tune_options, sample_inputs, loss_fn, overrides, progress)
         if policy.strip().lower() != "auto":
             return PrecisionPolicy.from_string(policy)
         if sample_inputs is not None:
@@ -316,7 +337,17 @@ class AdaptiveMixedPrecision:
         self.events.extend(events)
         if self.monitor.read_due(self._step - 1) and self.adapt:
             self._adapt()
+        if self.memory_guard is not None:
+            self.memory_guard.after_step(self)
         return results[0] if len(results) == 1 else results
+
+    def train_step(self, closure, max_grad_norm: Optional[float] = None, norm_type: float = 2.0) -> torch.Tensor:
+        """A whole step from ``closure() -> loss`` (run under the policy's autocast): backward and step. With a
+        memory_guard, an out-of-memory error in forward/backward moves to a lighter recipe and reruns the same
+        closure (see adaptive_amp.pressure.train_step). Returns the detached loss."""
+        from .pressure import train_step
+
+        return train_step(self, closure, max_grad_norm, norm_type)
 
     def _grad_norm(self) -> Optional[torch.Tensor]:
         """The L2 norm of all gradients, on the device (no sync): without loss scaling nothing else

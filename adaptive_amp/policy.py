@@ -374,6 +374,20 @@ class AdaptivePrecisionSelector:
         return PrecisionPolicy(param_dtype=param, compute_dtype=compute, tf32=tf32, islands=islands,
                                loss_scale=loss_scale, reasons=tuple(reasons))
 
+    def tune(self, model: torch.nn.Module, optimizer, batches, loss_fn, candidates=None, steps: int = 8,
+             memory_budget=None, *, capabilities: Optional[Capabilities] = None, analysis=None, **options):
+        """Measured selection: train each candidate recipe briefly on `batches` from one snapshot and pick the
+        fastest that agrees with the reference's loss and fits `memory_budget` (see adaptive_amp.tune).
+
+        loss_fn is ``loss_fn(model, batch) -> loss``. Returns a TuneResult: ``.policy`` is the choice, every
+        trial in its reasons; ``.recipe`` adds what a policy does not say (optimizer moments, checkpointing);
+        ``.table()``, ``.plot(path)``, ``.to_dict()`` are the A/B report. The model, the optimizer and the RNG
+        states are left as they were, bitwise."""
+        from .tune import tune
+
+        return tune(model, optimizer, batches, loss_fn, capabilities=capabilities, candidates=candidates,
+                    steps=steps, memory_budget=memory_budget, analysis=analysis, **options)
+
     def _islands(self, analysis, compute: torch.dtype, reasons: list) -> Tuple[str, ...]:
         if analysis is None:
             return ()

@@ -1,0 +1,287 @@
+"""MemoryGuard: moves a training run to a lighter recipe under memory pressure, and back when memory frees up.
+
+The controller (``AdaptiveMixedPrecision(..., memory_guard=MemoryGuard(...))``)
+calls :meth:`MemoryGuard.after_step` after every step and
+:func:`train_step` runs a whole step from a closure, so that an
+out-of-memory error in the forward or backward pass is caught, the step's
+partial work dropped (gradients, the recorded loss), the recipe made lighter
+and the same batch run again: no data is lost, and the optimizer state is
+converted, not reset.
+
+Pressure is read every ``check_every`` steps as the *headroom*: on CUDA the
+driver's free memory plus what torch's allocator caches unused
+(``mem_get_info`` + reserved - allocated), and with a ``budget`` at most the
+budget minus the peak allocated since the last read; elsewhere (or for
+tests) from a ``reader`` callable returning bytes. Under ``min_free`` the
+next move of the ladder is made, each an event of kind ``"memory_pressure"``:
+
+1. ``"bf16-moments"``: the optimizer becomes adaptive_amp.optim's (stochastic
+   rounding) with bf16 moments (4 bytes a parameter less with AdamW);
+2. ``"bf16-weights"``: parameters and gradients in bf16, compute in bf16, no
+   islands and no loss scaling (the policy "bf16-pure"; 4 bytes less);
+3. ``"checkpoint"``: the model's blocks recompute activations in backward.
+
+With ``allow_recover``, after ``recover_after`` steps at a headroom of at least
+twice ``min_free`` plus twice what the last move freed, that move is undone
+(event ``"memory_recovered"``): moments and weights upcast, blocks unwrapped.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from .monitor import Event
+from .policy import dtype_name
+from .recipes import cast_parameters, checkpoint_blocks, convert_optimizer, convertible, find_blocks
+
+#: The moves, lightest-cost first (each keeps the data and the optimizer state).
+LADDER = ("bf16-moments", "bf16-weights", "checkpoint")
+
+
+def _parse_bytes(value, what: str) -> Optional[int]:
+    from .tune import parse_budget
+
+    try:
+        return parse_budget(value)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
+
+
+def _state_bytes(amp) -> int:
+    from .tune import _state_bytes as measure
+
+    return sum(measure(amp._module, opt) for opt in amp.optimizers)
+
+
+class _Move:
+    def __init__(self, name: str, step: int, undo: Callable[[], object], freed: int):
+        self.name, self.step, self.undo, self.freed = name, step, undo, freed
+
+
+class MemoryGuard:
+    """Watches memory headroom and moves the controller to a lighter recipe (see the module docstring).
+
+    Args:
+        budget: bytes (or "20GiB") the run may use; None: the whole device.
+        min_free: headroom (bytes or "2GiB") under which a move is made; default 5% of the
+            budget (or of the device's memory), 0 where neither is known.
+        check_every: steps between reads (a read costs a driver call, no sync).
+        allow_recover: undo the last move when memory frees up.
+        recover_after: steps the headroom must stay high before a move is undone.
+        ladder: the moves to use, in order (a subset of LADDER).
+        reader: ``reader() -> headroom bytes`` to use instead of the device's (tests, other devices).
+    """
+
+    def __init__(self, budget=None, *, min_free=None, check_every: int = 10, allow_recover: bool = False,
+                 recover_after: int = 200, ladder: Sequence[str] = LADDER,
+                 reader: Optional[Callable[[], int]] = None):
+        unknown = [m for m in ladder if m not in LADDER]
+        if unknown:
+            raise ValueError(f"ladder: unknown move(s) {unknown}; choose from {', '.join(LADDER)}")
+        if check_every < 1 or recover_after < 1:
+            raise ValueError(f"check_every ({check_every}) and recover_after ({recover_after}) must be >= 1")
+        self.budget = _parse_bytes(budget, "budget")
+        self.min_free = _parse_bytes(min_free, "min_free")
+        self.check_every = int(check_every)
+        self.allow_recover = bool(allow_recover)
+        self.recover_after = int(recover_after)
+        self.ladder = tuple(ladder)
+        self.reader = reader
+        self.moves: List[_Move] = []
+        self._high_since: Optional[int] = None
+
+    # ------------------------------------------------------------ reading
+    def headroom(self, amp) -> Optional[int]:
+        """Bytes the run can still allocate, or None where it cannot be read."""
+        if self.reader is not None:
+            return int(self.reader())
+        device = amp.device
+        if device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(device)
+        room = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if self.budget is not None:
+            room = min(room, self.budget - torch.cuda.max_memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)  # the next read sees the peak of its own window
+        return int(room)
+
+    def _threshold(self, amp) -> int:
+        if self.min_free is not None:
+            return self.min_free
+        total = self.budget
+        if total is None and amp.device.type == "cuda":
+            total = torch.cuda.get_device_properties(amp.device).total_memory
+        return int(0.05 * total) if total else 0
+
+    # ------------------------------------------------------------ hooks the controller calls
+    def after_step(self, amp) -> None:
+        step = amp.step_count
+        if step % self.check_every:
+            return
+        room = self.headroom(amp)
+        if room is None:
+            return
+        low = self._threshold(amp)
+        if room < low:
+            self._high_since = None
+            self.lighter(amp, f"memory headroom {_gib(room)} under min_free {_gib(low)}")
+            return
+        if not (self.allow_recover and self.moves):
+            return
+        need = 2 * low + 2 * self.moves[-1].freed
+        if room < need:
+            self._high_since = None
+            return
+        if self._high_since is None:
+            self._high_since = step
+        if step - self._high_since >= self.recover_after and step - self.moves[-1].step >= self.recover_after:
+            self.heavier(amp, f"memory headroom {_gib(room)} at or above {_gib(need)} for "
+                              f"{step - self._high_since} steps")
+            self._high_since = None
+
+    def on_oom(self, amp, what: str) -> bool:
+        """After an out-of-memory error (its partial step already dropped): make the next move. False when
+        no move is left."""
+        return self.lighter(amp, f"out of memory ({what})")
+
+    # ------------------------------------------------------------ moves
+    def lighter(self, amp, reason: str) -> bool:
+        done = {m.name for m in self.moves}
+        for name in self.ladder:
+            if name in done:
+                continue
+            why_not = self._why_not(amp, name)
+            if why_not:
+                amp.events.append(Event(amp.step_count, "memory_pressure", f"{reason}; cannot use {name}: {why_not}",
+                                        data={"move": name, "applied": False}))
+                done.add(name)
+                continue
+            before = _state_bytes(amp)
+            undo = getattr(self, "_" + name.replace("-", "_"))(amp, reason)
+            gc.collect()
+            if amp.device.type == "cuda":
+                torch.cuda.empty_cache()
+            freed = max(0, before - _state_bytes(amp))
+            self.moves.append(_Move(name, amp.step_count, undo, freed))
+            return True
+        return False
+
+    def heavier(self, amp, reason: str) -> bool:
+        if not self.moves:
+            return False
+        move = self.moves.pop()
+        policy = move.undo()
+        message = f"{reason}; {move.name} undone"
+        if policy is not None:
+            amp._decide("memory_recovered", message, policy.replace(reasons=amp.policy.reasons), move=move.name)
+        else:
+            amp.events.append(Event(amp.step_count, "memory_recovered", message, data={"move": move.name}))
+        return True
+
+    def _why_not(self, amp, name: str) -> Optional[str]:
+        from . import optim
+
+        if name in ("bf16-moments", "bf16-weights"):
+            if name == "bf16-weights" and amp.policy.param_dtype == torch.bfloat16:
+                return "the parameters are already bfloat16"
+            if name == "bf16-weights" and amp.device.type == "cuda" and not amp.capabilities.bf16:
+                return f"bf16 is not native on {amp.capabilities.name}"
+            for i, opt in enumerate(amp.optimizers):
+                if name == "bf16-moments" and isinstance(opt, (optim.AdamW, optim.SGD)) and all(
+                        g["moment_dtype"] == torch.bfloat16 for g in opt.param_groups):
+                    return "the optimizer's moments are already bfloat16"
+                why = convertible(opt)
+                if why:
+                    return f"optimizers[{i}]: {why}"
+        if name == "checkpoint":
+            if not find_blocks(amp.model):
+                return "the model has no repeated blocks (an nn.ModuleList of one class)"
+        return None
+
+    def _convert(self, amp, moment_dtype):
+        converted = [convert_optimizer(opt, moment_dtype) for opt in amp.optimizers]
+        amp.optimizers = [c.optimizer for c in converted]
+
+        def undo():
+            for c in reversed(converted):
+                c.undo()
+            amp.optimizers = [c.original for c in converted]
+        return undo
+
+    def _bf16_moments(self, amp, reason):
+        undo = self._convert(amp, torch.bfloat16)
+        amp.events.append(Event(amp.step_count, "memory_pressure", f"{reason}; optimizer moments now bfloat16 "
+                                "(adaptive_amp.optim with stochastic rounding)", data={"move": "bf16-moments"}))
+        return undo
+
+    def _bf16_weights(self, amp, reason):
+        from . import optim
+
+        undo_opt = None
+        if not all(isinstance(o, (optim.AdamW, optim.SGD)) and all(g.get("stochastic_rounding") for g in
+                                                                     o.param_groups) for o in amp.optimizers):
+            undo_opt = self._convert(amp, torch.float32)
+        old_policy, old_scaler = amp.policy, amp.scaler
+        undo_cast = cast_parameters(amp.model, torch.bfloat16)
+        policy = old_policy.replace(param_dtype=torch.bfloat16, compute_dtype=torch.bfloat16, islands=(),
+                                    loss_scale=None)
+        amp._decide("memory_pressure", f"{reason}; parameters and compute now bfloat16 with stochastic rounding "
+                    f"(was params={dtype_name(old_policy.param_dtype)}, compute={dtype_name(old_policy.compute_dtype)})",
+                    policy, move="bf16-weights")
+        amp.scaler = amp._make_scaler(policy)
+
+        def undo():
+            undo_cast()
+            amp.scaler = old_scaler
+            if undo_opt is not None:
+                undo_opt()
+            return old_policy  # heavier() sets it, with the event
+        return undo
+
+    def _checkpoint(self, amp, reason):
+        undo = checkpoint_blocks(amp.model)
+        amp.events.append(Event(amp.step_count, "memory_pressure", f"{reason}; the model's blocks now recompute "
+                                "their activations in backward (activation checkpointing)",
+                                data={"move": "checkpoint"}))
+        return undo
+
+
+def train_step(amp, closure: Callable[[], torch.Tensor], max_grad_norm=None, norm_type: float = 2.0):
+    """One whole step: ``loss = closure()`` under the policy's autocast, backward, step. An out-of-memory error
+    in the forward or backward drops the partial step (gradients, recorded loss), lets the memory guard make
+    the recipe lighter, and runs the closure again on the same data; without a guard, or with no move left,
+    the error is raised. Returns the detached loss."""
+    while True:
+        what = None
+        try:
+            with amp.autocast():
+                loss = closure()
+            amp.backward(loss)
+        except torch.OutOfMemoryError as exc:
+            what = f"step {amp.step_count}, forward/backward: {str(exc).splitlines()[0][:200]}"
+        if what is None:
+            break
+        # Outside the except block: the traceback (and the activations its frames hold) is gone.
+        loss = None
+        amp.zero_grad(set_to_none=True)
+        amp._loss_sum, amp._loss_count = None, 0
+        gc.collect()
+        if amp.device.type == "cuda":
+            torch.cuda.empty_cache()
+        guard = getattr(amp, "memory_guard", None)
+        if guard is None or not guard.on_oom(amp, what):
+            raise torch.OutOfMemoryError(f"{what}; " + ("no memory guard (pass memory_guard=MemoryGuard(...) to "
+                                         "AdaptiveMixedPrecision to move to a lighter recipe instead)"
+                                         if guard is None else "no lighter recipe is left (moves made: " +
+                                         ", ".join(m.name for m in guard.moves) + ")"))
+    amp.step(max_grad_norm=max_grad_norm, norm_type=norm_type)
+    return loss.detach()
+
+
+def _gib(n: int) -> str:
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if abs(n) >= 2**20 else f"{n} B"

@@ -1,0 +1,400 @@
+"""Training recipes beyond a PrecisionPolicy, and the reversible conversions that apply them.
+
+A :class:`Recipe` is what a trial of :mod:`adaptive_amp.tune` runs and what
+the memory guard (:mod:`adaptive_amp.pressure`) moves between: a precision
+policy (compute and parameter dtypes, TF32, fp32 islands, loss scaling) plus
+the optimizer's moment dtype, activation checkpointing of the model's blocks
+and torchao float8 linears.
+
+The conversions change a live model and optimizer and can be undone:
+
+* :func:`convert_optimizer`: the user's optimizer (``torch.optim.AdamW``,
+  ``Adam`` without weight decay, ``SGD``, or ours) becomes an
+  :class:`adaptive_amp.optim.AdamW`/``SGD`` with stochastic rounding and the
+  asked moment dtype. It shares the user's ``param_groups`` dicts (so an LR
+  scheduler built on the user's optimizer still drives it) and takes over its
+  state; undoing gives the state back (fp32 moments bitwise, bf16 moments
+  upcast) and removes the keys it added to the groups.
+* :func:`cast_parameters`: parameters to bf16 in place (the Parameter objects,
+  which the optimizers hold, stay the same) and back.
+* :func:`checkpoint_blocks`: the model's repeated blocks (the longest
+  ``nn.ModuleList`` of modules of one class) recompute their activations in
+  the backward pass (``torch.utils.checkpoint``, non-reentrant).
+* :func:`float8_linears`: torchao's ``convert_to_float8_training`` on the
+  ``nn.Linear`` layers large enough to pay, islands left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .adjust import DynamicPrecisionAdjuster
+from .layers import unwrap_model
+from .policy import LossScale, PrecisionPolicy, dtype_name
+from .scaler import GradScaler
+
+_MISSING = object()
+#: Group keys our optimizers add to a torch optimizer's param_groups (removed again on undo).
+_ADDED_KEYS = ("stochastic_rounding", "moment_dtype")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A way to train: the policy's dtypes plus the optimizer's moments, checkpointing and float8.
+
+    moment_dtype: None keeps the user's optimizer as it is; a dtype converts it to
+        adaptive_amp.optim (stochastic rounding) with moments in that dtype.
+        Recipes with bf16 parameters need it.
+    checkpoint: recompute the blocks' activations in the backward pass.
+    float8: torchao float8 training for the large nn.Linear layers.
+    safety: lower is numerically safer (the reference is the safest that fits).
+    """
+
+    name: str
+    compute_dtype: torch.dtype = torch.float32
+    param_dtype: torch.dtype = torch.float32
+    tf32: bool = False
+    islands: Tuple[str, ...] = ()
+    loss_scale: Optional[LossScale] = None
+    moment_dtype: Optional[torch.dtype] = None
+    checkpoint: bool = False
+    float8: bool = False
+    safety: int = 0
+
+    def __post_init__(self):
+        if self.param_dtype == torch.bfloat16 and self.moment_dtype is None:
+            raise ValueError(f"recipe {self.name!r}: bf16 parameters need an optimizer that rounds stochastically; "
+                             "set moment_dtype (torch.float32 or torch.bfloat16)")
+        if self.param_dtype == torch.bfloat16 and self.islands:
+            raise ValueError(f"recipe {self.name!r}: bf16 parameters cannot have fp32 islands")
+
+    def policy(self, reasons=()) -> PrecisionPolicy:
+        return PrecisionPolicy(param_dtype=self.param_dtype, compute_dtype=self.compute_dtype, tf32=self.tf32,
+                               islands=self.islands, loss_scale=self.loss_scale, reasons=tuple(reasons))
+
+    def replace(self, **changes) -> "Recipe":
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """The policy's string form plus the extras: ``params=...,compute=...;moments=bfloat16;checkpoint``."""
+        extras = []
+        if self.moment_dtype is not None:
+            extras.append(f"optimizer=adaptive_amp.optim(SR),moments={dtype_name(self.moment_dtype)}")
+        if self.checkpoint:
+            extras.append("checkpoint=blocks")
+        if self.float8:
+            extras.append("float8=torchao")
+        return ";".join([str(self.policy())] + extras)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "policy": str(self.policy()),
+                "moment_dtype": None if self.moment_dtype is None else dtype_name(self.moment_dtype),
+                "checkpoint": self.checkpoint, "float8": self.float8}
+
+
+# ---------------------------------------------------------------------------- optimizer
+
+
+def convertible(optimizer) -> Optional[str]:
+    """None if :func:`convert_optimizer` can take `optimizer`, else why not (for a recipe's skip reason)."""
+    from . import optim
+
+    if isinstance(optimizer, (optim.AdamW, optim.SGD)):
+        return None
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+        return (f"{type(optimizer).__module__}.{type(optimizer).__name__} has no stochastic-rounding twin "
+                "(adaptive_amp.optim has AdamW and SGD)")
+    for i, g in enumerate(optimizer.param_groups):
+        if g.get("amsgrad"):
+            return f"param_groups[{i}] uses amsgrad, which adaptive_amp.optim.AdamW does not implement"
+        if g.get("differentiable"):
+            return f"param_groups[{i}] is differentiable, which a fused step cannot be"
+        if isinstance(g.get("lr"), torch.Tensor):
+            return f"param_groups[{i}] has a Tensor lr, which adaptive_amp.optim refuses"
+        if type(optimizer) is torch.optim.Adam and g.get("weight_decay", 0) and not g.get("decoupled_weight_decay"):
+            return (f"param_groups[{i}]: torch.optim.Adam's weight decay is an L2 term, not AdamW's decoupled "
+                    "decay, so adaptive_amp.optim.AdamW would train differently")
+    return None
+
+
+class ConvertedOptimizer:
+    """The result of :func:`convert_optimizer`: ``.optimizer`` to step, ``.undo()`` to give the state back."""
+
+    def __init__(self, original, optimizer, saved_groups, step_places):
+        self.original = original
+        self.optimizer = optimizer
+        self._saved_groups = saved_groups  # per group: {key: value or _MISSING} for the keys we set
+        self._step_places = step_places  # param -> (device, dtype) of the original's "step" entries
+
+    def undo(self) -> None:
+        """The original optimizer gets the state back: moments in their params' dtype (fp32 moments of fp32
+        params bitwise), ``step`` where its class keeps it. The conversion's group keys are removed."""
+        from . import optim
+
+        orig, ours = self.original, self.optimizer
+        if orig is ours:
+            return
+        for group, saved in zip(orig.param_groups, self._saved_groups):
+            for key, value in saved.items():
+                if value is _MISSING:
+                    group.pop(key, None)
+                else:
+                    group[key] = value
+        keep_ours = isinstance(orig, (optim.AdamW, optim.SGD))
+        # Moments go back to what the original keeps: its moment_dtype (ours) or the param's dtype (torch's).
+        moment_dtype = {p: (g["moment_dtype"] if keep_ours else p.dtype) for g in orig.param_groups for p in g["params"]}
+        for p, st in list(ours.state.items()):
+            out = {}
+            for key, value in st.items():
+                if key == "step" and p in self._step_places:
+                    device, dtype = self._step_places[p]
+                    value = value.detach().to(device=device, dtype=dtype, copy=True)
+                elif isinstance(value, torch.Tensor) and key != "step":
+                    value = value.to(moment_dtype.get(p, value.dtype))
+                out[key] = value
+            orig.state[p] = out
+        ours.state.clear()
+        if hasattr(orig, "_plans"):
+            orig._plans = {}
+
+
+def convert_optimizer(optimizer, moment_dtype: torch.dtype) -> ConvertedOptimizer:
+    """`optimizer` as an adaptive_amp.optim optimizer with stochastic rounding and moments in `moment_dtype`.
+
+    The new optimizer shares the original's ``param_groups`` list (an LR scheduler of the original still sets
+    its learning rates) and takes the original's state (moments cast to `moment_dtype`, ``step`` as a float32
+    tensor on the param's device); the original's state is emptied so its memory can be freed.
+    """
+    from . import optim
+
+    why = convertible(optimizer)
+    if why is not None:
+        raise TypeError(f"optimizer: {why}")
+    if moment_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"moment_dtype is {moment_dtype}; expected torch.float32 or torch.bfloat16")
+    ours_cls = optim.SGD if isinstance(optimizer, (torch.optim.SGD, optim.SGD)) else optim.AdamW
+    # Built on a throw-away group so that construction checks the options, then handed the user's groups.
+    first = optimizer.param_groups[0]
+    if ours_cls is optim.AdamW:
+        ours = optim.AdamW([torch.zeros(1)], lr=float(first["lr"]), moment_dtype=moment_dtype,
+                           generator=getattr(optimizer, "generator", None))
+    else:
+        ours = optim.SGD([torch.zeros(1)], lr=float(first["lr"]), moment_dtype=moment_dtype,
+                         generator=getattr(optimizer, "generator", None))
+    saved_groups = []
+    for group in optimizer.param_groups:
+        saved_groups.append({k: group.get(k, _MISSING) for k in _ADDED_KEYS})
+        group["stochastic_rounding"] = True
+        group["moment_dtype"] = moment_dtype
+        for key, value in ours.defaults.items():
+            group.setdefault(key, value)
+    ours.param_groups = optimizer.param_groups
+    ours.state.clear()
+    step_places = {}
+    moment_keys = ours_cls._moment_keys
+    for p, st in list(optimizer.state.items()):
+        new = {}
+        for key, value in st.items():
+            if key == "step" and isinstance(value, torch.Tensor):
+                step_places[p] = (value.device, value.dtype)
+                value = value.detach().to(device=p.device, dtype=torch.float32, copy=value.device != p.device)
+                value = value.reshape(())
+            elif key in moment_keys and isinstance(value, torch.Tensor):
+                value = value.to(moment_dtype).contiguous()
+            new[key] = value
+        ours.state[p] = new
+    if optimizer is not ours:
+        optimizer.state.clear()
+    ours._plans = {}
+    return ConvertedOptimizer(optimizer, ours, saved_groups, step_places)
+
+
+# ---------------------------------------------------------------------------- parameters
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
+    """Floating-point parameters (and their gradients) of `model` to `dtype`, in place; returns the undo
+    (back to each parameter's dtype before, values upcast exactly from what training left)."""
+    before = []
+    with torch.no_grad():
+        for p in unwrap_model(model).parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                before.append((p, p.dtype))
+                p.data = p.data.to(dtype)
+                if p.grad is not None:
+                    p.grad = p.grad.to(dtype)
+
+    def undo():
+        with torch.no_grad():
+            for p, old in before:
+                p.data = p.data.to(old)
+                if p.grad is not None:
+                    p.grad = p.grad.to(old)
+    return undo
+
+
+# ---------------------------------------------------------------------------- checkpointing
+
+
+def find_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The model's repeated blocks: the children of the ``nn.ModuleList`` (of 2 or more modules of one class)
+    with the most parameters, e.g. GPT-2's ``transformer.h``. Empty if there is none."""
+    best, best_size = [], 0
+    for name, module in unwrap_model(model).named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(m) for m in module}) != 1:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if size > best_size:
+            best = [(f"{name}.{i}" if name else str(i), m) for i, m in enumerate(module)]
+            best_size = size
+    return best
+
+
+def checkpoint_blocks(model: nn.Module) -> Callable[[], None]:
+    """Wrap each block's forward in non-reentrant ``torch.utils.checkpoint``; returns the undo.
+
+    As islands are, by an instance attribute that shadows the class's forward (see adjust.py), so that
+    torch.compile sees the change and it is undone exactly."""
+    blocks = find_blocks(model)
+    if not blocks:
+        raise ValueError("checkpoint: the model has no repeated blocks (an nn.ModuleList of 2 or more modules "
+                         "of one class) to checkpoint")
+    wrapped = []
+    for name, block in blocks:
+        previous = block.__dict__.get("forward", _MISSING)
+        inner = block.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        forward._adaptive_amp_checkpoint = name
+        block.forward = forward
+        wrapped.append((block, previous))
+
+    def undo():
+        for block, previous in wrapped:
+            if previous is _MISSING:
+                del block.forward
+            else:
+                block.forward = previous
+    return undo
+
+
+# ---------------------------------------------------------------------------- float8
+
+
+def float8_available() -> Optional[str]:
+    """None if torchao's float8 training can be used here, else why not."""
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install torchao), so float8 training is not tried"
+    if not torch.cuda.is_available():
+        return "float8 training needs a CUDA GPU"
+    if torch.cuda.get_device_capability() < (8, 9):
+        return "float8 matmuls need sm_89 or newer"
+    return None
+
+
+def float8_linears(model: nn.Module, islands=(), min_features: int = 4096) -> Callable[[], None]:
+    """torchao ``convert_to_float8_training`` on the nn.Linear layers whose both sizes are at least
+    `min_features` (float8 pays only on large matmuls) and that are not islands; returns the undo (the
+    original modules put back: torchao's modules share their weights, so the optimizer is unaffected)."""
+    from torchao.float8 import convert_to_float8_training
+
+    root = unwrap_model(model)
+    islands = set(islands)
+    chosen = {name: m for name, m in root.named_modules()
+              if isinstance(m, nn.Linear) and name not in islands
+              and min(m.in_features, m.out_features) >= min_features
+              and m.in_features % 16 == 0 and m.out_features % 16 == 0}
+    if not chosen:
+        raise ValueError(f"float8: no nn.Linear layer has both sizes >= {min_features} (float8 does not pay on "
+                         "smaller matmuls)")
+    convert_to_float8_training(root, module_filter_fn=lambda mod, fqn: fqn in chosen)
+
+    def undo():
+        for name, original in chosen.items():
+            parent_name, _, attr = name.rpartition(".")
+            parent = root.get_submodule(parent_name) if parent_name else root
+            setattr(parent, attr, original)
+    return undo
+
+
+# ---------------------------------------------------------------------------- applying a recipe
+
+
+class AppliedRecipe:
+    """A recipe applied to a model and an optimizer: what a training step needs, and :meth:`undo`.
+
+    ``optimizer`` is the one to step (the user's, or its stochastic-rounding conversion), ``scaler`` a
+    GradScaler (disabled without loss scaling), ``autocast()`` the policy's autocast with islands."""
+
+    def __init__(self, recipe: Recipe, model: nn.Module, optimizer, precision: bool = True):
+        # precision=False: only the optimizer, parameter dtype, checkpointing and float8 (a controller applies
+        # the policy's autocast, islands, scaler and TF32 itself).
+        self.recipe = recipe
+        self.model = model
+        self._undo: List[Callable[[], None]] = []
+        self.converted: Optional[ConvertedOptimizer] = None
+        try:
+            if recipe.moment_dtype is not None:
+                self.converted = convert_optimizer(optimizer, recipe.moment_dtype)
+                self._undo.append(self.converted.undo)
+                self.optimizer = self.converted.optimizer
+            else:
+                self.optimizer = optimizer
+            if recipe.param_dtype != torch.float32:
+                self._undo.append(cast_parameters(model, recipe.param_dtype))
+            if recipe.checkpoint:
+                self._undo.append(checkpoint_blocks(model))
+            if recipe.float8:
+                self._undo.append(float8_linears(model, recipe.islands))
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            self.device = device
+            self._tf32_before = None
+            self.adjuster = self.scaler = None
+            if not precision:
+                return
+            self.adjuster = DynamicPrecisionAdjuster(model, recipe.policy())
+            self._undo.append(self.adjuster.remove)
+            self.scaler = (GradScaler(device.type, **recipe.loss_scale.grad_scaler_kwargs())
+                           if recipe.loss_scale is not None else GradScaler(device.type, enabled=False))
+            if device.type == "cuda":
+                self._tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(recipe.tf32)
+        except BaseException:
+            self.undo()
+            raise
+
+    def autocast(self):
+        return self.adjuster.autocast()
+
+    def undo(self) -> None:
+        """Everything applied, undone in reverse order (parameters back to their dtype, state to the
+        user's optimizer, blocks and islands unwrapped, TF32 as it was)."""
+        while self._undo:
+            self._undo.pop()()
+        before = getattr(self, "_tf32_before", None)
+        if before is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+            self._tf32_before = None
+
+
+@contextlib.contextmanager
+def applied(recipe: Recipe, model: nn.Module, optimizer):
+    """``with applied(recipe, model, opt) as a:`` ... undone on exit, also on error."""
+    a = AppliedRecipe(recipe, model, optimizer)
+    try:
+        yield a
+    finally:
+        a.undo()

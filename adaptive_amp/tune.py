@@ -1,0 +1,960 @@
+"""Measured policy selection: try candidate recipes on the user's own model and batches, pick the fastest
+that keeps the loss and fits the memory budget.
+
+``tune(model, optimizer, batches, loss_fn, ...)`` (also
+``AdaptivePrecisionSelector.tune`` and ``AdaptiveMixedPrecision(policy="tune")``):
+
+1. A :class:`Snapshot` of parameters, buffers, gradients, the optimizer's state
+   and hyperparameters, and the RNG states (torch CPU and CUDA, python's
+   ``random``, numpy's global generator) is taken once; every trial starts
+   from it and it is restored, bitwise, after the last one.
+2. Each candidate (a :class:`~adaptive_amp.recipes.Recipe`) first runs a probe:
+   one forward and backward on the first batch without an optimizer step; the
+   cosine between its gradient and the reference's is the first-step
+   gradient-direction agreement. Then it trains ``steps`` steps on the
+   batches, recording each loss, its memory (CUDA: the peak allocated; CPU:
+   the bytes of parameters, gradients and optimizer state, plus, for eager
+   models, the bytes autograd saves for the backward of the first step).
+3. The reference is the safest candidate (fp32, TF32 where native) that runs
+   and fits; the others are compared with it on identical batches: the
+   per-step loss differences ``d_k = loss_k - ref_k`` and the 95% t-interval
+   of their mean. A candidate *agrees* when all its losses are finite, the
+   interval's upper end is at most ``loss_tolerance`` (relative to the mean
+   reference loss; a candidate may be better, not worse), and the gradient
+   cosine is at least ``min_cosine``. The d_k of successive steps are not
+   independent (the trajectories drift apart), so the interval is a guide,
+   not an exact test: it is wide when the differences wander, which is
+   what should stop a recipe from being picked.
+4. Step times: ``rounds`` rounds, each running every runnable candidate for
+   one warm-up step and ``timed_steps`` timed steps, in an order rotated each
+   round so that drift (clocks, thermals) falls on all; the median is kept.
+   CUDA steps are timed with events, CPU steps with ``perf_counter``.
+5. The pick: the fastest candidate that agrees and fits; one within
+   ``tie`` (1%) of it but safer wins the tie. When a candidate does not fit
+   the budget (or runs out of memory) and the model has repeated blocks, the
+   same candidate with activation checkpointing is tried next.
+
+Every trial, its numbers and why it was or was not chosen go into the
+returned policy's ``reasons`` and into :class:`TuneResult` (``table()``,
+``to_dict()``, ``plot(path)``).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import random
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from .layers import unwrap_model
+from .policy import LossScale, PrecisionPolicy, dtype_name
+from .recipes import AppliedRecipe, Recipe, convertible, find_blocks, float8_available
+
+#: Candidate names tune() knows, safest first.
+CANDIDATES = ("fp32", "bf16+islands", "bf16", "fp16+islands", "fp16", "bf16-pure", "bf16-pure+bf16-moments",
+              "float8")
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularized incomplete beta function (modified Lentz)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        aa = m * (b - m) * x / ((qam + m2) * (a + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        h *= d * c
+        aa = -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))
+        d = 1.0 + aa * d
+        d = 1.0 / (d if abs(d) > tiny else tiny)
+        c = 1.0 + aa / c
+        c = c if abs(c) > tiny else tiny
+        delta = d * c
+        h *= delta
+        if abs(delta - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    lbeta = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(lbeta) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(lbeta) * _betacf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    """Student's t distribution function with `df` degrees of freedom."""
+    x = df / (df + t * t)
+    tail = 0.5 * _betainc(df / 2.0, 0.5, x)
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The `p` quantile of Student's t with `df` degrees of freedom (bisection on :func:`t_cdf`)."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    if df <= 0:
+        raise ValueError(f"df must be > 0, got {df}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+@dataclass
+class LossComparison:
+    """Paired per-step loss differences (candidate - reference) on identical batches, and their t-interval."""
+
+    differences: List[float]
+    mean: float
+    ci_low: float
+    ci_high: float
+    confidence: float = 0.95
+
+    @classmethod
+    def of(cls, losses: Sequence[float], reference: Sequence[float], confidence: float = 0.95) -> "LossComparison":
+        d = [float(a) - float(b) for a, b in zip(losses, reference)]
+        n = len(d)
+        if n == 0:
+            return cls([], math.nan, math.nan, math.nan, confidence)
+        mean = sum(d) / n
+        if n == 1 or not all(math.isfinite(v) for v in d):
+            half = math.inf if math.isfinite(mean) else math.nan
+            return cls(d, mean, mean - half, mean + half, confidence)
+        sd = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1))
+        half = t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
+        return cls(d, mean, mean - half, mean + half, confidence)
+
+
+# ---------------------------------------------------------------------------- snapshot
+
+
+def _rng_states() -> dict:
+    states = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        states["numpy"] = np.random.get_state()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["random"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "numpy" in states:
+        sys.modules["numpy"].random.set_state(states["numpy"])
+
+
+class Snapshot:
+    """Parameters, buffers, gradients, optimizer state and hyperparameters, RNG states and train/eval mode,
+    copied so that :meth:`restore` puts them back bitwise.
+
+    The copies live on the CPU when `offload` (the default for CUDA models), so that a trial's peak memory is
+    that of training alone. Parameter objects keep their identity (the optimizer holds them); their data is
+    copied back in place where dtype and shape still match, else replaced.
+    """
+
+    def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], offload: Optional[bool] = None):
+        root = unwrap_model(model)
+        self.model = root
+        self.optimizers = list(optimizers)
+        device = next((p.device for p in root.parameters()), torch.device("cpu"))
+        self.offload = device.type != "cpu" if offload is None else bool(offload)
+        self.params = [(p, self._copy(p.detach()), None if p.grad is None else self._copy(p.grad))
+                       for p in root.parameters()]
+        self.buffers = [(m, name, None if b is None else self._copy(b))
+                        for m in root.modules() for name, b in m._buffers.items()]
+        self.training = [(m, m.training) for m in root.modules()]
+        self.opt_states = []
+        for opt in self.optimizers:
+            # (is a tensor, copy): no reference to the live state, so that a trial can free it.
+            state = {p: {k: (True, self._copy(v)) if isinstance(v, torch.Tensor) else (False, _deep(v))
+                         for k, v in st.items()} for p, st in opt.state.items()}
+            groups = [{k: _deep(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+            self.opt_states.append((state, groups, [list(g["params"]) for g in opt.param_groups]))
+        self.rng = _rng_states()
+
+    def _copy(self, t: torch.Tensor):
+        """(copy, device, dtype): a CPU copy (pinned when it came from a GPU) or a copy on its own device."""
+        t = t.detach()
+        if self.offload and t.device.type != "cpu":
+            c = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) if t.is_contiguous() else \
+                t.to("cpu", copy=True)
+            return c, t.device
+        return t.clone(), t.device
+
+    @staticmethod
+    def _back(saved) -> torch.Tensor:
+        c, device = saved
+        return c.to(device, copy=True)
+
+    @torch.no_grad()
+    def restore(self, rng: bool = True) -> None:
+        for p, (c, device), g in self.params:
+            if p.dtype == c.dtype and p.shape == c.shape and p.device == device and p.data.is_contiguous() == \
+                    c.is_contiguous():
+                p.data.copy_(c)
+            else:
+                p.data = c.to(device, copy=True)
+            p.grad = None if g is None else self._back(g)
+        for m, name, b in self.buffers:
+            now = m._buffers.get(name)
+            if b is not None and now is not None and now.dtype == b[0].dtype and now.shape == b[0].shape \
+                    and now.device == b[1]:
+                now.copy_(b[0])  # in place: other attributes may hold the same tensor (rotary caches)
+            else:
+                m._buffers[name] = None if b is None else self._back(b)
+        for m, mode in self.training:
+            m.training = mode
+        for opt, (state, groups, params) in zip(self.optimizers, self.opt_states):
+            new_state = defaultdict(dict)
+            for p, st in state.items():
+                new_state[p] = {k: self._back(v[1]) if v[0] else _deep(v[1]) for k, v in st.items()}
+            opt.state = new_state
+            for g, saved, ps in zip(opt.param_groups, groups, params):
+                g.clear()
+                g.update(_deep(saved))
+                g["params"] = ps
+            if hasattr(opt, "_plans"):
+                opt._plans = {}
+        if rng:
+            _set_rng_states(self.rng)
+
+    def bytes(self) -> int:
+        return sum(c.numel() * c.element_size() for _, (c, _), _ in self.params)
+
+
+def _deep(v):
+    import copy
+
+    return copy.deepcopy(v)
+
+
+# ---------------------------------------------------------------------------- candidates
+
+
+def parse_budget(value) -> Optional[int]:
+    """Bytes from an int or a string such as ``"20GiB"``, ``"512 MB"``; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"memory_budget must be > 0 bytes, got {value}")
+        return int(value)
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):] or "b"
+    if unit not in _UNITS:
+        raise ValueError(f"memory_budget {value!r}: unknown unit {unit!r} (use B, KB, MB, GB, KiB, MiB, GiB, TiB)")
+    try:
+        n = float(number)
+    except ValueError:
+        raise ValueError(f"memory_budget {value!r}: expected a number and a unit, e.g. '20GiB'") from None
+    if n <= 0:
+        raise ValueError(f"memory_budget {value!r} must be > 0")
+    return int(n * _UNITS[unit])
+
+
+def default_candidates(capabilities, analysis=None, names: Optional[Sequence[str]] = None
+                       ) -> Tuple[List[Recipe], List[Tuple[str, str]]]:
+    """(recipes, skipped) for the names asked (default: all of CANDIDATES): each a Recipe, or (name, why) when
+    it cannot run here. Islands variants exist only where the analysis flags layers for that dtype."""
+    names = list(CANDIDATES if names is None else names)
+    unknown = [n for n in names if n.replace("+ckpt", "") not in CANDIDATES]
+    if unknown:
+        raise ValueError(f"candidates: unknown {unknown}; choose from {', '.join(CANDIDATES)} (each may end "
+                         "in +ckpt for activation checkpointing)")
+    tf32 = bool(getattr(capabilities, "tf32", False))
+    gpu = getattr(capabilities, "device_type", "cpu") == "cuda"
+    recipes, skipped = [], []
+
+    def risky(dtype):
+        if analysis is None:
+            return ()
+        return tuple(item if isinstance(item, str) else item[0] for item in analysis.risky_layers(dtype) or ())
+
+    for name in names:
+        base, ckpt = name.replace("+ckpt", ""), name.endswith("+ckpt")
+        safety = CANDIDATES.index(base) * 2 + int(ckpt)
+        kw = dict(name=name, tf32=tf32, checkpoint=ckpt, safety=safety)
+        if base == "fp32":
+            recipes.append(Recipe(**kw))
+        elif base in ("bf16", "bf16+islands", "fp16", "fp16+islands"):
+            dtype = torch.bfloat16 if base.startswith("bf16") else torch.float16
+            if gpu and not getattr(capabilities, "bf16" if dtype == torch.bfloat16 else "fp16", False):
+                skipped.append((name, f"{dtype_name(dtype)} is not native on {capabilities.name}"))
+                continue
+            islands = ()
+            if base.endswith("+islands"):
+                islands = risky(dtype)
+                if not islands:
+                    why = ("no sensitivity analysis was given" if analysis is None else
+                           f"the analysis flags no layer as risky in {dtype_name(dtype)}")
+                    skipped.append((name, f"{why}, so it equals {base.split('+')[0]}"))
+                    continue
+            scale = LossScale() if dtype == torch.float16 else None
+            recipes.append(Recipe(compute_dtype=dtype, islands=islands, loss_scale=scale, **kw))
+        elif base.startswith("bf16-pure"):
+            if gpu and not getattr(capabilities, "bf16", False):
+                skipped.append((name, f"bf16 is not native on {capabilities.name}"))
+                continue
+            moments = torch.bfloat16 if base.endswith("bf16-moments") else torch.float32
+            recipes.append(Recipe(compute_dtype=torch.bfloat16, param_dtype=torch.bfloat16, moment_dtype=moments,
+                                  **kw))
+        elif base == "float8":
+            why = float8_available()
+            if why is not None:
+                skipped.append((name, why))
+                continue
+            recipes.append(Recipe(compute_dtype=torch.bfloat16, float8=True, **kw))
+    return recipes, skipped
+
+
+# ---------------------------------------------------------------------------- trials
+
+
+@dataclass
+class Trial:
+    """One candidate's measurements (None where not measured; ``error`` when it could not run)."""
+
+    name: str
+    recipe: Dict[str, Any]
+    safety: int
+    losses: List[float] = field(default_factory=list)
+    step_times_ms: List[float] = field(default_factory=list)
+    peak_bytes: Optional[int] = None  # CUDA: max_memory_allocated during the trial
+    state_bytes: Optional[int] = None  # parameters + gradients + optimizer state
+    activation_bytes: Optional[int] = None  # saved for backward on the first step (eager models only)
+    grad_cosine: Optional[float] = None
+    comparison: Optional[LossComparison] = None
+    error: Optional[str] = None
+    fits: Optional[bool] = None
+    agrees: Optional[bool] = None
+    verdict: str = ""
+
+    @property
+    def step_time_ms(self) -> Optional[float]:
+        if not self.step_times_ms:
+            return None
+        s = sorted(self.step_times_ms)
+        mid = len(s) // 2
+        return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+    @property
+    def memory_bytes(self) -> Optional[int]:
+        """What the budget is checked against: the CUDA peak, else state plus saved activations."""
+        if self.peak_bytes is not None:
+            return self.peak_bytes
+        if self.state_bytes is None:
+            return None
+        return self.state_bytes + (self.activation_bytes or 0)
+
+    @property
+    def memory_source(self) -> str:
+        if self.peak_bytes is not None:
+            return "cuda peak allocated"
+        if self.state_bytes is None:
+            return "n/a"
+        return "state + saved activations" if self.activation_bytes is not None else "state only (compiled)"
+
+    def to_dict(self) -> dict:
+        c = self.comparison
+        return {"name": self.name, "recipe": self.recipe, "step_time_ms": self.step_time_ms,
+                "step_times_ms": list(self.step_times_ms), "peak_bytes": self.peak_bytes,
+                "state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
+                "memory_bytes": self.memory_bytes, "memory_source": self.memory_source,
+                "losses": list(self.losses), "grad_cosine": self.grad_cosine,
+                "loss_diff_mean": None if c is None else c.mean, "loss_diff_ci": None if c is None else [c.ci_low, c.ci_high],
+                "error": self.error, "fits": self.fits, "agrees": self.agrees, "verdict": self.verdict}
+
+
+class _SavedBytes:
+    """Bytes of the distinct storages autograd saves for backward (parameters excluded), while active."""
+
+    def __init__(self, model: nn.Module):
+        self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen = {}
+
+    def pack(self, t):
+        try:
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr not in self.skip:
+                self.seen[ptr] = s.nbytes()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (subclasses)
+            pass
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+def _state_bytes(model: nn.Module, optimizer) -> int:
+    seen = {}
+
+    def add(t):
+        if isinstance(t, torch.Tensor) and t.numel():
+            s = t.untyped_storage()
+            seen[(s.device.type, s.data_ptr())] = s.nbytes()
+    for p in model.parameters():
+        add(p.detach())
+        add(p.grad)
+    for st in optimizer.state.values():
+        for v in st.values():
+            add(v)
+    return sum(seen.values())
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def start(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def stop(self, start):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append((start, e))
+        else:
+            self.marks.append((start, time.perf_counter()))
+
+    def times_ms(self) -> List[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in self.marks]
+        return [(b - a) * 1e3 for a, b in self.marks]
+
+
+class Tuner:
+    """Runs the trials of :func:`tune` (see the module docstring); one instance per tuning."""
+
+    def __init__(self, model, optimizer, batches, loss_fn, capabilities, *, candidates=None, steps: int = 8,
+                 memory_budget=None, analysis=None, rounds: int = 3, timed_steps: int = 3,
+                 loss_tolerance: float = 0.01, min_cosine: float = 0.95, tie: float = 0.01,
+                 checkpoint_when_needed: bool = True, offload_snapshot: Optional[bool] = None,
+                 progress: Optional[Callable[[str], None]] = None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer is a {type(optimizer).__name__}; pass one torch.optim.Optimizer")
+        self.batches = list(batches)
+        if not self.batches:
+            raise ValueError("batches is empty; pass the batches the trials train on (a few are enough)")
+        if steps < 2:
+            raise ValueError(f"steps is {steps}; pass at least 2 (the loss comparison needs two differences)")
+        if rounds < 1 or timed_steps < 1:
+            raise ValueError(f"rounds ({rounds}) and timed_steps ({timed_steps}) must be >= 1")
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.capabilities = capabilities
+        self.steps, self.rounds, self.timed_steps = int(steps), int(rounds), int(timed_steps)
+        self.budget = parse_budget(memory_budget)
+        self.analysis = analysis
+        self.loss_tolerance, self.min_cosine, self.tie = float(loss_tolerance), float(min_cosine), float(tie)
+        self.checkpoint_when_needed = checkpoint_when_needed
+        self.offload = offload_snapshot
+        self.say = progress or (lambda msg: None)
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.compiled = unwrap_model(model) is not model
+        self.recipes, self.skipped = default_candidates(capabilities, analysis, candidates)
+        why = convertible(optimizer)
+        if why is not None:
+            keep = [r for r in self.recipes if r.moment_dtype is None]
+            self.skipped += [(r.name, why) for r in self.recipes if r.moment_dtype is not None]
+            self.recipes = keep
+        self.recipes.sort(key=lambda r: r.safety)
+
+    # -------------------------------------------------------------- one trial
+    def _step(self, a: AppliedRecipe, batch, saved: Optional[_SavedBytes] = None):
+        with a.autocast():
+            if saved is not None:
+                with saved.hooks():
+                    loss = self.loss_fn(self.model, batch)
+            else:
+                loss = self.loss_fn(self.model, batch)
+        a.scaler.scale(loss).backward()
+        a.scaler.step(a.optimizer)
+        a.scaler.update()
+        return loss.detach().float()
+
+    def _probe(self, a: AppliedRecipe) -> List[torch.Tensor]:
+        """Unscaled fp32 gradients of one forward/backward on the first batch (no step); the scale backs off
+        until they are finite, as the scaler would."""
+        scale = a.scaler.get_scale() if a.scaler.is_enabled() else 1.0
+        params = [p for p in unwrap_model(self.model).parameters() if p.requires_grad]
+        for _ in range(8):
+            for p in params:
+                p.grad = None
+            with a.autocast():
+                loss = self.loss_fn(self.model, self.batches[0])
+            (loss * scale if scale != 1.0 else loss).backward()
+            grads = [(p.grad.float() / scale) if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+                     for p in params]
+            finite = all(bool(torch.isfinite(g).all()) for g in grads)
+            for p in params:
+                p.grad = None
+            if finite or scale == 1.0:
+                return grads
+            scale = max(1.0, scale / 2**4)
+        return grads
+
+    def _cosine(self, grads: List[torch.Tensor], ref: List[torch.Tensor]) -> float:
+        dot = sum(float((g.to(r.device) * r).sum(dtype=torch.float64)) for g, r in zip(grads, ref))
+        n1 = sum(float(g.double().pow(2).sum()) for g in grads)
+        n2 = sum(float(r.double().pow(2).sum()) for r in ref)
+        if not (math.isfinite(dot) and n1 > 0 and n2 > 0 and math.isfinite(n1)):
+            return math.nan
+        return dot / math.sqrt(n1 * n2)
+
+    def _trajectory(self, recipe: Recipe, trial: Trial, ref_grads):
+        self.snapshot.restore()
+        cuda = self.device.type == "cuda"
+        a = AppliedRecipe(recipe, self.model, self.optimizer)
+        try:
+            grads = self._probe(a)
+            _set_rng_states(self.snapshot.rng)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats(self.device)
+            saved = _SavedBytes(unwrap_model(self.model)) if not self.compiled else None
+            losses = []
+            for k in range(self.steps):
+                loss = self._step(a, self.batches[k % len(self.batches)], saved if k == 0 else None)
+                losses.append(loss)
+                if k == 0:
+                    trial.state_bytes = _state_bytes(unwrap_model(self.model), a.optimizer)
+                    if saved is not None:
+                        trial.activation_bytes = saved.total
+                a.optimizer.zero_grad(set_to_none=True)
+            trial.losses = [float(v) for v in torch.stack(losses).cpu()]
+            if cuda:
+                torch.cuda.synchronize()
+                trial.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+        finally:
+            a.optimizer.zero_grad(set_to_none=True)
+            a.undo()
+        return [g.cpu() if self.device.type != "cpu" else g for g in grads] if ref_grads is None else \
+            self._cosine(grads, ref_grads)
+
+    def _time_round(self, recipe: Recipe, trial: Trial, offset: int):
+        self.snapshot.restore()
+        a = AppliedRecipe(recipe, self.model, self.optimizer)
+        timer = _Timer(self.device)
+        try:
+            n = len(self.batches)
+            self._step(a, self.batches[offset % n])  # warm-up: allocator, caches, a changed graph
+            a.optimizer.zero_grad(set_to_none=True)
+            for k in range(self.timed_steps):
+                start = timer.start()
+                self._step(a, self.batches[(offset + 1 + k) % n])
+                a.optimizer.zero_grad(set_to_none=True)
+                timer.stop(start)
+            trial.step_times_ms.extend(timer.times_ms())
+        finally:
+            a.optimizer.zero_grad(set_to_none=True)
+            a.undo()
+
+    def _free(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -------------------------------------------------------------- all trials
+    def run(self) -> "TuneResult":
+        started = time.perf_counter()
+        dynamo_limit = _raise_recompile_limit(len(self.recipes) * 2 + 8)
+        self.snapshot = Snapshot(self.model, [self.optimizer], offload=self.offload)
+        trials: List[Trial] = []
+        reference: Optional[Trial] = None
+        ref_grads = None
+        queue = list(self.recipes)
+        recipes: Dict[str, Recipe] = {}
+        blocks = bool(find_blocks(self.model))
+        try:
+            while queue:
+                recipe = queue.pop(0)
+                trial = Trial(recipe.name, recipe.to_dict(), recipe.safety)
+                recipes[recipe.name] = recipe
+                trials.append(trial)
+                self.say(f"tune: trial {recipe.name}")
+                try:
+                    out = self._trajectory(recipe, trial, ref_grads)
+                except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is recorded, not fatal
+                    if not _is_oom(exc) and not isinstance(exc, (RuntimeError, ValueError, TypeError)):
+                        raise
+                    trial.error = ("out of memory" if _is_oom(exc) else type(exc).__name__) + f": {_short(exc)}"
+                    trial.fits = False if _is_oom(exc) else None
+                    self._free()
+                    self._maybe_checkpoint(recipe, trial, queue, blocks)
+                    continue
+                self._free()
+                trial.fits = self.budget is None or trial.memory_bytes is None or trial.memory_bytes <= self.budget
+                if not trial.fits:
+                    self._maybe_checkpoint(recipe, trial, queue, blocks)
+                if reference is None:
+                    if trial.fits and all(math.isfinite(v) for v in trial.losses):
+                        reference, ref_grads = trial, out
+                        trial.grad_cosine, trial.agrees = 1.0, True
+                        trial.comparison = LossComparison.of(trial.losses, trial.losses)
+                    continue
+                trial.grad_cosine = out
+                self._judge(trial, reference)
+            runnable = [t for t in trials if t.error is None and t.fits]
+            for r in range(self.rounds):
+                order = runnable[r % len(runnable):] + runnable[:r % len(runnable)] if runnable else []
+                for t in order:
+                    try:
+                        self._time_round(recipes[t.name], t, offset=r * (self.timed_steps + 1))
+                    except Exception as exc:  # noqa: BLE001
+                        if not _is_oom(exc):
+                            raise
+                        t.error, t.fits = f"out of memory while timed: {_short(exc)}", False
+                        runnable.remove(t)
+                        self._free()
+        finally:
+            self.snapshot.restore()
+            self.snapshot = None
+            self._free()
+            _restore_recompile_limit(dynamo_limit)
+        return self._choose(trials, reference, recipes, time.perf_counter() - started)
+
+    def _maybe_checkpoint(self, recipe: Recipe, trial: Trial, queue: List[Recipe], blocks: bool):
+        if recipe.checkpoint or not self.checkpoint_when_needed:
+            return
+        if not blocks:
+            trial.verdict = "does not fit; the model has no repeated blocks to checkpoint"
+            return
+        variant = recipe.replace(name=recipe.name + "+ckpt", checkpoint=True, safety=recipe.safety + 1)
+        if all(r.name != variant.name for r in queue):
+            queue.insert(0, variant)
+
+    def _judge(self, trial: Trial, reference: Trial):
+        trial.comparison = c = LossComparison.of(trial.losses, reference.losses)
+        scale = sum(abs(v) for v in reference.losses) / len(reference.losses)
+        tol = self.loss_tolerance * scale
+        finite = all(math.isfinite(v) for v in trial.losses)
+        cos_ok = trial.grad_cosine is not None and math.isfinite(trial.grad_cosine) and \
+            trial.grad_cosine >= self.min_cosine
+        trial.agrees = bool(finite and math.isfinite(c.ci_high) and c.ci_high <= tol and cos_ok)
+        if not trial.agrees:
+            why = []
+            if not finite:
+                why.append("non-finite loss")
+            if finite and not (math.isfinite(c.ci_high) and c.ci_high <= tol):
+                why.append(f"loss difference CI upper {c.ci_high:+.3g} > tolerance {tol:.3g}")
+            if not cos_ok:
+                why.append(f"first-step gradient cosine {_num(trial.grad_cosine)} < {self.min_cosine:g}")
+            trial.verdict = "disagrees: " + "; ".join(why)
+
+    def _choose(self, trials, reference, recipes, seconds) -> "TuneResult":
+        ok = [t for t in trials if t.error is None and t.fits and t.agrees and t.step_time_ms is not None]
+        reasons = []
+        where = getattr(self.capabilities, "name", str(self.device))
+        if reference is None:
+            raise RuntimeError("tune: no candidate ran and fit the memory budget "
+                               f"({_bytes(self.budget)}); trials: " +
+                               "; ".join(f"{t.name}: {t.error or t.verdict or 'does not fit'}" for t in trials) +
+                               ". Raise memory_budget, use smaller batches, or add candidates ending in +ckpt")
+        best = min(ok, key=lambda t: t.step_time_ms)
+        # A safer candidate within `tie` of the fastest takes it: the difference is within timing noise.
+        chosen = min((t for t in ok if t.step_time_ms <= best.step_time_ms * (1 + self.tie)), key=lambda t: t.safety)
+        for t in trials:
+            if t is chosen:
+                t.verdict = "chosen" + ("" if t is best else f" (within {self.tie:.0%} of {best.name}, and safer)")
+            elif not t.verdict:
+                if t.error:
+                    t.verdict = "could not run: " + t.error
+                elif not t.fits:
+                    t.verdict = f"does not fit the budget ({_bytes(t.memory_bytes)} > {_bytes(self.budget)})"
+                elif t.agrees:
+                    t.verdict = f"agrees, slower ({_num(t.step_time_ms)} ms vs {_num(chosen.step_time_ms)} ms)"
+        reasons.append(f"tune: measured {len(trials)} candidate(s) on {where}, {self.steps} steps each on the same "
+                       f"batches, {self.rounds} timing round(s) of {self.timed_steps} step(s); reference "
+                       f"{reference.name}; {seconds:.1f} s")
+        recipe = recipes[chosen.name]
+        reasons.append(f"tune: chose {chosen.name} ({recipe.describe()}): {_num(chosen.step_time_ms)} ms/step, "
+                       f"memory {_bytes(chosen.memory_bytes)} ({chosen.memory_source})")
+        for t in trials:
+            reasons.append(f"trial {t.name}: {_trial_line(t)}")
+        for name, why in self.skipped:
+            reasons.append(f"trial {name}: skipped: {why}")
+        policy = recipe.policy(reasons)
+        return TuneResult(policy=policy, recipe=recipe, trials=trials, skipped=list(self.skipped),
+                          reference=reference.name, budget=self.budget, seconds=seconds,
+                          device=str(self.device), compiled=self.compiled)
+
+
+def _raise_recompile_limit(n: int):
+    """Every candidate compiles its own graph: let dynamo keep them all (else it falls back to eager)."""
+    cfg = getattr(torch, "_dynamo", None) and torch._dynamo.config
+    if cfg is None:
+        return None
+    key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    before = getattr(cfg, key)
+    setattr(cfg, key, max(before, n))
+    return key, before
+
+
+def _restore_recompile_limit(saved):
+    if saved is not None:
+        setattr(torch._dynamo.config, saved[0], saved[1])
+
+
+def _short(exc: BaseException, n: int = 160) -> str:
+    s = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return s if len(s) <= n else s[:n - 3] + "..."
+
+
+def _num(v) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a" if v is None else str(v)
+    return f"{v:.4g}"
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _trial_line(t: Trial) -> str:
+    c = t.comparison
+    parts = [f"{_num(t.step_time_ms)} ms/step", f"memory {_bytes(t.memory_bytes)}"]
+    if c is not None and t.error is None:
+        parts.append(f"loss diff {c.mean:+.3g} [{c.ci_low:+.3g}, {c.ci_high:+.3g}]")
+    if t.grad_cosine is not None:
+        parts.append(f"grad cosine {_num(t.grad_cosine)}")
+    return ", ".join(parts) + f": {t.verdict or 'reference'}"
+
+
+# ---------------------------------------------------------------------------- result
+
+
+@dataclass
+class TuneResult:
+    """What :func:`tune` measured and chose. ``policy`` carries every trial in its reasons."""
+
+    policy: PrecisionPolicy
+    recipe: Recipe
+    trials: List[Trial]
+    skipped: List[Tuple[str, str]]
+    reference: str
+    budget: Optional[int]
+    seconds: float
+    device: str
+    compiled: bool
+
+    @property
+    def chosen(self) -> Trial:
+        return next(t for t in self.trials if t.name == self.recipe.name)
+
+    def apply(self, model: nn.Module, optimizer) -> AppliedRecipe:
+        """Apply the chosen recipe to `model` and `optimizer` (for a loop of your own); ``.undo()`` reverts."""
+        return AppliedRecipe(self.recipe, model, optimizer)
+
+    def table(self) -> str:
+        return tuning_table(self.to_dict())
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict:
+        chosen = self.chosen
+        return {"chosen": self.recipe.name, "recipe": self.recipe.to_dict(), "describe": self.recipe.describe(),
+                "policy": str(self.policy), "reference": self.reference, "budget_bytes": self.budget,
+                "seconds": self.seconds, "device": self.device, "compiled": self.compiled,
+                "memory_source": chosen.memory_source, "trials": [t.to_dict() for t in self.trials],
+                "skipped": [{"name": n, "why": w} for n, w in self.skipped], "reasons": list(self.policy.reasons)}
+
+    def plot(self, path: str) -> str:
+        return plot_tuning(self.to_dict(), path)
+
+    def save(self, directory: str, plots: bool = True) -> Dict[str, str]:
+        """tune.txt, tune.json and (with matplotlib) tune.png in `directory`."""
+        import json
+        import os
+
+        from .report import _jsonable
+
+        os.makedirs(directory, exist_ok=True)
+        out = {"text": os.path.join(directory, "tune.txt"), "json": os.path.join(directory, "tune.json")}
+        with open(out["text"], "w") as f:
+            f.write(self.table() + "\n\nreasons:\n" + "\n".join("  - " + r for r in self.policy.reasons) + "\n")
+        with open(out["json"], "w") as f:
+            f.write(json.dumps(_jsonable(self.to_dict()), indent=2) + "\n")
+        if plots:
+            out["plot"] = self.plot(os.path.join(directory, "tune.png"))
+        return out
+
+
+def tune(model: nn.Module, optimizer: torch.optim.Optimizer, batches, loss_fn, *, capabilities=None,
+         candidates: Optional[Sequence[str]] = None, steps: int = 8, memory_budget=None, analysis=None,
+         **options) -> TuneResult:
+    """Measure each candidate recipe on `model` and pick one (see the module docstring).
+
+    loss_fn: ``loss_fn(model, batch) -> scalar loss``; it runs under each candidate's autocast.
+    batches: a few batches (a sequence); step k trains on ``batches[k % len(batches)]``.
+    candidates: names from CANDIDATES (``+ckpt`` for checkpointing); default all that run here.
+    memory_budget: bytes or a string ("20GiB"); candidates above it are not chosen.
+    options: rounds, timed_steps, loss_tolerance, min_cosine, tie, checkpoint_when_needed,
+        offload_snapshot, progress (see :class:`Tuner`).
+    Afterwards the model, optimizer and RNG states are as before, bitwise; apply the choice with
+    ``result.apply(model, optimizer)`` or let AdaptiveMixedPrecision(policy="tune") do it.
+    """
+    if capabilities is None:
+        from .hardware import HardwareDetector
+
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        capabilities = HardwareDetector().detect(device)
+    return Tuner(model, optimizer, batches, loss_fn, capabilities, candidates=candidates, steps=steps,
+                 memory_budget=memory_budget, analysis=analysis, **options).run()
+
+
+# ---------------------------------------------------------------------------- A/B report (from the dict form,
+# so that a report read back from JSON renders the same)
+
+
+def tuning_rows(d: dict) -> List[dict]:
+    rows = []
+    for t in d["trials"]:
+        ci = t.get("loss_diff_ci")
+        ok_ci = ci is not None and not t.get("error") and None not in ci
+        rows.append({"candidate": t["name"], "ms/step": t.get("step_time_ms"),
+                     "memory MiB": None if t.get("memory_bytes") is None else t["memory_bytes"] / 2**20,
+                     "loss diff": t.get("loss_diff_mean") if not t.get("error") else None,
+                     "95% CI": f"[{ci[0]:+.3g}, {ci[1]:+.3g}]" if ok_ci else "-",
+                     "grad cos": "-" if t.get("grad_cosine") is None else f"{t['grad_cosine']:.6f}",
+                     "verdict": t.get("verdict") or "reference"})
+    for s in d.get("skipped", []):
+        rows.append({"candidate": s["name"], "ms/step": None, "memory MiB": None, "loss diff": None, "95% CI": "-",
+                     "grad cos": "-", "verdict": "skipped: " + s["why"]})
+    return rows
+
+
+def tuning_table(d: dict) -> str:
+    """The A/B table of a TuneResult.to_dict(): one row per candidate, then the choice."""
+    from .report import comparison_table
+
+    head = (f"A/B of precision recipes on {d['device']}{' (compiled)' if d.get('compiled') else ''}: reference "
+            f"{d['reference']}, memory budget {_bytes(d.get('budget_bytes'))}, memory as {d.get('memory_source')}; "
+            f"tuning took {d['seconds']:.1f} s")
+    return (head + "\n" + comparison_table(tuning_rows(d)) +
+            f"\nchosen: {d['chosen']} ({d.get('describe') or d.get('policy')})")
+
+
+def plot_tuning(d: dict, path: str) -> str:
+    """One PNG of a TuneResult.to_dict(): step time and memory per candidate (bars; the budget as a dashed
+    line) and the mean loss difference against the reference with its 95% interval. Green: chosen; red: does
+    not fit, disagrees or failed; blue: agrees but slower."""
+    from .report import _matplotlib, _save
+
+    Figure, FigureCanvasAgg = _matplotlib()
+    trials = d["trials"]
+    fig = Figure(figsize=(13, 1.6 + 0.45 * max(len(trials), 3)), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3)
+    fig.suptitle(f"adaptive_amp tune on {d['device']}{' (compiled)' if d.get('compiled') else ''}: chose "
+                 f"{d['chosen']} (reference {d['reference']})")
+    ys = list(range(len(trials)))
+    colors = ["tab:green" if t["name"] == d["chosen"] else "tab:red" if (t.get("error") or t.get("fits") is False
+              or t.get("agrees") is False) else "tab:blue" for t in trials]
+    axes[0].barh(ys, [t.get("step_time_ms") or 0.0 for t in trials], color=colors)
+    axes[0].set_title("median step time (ms)")
+    axes[1].barh(ys, [(t.get("memory_bytes") or 0) / 2**20 for t in trials], color=colors)
+    axes[1].set_title(f"memory (MiB; {d.get('memory_source')})", fontsize=9)
+    if d.get("budget_bytes"):
+        axes[1].axvline(d["budget_bytes"] / 2**20, color="black", linestyle="--", linewidth=1, label="budget")
+        axes[1].legend(fontsize=7)
+    for y, t in zip(ys, trials):
+        if t.get("step_time_ms") is None:
+            axes[0].text(0, y, " " + ("failed" if t.get("error") else "not timed"), va="center", fontsize=7)
+        ci, mean = t.get("loss_diff_ci"), t.get("loss_diff_mean")
+        if t.get("error") or mean is None or ci is None or None in ci:
+            axes[2].text(0, y, " n/a", va="center", fontsize=7)
+            continue
+        lo, hi = (ci[0] if math.isfinite(ci[0]) else mean), (ci[1] if math.isfinite(ci[1]) else mean)
+        axes[2].errorbar([mean], [y], xerr=[[mean - lo], [hi - mean]], fmt="o", color=colors[y], capsize=3)
+    axes[2].axvline(0.0, color="gray", linewidth=0.8)
+    axes[2].set_title("loss - reference loss (mean, 95% CI)")
+    for ax in axes:
+        ax.set_yticks(ys)
+        ax.set_yticklabels([t["name"] for t in trials] if ax is axes[0] else [""] * len(trials), fontsize=8)
+        ax.set_ylim(len(trials) - 0.5, -0.5)
+        ax.grid(axis="x", alpha=0.3)
+    _save(fig, path)
+    return path
+
+
+def tune_controller(amp, options: Optional[dict], sample_inputs=None, loss_fn=None, overrides=None,
+                    progress: bool = True) -> PrecisionPolicy:
+    """``AdaptiveMixedPrecision(policy="tune", tune={...})``: analyze (with sample_inputs, for the islands
+    variants), tune, and apply the chosen recipe's optimizer, parameter dtype, checkpointing and float8 to the
+    controller's model and optimizer (the controller applies the policy itself). Sets ``amp.tuning``."""
+    options = dict(options or {})
+    if "batches" not in options or "loss_fn" not in options:
+        raise ValueError("policy='tune' needs tune=dict(batches=[...], loss_fn=fn) where fn(model, batch) returns "
+                         "the loss (and optionally candidates=, steps=, memory_budget=, ...: see "
+                         "AdaptivePrecisionSelector.tune)")
+    if overrides is not None:
+        raise ValueError("policy='tune' measures candidates instead of taking overrides; restrict them with "
+                         "tune=dict(candidates=[...]) instead")
+    if len(amp.optimizers) != 1:
+        raise ValueError(f"policy='tune' tunes one optimizer; got {len(amp.optimizers)}")
+    if sample_inputs is not None and "analysis" not in options:
+        from .analysis import PrecisionAnalyzer
+
+        amp.analysis = PrecisionAnalyzer(include=amp.include, exclude=amp.exclude, progress=progress).analyze(
+            amp.model, sample_inputs, loss_fn)
+        options["analysis"] = amp.analysis
+    result = tune(amp.model, amp.optimizers[0], options.pop("batches"), options.pop("loss_fn"),
+                  capabilities=amp.capabilities, **options)
+    applied = AppliedRecipe(result.recipe, amp.model, amp.optimizers[0], precision=False)
+    amp.optimizers = [applied.optimizer]
+    amp.tuning = result
+    return result.policy
