@@ -1,0 +1,41 @@
+#!/bin/bash
+# One GPU-machine session: build, then the named stages, each logged under $OUT
+# (default ./gpu_out). Usage: bash bench/gpu_session.sh STAGE... where a stage is
+#   build     install this tree (sm_90 only, for speed) into the machine's python3
+#   tests     every test marked cuda
+#   sanitize  compute-sanitizer's four tools over bench/sanitize_driver.py
+#   unscale   eager unscale_and_check_ (plain and planned) against torch's kernel
+#   zoo       the model zoo at real sizes under AdaptiveMixedPrecision, eager and compiled
+#   e2e       python -m adaptive_amp bench --suites e2e
+#   tune      the measured policy selection on the zoo
+# The logs are packed into $OUT/logs.tgz (the device tool brings back at most 8 files), with
+# the summary in $OUT/summary.txt. Python runs from /tmp, never from the checkout (the source folder would shadow the install).
+set -u
+repo=$(cd "$(dirname "$0")/.." && pwd)
+dest=${OUT:-$repo/gpu_out}
+out=$(mktemp -d)
+mkdir -p "$dest"
+export PYTHONUNBUFFERED=1 ADAPTIVE_AMP_CUDA_ARCHS=${ADAPTIVE_AMP_CUDA_ARCHS:-90} ADAPTIVE_AMP_CUDA=1
+status=0
+run() {  # run NAME CMD...: time a stage, keep its log, go on after a failure
+  local name=$1; shift
+  local t0=$SECONDS
+  (cd /tmp && "$@") > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $((SECONDS - t0)) s; $(tail -n 1 "$out/$name.log")" | tee -a "$dest/summary.txt"
+  [ $rc -eq 0 ] || status=1
+}
+for stage in "$@"; do
+  case $stage in
+    build) run build python3 -m pip install --no-build-isolation --no-deps "$repo"
+           run info python3 -m adaptive_amp info ;;
+    tests) run tests python3 -m pytest "$repo/tests" -m cuda -q -p no:cacheprovider ;;
+    sanitize) run sanitize bash "$repo/bench/sanitize.sh" "$out" ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
+date -u >> "$out/gpu.txt"
+cat "$out/gpu.txt" >> "$dest/summary.txt"
+tar czf "$dest/logs.tgz" -C "$out" .
+exit $status
