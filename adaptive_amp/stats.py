@@ -67,7 +67,7 @@ def compute(tensors, *, fmt=None, scale=None, names=None) -> "TensorStats":
     """Implementation of :func:`adaptive_amp.ops.tensor_stats` (documented there)."""
     from .ops import _as_list, _keep_until_done
 
-    tensors = _as_list(tensors, "tensors")
+    tensors = tuple(_as_list(tensors, "tensors"))  # ours: another thread may change the caller's list
     fmt = format_name(fmt)
     names = _check_names(names, len(tensors))
     if scale is not None and fmt is None:
