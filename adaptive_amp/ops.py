@@ -66,7 +66,7 @@ def unscale_and_check_(
 
     Deterministic: the same inputs give bitwise the same outputs every run.
     """
-    tensors = _as_list(tensors, "tensors")
+    tensors = tuple(_as_list(tensors, "tensors"))  # ours: another thread may change the caller's list
     found = _native.describe(found_inf, "found_inf", writable=True, dtypes=(FLOAT32,))
     inv = _native.describe(inv_scale, "inv_scale", writable=False, dtypes=(FLOAT32,))
     if len(tensors) == 0:

@@ -65,7 +65,7 @@ def _check_names(names, count):
 
 def compute(tensors, *, fmt=None, scale=None, names=None) -> "TensorStats":
     """Implementation of :func:`adaptive_amp.ops.tensor_stats` (documented there)."""
-    tensors = _native.as_list(tensors, "tensors")
+    tensors = tuple(_native.as_list(tensors, "tensors"))  # ours: another thread may change the caller's list
     fmt = format_name(fmt)
     names = _check_names(names, len(tensors))
     if scale is not None and fmt is None:

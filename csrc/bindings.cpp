@@ -56,7 +56,9 @@ void run_unscale(std::vector<aamp::TensorRef> tensors, std::uintptr_t found_inf,
   a.place.device = device;
   a.place.stream = stream;
   // CPU work runs without the GIL so other Python threads go on; CUDA work
-  // only enqueues, which is quick either way.
+  // only enqueues, which is quick either way. Every caller holds references
+  // to the arrays behind these pointers until this returns (ops keep their
+  // _native.Batch, plans their lists), and `a` is this call's own copy.
   py::gil_scoped_release release;
   aamp::unscale_and_check(a);
 }
@@ -134,7 +136,9 @@ py::object describe_tensors(py::object seq, py::dict codes, bool writable) {
   py::list ptrs(n), numels(n), out_codes(n);
   long device = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* x = PySequence_Fast_GET_ITEM(xs.ptr(), i);
+    // Owned: torch's methods may release the GIL, and another thread may then change a list.
+    py::object xo = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(xs.ptr(), i));
+    PyObject* x = xo.ptr();
     py::object dtype = get_attr(x, dtype_name);
     if (!dtype) {
       PyErr_Clear();
@@ -217,7 +221,10 @@ class GradPlan {
     static PyObject* numel_name = PyUnicode_InternFromString("numel");
     static PyObject* device_name = PyUnicode_InternFromString("get_device");
     static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
+    static PyObject* neg_name = PyUnicode_InternFromString("is_neg");
     static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    collected_ = false;
+    py::list grads(refs_.size());
     for (std::size_t i = 0; i < refs_.size(); ++i) {
       PyObject* list = slots_[i].first.ptr();
       const std::size_t at = slots_[i].second;
@@ -235,6 +242,9 @@ class GradPlan {
         return kGeneral;
       }
       if (contiguous.ptr() != Py_True) return kGeneral;
+      py::object neg = call_method(grad.ptr(), neg_name);  // torch's lazy negation: the memory holds -grad
+      if (!neg) throw py::error_already_set();
+      if (neg.ptr() != Py_False) return kGeneral;
       py::object numel = call_method(grad.ptr(), numel_name);
       py::object device = call_method(grad.ptr(), device_name);
       if (!numel || !device) throw py::error_already_set();
@@ -243,13 +253,21 @@ class GradPlan {
       if (!ptr) throw py::error_already_set();
       refs_[i].data = reinterpret_cast<void*>(PyLong_AsUnsignedLongLong(ptr.ptr()));
       if (refs_[i].numel > 0 && refs_[i].data == nullptr) return kGeneral;
+      PyList_SET_ITEM(grads.ptr(), i, grad.release().ptr());
     }
+    grads_ = std::move(grads);
+    collected_ = true;
     return kDone;
   }
 
-  // One native pass over the gradients that the last collect() found.
+  // One native pass over the gradients that the last collect() found. The
+  // gradients stay referenced (a local list, which another thread's collect()
+  // cannot replace) while the core runs without the GIL, so p.grad = None or
+  // zero_grad() on another thread cannot free them under the kernel.
   void launch(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
+    if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that found every gradient");
+    const py::list grads = grads_;
     run_unscale(refs_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
   }
 
@@ -260,6 +278,8 @@ class GradPlan {
   int device_;
   std::vector<aamp::TensorRef> refs_;
   std::size_t workspace_bytes_ = 0;
+  py::list grads_;  // the gradients whose pointers refs_ holds
+  bool collected_ = false;
 };
 
 // Reads a DLPack capsule without consuming it: the capsule (held by the
@@ -524,6 +544,7 @@ class OptimPlan {
     static PyObject* device_name = PyUnicode_InternFromString("get_device");
     static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
     static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    collected_ = false;  // a collect() that fails midway leaves pointers of gradients grads_ does not hold
     PyObject* list = group_params_.ptr();
     if (static_cast<std::size_t>(PyList_GET_SIZE(list)) != length_) return false;
     const std::size_t n = planned_.size();
@@ -542,13 +563,14 @@ class OptimPlan {
         }
       }
       for (std::size_t k = 0; k < nk; ++k) {
-        PyObject* v = PyDict_GetItemWithError(st, PyList_GET_ITEM(keys_.ptr(), k));
-        if (v != PyList_GET_ITEM(values_.ptr(), i * nk + k)) {
+        PyObject* v = PyDict_GetItemWithError(st, PyList_GET_ITEM(keys_.ptr(), k));  // borrowed from the dict,
+        PyObject* planned = PyList_GET_ITEM(values_.ptr(), i * nk + k);            // held by values_
+        if (v != planned) {
           PyErr_Clear();
           return false;
         }
         const Watched& w = watched_[n + i * nk + k];
-        if (w.ptr != 0 && !still(v, w)) return false;
+        if (w.ptr != 0 && !still(planned, w)) return false;
       }
       py::object grad = get_attr(param, grad_name);
       if (!grad || grad.is_none()) return clear();
