@@ -438,13 +438,15 @@ class GradScaler(torch.amp.GradScaler):
         return type(self)._unscale_grads_ is not GradScaler._unscale_grads_
 
     def _unscale_and_measure(self, optimizer, inv_scale: torch.Tensor, allow_fp16: bool, check_only: bool,
-                             found_inf: Optional[torch.Tensor] = None):
+                             found_inf: Optional[torch.Tensor] = None, agree: bool = True):
         """One native pass per device group: unscale (or only check) and take statistics.
 
         Groups that need the general path (missing, sparse or non-contiguous
         gradients; float64 ones; fp16 ones where torch refuses them) are
         collected, and refused, before any group is written. Returns
-        ({device: found_inf}, [(sumsq, amax), ...]).
+        ({device: found_inf}, [(sumsq, amax), ...]); with ``agree`` the found_infs
+        are all-reduced over the process group (a re-measurement whose
+        found_inf is not used runs no collective).
         """
         found_per_device: Dict[torch.device, torch.Tensor] = {}
         stats: List[tuple] = []
@@ -479,7 +481,7 @@ class GradScaler(torch.amp.GradScaler):
                         raise _name_params(exc, group.names) from None
                 else:
                     stats.extend(self._launch_general(grads, found, inv, check_only))
-        group = self._group(sharded=plan.sharded)
+        group = self._group(sharded=plan.sharded) if agree else None
         if group is not None:
             for found in found_per_device.values():
                 torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX, group=group)
@@ -668,7 +670,7 @@ class GradScaler(torch.amp.GradScaler):
     def _measure_again(self, optimizer, unscaled: bool) -> List[tuple]:
         """Statistics of the current gradients (a read-only pass); records them for this step."""
         inv = torch.ones_like(self._scale) if unscaled else self._current_inv_scale()
-        _, stats = self._unscale_and_measure(optimizer, inv, allow_fp16=True, check_only=True)
+        _, stats = self._unscale_and_measure(optimizer, inv, allow_fp16=True, check_only=True, agree=False)
         self._grad_stats[id(optimizer)] = _GradStats(optimizer, stats)
         return stats
 

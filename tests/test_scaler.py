@@ -1657,8 +1657,9 @@ def test_predictive_fmt_max_is_validated_at_construction(fmt_max):
 
 
 _HANG_PRONE = textwrap.dedent("""
-    import torch, adaptive_amp
+    import sys, torch, adaptive_amp
     from adaptive_amp import reference
+    torch.set_default_device(sys.argv[1])
     s = torch.tensor([8.0]); g = torch.zeros(1, dtype=torch.int32); f = torch.zeros(1)
     for fmt in (float("inf"), 1e39):
         try:
@@ -1683,12 +1684,13 @@ _HANG_PRONE = textwrap.dedent("""
 """)
 
 
-def test_native_update_cannot_hang_or_write_out_of_range():
+def test_native_update_cannot_hang_or_write_out_of_range(device):
     """fmt_max beyond float32 looped forever; an inf in the history too; a bad ring position wrote out of
     bounds. Run in a subprocess with a timeout, so a regression fails instead of hanging the suite."""
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", _HANG_PRONE], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([sys.executable, "-c", _HANG_PRONE, device], capture_output=True, text=True,
+                          timeout=120, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
 
 

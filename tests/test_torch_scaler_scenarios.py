@@ -156,6 +156,35 @@ def test_unscale_grads_hook_torch_call_mixed_dtypes_and_layouts(device):
             assert found.item() == 1.0
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_unscale_grads_hook_two_gpus():
+    """Gradients on two GPUs: one found_inf per device, each found where its device's inf is."""
+    g = torch.full((20, 20), 4.0, device="cuda:0")
+    inv_scale = torch.full((1,), 0.25, device="cuda:0")
+    grads0 = _storm_grads(g, -1)
+    grads = grads0 + [x.to("cuda:1") for x in grads0]
+    params = [torch.empty_like(x) for x in grads]
+    opt = torch.optim.SGD(params, lr=1.0)
+    scaler = GradScaler("cuda")
+    for inject in range(-1, len(params)):
+        storm = [x.clone() for x in grads]
+        if inject >= 0:
+            storm[inject][2, 2] = INF
+        for p, gr in zip(params, storm):
+            p.grad = gr
+        out = scaler._unscale_grads_(opt, inv_scale, torch.zeros((1,), device="cuda:0"), True)
+        assert set(out) == {torch.device("cuda", 0), torch.device("cuda", 1)}
+        assert all(f.device == d for d, f in out.items())
+        found = {d.index: f.item() for d, f in out.items()}
+        if inject < 0:
+            assert found == {0: 0.0, 1: 0.0}
+            assert all(torch.equal(x, torch.ones_like(x)) for x in storm)
+        else:
+            on = storm[inject].device.index
+            assert found == {on: 1.0, 1 - on: 0.0}
+
+
 def test_unscale_grads_hook_fp32_grads_are_unscaled_not_only_checked():
     """The issue's case: a torch-style call on fp32 gradients must unscale them, as torch's does."""
     w = torch.nn.Parameter(torch.ones(3))
