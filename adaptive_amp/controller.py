@@ -370,8 +370,11 @@ class AdaptiveMixedPrecision:
     def _record_gradient_stats(self) -> None:
         from .ops import tensor_stats
 
-        named = [(n, p.grad.contiguous()) for n, p in self._module.named_parameters()
-                 if p.grad is not None and not p.grad.is_sparse and p.grad.numel() and p.grad.dtype in _STATS_DTYPES]
+        # FSDP2 gradients are DTensors: each rank takes the statistics of its own shard.
+        grads = [(n, p.grad.to_local() if type(p.grad).__name__ == "DTensor" else p.grad)
+                 for n, p in self._module.named_parameters() if p.grad is not None]
+        named = [(n, g.contiguous()) for n, g in grads
+                 if not g.is_sparse and g.numel() and g.dtype in _STATS_DTYPES]
         if named:
             # Before unscaling: with fp16 these are the scaled gradients, whose fp16 underflow is the risk.
             self.monitor.record_layer_stats(self._step, "gradient", tensor_stats(

@@ -23,6 +23,9 @@ and prints PASS/FAIL per check; exit status 1 if a section raised or a check fai
   resume      the collective run saved at step 4 (model, optimizer and the
               controller's state_dict on every rank) and resumed in a fresh
               model: parameters bitwise equal to the straight run's.
+  fsdp2       fully_shard on each block and the root, the collective controller
+              (its gradient statistics are of each rank's shard; the clip norm
+              is the scaler's, all-reduced).
   lightning   Trainer(strategy="ddp", plugins=[AdaptivePrecision(...)]).
   accelerate  Accelerator() + adaptive_amp.integrations.accelerate.attach.
 
@@ -34,6 +37,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
@@ -61,7 +65,7 @@ def tiny_gpt2(device):
 
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config).to(device)
 
 
@@ -213,6 +217,39 @@ def section_resume(ctx, report):
     report.check("resume", "resumed step count on every rank", all(gather(amp.step_count == steps)))
 
 
+def section_fsdp2(ctx, report):
+    from torch.distributed.fsdp import fully_shard
+
+    device = ctx["device"]
+    model = tiny_gpt2(device)
+    injector = Injector(model, dist.get_rank())
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    amp = CollectiveAdaptiveMixedPrecision(model, opt, POLICY, **CONTROLLER)
+    data = batches(ctx["steps"], dist.get_rank(), device)
+    for i in range(ctx["steps"]):
+        injector.step = i
+        with amp.autocast():
+            loss = model(input_ids=data[i], labels=data[i]).loss
+        amp.backward(loss)
+        amp.step(max_grad_norm=1.0)
+        amp.zero_grad()
+    # The recorded gradient norms are the clip norms, all-reduced over the shards by the scaler.
+    norms = amp.report(plots=False).history["grad_norm"]
+    full_sum = float(sum(p.full_tensor().double().sum() for p in model.parameters()))
+    per_rank = gather(summary(amp, torch.nn.Module(), {"norms": norms, "params_sum": full_sum}))
+    report.facts["fsdp2"] = per_rank
+    agree(report, "fsdp2", per_rank, "policy_history", "the same policies at the same steps on all ranks")
+    agree(report, "fsdp2", per_rank, "skipped", "the same skipped-step count on all ranks")
+    agree(report, "fsdp2", per_rank, "scale")
+    agree(report, "fsdp2", per_rank, "norms", "clip norms identical on all ranks")
+    report.check("fsdp2", "the injected steps were skipped", all(r["skipped"] >= len(INJECT_STEPS)
+                                                                    for r in per_rank))
+    promoted_lm_head(per_rank, "fsdp2", report)
+
+
 def section_lightning(ctx, report):
     import pytorch_lightning as pl
 
@@ -292,7 +329,8 @@ def section_accelerate(ctx, report):
     promoted_lm_head(per_rank, "accelerate", report)
 
 
-SECTIONS = {"controller": section_controller, "resume": section_resume, "lightning": section_lightning,
+SECTIONS = {"controller": section_controller, "resume": section_resume, "fsdp2": section_fsdp2,
+            "lightning": section_lightning,
             "accelerate": section_accelerate}
 
 

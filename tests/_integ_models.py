@@ -13,7 +13,7 @@ def tiny_gpt2(seed: int = 0, n_layer: int = 2, n_embd: int = 32):
 
     torch.manual_seed(seed)
     config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=n_embd, n_layer=n_layer, n_head=2,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return GPT2LMHeadModel(config)
 
 

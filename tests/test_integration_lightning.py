@@ -21,6 +21,7 @@ from adaptive_amp.integrations.lightning import AdaptiveFabricPrecision, Adaptiv
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
 
 from _integ_models import tiny_gpt2, token_batches  # noqa: E402
+from conftest import cuda_param  # noqa: E402
 
 FP16 = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval=3"
 
@@ -50,17 +51,17 @@ class LitGPT2(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def _trainer(plugin, max_steps=5, **kw):
-    return pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, plugins=[plugin], logger=False,
-                      enable_progress_bar=False, enable_model_summary=False,
+def _trainer(plugin, max_steps=5, device="cpu", **kw):
+    return pl.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=max_steps,
+                      plugins=[plugin], logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=kw.pop("enable_checkpointing", False), deterministic=True,
                       num_sanity_val_steps=0, **kw)
 
 
-def _fit(plugin, steps=5, module=None, ckpt_path=None, trainer_kw=None, data=None, **module_kw):
+def _fit(plugin, steps=5, module=None, ckpt_path=None, trainer_kw=None, data=None, device="cpu", **module_kw):
     pl.seed_everything(0, verbose=False)
     module = module or LitGPT2(**module_kw)
-    trainer = _trainer(plugin, max_steps=steps, **(trainer_kw or {}))
+    trainer = _trainer(plugin, max_steps=steps, device=device, **(trainer_kw or {}))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*The number of training batches.*")
@@ -75,26 +76,29 @@ def _same_params(a, b):
         assert torch.equal(p, q), f"{name} differs"
 
 
-def test_mixed_precision_takes_our_scaler_bitwise():
+@pytest.mark.parametrize("device", ["cpu", cuda_param()])
+def test_mixed_precision_takes_our_scaler_bitwise(device):
     """The plain path: Lightning's MixedPrecision with our GradScaler == with torch's, bitwise (an overflow
     injected so that the skip and backoff are compared too)."""
-    theirs = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
-    ours = adaptive_amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
-    _, m_theirs = _fit(MixedPrecision("16-mixed", "cpu", scaler=theirs), inject_inf_at=[2])
-    _, m_ours = _fit(MixedPrecision("16-mixed", "cpu", scaler=ours), inject_inf_at=[2])
+    theirs = torch.amp.GradScaler(device, init_scale=1024.0, growth_interval=3)
+    ours = adaptive_amp.GradScaler(device, init_scale=1024.0, growth_interval=3)
+    _, m_theirs = _fit(MixedPrecision("16-mixed", device, scaler=theirs), inject_inf_at=[2], device=device)
+    _, m_ours = _fit(MixedPrecision("16-mixed", device, scaler=ours), inject_inf_at=[2], device=device)
     _same_params(m_theirs, m_ours)
     assert m_theirs.losses == m_ours.losses
     assert theirs.get_scale() == ours.get_scale()
     assert ours.skipped_steps == 1
 
 
+@pytest.mark.parametrize("device", ["cpu", cuda_param()])
 @pytest.mark.parametrize("precision,policy", [("16-mixed", FP16), ("bf16-mixed", "params=float32,compute=bfloat16")])
-def test_adaptive_precision_matches_lightning_amp_bitwise(precision, policy):
+def test_adaptive_precision_matches_lightning_amp_bitwise(precision, policy, device):
     """AdaptivePrecision with a fixed fp16 (or bf16) policy trains exactly as Lightning's own AMP path."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3) if precision == "16-mixed" else None
-    _, m_theirs = _fit(MixedPrecision(precision, "cpu", scaler=scaler), inject_inf_at=[2] if scaler else ())
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0, growth_interval=3) if precision == "16-mixed" else None
+    _, m_theirs = _fit(MixedPrecision(precision, device, scaler=scaler), inject_inf_at=[2] if scaler else (),
+                       device=device)
     plugin = AdaptivePrecision(policy, read_every=2)
-    trainer, m_ours = _fit(plugin, inject_inf_at=[2] if scaler else ())
+    trainer, m_ours = _fit(plugin, inject_inf_at=[2] if scaler else (), device=device)
     _same_params(m_theirs, m_ours)
     assert m_theirs.losses == m_ours.losses
     amp = plugin.amp

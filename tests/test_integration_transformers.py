@@ -24,6 +24,7 @@ from adaptive_amp.integrations import transformers as hf  # noqa: E402
 from adaptive_amp.integrations.accelerate import SkipFlag  # noqa: E402
 
 from _integ_models import tiny_gpt2, token_batches  # noqa: E402
+from conftest import cuda_param  # noqa: E402
 
 FP16 = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval=3"
 
@@ -55,19 +56,19 @@ class InjectingTrainer(Trainer):
         return loss * float("inf") if self.state.global_step in self.inject_inf_at else loss
 
 
-def _args(tmp_path, steps=6, **kw):
+def _args(tmp_path, steps=6, device="cpu", **kw):
     base = dict(output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
-                use_cpu=True, report_to=[], logging_steps=1000, save_strategy="no", seed=0, data_seed=0,
+                use_cpu=device == "cpu", report_to=[], logging_steps=1000, save_strategy="no", seed=0, data_seed=0,
                 full_determinism=True, disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=0.0,
                 optim="adamw_torch", lr_scheduler_type="linear")
     base.update(kw)
     return TrainingArguments(**base)
 
 
-def _trainer(tmp_path, steps=6, inject_inf_at=(), **kw):
+def _trainer(tmp_path, steps=6, inject_inf_at=(), device="cpu", **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return InjectingTrainer(model=tiny_gpt2(), args=_args(tmp_path, steps, **kw), train_dataset=Tokens(),
+        return InjectingTrainer(model=tiny_gpt2(), args=_args(tmp_path, steps, device, **kw), train_dataset=Tokens(),
                                 inject_inf_at=inject_inf_at)
 
 
@@ -84,19 +85,21 @@ def _same_params(a, b):
         assert torch.equal(p, q), f"{name} differs"
 
 
-def _torch_scaler():
-    return torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+def _torch_scaler(device="cpu"):
+    return torch.amp.GradScaler(device, init_scale=1024.0, growth_interval=3)
 
 
-def test_trainer_fp16_matches_accelerate_amp_bitwise(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", cuda_param()])
+def test_trainer_fp16_matches_accelerate_amp_bitwise(tmp_path, device):
     """attach(trainer, fp16 policy) == the Trainer's own fp16 path (torch's scaler), an overflow at step 2
     included; and our GradScaler dropped into that path == torch's."""
-    theirs = _their_fp16(_trainer(tmp_path / "a", fp16=True, inject_inf_at=[2]), _torch_scaler())
+    theirs = _their_fp16(_trainer(tmp_path / "a", fp16=True, inject_inf_at=[2], device=device),
+                         _torch_scaler(device))
     theirs.train()
-    drop_in_scaler = adaptive_amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
-    drop_in = _their_fp16(_trainer(tmp_path / "b", fp16=True, inject_inf_at=[2]), drop_in_scaler)
+    drop_in_scaler = adaptive_amp.GradScaler(device, init_scale=1024.0, growth_interval=3)
+    drop_in = _their_fp16(_trainer(tmp_path / "b", fp16=True, inject_inf_at=[2], device=device), drop_in_scaler)
     drop_in.train()
-    ours = _trainer(tmp_path / "c", inject_inf_at=[2])
+    ours = _trainer(tmp_path / "c", inject_inf_at=[2], device=device)
     cb = hf.attach(ours, FP16, read_every=2)
     ours.train()
     for other in (drop_in, ours):
@@ -119,14 +122,15 @@ def test_trainer_bf16_matches_accelerate_amp_bitwise(tmp_path):
     assert cb.amp.step_count == 6 and not cb.amp.scaler.is_enabled()
 
 
-def test_fused_optimizer_skip_keeps_the_scheduler_still(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", cuda_param()])
+def test_fused_optimizer_skip_keeps_the_scheduler_still(tmp_path, device):
     """With a fused optimizer (the Trainer's default adamw_torch_fused) Accelerate's skip test sees the
     step run and advances the LR schedule on an overflowing step; the bridge reports the skip from the
     scaler's device-side found_inf, so the schedule waits."""
-    theirs = _their_fp16(_trainer(tmp_path / "a", fp16=True, inject_inf_at=[2], optim="adamw_torch_fused"),
-                         _torch_scaler())
+    theirs = _their_fp16(_trainer(tmp_path / "a", fp16=True, inject_inf_at=[2], optim="adamw_torch_fused",
+                                  device=device), _torch_scaler(device))
     theirs.train()
-    ours = _trainer(tmp_path / "b", inject_inf_at=[2], optim="adamw_torch_fused")
+    ours = _trainer(tmp_path / "b", inject_inf_at=[2], optim="adamw_torch_fused", device=device)
     cb = hf.attach(ours, FP16)
     ours.train()
     # Step 3 runs with the learning rate step 2 had: the skipped step did not advance the schedule.

@@ -1,7 +1,7 @@
 """bench/multi_gpu_integrations.py on the CPU: two gloo processes under torch.distributed.run.
 
 The script is meant for GPUs with NCCL; its CPU path is the CI check that
-the controller's decisions are collective under DDP (torch's, Lightning's
+the controller's decisions are collective under DDP and FSDP2 (torch's, Lightning's
 and Accelerate's): a layer that overflows on one rank alone is promoted on
 every rank at the same step, skips and scales agree, nothing hangs, and a
 resumed run ends bitwise where the straight one did. About 20 s: two
@@ -52,10 +52,10 @@ def report(tmp_path_factory):
 def test_every_section_ran(report):
     assert not report["json"]["errors"], report["json"]["errors"]
     sections = {c["section"] for c in report["json"]["checks"]}
-    assert sections == {"controller", "resume", "lightning", "accelerate"}, report["log"]
+    assert sections == {"controller", "resume", "fsdp2", "lightning", "accelerate"}, report["log"]
 
 
-@pytest.mark.parametrize("section", ["controller", "resume", "lightning", "accelerate"])
+@pytest.mark.parametrize("section", ["controller", "resume", "fsdp2", "lightning", "accelerate"])
 def test_section_checks_pass(report, section):
     checks = [c for c in report["json"]["checks"] if c["section"] == section]
     assert checks, report["log"]

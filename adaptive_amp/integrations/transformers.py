@@ -50,7 +50,8 @@ class AdaptiveAmpCallback(TrainerCallback):
         return control
 
 
-def attach(trainer: Trainer, policy: Union[str, PrecisionPolicy] = "auto", **controller_kwargs: Any) -> AdaptiveAmpCallback:
+def attach(trainer: Trainer, policy: Union[str, PrecisionPolicy] = "auto",
+           **controller_kwargs: Any) -> AdaptiveAmpCallback:
     """Make `trainer` train under AdaptiveMixedPrecision; returns the callback (its ``.amp`` is the controller).
 
     `policy` and `controller_kwargs` are AdaptiveMixedPrecision's. The
