@@ -493,7 +493,8 @@ class AdaptiveMixedPrecision:
                                 analysis=self.analysis.to_dict() if self.analysis is not None else None,
                                 summary={"device": str(self.device), "policy": str(self.policy),
                                          "steps": self._step, "loss_trend": self.monitor.loss_trend(),
-                                         "loss_variance": self.monitor.loss_variance()})
+                                         "loss_variance": self.monitor.loss_variance()},
+                                tuning=self.tuning)
         if directory is not None:
             report.save(directory, plots=plots)
         return report
