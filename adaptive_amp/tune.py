@@ -913,7 +913,8 @@ def plot_tuning(d: dict, path: str) -> str:
         axes[1].legend(fontsize=7)
     for y, t in zip(ys, trials):
         if t.get("step_time_ms") is None:
-            axes[0].text(0, y, " " + ("failed" if t.get("error") else "not timed"), va="center", fontsize=7)
+            why = "failed" if t.get("error") else "does not fit" if t.get("fits") is False else "not timed"
+            axes[0].text(0, y, " " + why, va="center", fontsize=7)
         ci, mean = t.get("loss_diff_ci"), t.get("loss_diff_mean")
         if t.get("error") or mean is None or ci is None or None in ci:
             axes[2].text(0, y, " n/a", va="center", fontsize=7)

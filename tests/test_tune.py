@@ -331,3 +331,15 @@ def test_report_table_json_and_plot(tmp_path):
     d = json.load(open(files["json"]))
     assert d["chosen"] == result.recipe.name and len(d["trials"]) == 2
     assert open(files["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_tune(capsys, tmp_path):
+    from adaptive_amp.__main__ import main
+
+    assert main(["tune", "--zoo", "gpt2:tiny", "--candidates", "fp32,bf16", "--steps", "2", "--rounds", "1",
+                 "--timed-steps", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "A/B of precision recipes" in out and "chosen:" in out and "trial bf16:" in out
+    assert (tmp_path / "tune.png").exists() and json.loads((tmp_path / "tune.json").read_text())["trials"]
+    with pytest.raises(SystemExit, match="unknown"):
+        main(["tune", "--candidates", "fp64", "--steps", "2"])
