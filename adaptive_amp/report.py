@@ -70,7 +70,9 @@ class TrainingReport:
             raise TypeError(f"summary is a {type(summary).__name__}; pass a dict of scalars")
         self.summary = dict(summary or {})
         self.title = str(title)
-        # policy="tune": a TuneResult or its to_dict(); its A/B table and plot live in adaptive_amp.tune.
+        # policy="tune": a TuneResult (adaptive_amp.tune) or its to_dict(), which carries its A/B table as text;
+        # the plot needs the TuneResult itself.
+        self._tune_result = tuning if hasattr(tuning, "plot") else None
         self.tuning = tuning.to_dict() if hasattr(tuning, "to_dict") else (dict(tuning) if tuning else None)
 
     # ------------------------------------------------------------------ numbers
@@ -210,10 +212,8 @@ class TrainingReport:
         if self.analysis is not None:
             lines.append("")
             lines.extend(self._sensitivity_lines())
-        if self.tuning:
-            from .tune import tuning_table
-
-            lines.extend(["", tuning_table(self.tuning)])
+        if self.tuning and self.tuning.get("table"):
+            lines.extend(["", self.tuning["table"]])
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -426,10 +426,8 @@ class TrainingReport:
                 written["timeline"] = self.plot_timeline(os.path.join(directory, "timeline.png"))
                 if self.analysis and self.analysis.get("results"):
                     written["sensitivity"] = self.plot_sensitivity(os.path.join(directory, "sensitivity.png"))
-                if self.tuning:
-                    from .tune import plot_tuning
-
-                    written["tuning"] = plot_tuning(self.tuning, os.path.join(directory, "tune.png"))
+                if self._tune_result is not None:
+                    written["tuning"] = self._tune_result.plot(os.path.join(directory, "tune.png"))
             except ImportError as exc:
                 warnings.warn(f"report plots not written: {exc}", stacklevel=2)
         return written

@@ -36,6 +36,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _load_factory(spec: str):
+    import importlib
+
+    module_name, colon, attr = spec.partition(":")
+    if not colon or not module_name or not attr:
+        raise SystemExit(f"--model {spec!r}: expected package.module:factory")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr, None)
+    except ImportError as exc:
+        raise SystemExit(f"--model {spec!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?") from None
+    if not callable(factory):
+        raise SystemExit(f"--model {spec!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
 def _load(args, device):
     import torch
 
@@ -43,8 +58,6 @@ def _load(args, device):
     from .zoo.model import ZooModel
 
     if args.model:
-        from .__main__ import _load_factory
-
         made = _load_factory(args.model)()
     else:
         family, _, size = args.zoo.partition(":")
@@ -64,8 +77,8 @@ def _load(args, device):
 def main(argv: Optional[List[str]] = None) -> int:
     import torch
 
+    from .policy import AdaptivePrecisionSelector
     from .report import _jsonable
-    from .tune import tune
 
     args = _parser().parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -76,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         model = torch.compile(model)
     candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
     try:
-        result = tune(model, opt, batches, loss_fn, candidates=candidates, steps=args.steps, rounds=args.rounds,
+        result = AdaptivePrecisionSelector().tune(model, opt, batches, loss_fn, candidates=candidates, steps=args.steps, rounds=args.rounds,
                       timed_steps=args.timed_steps, memory_budget=args.budget, loss_tolerance=args.loss_tolerance)
     except ValueError as exc:
         raise SystemExit(f"python -m adaptive_amp tune: {exc}") from None

@@ -41,7 +41,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from adaptive_amp import zoo  # noqa: E402
 from adaptive_amp.recipes import AppliedRecipe  # noqa: E402
 from adaptive_amp.report import _jsonable  # noqa: E402
-from adaptive_amp.tune import Snapshot, default_candidates, tune  # noqa: E402
+from adaptive_amp.policy import AdaptivePrecisionSelector  # noqa: E402
+from adaptive_amp.tune import Snapshot  # noqa: E402
+
+tune = AdaptivePrecisionSelector().tune
 
 
 def build(name: str, tiny: bool, device):
@@ -178,7 +181,7 @@ def main(argv=None):
             snap.restore()
             run["torch_bf16_autocast"] = train(zm, model, opt, batches, args.train_steps, device, None)
             alone = {}
-            recipes = {r.name: r for r in default_candidates(res_caps(device), None, cands)[0]}
+            recipes = {r.name: r for r in AdaptivePrecisionSelector().candidates(res_caps(device), None, cands)[0]}
             for t in res.trials:
                 if t.error is None and t.fits and t.name in recipes:
                     snap.restore()

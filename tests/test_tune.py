@@ -17,12 +17,13 @@ from adaptive_amp.hardware import Capabilities  # noqa: E402
 from adaptive_amp.policy import AdaptivePrecisionSelector  # noqa: E402
 from adaptive_amp.pressure import MemoryGuard  # noqa: E402
 from adaptive_amp.recipes import cast_parameters, checkpoint_blocks, convert_optimizer, find_blocks  # noqa: E402
-from adaptive_amp.tune import LossComparison, Snapshot, parse_budget, t_quantile, tune  # noqa: E402
+from adaptive_amp.tune import LossComparison, Snapshot, parse_budget, t_quantile  # noqa: E402
 
 from conftest import assert_bitwise_equal  # noqa: E402
 
 CPU = Capabilities(device_type="cpu", name="test cpu", bf16=True)
 FAST = dict(steps=3, rounds=1, timed_steps=1)
+tune = AdaptivePrecisionSelector().tune
 
 
 def _setup(family="gpt2", n_batches=3, lr=3e-3, opt_cls=torch.optim.AdamW, **opt_kw):
