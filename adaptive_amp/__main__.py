@@ -1,4 +1,4 @@
-"""Command line: ``python -m adaptive_amp info | analyze | demo | bench``."""
+"""Command line: ``python -m adaptive_amp info | analyze | demo | bench | tune``."""
 
 from __future__ import annotations
 
@@ -185,6 +185,7 @@ def main(argv=None) -> int:
     analyze.add_argument("--no-progress", action="store_true", help="no progress bar")
     sub.add_parser("demo", help="train the demo LM (see --help after demo)", add_help=False)
     sub.add_parser("bench", help="kernel microbenchmarks (see --help after bench)", add_help=False)
+    sub.add_parser("tune", help="A/B of precision recipes on a model (see --help after tune)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command in ("info", "analyze") and rest:
         parser.error(f"{args.command}: unrecognized arguments: {' '.join(rest)}")
@@ -199,6 +200,10 @@ def main(argv=None) -> int:
 
         bench.main(rest)
         return 0
+    if args.command == "tune":
+        from .tune_cli import main as tune_main
+
+        return tune_main(rest)
     return 2
 
 

@@ -186,15 +186,39 @@ class AdaptiveMixedPrecision:
         if not isinstance(policy, str):
             raise TypeError(f"policy must be 'auto', a PrecisionPolicy or its string form, got {type(policy).__name__}")
         if policy.strip().lower() == "tune":
-            from .tune import tune_controller
-
-            return tune_controller(self, self._tune_options, sample_inputs, loss_fn, overrides, progress)
+            return self._tune(sample_inputs, loss_fn, overrides, progress)
         if policy.strip().lower() != "auto":
             return PrecisionPolicy.from_string(policy)
         if sample_inputs is not None:
             self.analysis = PrecisionAnalyzer(include=self.include, exclude=self.exclude, progress=progress).analyze(
                 self.model, sample_inputs, loss_fn)
         return AdaptivePrecisionSelector().select(self.model, self.capabilities, self.analysis, overrides)
+
+    def _tune(self, sample_inputs, loss_fn, overrides, progress) -> PrecisionPolicy:
+        """policy="tune": analyze (with sample_inputs, for the islands variants), measure the candidates, and
+        apply the chosen recipe's optimizer, parameter dtype, checkpointing and float8 (the policy is applied
+        below as any other)."""
+        from .recipes import AppliedRecipe
+
+        options = dict(self._tune_options or {})
+        if "batches" not in options or "loss_fn" not in options:
+            raise ValueError("policy='tune' needs tune=dict(batches=[...], loss_fn=fn) where fn(model, batch) "
+                             "returns the loss (and optionally candidates=, steps=, memory_budget=...: see "
+                             "AdaptivePrecisionSelector.tune)")
+        if overrides is not None:
+            raise ValueError("policy='tune' measures candidates instead of taking overrides; restrict them with "
+                             "tune=dict(candidates=[...])")
+        if len(self.optimizers) != 1:
+            raise ValueError(f"policy='tune' tunes one optimizer; got {len(self.optimizers)}")
+        if sample_inputs is not None and "analysis" not in options:
+            options["analysis"] = self.analysis = PrecisionAnalyzer(
+                include=self.include, exclude=self.exclude, progress=progress).analyze(self.model, sample_inputs,
+                                                                                       loss_fn)
+        self.tuning = AdaptivePrecisionSelector().tune(self.model, self.optimizers[0], options.pop("batches"),
+                                                       options.pop("loss_fn"), capabilities=self.capabilities,
+                                                       **options)
+        self.optimizers = [AppliedRecipe(self.tuning.recipe, self.model, self.optimizers[0], precision=False).optimizer]
+        return self.tuning.policy
 
     def _check_param_dtype(self, policy: PrecisionPolicy) -> None:
         """bf16 parameters ("bf16-pure"): cast the model, and insist on optimizers that round stochastically."""
@@ -496,7 +520,8 @@ class AdaptiveMixedPrecision:
                                 analysis=self.analysis.to_dict() if self.analysis is not None else None,
                                 summary={"device": str(self.device), "policy": str(self.policy),
                                          "steps": self._step, "loss_trend": self.monitor.loss_trend(),
-                                         "loss_variance": self.monitor.loss_variance()})
+                                         "loss_variance": self.monitor.loss_variance()},
+                                tuning=self.tuning)
         if directory is not None:
             report.save(directory, plots=plots)
         return report

@@ -19,8 +19,9 @@ from typing import Any, Iterable, Mapping, Optional, Tuple, Union
 
 import torch
 
-from .hardware import Capabilities
+from .hardware import Capabilities, HardwareDetector
 from .layers import canonical_name, expand_names
+from .recipes import Recipe, float8_available
 
 # Canonical names are torch's (str(torch.float16) without "torch."); the short
 # aliases are jmp's and the usual fp* spellings.
@@ -374,19 +375,34 @@ class AdaptivePrecisionSelector:
         return PrecisionPolicy(param_dtype=param, compute_dtype=compute, tf32=tf32, islands=islands,
                                loss_scale=loss_scale, reasons=tuple(reasons))
 
+    def candidates(self, capabilities: Capabilities, analysis=None, names=None) -> tuple:
+        """(recipes, skipped): the candidate recipes of :meth:`tune` for `names` (default all of CANDIDATES),
+        and (name, why) for those that cannot run here."""
+        return candidate_recipes(capabilities, analysis, names)
+
     def tune(self, model: torch.nn.Module, optimizer, batches, loss_fn, candidates=None, steps: int = 8,
              memory_budget=None, *, capabilities: Optional[Capabilities] = None, analysis=None, **options):
         """Measured selection: train each candidate recipe briefly on `batches` from one snapshot and pick the
         fastest that agrees with the reference's loss and fits `memory_budget` (see adaptive_amp.tune).
 
-        loss_fn is ``loss_fn(model, batch) -> loss``. Returns a TuneResult: ``.policy`` is the choice, every
-        trial in its reasons; ``.recipe`` adds what a policy does not say (optimizer moments, checkpointing);
-        ``.table()``, ``.plot(path)``, ``.to_dict()`` are the A/B report. The model, the optimizer and the RNG
-        states are left as they were, bitwise."""
-        from .tune import tune
+        loss_fn is ``loss_fn(model, batch) -> loss`` (it runs under each candidate's autocast); step k trains on
+        ``batches[k % len(batches)]``. candidates: names from CANDIDATES (default: all that run here); fp32
+        islands variants come from `analysis` (a PrecisionAnalysis). memory_budget: bytes or "20GiB".
+        options: rounds, timed_steps, loss_tolerance, min_cosine, tie, checkpoint_when_needed,
+        offload_snapshot, progress (see adaptive_amp.tune.Tuner).
 
-        return tune(model, optimizer, batches, loss_fn, capabilities=capabilities, candidates=candidates,
-                    steps=steps, memory_budget=memory_budget, analysis=analysis, **options)
+        Returns a TuneResult: ``.policy`` is the choice, every trial in its reasons; ``.recipe`` adds what a
+        policy does not say (optimizer moments, checkpointing; ``.apply(model, optimizer)``); ``.table()``,
+        ``.plot(path)``, ``.to_dict()`` are the A/B report. The model, the optimizer and the RNG states are
+        left as they were, bitwise."""
+        from .tune import Tuner
+
+        if capabilities is None:
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            capabilities = HardwareDetector().detect(device)
+        recipes, skipped = self.candidates(capabilities, analysis, candidates)
+        return Tuner(model, optimizer, batches, loss_fn, capabilities, recipes, skipped, steps=steps,
+                     memory_budget=memory_budget, analysis=analysis, **options).run()
 
     def _islands(self, analysis, compute: torch.dtype, reasons: list) -> Tuple[str, ...]:
         if analysis is None:
@@ -424,6 +440,67 @@ class AdaptivePrecisionSelector:
         reasons.append(f"loss_scale=dynamic:{_fmt_number(scale)}: largest power of two keeping "
                        f"grad_amax={float(grad_amax):.3g} * scale 16x below fp16's max{note}")
         return scale
+
+
+#: Recipes AdaptivePrecisionSelector.tune knows, safest first (each may end in "+ckpt": activation checkpointing).
+CANDIDATES = ("fp32", "bf16+islands", "bf16", "fp16+islands", "fp16", "bf16-pure", "bf16-pure+bf16-moments",
+              "float8")
+
+
+def candidate_recipes(capabilities, analysis=None, names=None) -> tuple:
+    """(recipes, skipped) for the names asked (default: all of CANDIDATES): each a Recipe, or (name, why) when
+    it cannot run here. Islands variants exist only where the analysis flags layers for that dtype."""
+    names = list(CANDIDATES if names is None else names)
+    unknown = [n for n in names if n.replace("+ckpt", "") not in CANDIDATES]
+    if unknown:
+        raise ValueError(f"candidates: unknown {unknown}; choose from {', '.join(CANDIDATES)} (each may end "
+                         "in +ckpt for activation checkpointing)")
+    tf32 = bool(getattr(capabilities, "tf32", False))
+    gpu = getattr(capabilities, "device_type", "cpu") == "cuda"
+    recipes, skipped = [], []
+
+    def risky(dtype):
+        if analysis is None:
+            return ()
+        return tuple(item if isinstance(item, str) else item[0] for item in analysis.risky_layers(dtype) or ())
+
+    for name in names:
+        base, ckpt = name.replace("+ckpt", ""), name.endswith("+ckpt")
+        safety = CANDIDATES.index(base) * 2 + int(ckpt)
+        kw = dict(name=name, checkpoint=ckpt, safety=safety)
+        if base == "fp32":
+            recipes.append(Recipe(policy=PrecisionPolicy(tf32=tf32), **kw))
+        elif base in ("bf16", "bf16+islands", "fp16", "fp16+islands"):
+            dtype = torch.bfloat16 if base.startswith("bf16") else torch.float16
+            if gpu and not getattr(capabilities, "bf16" if dtype == torch.bfloat16 else "fp16", False):
+                skipped.append((name, f"{dtype_name(dtype)} is not native on {capabilities.name}"))
+                continue
+            islands = ()
+            if base.endswith("+islands"):
+                islands = risky(dtype)
+                if not islands:
+                    why = ("no sensitivity analysis was given" if analysis is None else
+                           f"the analysis flags no layer as risky in {dtype_name(dtype)}")
+                    skipped.append((name, f"{why}, so it equals {base.split('+')[0]}"))
+                    continue
+            scale = LossScale() if dtype == torch.float16 else None
+            recipes.append(Recipe(policy=PrecisionPolicy(compute_dtype=dtype, islands=islands, loss_scale=scale,
+                                                         tf32=tf32), **kw))
+        elif base.startswith("bf16-pure"):
+            if gpu and not getattr(capabilities, "bf16", False):
+                skipped.append((name, f"bf16 is not native on {capabilities.name}"))
+                continue
+            moments = torch.bfloat16 if base.endswith("bf16-moments") else torch.float32
+            recipes.append(Recipe(policy=PrecisionPolicy(torch.bfloat16, torch.bfloat16, tf32=tf32),
+                                  moment_dtype=moments, **kw))
+        elif base == "float8":
+            why = float8_available()
+            if why is not None:
+                skipped.append((name, why))
+                continue
+            recipes.append(Recipe(policy=PrecisionPolicy(compute_dtype=torch.bfloat16, tf32=tf32), float8=True, **kw))
+    return recipes, skipped
+
 
 
 def _override_fields(overrides) -> dict:

@@ -44,6 +44,8 @@ LADDER = ("bf16-moments", "bf16-weights", "checkpoint")
 def _parse_bytes(value, what: str) -> Optional[int]:
     from .tune import parse_budget
 
+    if value == 0:
+        return 0
     try:
         return parse_budget(value)
     except ValueError as exc:

@@ -31,14 +31,13 @@ import dataclasses
 import functools
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .adjust import DynamicPrecisionAdjuster
 from .layers import unwrap_model
-from .policy import LossScale, PrecisionPolicy, dtype_name
 from .scaler import GradScaler
 
 _MISSING = object()
@@ -46,10 +45,16 @@ _MISSING = object()
 _ADDED_KEYS = ("stochastic_rounding", "moment_dtype")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
 @dataclass(frozen=True)
 class Recipe:
-    """A way to train: the policy's dtypes plus the optimizer's moments, checkpointing and float8.
+    """A way to train: a PrecisionPolicy plus the optimizer's moments, checkpointing and float8.
 
+    policy: the adaptive_amp.policy.PrecisionPolicy (dtypes, TF32, islands, loss scaling); the policy
+        module builds recipes (AdaptivePrecisionSelector.candidates), this one only applies them.
     moment_dtype: None keeps the user's optimizer as it is; a dtype converts it to
         adaptive_amp.optim (stochastic rounding) with moments in that dtype.
         Recipes with bf16 parameters need it.
@@ -59,11 +64,7 @@ class Recipe:
     """
 
     name: str
-    compute_dtype: torch.dtype = torch.float32
-    param_dtype: torch.dtype = torch.float32
-    tf32: bool = False
-    islands: Tuple[str, ...] = ()
-    loss_scale: Optional[LossScale] = None
+    policy: Any
     moment_dtype: Optional[torch.dtype] = None
     checkpoint: bool = False
     float8: bool = False
@@ -73,12 +74,20 @@ class Recipe:
         if self.param_dtype == torch.bfloat16 and self.moment_dtype is None:
             raise ValueError(f"recipe {self.name!r}: bf16 parameters need an optimizer that rounds stochastically; "
                              "set moment_dtype (torch.float32 or torch.bfloat16)")
-        if self.param_dtype == torch.bfloat16 and self.islands:
+        if self.param_dtype == torch.bfloat16 and self.policy.islands:
             raise ValueError(f"recipe {self.name!r}: bf16 parameters cannot have fp32 islands")
 
-    def policy(self, reasons=()) -> PrecisionPolicy:
-        return PrecisionPolicy(param_dtype=self.param_dtype, compute_dtype=self.compute_dtype, tf32=self.tf32,
-                               islands=self.islands, loss_scale=self.loss_scale, reasons=tuple(reasons))
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.policy.param_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.policy.compute_dtype
+
+    @property
+    def islands(self) -> tuple:
+        return tuple(self.policy.islands)
 
     def replace(self, **changes) -> "Recipe":
         return dataclasses.replace(self, **changes)
@@ -92,10 +101,10 @@ class Recipe:
             extras.append("checkpoint=blocks")
         if self.float8:
             extras.append("float8=torchao")
-        return ";".join([str(self.policy())] + extras)
+        return ";".join([str(self.policy)] + extras)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "policy": str(self.policy()),
+        return {"name": self.name, "policy": str(self.policy),
                 "moment_dtype": None if self.moment_dtype is None else dtype_name(self.moment_dtype),
                 "checkpoint": self.checkpoint, "float8": self.float8}
 
@@ -365,13 +374,14 @@ class AppliedRecipe:
             self.adjuster = self.scaler = None
             if not precision:
                 return
-            self.adjuster = DynamicPrecisionAdjuster(model, recipe.policy())
+            self.adjuster = DynamicPrecisionAdjuster(model, recipe.policy)
             self._undo.append(self.adjuster.remove)
-            self.scaler = (GradScaler(device.type, **recipe.loss_scale.grad_scaler_kwargs())
-                           if recipe.loss_scale is not None else GradScaler(device.type, enabled=False))
+            loss_scale = recipe.policy.loss_scale
+            self.scaler = (GradScaler(device.type, **loss_scale.grad_scaler_kwargs())
+                           if loss_scale is not None else GradScaler(device.type, enabled=False))
             if device.type == "cuda":
                 self._tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(recipe.tf32)
+                torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(recipe.policy.tf32)
         except BaseException:
             self.undo()
             raise

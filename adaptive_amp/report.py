@@ -56,7 +56,7 @@ class TrainingReport:
 
     def __init__(self, history: Optional[Mapping[str, Sequence]] = None, events: Iterable[Mapping] = (),
                  policies: Iterable[Tuple[int, Any]] = (), analysis=None, summary: Optional[Mapping] = None,
-                 title: str = "adaptive_amp training report"):
+                 title: str = "adaptive_amp training report", tuning=None):
         self.history = _check_history(history or {})
         self.events = [_check_event(e, i) for i, e in enumerate(events)]
         self.events.sort(key=lambda e: e["step"])  # stable: same-step events keep their order
@@ -70,6 +70,10 @@ class TrainingReport:
             raise TypeError(f"summary is a {type(summary).__name__}; pass a dict of scalars")
         self.summary = dict(summary or {})
         self.title = str(title)
+        # policy="tune": a TuneResult (adaptive_amp.tune) or its to_dict(), which carries its A/B table as text;
+        # the plot needs the TuneResult itself.
+        self._tune_result = tuning if hasattr(tuning, "plot") else None
+        self.tuning = tuning.to_dict() if hasattr(tuning, "to_dict") else (dict(tuning) if tuning else None)
 
     # ------------------------------------------------------------------ numbers
     @property
@@ -208,6 +212,8 @@ class TrainingReport:
         if self.analysis is not None:
             lines.append("")
             lines.extend(self._sensitivity_lines())
+        if self.tuning and self.tuning.get("table"):
+            lines.extend(["", self.tuning["table"]])
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -258,6 +264,7 @@ class TrainingReport:
             "analysis": self.analysis,
             "summary": self.summary,
             "stats": self.stats(),
+            "tuning": self.tuning,
         })
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -265,13 +272,13 @@ class TrainingReport:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "TrainingReport":
-        known = {"title", "history", "events", "policies", "analysis", "summary", "stats"}
+        known = {"title", "history", "events", "policies", "analysis", "summary", "stats", "tuning"}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown TrainingReport field(s): {', '.join(sorted(unknown))}")
         return cls(history=d.get("history"), events=d.get("events") or (), policies=d.get("policies") or (),
                    analysis=d.get("analysis"), summary=d.get("summary"),
-                   title=d.get("title", "adaptive_amp training report"))
+                   title=d.get("title", "adaptive_amp training report"), tuning=d.get("tuning"))
 
     @classmethod
     def from_json(cls, text: str) -> "TrainingReport":
@@ -419,6 +426,8 @@ class TrainingReport:
                 written["timeline"] = self.plot_timeline(os.path.join(directory, "timeline.png"))
                 if self.analysis and self.analysis.get("results"):
                     written["sensitivity"] = self.plot_sensitivity(os.path.join(directory, "sensitivity.png"))
+                if self._tune_result is not None:
+                    written["tuning"] = self._tune_result.plot(os.path.join(directory, "tune.png"))
             except ImportError as exc:
                 warnings.warn(f"report plots not written: {exc}", stacklevel=2)
         return written

@@ -1,8 +1,9 @@
 """Measured policy selection: try candidate recipes on the user's own model and batches, pick the fastest
 that keeps the loss and fits the memory budget.
 
-``tune(model, optimizer, batches, loss_fn, ...)`` (also
-``AdaptivePrecisionSelector.tune`` and ``AdaptiveMixedPrecision(policy="tune")``):
+``AdaptivePrecisionSelector.tune(model, optimizer, batches, loss_fn, ...)`` (and
+``AdaptiveMixedPrecision(policy="tune")``) build the candidate recipes and run a
+:class:`Tuner` here:
 
 1. A :class:`Snapshot` of parameters, buffers, gradients, the optimizer's state
    and hyperparameters, and the RNG states (torch CPU and CUDA, python's
@@ -54,12 +55,9 @@ import torch
 from torch import nn
 
 from .layers import unwrap_model
-from .policy import LossScale, PrecisionPolicy, dtype_name
-from .recipes import AppliedRecipe, Recipe, convertible, find_blocks, float8_available
+from .recipes import AppliedRecipe, Recipe, convertible, find_blocks
+from .report import _jsonable, _matplotlib, _save, comparison_table
 
-#: Candidate names tune() knows, safest first.
-CANDIDATES = ("fp32", "bf16+islands", "bf16", "fp16+islands", "fp16", "bf16-pure", "bf16-pure+bf16-moments",
-              "float8")
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
@@ -289,61 +287,6 @@ def parse_budget(value) -> Optional[int]:
     return int(n * _UNITS[unit])
 
 
-def default_candidates(capabilities, analysis=None, names: Optional[Sequence[str]] = None
-                       ) -> Tuple[List[Recipe], List[Tuple[str, str]]]:
-    """(recipes, skipped) for the names asked (default: all of CANDIDATES): each a Recipe, or (name, why) when
-    it cannot run here. Islands variants exist only where the analysis flags layers for that dtype."""
-    names = list(CANDIDATES if names is None else names)
-    unknown = [n for n in names if n.replace("+ckpt", "") not in CANDIDATES]
-    if unknown:
-        raise ValueError(f"candidates: unknown {unknown}; choose from {', '.join(CANDIDATES)} (each may end "
-                         "in +ckpt for activation checkpointing)")
-    tf32 = bool(getattr(capabilities, "tf32", False))
-    gpu = getattr(capabilities, "device_type", "cpu") == "cuda"
-    recipes, skipped = [], []
-
-    def risky(dtype):
-        if analysis is None:
-            return ()
-        return tuple(item if isinstance(item, str) else item[0] for item in analysis.risky_layers(dtype) or ())
-
-    for name in names:
-        base, ckpt = name.replace("+ckpt", ""), name.endswith("+ckpt")
-        safety = CANDIDATES.index(base) * 2 + int(ckpt)
-        kw = dict(name=name, tf32=tf32, checkpoint=ckpt, safety=safety)
-        if base == "fp32":
-            recipes.append(Recipe(**kw))
-        elif base in ("bf16", "bf16+islands", "fp16", "fp16+islands"):
-            dtype = torch.bfloat16 if base.startswith("bf16") else torch.float16
-            if gpu and not getattr(capabilities, "bf16" if dtype == torch.bfloat16 else "fp16", False):
-                skipped.append((name, f"{dtype_name(dtype)} is not native on {capabilities.name}"))
-                continue
-            islands = ()
-            if base.endswith("+islands"):
-                islands = risky(dtype)
-                if not islands:
-                    why = ("no sensitivity analysis was given" if analysis is None else
-                           f"the analysis flags no layer as risky in {dtype_name(dtype)}")
-                    skipped.append((name, f"{why}, so it equals {base.split('+')[0]}"))
-                    continue
-            scale = LossScale() if dtype == torch.float16 else None
-            recipes.append(Recipe(compute_dtype=dtype, islands=islands, loss_scale=scale, **kw))
-        elif base.startswith("bf16-pure"):
-            if gpu and not getattr(capabilities, "bf16", False):
-                skipped.append((name, f"bf16 is not native on {capabilities.name}"))
-                continue
-            moments = torch.bfloat16 if base.endswith("bf16-moments") else torch.float32
-            recipes.append(Recipe(compute_dtype=torch.bfloat16, param_dtype=torch.bfloat16, moment_dtype=moments,
-                                  **kw))
-        elif base == "float8":
-            why = float8_available()
-            if why is not None:
-                skipped.append((name, why))
-                continue
-            recipes.append(Recipe(compute_dtype=torch.bfloat16, float8=True, **kw))
-    return recipes, skipped
-
-
 # ---------------------------------------------------------------------------- trials
 
 
@@ -477,7 +420,8 @@ class _Timer:
 class Tuner:
     """Runs the trials of :func:`tune` (see the module docstring); one instance per tuning."""
 
-    def __init__(self, model, optimizer, batches, loss_fn, capabilities, *, candidates=None, steps: int = 8,
+    def __init__(self, model, optimizer, batches, loss_fn, capabilities, recipes: Sequence[Recipe],
+                 skipped: Sequence[Tuple[str, str]] = (), *, steps: int = 8,
                  memory_budget=None, analysis=None, rounds: int = 3, timed_steps: int = 3,
                  loss_tolerance: float = 0.01, min_cosine: float = 0.95, tie: float = 0.01,
                  checkpoint_when_needed: bool = True, offload_snapshot: Optional[bool] = None,
@@ -502,7 +446,7 @@ class Tuner:
         self.say = progress or (lambda msg: None)
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.compiled = unwrap_model(model) is not model
-        self.recipes, self.skipped = default_candidates(capabilities, analysis, candidates)
+        self.recipes, self.skipped = list(recipes), list(skipped)
         why = convertible(optimizer)
         if why is not None:
             keep = [r for r in self.recipes if r.moment_dtype is None]
@@ -724,7 +668,7 @@ class Tuner:
             reasons.append(f"trial {t.name}: {_trial_line(t)}")
         for name, why in self.skipped:
             reasons.append(f"trial {name}: skipped: {why}")
-        policy = recipe.policy(reasons)
+        policy = recipe.policy.replace(reasons=tuple(reasons))
         return TuneResult(policy=policy, recipe=recipe, trials=trials, skipped=list(self.skipped),
                           reference=reference.name, budget=self.budget, seconds=seconds,
                           device=str(self.device), compiled=self.compiled)
@@ -780,7 +724,7 @@ def _trial_line(t: Trial) -> str:
 class TuneResult:
     """What :func:`tune` measured and chose. ``policy`` carries every trial in its reasons."""
 
-    policy: PrecisionPolicy
+    policy: Any  # the PrecisionPolicy chosen, every trial in its reasons
     recipe: Recipe
     trials: List[Trial]
     skipped: List[Tuple[str, str]]
@@ -799,12 +743,18 @@ class TuneResult:
         return AppliedRecipe(self.recipe, model, optimizer)
 
     def table(self) -> str:
-        return tuning_table(self.to_dict())
+        return tuning_table(self._data())
 
     def __str__(self) -> str:
         return self.table()
 
     def to_dict(self) -> dict:
+        """Plain data, the A/B table included as text (``"table"``)."""
+        d = self._data()
+        d["table"] = tuning_table(d)
+        return d
+
+    def _data(self) -> dict:
         chosen = self.chosen
         return {"chosen": self.recipe.name, "recipe": self.recipe.to_dict(), "describe": self.recipe.describe(),
                 "policy": str(self.policy), "reference": self.reference, "budget_bytes": self.budget,
@@ -813,14 +763,12 @@ class TuneResult:
                 "skipped": [{"name": n, "why": w} for n, w in self.skipped], "reasons": list(self.policy.reasons)}
 
     def plot(self, path: str) -> str:
-        return plot_tuning(self.to_dict(), path)
+        return plot_tuning(self._data(), path)
 
     def save(self, directory: str, plots: bool = True) -> Dict[str, str]:
         """tune.txt, tune.json and (with matplotlib) tune.png in `directory`."""
         import json
         import os
-
-        from .report import _jsonable
 
         os.makedirs(directory, exist_ok=True)
         out = {"text": os.path.join(directory, "tune.txt"), "json": os.path.join(directory, "tune.json")}
@@ -831,29 +779,6 @@ class TuneResult:
         if plots:
             out["plot"] = self.plot(os.path.join(directory, "tune.png"))
         return out
-
-
-def tune(model: nn.Module, optimizer: torch.optim.Optimizer, batches, loss_fn, *, capabilities=None,
-         candidates: Optional[Sequence[str]] = None, steps: int = 8, memory_budget=None, analysis=None,
-         **options) -> TuneResult:
-    """Measure each candidate recipe on `model` and pick one (see the module docstring).
-
-    loss_fn: ``loss_fn(model, batch) -> scalar loss``; it runs under each candidate's autocast.
-    batches: a few batches (a sequence); step k trains on ``batches[k % len(batches)]``.
-    candidates: names from CANDIDATES (``+ckpt`` for checkpointing); default all that run here.
-    memory_budget: bytes or a string ("20GiB"); candidates above it are not chosen.
-    options: rounds, timed_steps, loss_tolerance, min_cosine, tie, checkpoint_when_needed,
-        offload_snapshot, progress (see :class:`Tuner`).
-    Afterwards the model, optimizer and RNG states are as before, bitwise; apply the choice with
-    ``result.apply(model, optimizer)`` or let AdaptiveMixedPrecision(policy="tune") do it.
-    """
-    if capabilities is None:
-        from .hardware import HardwareDetector
-
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        capabilities = HardwareDetector().detect(device)
-    return Tuner(model, optimizer, batches, loss_fn, capabilities, candidates=candidates, steps=steps,
-                 memory_budget=memory_budget, analysis=analysis, **options).run()
 
 
 # ---------------------------------------------------------------------------- A/B report (from the dict form,
@@ -879,8 +804,6 @@ def tuning_rows(d: dict) -> List[dict]:
 
 def tuning_table(d: dict) -> str:
     """The A/B table of a TuneResult.to_dict(): one row per candidate, then the choice."""
-    from .report import comparison_table
-
     head = (f"A/B of precision recipes on {d['device']}{' (compiled)' if d.get('compiled') else ''}: reference "
             f"{d['reference']}, memory budget {_bytes(d.get('budget_bytes'))}, memory as {d.get('memory_source')}; "
             f"tuning took {d['seconds']:.1f} s")
@@ -892,8 +815,6 @@ def plot_tuning(d: dict, path: str) -> str:
     """One PNG of a TuneResult.to_dict(): step time and memory per candidate (bars; the budget as a dashed
     line) and the mean loss difference against the reference with its 95% interval. Green: chosen; red: does
     not fit, disagrees or failed; blue: agrees but slower."""
-    from .report import _matplotlib, _save
-
     Figure, FigureCanvasAgg = _matplotlib()
     trials = d["trials"]
     fig = Figure(figsize=(13, 1.6 + 0.45 * max(len(trials), 3)), constrained_layout=True)
@@ -913,7 +834,8 @@ def plot_tuning(d: dict, path: str) -> str:
         axes[1].legend(fontsize=7)
     for y, t in zip(ys, trials):
         if t.get("step_time_ms") is None:
-            axes[0].text(0, y, " " + ("failed" if t.get("error") else "not timed"), va="center", fontsize=7)
+            why = "failed" if t.get("error") else "does not fit" if t.get("fits") is False else "not timed"
+            axes[0].text(0, y, " " + why, va="center", fontsize=7)
         ci, mean = t.get("loss_diff_ci"), t.get("loss_diff_mean")
         if t.get("error") or mean is None or ci is None or None in ci:
             axes[2].text(0, y, " n/a", va="center", fontsize=7)
@@ -929,32 +851,3 @@ def plot_tuning(d: dict, path: str) -> str:
         ax.grid(axis="x", alpha=0.3)
     _save(fig, path)
     return path
-
-
-def tune_controller(amp, options: Optional[dict], sample_inputs=None, loss_fn=None, overrides=None,
-                    progress: bool = True) -> PrecisionPolicy:
-    """``AdaptiveMixedPrecision(policy="tune", tune={...})``: analyze (with sample_inputs, for the islands
-    variants), tune, and apply the chosen recipe's optimizer, parameter dtype, checkpointing and float8 to the
-    controller's model and optimizer (the controller applies the policy itself). Sets ``amp.tuning``."""
-    options = dict(options or {})
-    if "batches" not in options or "loss_fn" not in options:
-        raise ValueError("policy='tune' needs tune=dict(batches=[...], loss_fn=fn) where fn(model, batch) returns "
-                         "the loss (and optionally candidates=, steps=, memory_budget=, ...: see "
-                         "AdaptivePrecisionSelector.tune)")
-    if overrides is not None:
-        raise ValueError("policy='tune' measures candidates instead of taking overrides; restrict them with "
-                         "tune=dict(candidates=[...]) instead")
-    if len(amp.optimizers) != 1:
-        raise ValueError(f"policy='tune' tunes one optimizer; got {len(amp.optimizers)}")
-    if sample_inputs is not None and "analysis" not in options:
-        from .analysis import PrecisionAnalyzer
-
-        amp.analysis = PrecisionAnalyzer(include=amp.include, exclude=amp.exclude, progress=progress).analyze(
-            amp.model, sample_inputs, loss_fn)
-        options["analysis"] = amp.analysis
-    result = tune(amp.model, amp.optimizers[0], options.pop("batches"), options.pop("loss_fn"),
-                  capabilities=amp.capabilities, **options)
-    applied = AppliedRecipe(result.recipe, amp.model, amp.optimizers[0], precision=False)
-    amp.optimizers = [applied.optimizer]
-    amp.tuning = result
-    return result.policy

@@ -1,0 +1,346 @@
+"""Measured policy selection (adaptive_amp.tune), its recipes' conversions, and the memory guard, on the zoo."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from adaptive_amp import AdaptiveMixedPrecision, optim, zoo  # noqa: E402
+from adaptive_amp.hardware import Capabilities  # noqa: E402
+from adaptive_amp.policy import AdaptivePrecisionSelector  # noqa: E402
+from adaptive_amp.pressure import MemoryGuard  # noqa: E402
+from adaptive_amp.recipes import cast_parameters, checkpoint_blocks, convert_optimizer, find_blocks  # noqa: E402
+from adaptive_amp.tune import LossComparison, Snapshot, parse_budget, t_quantile  # noqa: E402
+
+from conftest import assert_bitwise_equal  # noqa: E402
+
+CPU = Capabilities(device_type="cpu", name="test cpu", bf16=True)
+FAST = dict(steps=3, rounds=1, timed_steps=1)
+tune = AdaptivePrecisionSelector().tune
+
+
+def _setup(family="gpt2", n_batches=3, lr=3e-3, opt_cls=torch.optim.AdamW, **opt_kw):
+    zm = zoo.build(family, "tiny", seed=0)
+    opt = opt_cls(zm.model.parameters(), lr=lr, **opt_kw)
+    batches = [zm.make_batch(4, seed=i) for i in range(n_batches)]
+    return zm, opt, batches
+
+
+def _train(zm, opt, batches, n=1):
+    for i in range(n):
+        zm.loss(zm.model, batches[i % len(batches)]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _everything(zm, opt):
+    """Every tensor the snapshot promises to restore, and the RNG streams, as comparable values."""
+    out = {f"param {n}": p.detach().clone() for n, p in zm.model.named_parameters()}
+    out.update({f"grad {n}": p.grad.clone() for n, p in zm.model.named_parameters() if p.grad is not None})
+    out.update({f"buffer {n}": b.clone() for n, b in zm.model.named_buffers()})
+    names = {p: n for n, p in zm.model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            out[f"state {names[p]} {k}"] = v.clone() if isinstance(v, torch.Tensor) else v
+    out["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    out["rng"] = (torch.rand(3), random.random(), np.random.rand())
+    return out
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if k in ("groups", "rng"):
+            if k == "rng":
+                assert_bitwise_equal(a[k][0], b[k][0]) or None
+                assert a[k][1:] == b[k][1:]
+            else:
+                assert a[k] == b[k], k
+        elif isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and a[k].device == b[k].device, k
+            assert_bitwise_equal(a[k], b[k], k)
+        else:
+            assert a[k] == b[k], k
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def test_t_quantile_matches_tables():
+    for df, q in [(1, 12.7062), (4, 2.7764), (9, 2.2622), (30, 2.0423), (1000, 1.9623)]:
+        assert t_quantile(0.975, df) == pytest.approx(q, abs=2e-4)
+    assert t_quantile(0.025, 5) == pytest.approx(-t_quantile(0.975, 5))
+
+
+def test_loss_comparison_interval():
+    c = LossComparison.of([1.1, 1.2, 1.3, 1.0], [1.0, 1.0, 1.0, 1.0])
+    d = np.array([0.1, 0.2, 0.3, 0.0])
+    half = 3.1824 * d.std(ddof=1) / 2
+    assert c.mean == pytest.approx(d.mean())
+    assert (c.ci_low, c.ci_high) == pytest.approx((d.mean() - half, d.mean() + half), abs=1e-4)
+    nan = LossComparison.of([1.0, math.nan], [1.0, 1.0])
+    assert not math.isfinite(nan.ci_high)
+
+
+def test_parse_budget():
+    assert parse_budget("20GiB") == 20 * 2**30 and parse_budget("512 MB") == 512 * 10**6 and parse_budget(None) is None
+    with pytest.raises(ValueError, match="unknown unit 'gigs'"):
+        parse_budget("3gigs")
+
+
+# ---------------------------------------------------------------------------- conversions
+
+
+@pytest.mark.parametrize("opt_cls,kw", [(torch.optim.AdamW, {}), (torch.optim.SGD, {"momentum": 0.9}),
+                                        (optim.AdamW, {})])
+def test_optimizer_conversion_and_back_is_exact(opt_cls, kw):
+    zm, opt, batches = _setup(opt_cls=opt_cls, **kw)
+    _train(zm, opt, batches, 2)
+    before = _everything(zm, opt)
+    conv = convert_optimizer(opt, torch.float32)
+    assert isinstance(conv.optimizer, (optim.AdamW, optim.SGD)) and conv.optimizer.param_groups is opt.param_groups
+    assert not opt.state  # the original's memory is handed over, not duplicated
+    conv.undo()
+    after = _everything(zm, opt)
+    before["rng"] = after["rng"]
+    _assert_same(before, after)
+
+
+def test_converted_optimizer_trains_and_follows_the_users_groups():
+    zm, opt, batches = _setup()
+    _train(zm, opt, batches, 1)
+    conv = convert_optimizer(opt, torch.bfloat16)
+    undo = cast_parameters(zm.model, torch.bfloat16)
+    st = next(iter(conv.optimizer.state.values()))
+    assert st["exp_avg"].dtype == torch.bfloat16 and float(st["step"]) == 1.0
+    opt.param_groups[0]["lr"] = 0.0  # a scheduler on the user's optimizer drives the conversion
+    w = zm.model.lm_head.weight.detach().clone()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        zm.loss(zm.model, batches[0]).backward()
+    conv.optimizer.step()
+    assert torch.equal(w, zm.model.lm_head.weight) and float(st["step"]) == 2.0
+    undo()
+    conv.undo()
+    assert all(p.dtype == torch.float32 for p in zm.model.parameters())
+    assert next(iter(opt.state.values()))["exp_avg"].dtype == torch.float32
+    assert "moment_dtype" not in opt.param_groups[0]
+
+
+def test_checkpoint_blocks_same_gradients_and_undo():
+    zm, _, batches = _setup("llama")
+    assert [n for n, _ in find_blocks(zm.model)] == ["model.layers.0", "model.layers.1"]
+    zm.loss(zm.model, batches[0]).backward()
+    ref = [p.grad.clone() for p in zm.model.parameters()]
+    zm.model.zero_grad(set_to_none=True)
+    undo = checkpoint_blocks(zm.model)
+    zm.loss(zm.model, batches[0]).backward()
+    for g, r in zip((p.grad for p in zm.model.parameters()), ref):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+    undo()
+    assert all("forward" not in m.__dict__ for _, m in find_blocks(zm.model))
+
+
+# ---------------------------------------------------------------------------- trials
+
+
+def test_tune_restores_everything_bitwise_and_records_every_trial():
+    zm, opt, batches = _setup()
+    _train(zm, opt, batches, 1)  # optimizer state exists
+    zm.loss(zm.model, batches[0]).backward()  # and gradients
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    state = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    before = _everything(zm, opt)
+    torch.set_rng_state(state[0])
+    random.setstate(state[1])
+    np.random.set_state(state[2])
+    result = tune(zm.model, opt, batches, zm.loss, capabilities=CPU,
+                  candidates=["fp32", "bf16", "bf16-pure", "bf16-pure+bf16-moments", "float8"], **FAST)
+    _assert_same(before, _everything(zm, opt))
+    names = [t.name for t in result.trials]
+    assert names == ["fp32", "bf16", "bf16-pure", "bf16-pure+bf16-moments"]
+    assert result.reference == "fp32"
+    for t in result.trials:
+        assert len(t.losses) == 3 and all(math.isfinite(v) for v in t.losses)
+        assert t.step_time_ms is not None and t.state_bytes > 0 and t.activation_bytes > 0
+        assert any(r.startswith(f"trial {t.name}:") for r in result.policy.reasons)
+    assert any("float8" in r and "torchao" in r for r in result.policy.reasons)
+    by = {t.name: t for t in result.trials}
+    # bf16 weights with bf16 moments hold 2 + 2 + 2*2 bytes a parameter, fp32 AdamW 4 + 4 + 2*4.
+    n = zm.num_parameters()
+    assert by["fp32"].state_bytes - by["bf16-pure+bf16-moments"].state_bytes == pytest.approx(8 * n, rel=0.02)
+    assert by["bf16"].grad_cosine > 0.99 and by["bf16"].agrees
+    chosen = result.chosen
+    assert chosen.agrees and chosen.fits
+    assert chosen.step_time_ms <= min(t.step_time_ms for t in result.trials if t.agrees) * 1.01 + 1e-9
+    assert result.policy == result.recipe.policy()
+
+
+def test_overflowing_fp16_disagrees_and_islands_fix_it():
+    from adaptive_amp.analysis import PrecisionAnalyzer
+
+    zm, opt, batches = _setup()
+    with torch.no_grad():
+        zm.model.transformer.h[0].mlp.c_fc.weight.mul_(3e6)  # its fp16 output overflows
+    analysis = PrecisionAnalyzer(candidates=(torch.float16,), progress=False).analyze(
+        zm.model, zm.inputs(batches[0]), zm.output_loss(batches[0]))
+    flagged = [n for n, _ in analysis.risky_layers(torch.float16)]
+    assert "transformer.h.0.mlp.c_fc" in flagged
+    result = AdaptivePrecisionSelector().tune(zm.model, opt, batches, zm.loss, ["fp32", "fp16", "fp16+islands"],
+                                              capabilities=CPU, analysis=analysis, **FAST)
+    by = {t.name: t for t in result.trials}
+    assert not by["fp16"].agrees and "non-finite loss" in by["fp16"].verdict
+    assert by["fp16+islands"].agrees
+    assert result.recipe.name in ("fp32", "fp16+islands")
+
+
+def test_memory_budget_picks_what_fits_and_checkpoints_when_needed():
+    zm, opt, batches = _setup()
+    free = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32"], **FAST).trials[0]
+    # Room for fp32's state and a third of its activations: only checkpointing makes fp32 fit.
+    budget = free.state_bytes + free.activation_bytes // 3
+    result = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32"], memory_budget=budget, **FAST)
+    by = {t.name: t for t in result.trials}
+    assert not by["fp32"].fits and by["fp32+ckpt"].fits and result.recipe.name == "fp32+ckpt"
+    assert result.recipe.checkpoint and by["fp32+ckpt"].losses == by["fp32"].losses  # same numerics
+    assert "does not fit the budget" in by["fp32"].verdict
+    with pytest.raises(RuntimeError, match="no candidate ran and fit the memory budget"):
+        tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32"], memory_budget=1000, **FAST)
+
+
+def test_tune_compiled_model():
+    torch._dynamo.reset()
+    zm, opt, batches = _setup("llama")
+    compiled = torch.compile(zm.model)
+    before = _everything(zm, opt)
+    # Two candidates only: each compiles its own graphs (a CPU compile takes seconds).
+    result = tune(compiled, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32", "bf16-pure"],
+                  steps=2, rounds=1, timed_steps=1)
+    after = _everything(zm, opt)
+    before["rng"] = after["rng"]
+    _assert_same(before, after)
+    assert result.compiled and all(t.activation_bytes is None and t.error is None for t in result.trials)
+    assert result.trials[0].memory_source == "state only (compiled)"
+    eager = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32"], steps=2, rounds=1,
+                 timed_steps=1)
+    assert result.trials[0].losses == pytest.approx(eager.trials[0].losses, rel=1e-4)
+
+
+# ---------------------------------------------------------------------------- controller
+
+
+def test_controller_policy_tune_applies_the_choice():
+    zm, opt, batches = _setup("llama")
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="tune", capabilities=CPU, progress=False,
+                                 tune=dict(batches=batches, loss_fn=zm.loss, candidates=["bf16-pure"], **FAST))
+    assert amp.tuning.recipe.name == "bf16-pure" and str(amp.policy) == "params=bfloat16,compute=bfloat16"
+    assert isinstance(amp.optimizers[0], optim.AdamW) and amp.optimizers[0].param_groups is opt.param_groups
+    assert all(p.dtype == torch.bfloat16 for p in zm.model.parameters())
+    losses = [float(amp.train_step(lambda b=b: zm.loss(zm.model, b))) for b in batches * 3]
+    assert losses[-1] < losses[0]
+    report = amp.report()
+    assert "A/B of precision recipes" in report.text()
+    with pytest.raises(ValueError, match="tune=dict\\(batches="):
+        AdaptiveMixedPrecision(zm.model, opt, policy="tune", capabilities=CPU)
+
+
+# ---------------------------------------------------------------------------- memory pressure
+
+
+def test_memory_guard_moves_lighter_keeps_state_and_moves_back():
+    zm, opt, batches = _setup()
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16", capabilities=CPU,
+                                 progress=False)
+    headroom = [10**9]
+    amp.memory_guard = MemoryGuard(min_free=1000, check_every=1, reader=lambda: headroom[0], allow_recover=True,
+                                   recover_after=2)
+    for i in range(2):
+        amp.train_step(lambda i=i: zm.loss(zm.model, batches[i % 3]))
+    exp_avg = {p: st["exp_avg"].clone() for p, st in opt.state.items()}
+    headroom[0] = 10  # pressure
+    amp.train_step(lambda: zm.loss(zm.model, batches[2]))
+    ours = amp.optimizers[0]
+    assert isinstance(ours, optim.AdamW) and ours.param_groups[0]["moment_dtype"] == torch.bfloat16
+    # The state moved over (one more step taken since): step counts continue, moments are the same run's.
+    assert all(float(st["step"]) == 3.0 for st in ours.state.values())
+    amp.train_step(lambda: zm.loss(zm.model, batches[0]))
+    assert amp.policy.param_dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in zm.model.parameters())
+    amp.train_step(lambda: zm.loss(zm.model, batches[1]))
+    assert [m.name for m in amp.memory_guard.moves] == ["bf16-moments", "bf16-weights", "checkpoint"]
+    kinds = [e.kind for e in amp.events]
+    assert kinds.count("memory_pressure") == 3
+    headroom[0] = 10**9
+    for i in range(12):  # each move is undone after 2 steps of headroom
+        amp.train_step(lambda i=i: zm.loss(zm.model, batches[i % 3]))
+    assert not amp.memory_guard.moves and kinds != [e.kind for e in amp.events]
+    assert amp.optimizers[0] is opt and all(p.dtype == torch.float32 for p in zm.model.parameters())
+    assert str(amp.policy) == "params=float32,compute=bfloat16"
+    assert set(exp_avg) == set(opt.state) and all(v["exp_avg"].dtype == torch.float32 for v in opt.state.values())
+    assert all(math.isfinite(float(zm.loss(zm.model, b))) for b in batches)
+
+
+def test_out_of_memory_in_a_step_moves_lighter_and_reruns_the_same_batch():
+    zm, opt, batches = _setup("llama")
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16", capabilities=CPU,
+                                 progress=False, memory_guard=MemoryGuard(min_free=0, ladder=("bf16-weights",)))
+    seen = []
+    fail = [True]
+
+    def oom_once(module, args, kwargs):
+        if fail[0]:
+            fail[0] = False
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+
+    handle = zm.model.model.layers[1].register_forward_pre_hook(oom_once, with_kwargs=True)
+
+    def closure():
+        seen.append(batches[0]["input_ids"])
+        return zm.loss(zm.model, batches[0])
+
+    loss = amp.train_step(closure)
+    assert len(seen) == 2 and math.isfinite(float(loss)) and amp.step_count == 1
+    assert amp.policy.param_dtype == torch.bfloat16
+    oom = [e for e in amp.events if e.kind == "memory_pressure"]
+    assert len(oom) == 1 and "out of memory" in oom[0].message and "injected" in oom[0].message
+    fail[0] = True
+    with pytest.raises(torch.OutOfMemoryError, match="no lighter recipe is left"):
+        amp.train_step(closure)
+    handle.remove()
+    plain = AdaptiveMixedPrecision(zoo.build("gpt2").model, torch.optim.SGD([torch.zeros(1)]), policy="fp32")
+    with pytest.raises(torch.OutOfMemoryError, match="no memory guard"):
+        plain.train_step(lambda: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def test_report_table_json_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    zm, opt, batches = _setup()
+    result = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32", "bf16"], **FAST)
+    files = result.save(str(tmp_path))
+    text = open(files["text"]).read()
+    assert "fp32" in text and "bf16" in text and "95% CI" in text
+    d = json.load(open(files["json"]))
+    assert d["chosen"] == result.recipe.name and len(d["trials"]) == 2
+    assert open(files["plot"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_tune(capsys, tmp_path):
+    from adaptive_amp.__main__ import main
+
+    assert main(["tune", "--zoo", "gpt2:tiny", "--candidates", "fp32,bf16", "--steps", "2", "--rounds", "1",
+                 "--timed-steps", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "A/B of precision recipes" in out and "chosen:" in out and "trial bf16:" in out
+    assert (tmp_path / "tune.png").exists() and json.loads((tmp_path / "tune.json").read_text())["trials"]
+    with pytest.raises(SystemExit, match="unknown"):
+        main(["tune", "--candidates", "fp64", "--steps", "2"])
