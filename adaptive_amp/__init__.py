@@ -7,12 +7,17 @@ numpy; the ops also take torch tensors, numpy arrays and DLPack arrays.
 
 from __future__ import annotations
 
+from ._locate import find_extension
+
+# A source folder without a built extension (a clone's root is first on sys.path under
+# `python -m`) hands over to an installed copy of the same code, or says what to do.
+find_extension(__path__)
 try:
     from . import _C
-except ImportError as exc:  # pragma: no cover - only on a broken install
+except ImportError as exc:  # a file that is there but does not load (another Python, a broken build)
     raise ImportError(
-        "adaptive_amp's native extension (adaptive_amp._C) is missing or broken: "
-        f"{exc}. Reinstall with `pip install .` (or `pip install -e .` in a checkout)."
+        f"adaptive_amp: the native extension in {__path__[0]} failed to load: {exc}. Rebuild it: "
+        "`pip install -e .` in a checkout, else `pip install --force-reinstall --no-deps .` from one."
     ) from exc
 
 from . import debug  # torch is imported inside its functions
@@ -65,8 +70,13 @@ def cuda_available() -> bool:
 
 
 def build_info() -> dict:
-    """How this copy was built: CUDA kernels and their architectures, OpenMP, compiler."""
+    """How the loaded extension was built: CUDA kernels and their architectures, OpenMP, compiler.
+
+    Read from the extension itself (compiled in), with ``extension``, the path
+    of the file that was loaded.
+    """
     info = dict(_C.build_info())
     info["version"] = __version__
     info["cuda_devices"] = _C.cuda_device_count()
+    info["extension"] = _C.__file__
     return info

@@ -290,3 +290,26 @@ def mark_written(batch: Batch):
     written = [x for x in batch.objs if is_torch_tensor(x) and x.requires_grad]
     if written:
         torch.autograd.graph.increment_version(written)
+
+
+def as_list(tensors, name):
+    """A list argument of tensors as a list; one bare array is a list of one."""
+    if isinstance(tensors, (list, tuple)):
+        return tensors
+    if is_torch_tensor(tensors) or hasattr(tensors, "__dlpack__") or hasattr(tensors, "__array_interface__"):
+        return [tensors]
+    raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
+
+
+def keep_until_done(owner, device):
+    """A workspace freed right after an asynchronous launch must not be reused too early.
+
+    torch's caching allocator only hands a block back to the same stream, in
+    stream order, so freeing it after enqueueing is safe (as torch's own ops
+    do). Other frameworks' pools are not stream-ordered: wait for the work.
+    """
+    if owner is None or device == CPU or is_torch_tensor(owner):
+        return
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()

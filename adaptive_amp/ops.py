@@ -10,21 +10,16 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple
 
 from . import _C, _native
+# Shared with stats.py, so they live with the adapters (ops imports stats; stats must not import ops).
 from ._native import BFLOAT16, FLOAT16, FLOAT32, INT32
+from ._native import as_list as _as_list
+from ._native import keep_until_done as _keep_until_done
 
 _UNSCALE_INPUTS = (FLOAT32, FLOAT16, BFLOAT16)
 
 #: Elements per chunk of the unscale kernels (the unit of parallel work and of
 #: the deterministic reduction); useful to place values at chunk edges in tests.
 UNSCALE_CHUNK = _C.UNSCALE_CHUNK
-
-
-def _as_list(tensors, name):
-    if isinstance(tensors, (list, tuple)):
-        return tensors
-    if _native.is_torch_tensor(tensors) or hasattr(tensors, "__dlpack__") or hasattr(tensors, "__array_interface__"):
-        return [tensors]
-    raise TypeError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
 
 
 def unscale_and_check_(
@@ -184,20 +179,6 @@ def _empty_stats(found):
     sumsq, _ = _native.empty(found.framework, found.device, 0, FLOAT32)
     amax, _ = _native.empty(found.framework, found.device, 0, FLOAT32)
     return sumsq, amax
-
-
-def _keep_until_done(owner, device):
-    """A workspace freed right after an asynchronous launch must not be reused too early.
-
-    torch's caching allocator only hands a block back to the same stream, in
-    stream order, so freeing it after enqueueing is safe (as torch's own ops
-    do). Other frameworks' pools are not stream-ordered: wait for the work.
-    """
-    if owner is None or device == _native.CPU or _native.is_torch_tensor(owner):
-        return
-    import cupy
-
-    cupy.cuda.get_current_stream().synchronize()
 
 
 # --------------------------------------------------------------------------- stochastic rounding

@@ -65,9 +65,7 @@ def _check_names(names, count):
 
 def compute(tensors, *, fmt=None, scale=None, names=None) -> "TensorStats":
     """Implementation of :func:`adaptive_amp.ops.tensor_stats` (documented there)."""
-    from .ops import _as_list, _keep_until_done
-
-    tensors = _as_list(tensors, "tensors")
+    tensors = _native.as_list(tensors, "tensors")
     fmt = format_name(fmt)
     names = _check_names(names, len(tensors))
     if scale is not None and fmt is None:
@@ -97,7 +95,7 @@ def compute(tensors, *, fmt=None, scale=None, names=None) -> "TensorStats":
     stream = _native.current_stream(batch.framework, batch.device, tensors[0])
     _C.tensor_stats(batch.ptrs, batch.numels, batch.dtypes, FORMATS[fmt] if fmt else -1, scale_ptr, per_tensor,
                     has_value, value, out_ptr, ws_ptr, ws_bytes, batch.device, stream)
-    _keep_until_done(ws_owner, batch.device)
+    _native.keep_until_done(ws_owner, batch.device)
     return TensorStats(out, len(tensors), fmt=fmt, names=names, framework=batch.framework, device=batch.device)
 
 

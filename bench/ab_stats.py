@@ -19,7 +19,7 @@ import sys
 import torch
 
 import adaptive_amp
-from adaptive_amp.bench import _ceilings, _GpuTimer, _l2_bytes, _make_sets, gpt2_small_shapes, many_small_shapes
+from adaptive_amp.bench.kernels import _ceilings, _GpuTimer, _l2_bytes, _make_sets, gpt2_small_shapes, many_small_shapes
 
 
 def main(label: str) -> str:

@@ -1,4 +1,4 @@
-"""Benchmark of the fused SR optimizers on the GPT-2-small parameter set; see adaptive_amp/bench_optim.py.
+"""Benchmark of the fused SR optimizers on the GPT-2-small parameter set; see adaptive_amp/bench/optim.py.
 
     python bench/bench_optim.py --json optim.json
 

@@ -31,7 +31,7 @@ Sections
   c. Rank 0 alone trains a fresh TinyLM (no DDP) on both ranks' batches
      concatenated, same steps and injected infs; its final loss vs DDP's, the
      spread being DDP seed 0 vs seed 1.
-  d. Overhead per step: GPT-2 small gradient shapes (adaptive_amp.bench) as
+  d. Overhead per step: GPT-2 small gradient shapes (adaptive_amp.bench.kernels) as
      plain parameters, random scaled gradients restored from a copy at the
      start of every step in every loop; AdamW fused and foreach, with and
      without clipping. Loops: plain (no scaler; clip = local
@@ -63,7 +63,7 @@ from torch import nn  # noqa: E402
 
 import adaptive_amp  # noqa: E402
 from adaptive_amp import GradScaler  # noqa: E402
-from adaptive_amp.bench import gpt2_small_shapes  # noqa: E402
+from adaptive_amp.bench.kernels import gpt2_small_shapes  # noqa: E402
 from adaptive_amp.demo import MarkovCorpus, TinyLM  # noqa: E402
 
 LR = 3e-3

@@ -109,3 +109,76 @@ def test_import_and_run_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout
+
+
+def test_build_info_names_the_loaded_extension():
+    info = adaptive_amp.build_info()
+    assert info["extension"] == adaptive_amp._C.__file__ and os.path.isfile(info["extension"])
+
+
+# --------------------------------------------------------------------------- a source folder shadowing an install
+
+
+def _package(folder, files, built):
+    folder.mkdir(parents=True)
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    if built:
+        from importlib.machinery import EXTENSION_SUFFIXES
+
+        (folder / ("_C" + EXTENSION_SUFFIXES[0])).write_bytes(b"")  # only its presence is looked at
+
+
+FILES = {"__init__.py": "x = 1\n", "ops.py": "y = 2\n", "bench/__init__.py": ""}
+
+
+def test_a_source_folder_hands_over_to_an_installed_copy_of_the_same_code(tmp_path, monkeypatch):
+    from adaptive_amp._locate import find_extension
+
+    source, installed = tmp_path / "clone" / "adaptive_amp", tmp_path / "site" / "adaptive_amp"
+    _package(source, FILES, built=False)
+    _package(installed, FILES, built=True)
+    monkeypatch.setattr(sys, "path", [str(source.parent), str(installed.parent)])
+    path = [str(source)]
+    find_extension(path)
+    assert path == [str(installed)]
+
+
+def test_a_source_folder_that_differs_from_the_installed_copy_says_what_to_do(tmp_path, monkeypatch):
+    from adaptive_amp._locate import find_extension
+
+    source, installed = tmp_path / "clone" / "adaptive_amp", tmp_path / "site" / "adaptive_amp"
+    _package(source, dict(FILES, **{"ops.py": "y = 3\n"}), built=False)
+    _package(installed, FILES, built=True)
+    monkeypatch.setattr(sys, "path", ["", str(installed.parent)])
+    monkeypatch.chdir(source.parent)
+    path = [str(source)]
+    with pytest.raises(ImportError) as info:
+        find_extension(path)
+    message = str(info.value)
+    assert str(source) in message and str(installed) in message and "ops.py" in message
+    assert "another directory" in message and f"pip install -e .` in {source.parent}" in message
+    assert path == [str(source)]
+
+
+def test_a_source_folder_without_any_build_says_how_to_build(tmp_path, monkeypatch):
+    from adaptive_amp._locate import find_extension
+
+    source = tmp_path / "clone" / "adaptive_amp"
+    _package(source, FILES, built=False)
+    monkeypatch.setattr(sys, "path", [str(source.parent)])
+    with pytest.raises(ImportError, match=r"not built in .*pip install -e \.` in .*ADAPTIVE_AMP_CUDA=0 pip install \."):
+        find_extension([str(source)])
+
+
+def test_a_built_folder_is_left_alone(tmp_path, monkeypatch):
+    from adaptive_amp._locate import find_extension
+
+    source, installed = tmp_path / "clone" / "adaptive_amp", tmp_path / "site" / "adaptive_amp"
+    _package(source, FILES, built=True)
+    _package(installed, FILES, built=True)
+    monkeypatch.setattr(sys, "path", [str(source.parent), str(installed.parent)])
+    path = [str(source)]
+    find_extension(path)
+    assert path == [str(source)]

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+import adaptive_amp
 import adaptive_amp.demo
 from adaptive_amp.__main__ import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_model():
@@ -41,9 +41,12 @@ def test_info_text(capsys):
     assert "policy: params=float32,compute=" in out and "  - params=float32: master weights" in out
 
 
-def test_info_json_as_subprocess():
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "adaptive_amp", "info", "--json"], cwd=ROOT, env=env,
+def test_info_json_as_subprocess(tmp_path):
+    # The copy under test, whether built in place or installed: its folder's parent first on the path, and
+    # a working directory without an adaptive_amp/ folder (a checkout's root would shadow an installed copy).
+    here = os.path.dirname(os.path.dirname(os.path.abspath(adaptive_amp.__file__)))
+    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "adaptive_amp", "info", "--json"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -51,6 +54,7 @@ def test_info_json_as_subprocess():
     assert data["hardware"]["device_type"] in ("cpu", "cuda") and data["hardware"]["throughput"] == {}
     assert data["policy"]["string"].startswith("params=float32") and data["policy"]["reasons"]
     assert data["build"]["version"] and "torch" in data["build"]
+    assert data["build"]["extension"] == adaptive_amp._C.__file__
 
 
 def test_info_measure(capsys, monkeypatch):

@@ -50,7 +50,7 @@ def test_demo_refuses_an_unknown_recipe(tmp_path, capsys):
 
 @pytest.mark.parametrize("torch_dtype, hint", [("float16", True), ("bfloat16", False)])
 def test_verdict_explains_equal_skips_only_where_torch_amp_scales_fp16(torch_dtype, hint):
-    from adaptive_amp.demo_run import RunResult, verdicts
+    from adaptive_amp.demo.run import RunResult, verdicts
 
     def result(recipe, seed, loss, policy):
         return RunResult("ordinary", recipe, seed, final_loss=loss, train_loss=loss, train_ms=1.0, skipped_steps=0,

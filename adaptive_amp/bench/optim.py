@@ -45,7 +45,7 @@ from typing import List
 
 import torch
 
-from .bench import Row, _ceilings, _gpu_setup, gpt2_small_shapes
+from .kernels import Row, _ceilings, _gpu_setup, gpt2_small_shapes
 
 # Bytes moved per parameter by one step: (read, written).
 #   AdamW fp32:            p, g, m, v read (16), p, m, v written (12)      = 28
@@ -149,7 +149,7 @@ def time_steps(step, device, *, n=20, warmup=3, reps=10, cycles_per_ms=None):
 
 
 def optim_gpu(device="cuda", warmup=3, reps=10, n=20, progress=print) -> List[OptimRow]:
-    from . import optim
+    from .. import optim
 
     device, timer = _gpu_setup(device, 5, 30)
     numel = sum(torch.Size(s).numel() for s in gpt2_small_shapes())

@@ -19,9 +19,9 @@ from typing import List
 
 import torch
 
-from . import demo
-from .bench import SUITES
-from .scaler import GradScaler
+from ..demo.model import train_lm
+from ..scaler import GradScaler
+from .kernels import SUITES
 
 
 @dataclass
@@ -154,7 +154,7 @@ def lm_modes_gpu(steps=2000, seeds=(0, 1), growth_interval=100, progress=print):
     results = {}
     for name, make in makers.items():
         for seed in seeds:
-            r = demo.train_lm(make, steps=steps, seed=seed, device="cuda", dtype=torch.float16)
+            r = train_lm(make, steps=steps, seed=seed, device="cuda", dtype=torch.float16)
             results[(name, seed)] = r
             progress(f"{name} seed {seed}: skipped {r.skipped_steps}, final loss {r.final_loss:.4f} "
                      f"(floor {r.entropy_floor:.3f}), {r.seconds:.1f} s")

@@ -138,10 +138,3 @@ def train_lm(scaler_factory, *, steps=2000, dtype=torch.float16, device="cuda", 
     went_down = torch.cat([torch.tensor([init_scale]), scales_t])
     result.skipped_steps = int(skipped) if skipped is not None else int((went_down[1:] < went_down[:-1]).sum())
     return result
-
-
-def main(argv=None) -> int:
-    """``python -m adaptive_amp demo`` (see :mod:`adaptive_amp.demo_run`)."""
-    from .demo_run import main as run_demo
-
-    return run_demo(argv)

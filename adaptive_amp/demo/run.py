@@ -37,9 +37,9 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from ._progress import progress_bar
-from .demo import MarkovCorpus, TinyLM
-from .policy import dtype_name
+from .._progress import progress_bar
+from ..policy import dtype_name
+from .model import MarkovCorpus, TinyLM
 
 RECIPES = ("fp32", "torch_amp", "adaptive")
 FORCED_FP16 = "params=float32,compute=float16,loss_scale=dynamic:65536"
@@ -117,7 +117,7 @@ class _Loop:
             # (the planted scenario is about fp16 overflow, so it uses fp16 everywhere).
             self.dtype = torch.float16 if cfg.device == "cuda" or scenario == "planted" else torch.bfloat16
         elif recipe == "adaptive":
-            from .controller import AdaptiveMixedPrecision
+            from ..controller import AdaptiveMixedPrecision
 
             policy = FORCED_FP16 if scenario == "planted" else "auto"
             self.amp = AdaptiveMixedPrecision(model, opt, policy=policy, sample_inputs=sample[:, :-1],
@@ -260,7 +260,7 @@ def _save_report(amp, directory: str) -> None:
 
 
 def _table(results: List[RunResult]) -> str:
-    from .report import comparison_table
+    from ..report import comparison_table
 
     rows = []
     for r in results:
