@@ -1,8 +1,12 @@
 """DynamicPrecisionAdjuster: apply a precision policy to a model and change it between steps.
 
 A policy (duck-typed: ``.compute_dtype`` and ``.islands``) says which dtype
-autocast computes in and which modules ("islands", by their
-``named_modules()`` name) must stay in fp32. The adjuster gives the autocast
+autocast computes in and which modules ("islands") must stay in fp32. An
+island is a module's ``named_modules()`` name, or a glob pattern (``*``,
+``?``, ``[``) that stands for every layer whose name matches it
+(``transformer.h.*.mlp.c_proj``; layers as :mod:`adaptive_amp.layers` finds
+them). A compiled model is adjusted through the module it compiled, with the
+eager model's names (``lm_head``, not ``_orig_mod.lm_head``). The adjuster gives the autocast
 context for the policy and makes each island run with autocast off on fp32
 inputs. It never touches parameters or the optimizer, so a policy can change
 between any two steps, and ``remove()`` leaves the model as it was.
@@ -20,6 +24,8 @@ from typing import Dict, Optional
 
 import torch
 from torch import nn
+
+from .layers import expand_names, unwrap_model
 
 _MISSING = object()
 
@@ -56,12 +62,14 @@ class DynamicPrecisionAdjuster:
         adjuster.set_policy(new_policy)   # between steps
         adjuster.remove()                 # model back as it was
 
-    Works with ``torch.compile(model)`` as long as the policy is set before
-    compiling or between steps (a changed policy makes torch.compile retrace).
+    Works with ``torch.compile(model)``, compiled before or after the
+    adjuster wraps it: an island changes the module's ``forward``, which
+    dynamo guards, so a changed policy retraces once and an unchanged one
+    never does.
     """
 
     def __init__(self, model: nn.Module, policy):
-        self.model = model
+        self.model = unwrap_model(model)
         self.device_type = _device_type(model)
         self.policy = None
         # island name -> the value of module.__dict__["forward"] before we wrapped it (_MISSING: none)
@@ -86,16 +94,21 @@ class DynamicPrecisionAdjuster:
         dtype = policy.compute_dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"policy.compute_dtype is {dtype}; expected torch.float32, float16 or bfloat16")
-        modules = dict(self.model.named_modules())
-        unknown = [name for name in policy.islands if name not in modules]
+        self._island_names(policy)
+
+    def _island_names(self, policy) -> tuple:
+        names, unknown = expand_names(policy.islands, self.model)
         if unknown:
-            raise ValueError(f"policy.islands names modules the model does not have: {unknown}")
+            raise ValueError(f"policy.islands names modules the model does not have: {unknown} (an island is a "
+                             "name from model.named_modules() without torch.compile's '_orig_mod.', or a pattern "
+                             "such as '*.mlp.*' that matches at least one layer)")
+        return tuple(names)
 
     def set_policy(self, policy) -> None:
         """Switch to `policy`: wraps new islands, unwraps dropped ones. Parameters are not touched."""
         self.check_policy(policy)
+        wanted = self._island_names(policy)
         modules = dict(self.model.named_modules())
-        wanted = tuple(dict.fromkeys(policy.islands))  # keep order, drop repeats
         for name in [n for n in self._wrapped if n not in wanted]:
             self._unwrap(name, modules.get(name))
         for name in wanted:

@@ -1,6 +1,7 @@
 """PrecisionAnalyzer: which layers can compute in which low-precision format.
 
-For every layer of the chosen types and every candidate format, the model is
+For every layer (a module that owns weights, see :mod:`adaptive_amp.layers`;
+chosen differently with ``include``/``exclude``) and every candidate format, the model is
 run in fp32 with only that layer simulated in the format. Comparing with an
 fp32 baseline gives, per layer and format, the error of the layer's output
 and of the model's output, the activation range against the format's range,
@@ -29,6 +30,11 @@ in training:
   into the format's subnormals or to zero.
 
 One full forward per (layer, format): meant for small sample batches.
+
+A compiled model (``torch.compile``) is analyzed through the module it
+compiled, eagerly: the analysis hooks each layer, and hooks added to a model
+that dynamo has already traced would not run. Layer names are the eager
+model's (no ``_orig_mod.`` prefix).
 """
 
 from __future__ import annotations
@@ -41,12 +47,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .layers import Selector, find_layers, unwrap_model
 from .ops import tensor_stats
 from ._progress import progress_bar
 from .stats import format_name
 
 DEFAULT_CANDIDATES = (torch.float16, torch.bfloat16, "float8_e4m3fn")
-DEFAULT_LAYER_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.MultiheadAttention)
 #: Relative L2 error of the model's output above which a layer is risky in a format. bf16 rounds
 #: with a relative step of 2**-8, so an ordinary layer in bf16 stays well below 0.02; a layer that
 #: loses several bits of its result (cancellation, tiny values) goes above it. Scaled fp8 keeps 3
@@ -264,7 +270,10 @@ class PrecisionAnalyzer:
     Args:
         candidates: formats to try: torch dtypes or names (``"float16"``,
             ``"bfloat16"``, ``"float8_e4m3fn"``, ``"float8_e5m2"``).
-        layer_types: the module types to analyze (subclasses count).
+        include, exclude: which modules are layers: by default every module
+            that owns weights; ``include`` (name patterns and/or module
+            types) takes only the modules matching it, ``exclude`` leaves
+            out those matching it (see :func:`adaptive_amp.layers.find_layers`).
         error_threshold: relative L2 error of the model's output above which
             a layer is risky: one number for every format, a dict by format
             name, or None for DEFAULT_ERROR_THRESHOLDS (0.02 for fp16 and
@@ -275,10 +284,11 @@ class PrecisionAnalyzer:
             the amax the scale was taken from; 0 uses the whole range.
     """
 
-    def __init__(self, candidates: Sequence = DEFAULT_CANDIDATES, layer_types: Sequence[type] = DEFAULT_LAYER_TYPES,
-                 error_threshold=None, progress: bool = True, fp8_margin: int = 0):
+    def __init__(self, candidates: Sequence = DEFAULT_CANDIDATES, error_threshold=None, progress: bool = True,
+                 fp8_margin: int = 0, *, include: Selector = None, exclude: Selector = None):
         self.candidates = tuple(format_name(c) for c in candidates)
-        self.layer_types = tuple(layer_types)
+        find_layers(nn.Module(), include, exclude)  # a bad selector fails here, where it was written
+        self.include, self.exclude = include, exclude
         if error_threshold is None:
             thresholds = dict(DEFAULT_ERROR_THRESHOLDS)
         elif isinstance(error_threshold, dict):
@@ -299,7 +309,8 @@ class PrecisionAnalyzer:
         keyword arguments). With `loss_fn` (model output -> scalar loss) the parameter gradients of an
         fp32 backward are measured too."""
         args, kwargs = _split_inputs(sample_inputs)
-        layers = [(n, m) for n, m in model.named_modules() if isinstance(m, self.layer_types)]
+        model = unwrap_model(model)
+        layers = find_layers(model, self.include, self.exclude)
         was_training = {m: m.training for m in model.modules()}
         model.eval()  # dropout would make every run differ from the baseline
         try:

@@ -44,13 +44,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from .adjust import DynamicPrecisionAdjuster
-from .analysis import DEFAULT_LAYER_TYPES, PrecisionAnalyzer, _tensors
+from .analysis import PrecisionAnalyzer
+from .collect import STATS_DTYPES as _STATS_DTYPES, ActivationCollector
+from .layers import Selector, find_layers, unwrap_model
 from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor
@@ -58,12 +61,6 @@ from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
 from .scaler import GradScaler
 
 _COMPUTE_FORMATS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-_STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what tensor_stats reads
-
-
-def _first_tensor(value) -> Optional[torch.Tensor]:
-    found = _tensors(value)
-    return found[0] if found else None
 
 
 def _cast_floats(value, dtype: torch.dtype):
@@ -104,7 +101,11 @@ class AdaptiveMixedPrecision:
         print(amp.report())
 
     Args:
-        model: the model (its parameters stay as they are: fp32 master weights).
+        model: the model (its parameters stay as they are: fp32 master weights),
+            eager or compiled (``torch.compile``, before or after this
+            wraps it; create the controller before the compiled model's
+            first call, so that its graph has the statistics hooks). Layers
+            are named as in the eager model (no ``_orig_mod.``).
         optimizer_or_optimizers: one optimizer or a list; all step together.
         policy: ``"auto"`` (detect the hardware, analyze the model when
             `sample_inputs` are given, select), a PrecisionPolicy, or its
@@ -123,8 +124,9 @@ class AdaptiveMixedPrecision:
             or fp32; False only logs.
         demote_after: stable steps before an island promoted here is given
             back (None: never, the default).
-        layer_types: the module types whose statistics are collected (and
-            which can become islands); default: the analyzer's.
+        include, exclude: which modules are layers (analyzed, watched, and
+            promoted to islands): by default every module that owns weights;
+            name patterns and/or module types (see adaptive_amp.layers).
         layer_stats: collect per-layer statistics every ``read_every`` steps
             (False: only while diagnosing a storm).
         track_grad_norm: without loss scaling or clipping, measure the
@@ -138,7 +140,7 @@ class AdaptiveMixedPrecision:
                  sample_inputs=None, *, loss_fn=None, capabilities: Optional[Capabilities] = None, overrides=None,
                  adapt: bool = True, read_every: int = 50, storm_rate: float = 0.25, scale_floor: float = 1.0,
                  max_promotions: int = 2, switch_compute: bool = True, demote_after: Optional[int] = None,
-                 layer_types: Sequence[type] = DEFAULT_LAYER_TYPES, layer_stats: bool = True,
+                 include: Selector = None, exclude: Selector = None, layer_stats: bool = True,
                  track_grad_norm: bool = True,
                  scaler_kwargs: Optional[dict] = None,
                  monitor: Optional[StabilityMonitor] = None, progress: bool = True):
@@ -153,6 +155,7 @@ class AdaptiveMixedPrecision:
         if demote_after is not None and demote_after < 1:
             raise ValueError(f"demote_after must be >= 1 steps (or None to never demote), got {demote_after}")
         self.model = model
+        self._module = unwrap_model(model)  # a compiled model's layers, with the eager model's names
         self.optimizers = optimizers
         self._input_cast = None
         self.device = _model_device(model)
@@ -164,7 +167,8 @@ class AdaptiveMixedPrecision:
         self.max_promotions = int(max_promotions)
         self.switch_compute = switch_compute
         self.demote_after = demote_after
-        self.layer_types = tuple(layer_types)
+        self.include, self.exclude = include, exclude
+        self.layers = find_layers(self._module, include, exclude)
         self.layer_stats = bool(layer_stats)
         self.track_grad_norm = bool(track_grad_norm)
         self._scaler_kwargs = dict(scaler_kwargs or {})
@@ -176,6 +180,9 @@ class AdaptiveMixedPrecision:
         self.adjuster = DynamicPrecisionAdjuster(model, self.policy)
         self.scaler = self._make_scaler(self.policy)
         self._tf32_before = self._apply_tf32(self.policy.tf32)
+        # Registered now, before any compiled call of the model, so that its graphs trace them.
+        self._collector = ActivationCollector(self.layers)
+        self._warned_no_records = False
 
         self.events: List[Event] = []
         self.policy_history: List[tuple] = [(0, str(self.policy))]
@@ -203,7 +210,7 @@ class AdaptiveMixedPrecision:
         if policy.strip().lower() != "auto":
             return PrecisionPolicy.from_string(policy)
         if sample_inputs is not None:
-            self.analysis = PrecisionAnalyzer(layer_types=self.layer_types, progress=progress).analyze(
+            self.analysis = PrecisionAnalyzer(include=self.include, exclude=self.exclude, progress=progress).analyze(
                 self.model, sample_inputs, loss_fn)
         return AdaptivePrecisionSelector().select(self.model, self.capabilities, self.analysis, overrides)
 
@@ -257,6 +264,7 @@ class AdaptiveMixedPrecision:
         """Take the policy off the model (islands unwrapped, TF32 settings restored). A "bf16-pure" model
         keeps its bf16 parameters: they are the only copy."""
         self.adjuster.remove()
+        self._collector.remove()
         if self._input_cast is not None:
             self._input_cast.remove()
             self._input_cast = None
@@ -289,38 +297,37 @@ class AdaptiveMixedPrecision:
         """The policy's autocast context; on statistics steps it also records each layer's input and
         output statistics (the inputs tell a layer that overflows from one that was handed infs)."""
         collect = self._activations_due() and not self._collected_activations
-        seen: List[tuple] = []  # (name, input, output) in forward order
-        handles = []
-        if collect:
-            islands = set(self.policy.islands)
-            for name, module in self.model.named_modules():
-                if name and isinstance(module, self.layer_types) and name not in islands:
-                    def hook(mod, args, kwargs, out, name=name):
-                        t, x = _first_tensor(out), _first_tensor(args)
-                        x = _first_tensor(kwargs) if x is None else x
-                        if t is not None and t.numel() and t.dtype in _STATS_DTYPES:
-                            ok = x is not None and x.numel() and x.dtype in _STATS_DTYPES
-                            # contiguous(): a copy only for strided tensors
-                            seen.append((name, x.detach().contiguous() if ok else None, t.detach().contiguous()))
-                    handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        collector = self._collector
+        collector.take()  # nothing from forwards run outside this context
+        collector.active = collect
         try:
             with contextlib.nullcontext() if self._pure else self.adjuster.autocast():
                 yield
         finally:
-            for h in handles:
-                h.remove()
-        if collect and seen:
-            from .ops import tensor_stats
+            collector.active = False
+        if not collect:
+            return
+        islands = set(self.adjuster.islands)
+        seen = [r for r in collector.take() if r[0] not in islands]  # (name, input, output) in forward order
+        if not seen:
+            if self.layers and not self._warned_no_records:
+                self._warned_no_records = True
+                warnings.warn(f"AdaptiveMixedPrecision: no layer statistics at step {self._step}: the model did "
+                              "not run inside amp.autocast(), or it is a compiled model that ran before this "
+                              "controller was created (its graph has no statistics hooks: create the controller "
+                              "before the first compiled call, or call torch._dynamo.reset())", stacklevel=3)
+            return
+        from .ops import tensor_stats
 
-            names = [name for name, _, _ in seen]
-            self.monitor.record_layer_stats(self._step, "activation", tensor_stats(
-                [out for _, _, out in seen], fmt=self.compute_fmt, names=names))
-            with_input = [(name, x) for name, x, _ in seen if x is not None]
-            if with_input:
-                self.monitor.record_layer_stats(self._step, "input", tensor_stats(
-                    [x for _, x in with_input], names=[name for name, _ in with_input]))
-            self._collected_activations = True
-            self._watched = self._step
+        names = [name for name, _, _ in seen]
+        self.monitor.record_layer_stats(self._step, "activation", tensor_stats(
+            [out for _, _, out in seen], fmt=self.compute_fmt, names=names))
+        with_input = [(name, x) for name, x, _ in seen if x is not None]
+        if with_input:
+            self.monitor.record_layer_stats(self._step, "input", tensor_stats(
+                [x for _, x in with_input], names=[name for name, _ in with_input]))
+        self._collected_activations = True
+        self._watched = self._step
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``scaler.scale(loss).backward()``; the loss is kept (on the device) for the monitor."""
@@ -419,7 +426,7 @@ class AdaptiveMixedPrecision:
     def _record_gradient_stats(self) -> None:
         from .ops import tensor_stats
 
-        named = [(n, p.grad.contiguous()) for n, p in self.model.named_parameters()
+        named = [(n, p.grad.contiguous()) for n, p in self._module.named_parameters()
                  if p.grad is not None and not p.grad.is_sparse and p.grad.numel() and p.grad.dtype in _STATS_DTYPES]
         if named:
             # Before unscaling: with fp16 these are the scaled gradients, whose fp16 underflow is the risk.
@@ -493,7 +500,7 @@ class AdaptiveMixedPrecision:
     def _overflowing_layers(self, step: Optional[int] = None) -> List[str]:
         """Layers that made infs or NaNs (or values beyond the format) out of finite inputs, at `step` (None:
         since the last change). A layer handed infs by an earlier op is not one: promoting it would not help."""
-        islands = set(self.policy.islands)
+        islands = set(self.adjuster.islands)  # patterns expanded to layer names
         chosen = [ls for ls in self.monitor.layer_stats
                   if (ls.step == step if step is not None else ls.step >= self._last_change)]
         inputs = finite_inputs(chosen)

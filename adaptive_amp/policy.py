@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping, Optional, Tuple, Union
 import torch
 
 from .hardware import Capabilities
+from .layers import canonical_name, expand_names
 
 # Canonical names are torch's (str(torch.float16) without "torch."); the short
 # aliases are jmp's and the usual fp* spellings.
@@ -151,7 +152,10 @@ class PrecisionPolicy:
     param_dtype: the dtype parameters (and optimizer master copies) are kept in.
     compute_dtype: the dtype autocast runs matmuls and convolutions in.
     tf32: let float32 matmuls (islands, fp32 compute) use TF32 tensor cores.
-    islands: names of modules (as in model.named_modules()) kept in float32.
+    islands: modules kept in float32: names as in model.named_modules() (a
+        compiled model's ``_orig_mod.`` is dropped, so a name means the same
+        layer compiled or not), or glob patterns over layer names
+        (``transformer.h.*.mlp.c_proj``, see adaptive_amp.layers).
     loss_scale: GradScaler settings, or None for no loss scaling. Left out, a
         policy that computes in float16 gets dynamic loss scaling with torch's
         defaults (fp16 gradients underflow without it; the reasons say so) and
@@ -176,7 +180,7 @@ class PrecisionPolicy:
         for name in islands:
             if not name or _SEPARATORS & set(name):
                 raise ValueError(f"islands: bad module name {name!r} (must be non-empty, without , ; = : or spaces)")
-        set_("islands", tuple(dict.fromkeys(islands)))  # drop repeats, keep order
+        set_("islands", tuple(dict.fromkeys(canonical_name(n) for n in islands)))  # drop repeats, keep order
         loss_scale = _as_loss_scale(self.loss_scale)
         reasons = tuple(self.reasons)
         if isinstance(loss_scale, _DefaultLossScale):
@@ -468,7 +472,6 @@ def _check_islands_exist(model, islands: Iterable[str], reasons: list) -> None:
     """Note islands the model has no module for: a typo there silently keeps a layer in 16 bits."""
     if model is None or not islands or not hasattr(model, "named_modules"):
         return
-    names = {name for name, _ in model.named_modules()}
-    missing = [name for name in islands if name not in names]
+    _, missing = expand_names(islands, model)
     if missing:
         reasons.append(f"warning: island(s) {', '.join(missing)} match no module of the model")

@@ -1,0 +1,120 @@
+"""What a layer is: a module that owns weights and computes, found by structure, not by a class list.
+
+A *layer* is a module with parameters of its own (``module._parameters``,
+not its children's): ``nn.Linear``, transformers' ``Conv1D``, a custom
+Linear wrapper, norms, embeddings, a convolution, ``nn.MultiheadAttention``.
+Containers (a transformer block, an ``nn.Sequential``) are not layers: their
+layers are. The root module is never one (it is the whole model, and a policy
+cannot name it).
+
+Users choose differently by name pattern or type:
+
+* ``include``: only modules matching it are layers (whether or not they own
+  weights), e.g. ``include=nn.Linear`` or ``include="*.mlp"``;
+* ``exclude``: modules matching it are not layers, e.g. ``exclude="*.ln_*"``.
+
+A selector is a glob pattern over the module's dotted name (``fnmatch``: ``*``
+also crosses dots), a module class (subclasses match), or a list of them.
+
+The analyzer, the monitor's per-layer statistics, the islands and the report
+all see the layers this module finds. A ``torch.compile`` wrapper is looked
+through, and names never carry its ``_orig_mod.`` prefix, so a layer has the
+same name in a compiled model and in the eager one.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+from torch import nn
+
+#: The attribute through which torch.compile's OptimizedModule holds the module it compiled.
+COMPILED_ATTR = "_orig_mod"
+
+Selector = Union[str, type, Sequence[Union[str, type]], None]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper compiled (through nested wrappers); `model` itself otherwise.
+
+    Its submodules are the compiled model's, with the names the eager model has."""
+    while isinstance(getattr(model, COMPILED_ATTR, None), nn.Module):
+        model = getattr(model, COMPILED_ATTR)
+    return model
+
+
+def canonical_name(name: str) -> str:
+    """`name` without torch.compile's ``_orig_mod`` components (``_orig_mod.lm_head`` -> ``lm_head``)."""
+    parts = name.split(".")
+    return ".".join(p for p in parts if p != COMPILED_ATTR) if COMPILED_ATTR in parts else name
+
+
+def owns_weights(module: nn.Module) -> bool:
+    """Whether `module` has parameters of its own (not only its children's)."""
+    return any(p is not None for p in module._parameters.values())
+
+
+def _selectors(value: Selector, what: str) -> Tuple[Tuple[str, ...], Tuple[type, ...]]:
+    if value is None:
+        return (), ()
+    items = [value] if isinstance(value, (str, type)) else list(value)
+    patterns, types = [], []
+    for i, item in enumerate(items):
+        if isinstance(item, str) and item:
+            patterns.append(canonical_name(item))
+        elif isinstance(item, type) and issubclass(item, nn.Module):
+            types.append(item)
+        else:
+            raise TypeError(f"{what}[{i}] is {item!r}; pass a module name pattern (str, e.g. '*.mlp.*') "
+                            "or an nn.Module subclass (e.g. nn.Linear)")
+    return tuple(patterns), tuple(types)
+
+
+def _matches(name: str, module: nn.Module, selectors: Tuple[Tuple[str, ...], Tuple[type, ...]]) -> bool:
+    patterns, types = selectors
+    return isinstance(module, types) or any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def find_layers(model: nn.Module, include: Selector = None, exclude: Selector = None) -> List[Tuple[str, nn.Module]]:
+    """(name, module) of every layer of `model` (compiled or not), in ``named_modules()`` order.
+
+    Without `include`, a layer is a module that owns weights (see the module
+    docstring); with it, a module matching `include`. Modules matching
+    `exclude` are left out either way.
+    """
+    inc, exc = _selectors(include, "include"), _selectors(exclude, "exclude")
+    layers = []
+    for name, module in unwrap_model(model).named_modules():
+        if not name:
+            continue
+        chosen = _matches(name, module, inc) if include is not None else owns_weights(module)
+        if chosen and not _matches(name, module, exc):
+            layers.append((name, module))
+    return layers
+
+
+def is_pattern(name: str) -> bool:
+    """Whether an island name is a glob pattern (holds ``*``, ``?`` or ``[``)."""
+    return any(c in name for c in "*?[")
+
+
+def expand_names(names: Iterable[str], model: nn.Module, layers: Optional[List[Tuple[str, nn.Module]]] = None
+                 ) -> Tuple[List[str], List[str]]:
+    """Island names -> module names of `model`: a plain name stands for itself, a pattern for every layer
+    whose name matches it. Returns (names in order without repeats, the entries that match nothing)."""
+    modules = dict(unwrap_model(model).named_modules())
+    layer_names = None
+    out, unmatched = [], []
+    for entry in names:
+        entry = canonical_name(entry)
+        if is_pattern(entry):
+            if layer_names is None:
+                layer_names = [n for n, _ in (layers if layers is not None else find_layers(model))]
+            hits = [n for n in layer_names if fnmatch.fnmatchcase(n, entry)]
+        else:
+            hits = [entry] if entry in modules and entry else []
+        if not hits:
+            unmatched.append(entry)
+        out.extend(h for h in hits if h not in out)
+    return out, unmatched
