@@ -6,20 +6,37 @@ scales the loss with adaptive_amp.GradScaler where the policy needs it, and
 watches the run with a StabilityMonitor. When fp16 turns out wrong for this
 model it adapts between steps, logging every decision as an event:
 
-1. an overflow storm (the skipped-step rate over the steps since the last
-   change above ``storm_rate``, or the loss scale under ``scale_floor``)
-   promotes the layers whose fp16 outputs overflow to fp32 islands, found
-   from per-layer activation statistics; if the statistics at hand name no
-   layer, the next window collects them at every step to find one;
-2. if that is not enough (a storm that names no layer, or more than
+1. an overflow is diagnosed when it appears: the step after one (found_inf
+   of the loss scaler) collects per-layer activation statistics; if that
+   step overflows too, every layer whose fp16 output overflowed out of
+   finite inputs becomes an fp32 island in one decision, the loss scale goes
+   back to where it was before the overflows, and the next step is watched
+   the same way (a chain of overflowing layers is promoted link by link, a
+   step each);
+2. if that is not enough (overflows that no layer explains in two watched
+   steps, an overflow storm over a read window, or more than
    ``max_promotions`` rounds), compute switches to bf16 where bf16 is native
    and loss scaling retires; elsewhere compute falls back to fp32;
 3. optionally (``demote_after``), an island promoted here is given back to
    the compute dtype after that many stable steps; a layer that overflows
    again is promoted again and waits twice as long the next time.
 
+Seeing an overflow costs no host synchronization in healthy steps: whether a
+step overflowed is the host bool the scaler's step already computed (torch's
+GradScaler synchronizes there too), or, for optimizers that skip on the
+device, the value :meth:`AdaptiveMixedPrecision.step` returns (one read of
+found_inf). Statistics of the watched step are read at once, but only when
+that step overflowed. fp16 compute always runs with a loss scaler; with
+``loss_scale=none`` it is one whose scale is fixed at 1, so an overflowing
+step is still skipped rather than writing infs into the weights.
+
 No decision rebuilds the optimizer or touches parameters, and no step is
 lost beyond those the scaler had already skipped.
+
+A policy that keeps parameters in its compute dtype ("bf16-pure") runs
+without autocast, as the plain loop does: autocast would compute its fp32
+ops (layer norms, pow in GELU, softmax, ...) in fp32 and keep fp32 copies
+for the backward pass; floating-point inputs are cast to bf16 instead.
 """
 
 from __future__ import annotations
@@ -38,11 +55,29 @@ from .analysis import PrecisionAnalyzer
 from .collect import STATS_DTYPES as _STATS_DTYPES, ActivationCollector
 from .layers import Selector, find_layers, unwrap_model
 from .hardware import Capabilities, HardwareDetector
+from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
 from .scaler import GradScaler
 
 _COMPUTE_FORMATS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _cast_floats(value, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (tuple, list)):
+        items = [_cast_floats(v, dtype) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((k, _cast_floats(v, dtype)) for k, v in value.items())
+    return value
+
+
+def _cast_floats_hook(dtype: torch.dtype):
+    def hook(module, args, kwargs):
+        return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+    return hook
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -130,6 +165,7 @@ class AdaptiveMixedPrecision:
         self.model = model
         self._module = unwrap_model(model)  # a compiled model's layers, with the eager model's names
         self.optimizers = optimizers
+        self._input_cast = None
         self.device = _model_device(model)
         self.capabilities = capabilities or HardwareDetector().detect(self.device)
         self.analysis = None
@@ -176,7 +212,10 @@ class AdaptiveMixedPrecision:
         self._promotions = 0  # promotion rounds since the last compute switch
         self._promoted: List[str] = []  # islands this controller added, oldest first
         self._demotions: Dict[str, int] = {}  # layer -> times it was demoted (its wait doubles each time)
-        self._diagnose_until = -1  # collect activation statistics at every step before this one
+        self._watch_next = False  # collect activation statistics at the next step (after an overflow or a change)
+        self._watched: Optional[int] = None  # the step whose activation statistics this step collected
+        self._first_overflow: Optional[int] = None  # first step of the current run of overflowing steps
+        self._unexplained = 0  # watched overflowing steps in a row whose loss was not finite and no layer to blame
         self._scale_before_storm = self.scaler.get_scale() if self.scaler.is_enabled() else None
 
     # ------------------------------------------------------------ set-up
@@ -241,10 +280,18 @@ class AdaptiveMixedPrecision:
                                 "or adaptive_amp.optim.SGD (stochastic_rounding=True), created on the model's "
                                 "parameters")
         self.model.to(torch.bfloat16)  # in place: the optimizers keep the same Parameter objects
+        # Without autocast (see the module docstring) fp32 inputs would meet bf16 weights: cast them as a
+        # plain bf16 loop would.
+        self._input_cast = self.model.register_forward_pre_hook(_cast_floats_hook(torch.bfloat16), with_kwargs=True)
 
     def _make_scaler(self, policy: PrecisionPolicy) -> GradScaler:
         """The policy's GradScaler (scaler_kwargs win over the policy's settings); a disabled one when the
         policy needs no loss scaling, so that the step code is the same either way."""
+        if policy.loss_scale is None and policy.compute_dtype == torch.float16:
+            # loss_scale=none: no scaling, but an overflowing step is skipped (as a GradScaler skips it) rather
+            # than writing infs into the weights, which no promotion could undo.
+            return GradScaler(self.device.type, init_scale=1.0, min_scale=1.0, max_scale=1.0,
+                              growth_interval=2**30)
         if policy.loss_scale is None:
             return GradScaler(self.device.type, enabled=False)
         kwargs = {**policy.loss_scale.grad_scaler_kwargs(), **self._scaler_kwargs}
@@ -263,6 +310,9 @@ class AdaptiveMixedPrecision:
         keeps its bf16 parameters: they are the only copy."""
         self.adjuster.remove()
         self._collector.remove()
+        if self._input_cast is not None:
+            self._input_cast.remove()
+            self._input_cast = None
         if self._tf32_before is not None:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32_before
 
@@ -277,20 +327,26 @@ class AdaptiveMixedPrecision:
         return self._step
 
     def _stats_due(self) -> bool:
-        if self._step < self._diagnose_until:
-            return True
+        """Whether this step collects per-layer statistics (activations, inputs and gradients)."""
         return self.layer_stats and self.monitor.stats_due(self._step)
+
+    def _activations_due(self) -> bool:
+        return self._watch_next or self._stats_due()
+
+    @property
+    def _pure(self) -> bool:
+        return self.policy.param_dtype == self.policy.compute_dtype != torch.float32
 
     @contextlib.contextmanager
     def autocast(self):
         """The policy's autocast context; on statistics steps it also records each layer's input and
         output statistics (the inputs tell a layer that overflows from one that was handed infs)."""
-        collect = self._stats_due() and not self._collected_activations
+        collect = self._activations_due() and not self._collected_activations
         collector = self._collector
         collector.take()  # nothing from forwards run outside this context
         collector.active = collect
         try:
-            with self.adjuster.autocast():
+            with contextlib.nullcontext() if self._pure else self.adjuster.autocast():
                 yield
         finally:
             collector.active = False
@@ -316,6 +372,7 @@ class AdaptiveMixedPrecision:
             self.monitor.record_layer_stats(self._step, "input", tensor_stats(
                 [x for _, x in with_input], names=[name for name, _ in with_input]))
         self._collected_activations = True
+        self._watched = self._step
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``scaler.scale(loss).backward()``; the loss is kept (on the device) for the monitor."""
@@ -324,11 +381,16 @@ class AdaptiveMixedPrecision:
         self._loss_count += 1
         self.scaler.scale(loss).backward(**kwargs)
 
-    def step(self, max_grad_norm: Optional[float] = None, norm_type: float = 2.0):
+    def step(self, max_grad_norm: Optional[float] = None, norm_type: float = 2.0) -> bool:
         """Unscale and check, clip, step every optimizer, update the scale, monitor, adapt.
 
-        Returns what the scaler's step returned (for several optimizers, a
-        list): whether the optimizer stepped, as a bool or a device tensor.
+        Returns whether the optimizers stepped (False: an overflow skipped the
+        step), a Python bool whatever the policy. Without loss scaling it is
+        True at no cost; with scaling it is the bool the scaler's step already
+        decided on the host, except for optimizers that skip on the device
+        (``fused=True``, adaptive_amp.optim): there reading it is one host
+        synchronization per step (the controller needs it to see overflows).
+        With several optimizers: True only if every one stepped.
         """
         if self._stats_due():
             self._record_gradient_stats()
@@ -347,23 +409,48 @@ class AdaptiveMixedPrecision:
             self.scaler.update()
             if grad_norm is None:
                 grad_norm = self.scaler.last_grad_norm
-        elif grad_norm is None and self.track_grad_norm:
-            grad_norm = self._grad_norm()
+            stepped = all(self._stepped(r) for r in results)
+        else:
+            stepped = True
+            if grad_norm is None and self.track_grad_norm:
+                grad_norm = self._grad_norm()
         loss = None
         if self._loss_sum is not None:
             loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
-        self.monitor.record_step(self._step, loss=loss, grad_norm=grad_norm,
+        step = self._step
+        self.monitor.record_step(step, loss=loss, grad_norm=grad_norm,
                                  found_inf=self.scaler.found_inf if scaling else None,
                                  scale=self.scaler._get_scale_async().clone() if scaling else None)
+        watched = self._watched == step
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
-        events = self.monitor.poll(self._step)
+        self._watch_next, self._watched = False, None
         self._step += 1
-        self.events.extend(events)
-        if self.monitor.read_due(self._step - 1) and self.adapt:
-            self._adapt()
+        self._add_events(self.monitor.poll(step))
+        if self.adapt and self._adapts():
+            self._after_step(step, overflowed=not stepped, watched=watched)
+            if self.monitor.read_due(step):
+                self._adapt()
         if self.memory_guard is not None:
             self.memory_guard.after_step(self)
-        return results[0] if len(results) == 1 else results
+        return stepped
+
+    def _stepped(self, result) -> bool:
+        """Whether a scaler step stepped, as a host bool (see :meth:`step`)."""
+        if isinstance(result, bool):
+            return result
+        if isinstance(result, torch.Tensor) and result.dtype == torch.bool and result.numel() == 1:
+            return bool(result)  # a device-side skip: the one read of found_inf
+        # The optimizer returned a value of its own: the scaler's combined found_inf says.
+        return not bool(self.scaler.found_inf)
+
+    def _add_events(self, events: List[Event]) -> None:
+        """Append, keeping self.events in step order (decisions and the monitor's events interleave)."""
+        if not events:
+            return
+        in_order = not self.events or self.events[-1].step <= events[0].step
+        self.events.extend(events)
+        if not in_order:
+            self.events.sort(key=lambda e: e.step)
 
     def train_step(self, closure, max_grad_norm: Optional[float] = None, norm_type: float = 2.0) -> torch.Tensor:
         """A whole step from ``closure() -> loss`` (run under the policy's autocast): backward and step. With a
@@ -407,17 +494,48 @@ class AdaptiveMixedPrecision:
     # ------------------------------------------------------------ adaptation
     def _decide(self, kind: str, message: str, policy: PrecisionPolicy, layer: Optional[str] = None,
                 **data) -> None:
-        step = self._step
+        step = self._step  # the first step under the new policy
         policy = policy.replace(reasons=tuple(policy.reasons) + (f"step {step}: {message}",))
-        self.events.append(Event(step, kind, message, layer=layer, data={"policy": str(policy), **data}))
+        self._add_events([Event(step, kind, message, layer=layer, data={"policy": str(policy), **data})])
         self.adjuster.set_policy(policy)
         self.policy = policy
         self.policy_history.append((step, str(policy)))
         self._last_change = step
+        self._watch_next = True  # re-diagnose at once if the new policy's first step overflows too
+
+    def _adapts(self) -> bool:
+        return self.policy.compute_dtype == torch.float16 and self.scaler.is_enabled()
+
+    def _after_step(self, step: int, overflowed: bool, watched: bool) -> None:
+        """Diagnose an overflow the step it appears (see the module docstring)."""
+        if not overflowed:
+            self._first_overflow, self._unexplained = None, 0
+            return
+        if self._first_overflow is None:
+            self._first_overflow = step
+        self._watch_next = True
+        if not watched:
+            return  # no statistics of this step: the next step collects them
+        self._add_events(self.monitor.read())  # one transfer, in an overflowing step only
+        layers = self._overflowing_layers(step)
+        lost = step - self._first_overflow + 1
+        why = f"{lost} overflowing step{'s' if lost > 1 else ''} since step {self._first_overflow}"
+        if layers:
+            self._unexplained = 0
+            if self._promotions < self.max_promotions:
+                self._promote(layers, why)
+            elif self.switch_compute:
+                self._switch(f"{why}; {', '.join(layers)} still overflow after {self._promotions} promotions")
+            return
+        if math.isfinite(self.monitor.value_at("loss", step)):
+            return  # finite activations and loss: the gradients overflowed at this scale; the scaler backs off
+        self._unexplained += 1
+        if self._unexplained >= 2 and self.switch_compute:
+            self._switch(f"{why}; the loss is not finite and no layer's output overflowed from finite "
+                         "inputs, so the overflow is outside the layers islands can hold")
 
     def _adapt(self) -> None:
-        if self.policy.compute_dtype != torch.float16 or not self.scaler.is_enabled():
-            return
+        """At a read window: an overflow storm the per-step diagnosis did not cure."""
         mon = self.monitor
         judged = mon.steps_since(self._last_change)
         if judged < min(mon.read_every, mon.window):
@@ -433,35 +551,22 @@ class AdaptiveMixedPrecision:
                else f"loss scale {scale:.3g} under the floor {self.scale_floor:g}")
         layers = self._overflowing_layers()
         if layers and self._promotions < self.max_promotions:
-            self._promote(layers, why)
-        elif not layers and self._diagnose_until < self._step and self._promotions < self.max_promotions:
-            # The statistics at hand were of steps that did not overflow: look at every step for a window.
-            self._diagnose_until = self._step + mon.read_every
-            self.events.append(Event(self._step, "diagnose", f"overflow storm ({why}) but no layer's output "
-                                     f"overflowed at the sampled steps; collecting layer statistics at every "
-                                     f"step until step {self._diagnose_until}"))
+            self._promote(layers, f"overflow storm: {why}")
         elif self.switch_compute:
-            self._switch(why)
+            self._switch(f"overflow storm: {why}")
 
-    def _overflowing_layers(self) -> List[str]:
-        """Layers that made infs or NaNs (or values beyond the format) out of finite inputs, since the last
-        change. A layer handed infs by an earlier op is not one: promoting it would not help."""
+    def _overflowing_layers(self, step: Optional[int] = None) -> List[str]:
+        """Layers that made infs or NaNs (or values beyond the format) out of finite inputs, at `step` (None:
+        since the last change). A layer handed infs by an earlier op is not one: promoting it would not help."""
         islands = set(self.adjuster.islands)  # patterns expanded to layer names
-        inputs = {}
-        for ls in self.monitor.layer_stats:
-            if ls.kind == "input" and ls.step >= self._last_change:
-                for row in ls.rows:
-                    inputs[(ls.step, row["name"])] = row["inf_count"] + row["nan_count"] == 0
+        chosen = [ls for ls in self.monitor.layer_stats
+                  if (ls.step == step if step is not None else ls.step >= self._last_change)]
+        inputs = finite_inputs(chosen)
         found: List[str] = []
-        for ls in self.monitor.layer_stats:
-            if ls.kind != "activation" or ls.step < self._last_change:
-                continue
-            for row in ls.rows:
-                bad = row["inf_count"] + row["nan_count"] + row.get("overflow_count", 0)
-                name = row["name"]
-                # No input statistics (an integer input, say): the layer made its output from what it was given.
-                if bad and inputs.get((ls.step, name), True) and name not in islands and name not in found:
-                    found.append(name)
+        for ls in chosen:
+            for row in overflowing_rows(ls, inputs):
+                if row["name"] not in islands and row["name"] not in found:
+                    found.append(row["name"])
         return found
 
     def _promote(self, layers: List[str], why: str) -> None:
@@ -469,7 +574,10 @@ class AdaptiveMixedPrecision:
         self._promotions += 1
         self._promoted.extend(layers)
         restore = self._scale_before_storm
-        self._decide("promote", f"overflow storm ({why}); {', '.join(layers)} "
+        if self._first_overflow is not None:
+            before = self.monitor.value_at("scale", self._first_overflow - 1)
+            restore = before if math.isfinite(before) else restore
+        self._decide("promote", f"{why}; {', '.join(layers)} "
                      f"{'overflows' if len(layers) == 1 else 'overflow'} in float16 and now "
                      f"{'runs' if len(layers) == 1 else 'run'} in float32" + (f"; loss scale restored to {restore:g}" if restore else ""),
                      policy, layer=layers[0] if len(layers) == 1 else None, layers=list(layers))
@@ -484,11 +592,12 @@ class AdaptiveMixedPrecision:
         else:
             target, reason = torch.float32, "bf16 is not native here"
         policy = self.policy.replace(compute_dtype=target, loss_scale=None, islands=kept)
-        self._decide("switch_compute", f"overflow storm ({why}) not cured by fp32 islands; compute switches "
+        self._decide("switch_compute", f"{why}; fp32 islands cannot cure it: compute switches "
                      f"from float16 to {dtype_name(target)} ({reason}) and loss scaling retires", policy,
                      compute=dtype_name(target))
         self.scaler = self._make_scaler(policy)
         self._promoted, self._promotions = [], 0
+        self._first_overflow, self._unexplained, self._watch_next = None, 0, False
 
     def _maybe_demote(self, stable_steps: int) -> None:
         if self.demote_after is None or not self._promoted:
@@ -514,7 +623,7 @@ class AdaptiveMixedPrecision:
         """
         from .report import TrainingReport
 
-        self.events.extend(self.monitor.read())  # the last, partial window
+        self._add_events(self.monitor.read())  # the last, partial window
         report = TrainingReport(self.monitor.history(), [e.to_dict() for e in self.events],
                                 list(self.policy_history),
                                 analysis=self.analysis.to_dict() if self.analysis is not None else None,
@@ -535,7 +644,8 @@ class AdaptiveMixedPrecision:
                 "monitor": self.monitor.state_dict(), "events": [e.to_dict() for e in self.events],
                 "adapt": {"last_change": self._last_change, "promotions": self._promotions,
                           "promoted": list(self._promoted), "demotions": dict(self._demotions),
-                          "diagnose_until": self._diagnose_until,
+                          "watch_next": self._watch_next, "first_overflow": self._first_overflow,
+                          "unexplained": self._unexplained,
                           "scale_before_storm": self._scale_before_storm}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -571,7 +681,10 @@ class AdaptiveMixedPrecision:
             parsed = dict(step=int(state["step"]), last_change=int(adapt["last_change"]),
                           promotions=int(adapt["promotions"]), promoted=[str(n) for n in adapt["promoted"]],
                           demotions={str(k): int(v) for k, v in adapt["demotions"].items()},
-                          diagnose_until=int(adapt["diagnose_until"]),
+                          watch_next=bool(adapt.get("watch_next", False)),
+                          first_overflow=(None if adapt.get("first_overflow") is None
+                                          else int(adapt["first_overflow"])),
+                          unexplained=int(adapt.get("unexplained", 0)),
                           scale_before_storm=adapt["scale_before_storm"],
                           events=[Event.from_dict(e) for e in state["events"]],
                           policy_history=[(int(a), str(b)) for a, b in state["policy_history"]])
@@ -586,7 +699,8 @@ class AdaptiveMixedPrecision:
         self._promotions = parsed["promotions"]
         self._promoted = parsed["promoted"]
         self._demotions = parsed["demotions"]
-        self._diagnose_until = parsed["diagnose_until"]
+        self._watch_next, self._watched = parsed["watch_next"], None
+        self._first_overflow, self._unexplained = parsed["first_overflow"], parsed["unexplained"]
         self._scale_before_storm = parsed["scale_before_storm"]
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
 

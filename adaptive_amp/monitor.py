@@ -6,29 +6,26 @@ per-layer statistics gathered since, to the host in one transfer, appends
 them to its history and runs the detectors on the new steps. Between reads
 nothing synchronizes, so the monitor costs a few pointer appends per step.
 
-Detectors, each producing :class:`Event` records (step, kind, layer, message):
+Detectors (adaptive_amp.detectors: each a small object with its own
+thresholds and warm-up; ``detectors=`` replaces the default list), each
+producing :class:`Event` records (step, kind, layer, message):
 
 * ``nan_loss``: a non-finite loss.
-* ``loss_spike``: a loss whose robust z-score against the previous
-  ``window`` finite losses (median and median absolute deviation, scaled by
-  0.6745 so that z is in standard deviations for normal data) exceeds
-  ``spike_z``. Robust statistics because the spikes themselves must not
-  widen the yardstick that detects them.
+* ``loss_spike``: a loss far above the previous ``window`` losses (robust
+  z-score above ``spike_z``, 5% above their median and above all of them).
 * ``overflow_rate``: the fraction of skipped (found_inf) steps over the last
   ``window`` steps is above ``overflow_rate``.
-* ``scale_collapse``: the loss scale fell below ``scale_floor`` (reported
-  once per fall).
+* ``scale_collapse``: the loss scale fell below ``scale_floor`` (once per fall).
 * ``grad_norm_anomaly``: on a step that was not skipped, a non-finite
-  gradient norm, or a log-norm whose robust z-score exceeds ``grad_norm_z``.
+  gradient norm, or one 5x the recent median and above all recent norms,
+  with a robust z-score of the log-norms above ``grad_norm_z``.
 * ``underflow_rising``: the fraction of gradient elements that underflow in
-  the compute format (at the current loss scale) has at least doubled since
-  the first statistics and is above 1%; the layer with the most underflow
-  is named.
+  the compute format has at least doubled since the first statistics and is
+  above 1%; the layer with the most underflow is named.
 * ``activation_overflow``: a layer's output holds inf/NaN or values beyond
-  the compute format's largest finite value while its input (when its
-  statistics were recorded, kind ``"input"``) was finite: one event per
-  such layer and statistics step, none for the layers downstream that only
-  carry its infs.
+  the compute format's largest finite value while its input was finite.
+
+Events of a read come out in step order.
 
 ``loss_trend()`` and ``loss_variance()`` summarise the recent losses (the
 least-squares slope per step and the variance over a window).
@@ -37,14 +34,18 @@ least-squares slope per step and the variance over a window).
 from __future__ import annotations
 
 import bisect
+import copy
 import math
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
 from . import stats as _stats
+from .detectors import (ActivationOverflow, Detector, Event, GradNormAnomaly, LayerStats, LossSpike, NanLoss,
+                        OverflowRate, ScaleCollapse, SeriesView, UnderflowRising)
+
+__all__ = ["StabilityMonitor", "Event", "LayerStats", "Detector", "KINDS", "LAYER_STATS_KINDS"]
 
 #: Every kind of event the monitor emits (the controller adds its own decisions).
 KINDS = ("nan_loss", "loss_spike", "overflow_rate", "scale_collapse", "grad_norm_anomaly", "underflow_rising",
@@ -52,44 +53,6 @@ KINDS = ("nan_loss", "loss_spike", "overflow_rate", "scale_collapse", "grad_norm
 #: What per-layer statistics describe: layer outputs, layer inputs, parameter gradients.
 LAYER_STATS_KINDS = ("activation", "input", "gradient")
 _COLUMNS = ("loss", "grad_norm", "found_inf", "scale")
-_MAD_TO_SIGMA = 0.6745  # the MAD of a normal distribution is 0.6745 sigma
-
-
-@dataclass(frozen=True)
-class Event:
-    """Something the monitor saw or the controller decided, at a step."""
-
-    step: int
-    kind: str
-    message: str
-    layer: Optional[str] = None
-    data: Dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
-
-    def to_dict(self) -> dict:
-        return {"step": self.step, "kind": self.kind, "layer": self.layer, "message": self.message,
-                "data": dict(self.data)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Event":
-        return cls(step=int(d["step"]), kind=str(d["kind"]), message=str(d["message"]), layer=d.get("layer"),
-                   data=dict(d.get("data") or {}))
-
-    def __str__(self):
-        where = f" [{self.layer}]" if self.layer else ""
-        return f"step {self.step}: {self.kind}{where}: {self.message}"
-
-
-@dataclass
-class LayerStats:
-    """Per-layer statistics of one step, on the host."""
-
-    step: int
-    kind: str  # one of LAYER_STATS_KINDS
-    fmt: Optional[str]
-    rows: List[dict]
-
-    def to_dict(self) -> dict:
-        return {"step": self.step, "kind": self.kind, "fmt": self.fmt, "rows": self.rows}
 
 
 class StabilityMonitor:
@@ -103,12 +66,13 @@ class StabilityMonitor:
         spike_z, grad_norm_z: robust z-score thresholds.
         overflow_rate: skipped-step fraction over ``window`` that counts as an overflow storm.
         scale_floor: a loss scale below this is a collapse.
-        min_history: finite values a z-score needs before it is trusted.
+        min_history: the detectors' warm-up: values a reference needs before it is trusted.
+        detectors: the detectors to run instead of the default ones (built from the settings above).
     """
 
     def __init__(self, *, read_every: int = 50, stats_every: Optional[int] = None, window: int = 100,
                  spike_z: float = 6.0, grad_norm_z: float = 8.0, overflow_rate: float = 0.25,
-                 scale_floor: float = 1.0, min_history: int = 20):
+                 scale_floor: float = 1.0, min_history: int = 20, detectors: Optional[Sequence[Detector]] = None):
         if read_every < 1:
             raise ValueError(f"read_every must be >= 1, got {read_every}")
         if stats_every is not None and stats_every < 1:
@@ -131,9 +95,16 @@ class StabilityMonitor:
         self._pending_stats: List[tuple] = []  # (step, kind, TensorStats)
         self.layer_stats: List[LayerStats] = []
         self.events: List[Event] = []
-        self._below_floor = False
-        self._underflow_baseline: Optional[float] = None
-        self._underflow_flagged = False
+        if detectors is None:
+            detectors = [NanLoss(), LossSpike(spike_z, window=window, min_history=min_history),
+                         OverflowRate(overflow_rate, window=window, min_history=min_history),
+                         ScaleCollapse(scale_floor),
+                         GradNormAnomaly(grad_norm_z, window=window, min_history=min_history),
+                         UnderflowRising(), ActivationOverflow()]
+        self.detectors: List[Detector] = list(detectors)
+        kinds = [d.kind for d in self.detectors]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"detectors: each kind may appear once (their state is saved by kind), got {kinds}")
 
     # ------------------------------------------------------------ recording
     def record_step(self, step: int, *, loss=None, grad_norm=None, found_inf=None, scale=None) -> None:
@@ -216,6 +187,15 @@ class StabilityMonitor:
         """Read steps at or after `step` (steps are recorded in increasing order)."""
         return len(self._steps) - bisect.bisect_left(self._steps, step)
 
+    def value_at(self, column: str, step: int) -> float:
+        """A read step's value of a history column (loss, grad_norm, found_inf, scale); NaN if unknown or not
+        read (yet)."""
+        i = bisect.bisect_left(self._steps, step)
+        if i == len(self._steps) or self._steps[i] != step:
+            return math.nan
+        value = self._cols[column][i]
+        return math.nan if value is None else float(value)
+
     def last_scale(self) -> float:
         for s in reversed(self._cols["scale"]):
             if s is not None and s == s:
@@ -254,106 +234,18 @@ class StabilityMonitor:
 
     # ------------------------------------------------------------ detectors
     def _detect(self, first: int, new_stats: List[LayerStats]) -> List[Event]:
+        # Only the new steps and the window before them matter: the detectors see that tail, not the history.
+        base = max(0, first - max([self.window] + [int(getattr(d, 'window', 0)) for d in self.detectors]))
+        view = SeriesView(steps=np.asarray(self._steps[base:]),
+                          known_loss=np.asarray([v is not None for v in self._cols["loss"][base:]], dtype=bool),
+                          loss=self._column("loss", base),
+                          found=np.nan_to_num(self._column("found_inf", base)) > 0,
+                          grad_norm=self._column("grad_norm", base), scale=self._column("scale", base),
+                          first_new=first - base, layer_stats=new_stats)
         events: List[Event] = []
-        # Only the new steps and the window before them matter: work on that tail, not the whole history.
-        base = max(0, first - self.window)
-        first -= base
-        steps = np.asarray(self._steps[base:])
-        known = np.asarray([v is not None for v in self._cols["loss"][base:]])
-        loss = self._column("loss", base)
-        found = np.nan_to_num(self._column("found_inf", base)) > 0
-        norm = self._column("grad_norm", base)
-        scale = self._column("scale", base)
-        new = range(first, len(steps))
-
-        bad = [i for i in new if known[i] and not math.isfinite(loss[i])]
-        if bad:
-            events.append(Event(int(steps[bad[0]]), "nan_loss",
-                                f"loss is NaN or inf at {len(bad)} of {len(new)} steps "
-                                f"(steps {int(steps[bad[0]])}..{int(steps[bad[-1]])})", data={"count": len(bad)}))
-
-        for i in new:
-            z = _robust_z(loss[max(0, i - self.window):i], loss[i], self.min_history)
-            if z > self.spike_z:
-                seen = i - max(0, i - self.window)
-                events.append(Event(int(steps[i]), "loss_spike",
-                                    f"loss {loss[i]:.4g} is {z:.1f} robust standard deviations above the "
-                                    f"median of the previous {seen} steps", data={"z": z, "loss": loss[i]}))
-
-        lo = max(0, len(steps) - self.window)
-        span = len(steps) - lo
-        rate = float(found[lo:].mean()) if span else 0.0
-        chunk_rate = float(found[first:].mean()) if len(steps) > first else 0.0
-        # The new steps must overflow too: a storm that has just been cured is not reported again.
-        if (span >= min(self.window, self.min_history) and rate > self.overflow_threshold
-                and chunk_rate > self.overflow_threshold):
-            events.append(Event(int(steps[-1]), "overflow_rate",
-                                f"{rate:.0%} of the last {span} steps overflowed and were skipped "
-                                f"(threshold {self.overflow_threshold:.0%})", data={"rate": rate, "steps": span}))
-
-        for i in new:
-            if not math.isfinite(scale[i]):
-                continue
-            if scale[i] < self.scale_floor and not self._below_floor:
-                self._below_floor = True
-                events.append(Event(int(steps[i]), "scale_collapse",
-                                    f"loss scale fell to {scale[i]:.3g}, below the floor {self.scale_floor:g}",
-                                    data={"scale": scale[i]}))
-            elif scale[i] >= self.scale_floor:
-                self._below_floor = False
-
-        for i in new:
-            if found[i] or math.isnan(norm[i]):
-                continue
-            if math.isinf(norm[i]):
-                events.append(Event(int(steps[i]), "grad_norm_anomaly",
-                                    "gradient norm is inf on a step that was not skipped", data={"norm": norm[i]}))
-                continue
-            ref = norm[max(0, i - self.window):i]
-            ok = ~found[max(0, i - self.window):i] & np.isfinite(ref) & (ref > 0)
-            if norm[i] > 0:
-                z = _robust_z(np.log(ref[ok]), math.log(norm[i]), self.min_history)
-                if z > self.grad_norm_z:
-                    events.append(Event(int(steps[i]), "grad_norm_anomaly",
-                                        f"gradient norm {norm[i]:.4g} is {z:.1f} robust standard deviations above "
-                                        "the recent log-norms", data={"z": z, "norm": norm[i]}))
-
-        inputs = {(ls.step, row["name"]): row["inf_count"] + row["nan_count"] == 0
-                  for ls in new_stats if ls.kind == "input" for row in ls.rows}
-        for ls in new_stats:
-            events.extend(self._layer_events(ls, inputs))
-        return events
-
-    def _layer_events(self, ls: LayerStats, finite_inputs: Dict[tuple, bool]) -> List[Event]:
-        events = []
-        if ls.kind == "activation":
-            for row in ls.rows:
-                bad = row.get("inf_count", 0) + row.get("nan_count", 0) + row.get("overflow_count", 0)
-                # A layer handed infs/NaNs passes them on: only the layer where they start is reported.
-                if bad and finite_inputs.get((ls.step, row["name"]), True):
-                    what = f"{ls.fmt} range" if ls.fmt else "finite range"
-                    events.append(Event(ls.step, "activation_overflow",
-                                        f"{bad} of {row['numel']} output elements are inf/NaN or beyond the {what} "
-                                        f"(amax {row['amax']:.4g})", layer=row["name"],
-                                        data={"count": bad, "numel": row["numel"], "amax": row["amax"]}))
-            return events
-        if ls.kind != "gradient" or not ls.fmt:
-            return events
-        total = sum(r["numel"] for r in ls.rows)
-        if not total:
-            return events
-        frac = sum(r["underflow_count"] for r in ls.rows) / total
-        if self._underflow_baseline is None:
-            self._underflow_baseline = frac
-            return events
-        rising = frac > 0.01 and frac >= 2 * self._underflow_baseline
-        if rising and not self._underflow_flagged:
-            worst = max(ls.rows, key=lambda r: r["underflow_count"] / r["numel"] if r["numel"] else 0)
-            events.append(Event(ls.step, "underflow_rising",
-                                f"{frac:.2%} of gradient elements underflow in {ls.fmt} (was "
-                                f"{self._underflow_baseline:.2%}); most in {worst['name']}", layer=worst["name"],
-                                data={"fraction": frac, "baseline": self._underflow_baseline}))
-        self._underflow_flagged = rising
+        for detector in self.detectors:
+            events.extend(detector.detect(view))
+        events.sort(key=lambda e: e.step)  # stable: detectors keep their order within a step
         return events
 
     # ---------------------------------------------------------- checkpoints
@@ -367,8 +259,8 @@ class StabilityMonitor:
                          for (step, kind, st), values in zip(self._pending_stats, stat_values)]
         return {"version": 1, "pending": pending, "pending_stats": pending_stats, "steps": list(self._steps), "columns": {c: list(v) for c, v in self._cols.items()},
                 "layer_stats": [ls.to_dict() for ls in self.layer_stats],
-                "events": [e.to_dict() for e in self.events], "below_floor": self._below_floor,
-                "underflow_baseline": self._underflow_baseline, "underflow_flagged": self._underflow_flagged}
+                "events": [e.to_dict() for e in self.events],
+                "detectors": {d.kind: d.state_dict() for d in self.detectors}}
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("version") != 1:
@@ -385,37 +277,27 @@ class StabilityMonitor:
             pending_stats = [(int(d["step"]), d["kind"], _stats.TensorStats(
                 np.asarray(d["values"], dtype=np.float64), len(d["names"]), fmt=d["fmt"], names=d["names"],
                 framework="numpy", device=_native_cpu())) for d in state["pending_stats"]]
+            detector_states = state.get("detectors")
+            if detector_states is None:  # a state saved before the detectors were objects
+                detector_states = {"scale_collapse": {"below": state["below_floor"]},
+                                   "underflow_rising": {"baseline": state["underflow_baseline"],
+                                                        "flagged": state["underflow_flagged"]}}
+            # Loaded into copies first, so that a refused state leaves the detectors alone.
+            detectors = [copy.deepcopy(d) for d in self.detectors]
+            for d in detectors:
+                if d.kind in detector_states:
+                    d.load_state_dict(detector_states[d.kind])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"monitor state: missing or malformed entry ({exc})") from None
         self._steps, self._cols, self.layer_stats, self.events = steps, cols, layer_stats, events
         self._pending, self._pending_stats = pending, pending_stats
-        self._below_floor = bool(state["below_floor"])
-        self._underflow_baseline = state["underflow_baseline"]
-        self._underflow_flagged = bool(state["underflow_flagged"])
+        self.detectors = detectors
 
 
 def _native_cpu():
     from . import _native
 
     return _native.CPU
-
-
-#: The smallest spread a z-score divides by, relative to max(|median|, 1): a reference window of (nearly)
-#: equal values (a fixed batch, losses quantized to bf16) must not turn a change in the last bits into a
-#: "spike" of millions of standard deviations.
-_MIN_SPREAD = 1e-3
-
-
-def _robust_z(reference: np.ndarray, value: float, min_count: int) -> float:
-    ref = reference[np.isfinite(reference)]
-    if ref.size < min_count or not math.isfinite(value):
-        return -math.inf
-    med = float(np.median(ref))
-    mad = float(np.median(np.abs(ref - med)))
-    if mad == 0.0:
-        mad = float(np.mean(np.abs(ref - med)))
-    mad = max(mad, _MIN_SPREAD * max(abs(med), 1.0))
-    return _MAD_TO_SIGMA * (value - med) / mad
 
 
 def _to_host(pending, pending_stats):

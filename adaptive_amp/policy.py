@@ -124,8 +124,20 @@ def _number(text: str, what: str) -> float:
         raise ValueError(f"loss_scale: {what} must be a number, got {text!r}") from None
 
 
+class _DefaultLossScale:
+    """The loss_scale a policy gets when none is written: dynamic scaling if it computes in float16, else none.
+
+    A sentinel rather than None, so that an explicit ``loss_scale=none`` (None) stays off."""
+
+    def __repr__(self):
+        return "<default loss_scale>"
+
+
+DEFAULT_LOSS_SCALE = _DefaultLossScale()
+
+
 def _as_loss_scale(value) -> Optional[LossScale]:
-    if value is None or isinstance(value, LossScale):
+    if value is None or isinstance(value, (LossScale, _DefaultLossScale)):
         return value
     if isinstance(value, Mapping):
         return LossScale(**value)
@@ -145,7 +157,10 @@ class PrecisionPolicy:
         compiled model's ``_orig_mod.`` is dropped, so a name means the same
         layer compiled or not), or glob patterns over layer names
         (``transformer.h.*.mlp.c_proj``, see adaptive_amp.layers).
-    loss_scale: GradScaler settings, or None for no loss scaling.
+    loss_scale: GradScaler settings, or None for no loss scaling. Left out, a
+        policy that computes in float16 gets dynamic loss scaling with torch's
+        defaults (fp16 gradients underflow without it; the reasons say so) and
+        any other policy none; ``loss_scale=none`` (None) turns it off.
     reasons: why each choice was made; not part of equality, so a policy read
         back from its string equals the one it was written from.
     """
@@ -154,7 +169,7 @@ class PrecisionPolicy:
     compute_dtype: torch.dtype = torch.float32
     tf32: bool = False
     islands: Tuple[str, ...] = ()
-    loss_scale: Optional[LossScale] = None
+    loss_scale: Optional[LossScale] = DEFAULT_LOSS_SCALE  # type: ignore[assignment]
     reasons: Tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -167,8 +182,17 @@ class PrecisionPolicy:
             if not name or _SEPARATORS & set(name):
                 raise ValueError(f"islands: bad module name {name!r} (must be non-empty, without , ; = : or spaces)")
         set_("islands", tuple(dict.fromkeys(canonical_name(n) for n in islands)))  # drop repeats, keep order
-        set_("loss_scale", _as_loss_scale(self.loss_scale))
-        set_("reasons", tuple(self.reasons))
+        loss_scale = _as_loss_scale(self.loss_scale)
+        reasons = tuple(self.reasons)
+        if isinstance(loss_scale, _DefaultLossScale):
+            loss_scale = None
+            if self.compute_dtype == torch.float16:
+                loss_scale = LossScale()
+                reasons += (f"loss_scale={loss_scale}: compute=float16 and no loss_scale given; fp16 gradients "
+                            "underflow without scaling, so dynamic loss scaling is on by default (write "
+                            "loss_scale=none to turn it off)",)
+        set_("loss_scale", loss_scale)
+        set_("reasons", reasons)
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -186,6 +210,8 @@ class PrecisionPolicy:
             parts.append("tf32=1")
         if self.loss_scale is not None:
             parts.append(f"loss_scale={self.loss_scale}")
+        elif self.compute_dtype == torch.float16:
+            parts.append("loss_scale=none")  # left out, float16 compute would read back with scaling on
         return ",".join(parts)
 
     @classmethod

@@ -127,20 +127,24 @@ def test_planted_overflow_torch_amp_stalls_adaptive_amp_recovers(device):
     assert ours <= 1.05 * fp32, (ours, fp32)
     promotes = [e for e in amp.events if e.kind == "promote"]
     assert len(promotes) == 1 and promotes[0].layer == "inp"
-    assert promotes[0].step == 10  # at the first read: only the steps already skipped were lost
+    # Step 0 collects statistics (a statistics step) and overflows: the layer is promoted at once, so the
+    # first healthy step is step 1 and one step is lost.
+    assert promotes[0].step == 1
     assert amp.policy.islands == ("inp",) and amp.policy.compute_dtype == torch.float16
-    assert amp.scaler.skipped_steps <= 12
+    assert amp.scaler.skipped_steps == 1
+    assert amp.monitor.history()["found_inf"][:3] == [1, 0, 0]
     assert any(e.kind == "activation_overflow" and e.layer == "inp" for e in amp.events)
 
 
 @pytest.mark.parametrize("caps, target", [(CPU_BF16, torch.bfloat16), (CPU_NO_BF16, torch.float32)])
 def test_overflow_outside_layers_switches_compute(caps, target):
     torch.manual_seed(0)
-    model, amp, _ = train(Exploding(), "adaptive", 60, caps=caps)
+    model, amp, _ = train(Exploding(), "adaptive", 10, caps=caps)
     kinds = [e.kind for e in amp.events]
-    assert "diagnose" in kinds  # no layer named at first: look at every step for a window
+    # Steps 0 and 1 are watched (statistics collected), overflow with a non-finite loss, and no layer made
+    # the infs: compute switches for step 2.
     switch = [e for e in amp.events if e.kind == "switch_compute"]
-    assert len(switch) == 1 and switch[0].step == 20
+    assert len(switch) == 1 and switch[0].step == 2
     assert amp.policy.compute_dtype == target and amp.policy.loss_scale is None
     assert not amp.scaler.is_enabled()
     assert "promote" not in kinds
@@ -149,7 +153,7 @@ def test_overflow_outside_layers_switches_compute(caps, target):
 
 def test_no_switch_when_switching_is_off():
     torch.manual_seed(0)
-    _, amp, _ = train(Exploding(), "adaptive", 40, amp_kwargs={"switch_compute": False})
+    _, amp, _ = train(Exploding(), "adaptive", 10, amp_kwargs={"switch_compute": False})
     assert amp.policy.compute_dtype == torch.float16
     assert "switch_compute" not in [e.kind for e in amp.events]
 
@@ -193,10 +197,11 @@ def test_demotion_waits_and_doubles_its_wait_after_a_relapse():
     torch.manual_seed(0)
     _, amp, _ = train(Planted(), "adaptive", 400, amp_kwargs={"demote_after": 30})
     decisions = [(e.step, e.kind) for e in amp.events if e.kind in ("promote", "demote", "switch_compute")]
-    # promoted at the first read; demoted after 30 stable steps; overflows again and is promoted at the next
-    # read; each demotion waits twice as long as the one before; relapses never switch compute.
-    assert decisions == [(10, "promote"), (40, "demote"), (50, "promote"), (110, "demote"), (120, "promote"),
-                         (240, "demote"), (250, "promote")]
+    # promoted after the first step; demoted at the first read after 30 stable steps; overflows again and is
+    # promoted after that one step; each demotion waits twice as long as the one before; relapses never switch
+    # compute.
+    assert decisions == [(1, "promote"), (40, "demote"), (41, "promote"), (110, "demote"), (111, "promote"),
+                         (240, "demote"), (241, "promote")]
     assert amp.policy.compute_dtype == torch.float16 and amp.policy.islands == ("inp",)
 
 
@@ -210,7 +215,7 @@ class PlantedKeywordCall(Planted):
 def test_layers_called_with_keyword_arguments_are_promoted():
     torch.manual_seed(0)
     _, amp, _ = train(PlantedKeywordCall(), "adaptive", 30)
-    assert [(e.step, e.layer) for e in amp.events if e.kind == "promote"] == [(10, "inp")]
+    assert [(e.step, e.layer) for e in amp.events if e.kind == "promote"] == [(1, "inp")]
     assert "switch_compute" not in [e.kind for e in amp.events]
 
 
@@ -272,7 +277,7 @@ def test_gradient_accumulation_and_several_optimizers():
             micro_losses.append(loss.item())
             amp.backward(loss)
         result = amp.step(max_grad_norm=1.0)
-        assert isinstance(result, list) and len(result) == 2
+        assert result is True
         amp.zero_grad()
     h = amp.monitor.history()
     expected = [(micro_losses[2 * i] + micro_losses[2 * i + 1]) / 2 for i in range(4)]

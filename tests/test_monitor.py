@@ -235,3 +235,54 @@ def test_event_round_trip_and_text():
     e = Event(12, "promote", "lm_head overflows", layer="lm_head", data={"policy": "params=float32"})
     assert Event.from_dict(e.to_dict()) == e
     assert str(e) == "step 12: promote [lm_head]: lm_head overflows"
+
+
+def test_early_training_and_plateaus_raise_nothing():
+    # What ordinary runs look like: a steep, noisy fall of the loss that bumps back up a little, gradient
+    # norms that triple and then shrink, then a plateau whose loss noise is 0.1% and whose gradient norm
+    # drifts up by 1.6x (tiny GPT-2 on random tokens did this, and the old z-score alone called it an anomaly).
+    rng = np.random.default_rng(0)
+    n = 400
+    t = np.arange(n)
+    loss = 2.0 + 8.0 * np.exp(-t / 40) + 0.02 * (2.0 + 8.0 * np.exp(-t / 40)) * rng.standard_normal(n)
+    loss[[30, 31, 55]] *= 1.08  # bumps below where the loss was a few steps earlier
+    loss[250:] = 2.0 * (1 + 0.001 * rng.standard_normal(150))
+    norm = np.where(t < 50, 0.3 + 0.6 * t / 50, 0.9 * np.exp(-(t - 50) / 80) + 0.3)
+    norm = norm * np.exp(0.03 * rng.standard_normal(n))
+    norm[380:] *= 1.6
+    mon = StabilityMonitor(read_every=25)
+    events = feed(mon, loss.tolist(), norm=norm.tolist(), found=[0] * n, scale=[65536.0] * n)
+    assert events == []
+
+
+def test_real_trouble_after_ordinary_training_is_still_found():
+    rng = np.random.default_rng(1)
+    loss = (3.0 + 0.03 * rng.standard_normal(200)).tolist()
+    norm = np.exp(0.1 * rng.standard_normal(200)).tolist()
+    loss[150] = 4.5  # a 50% jump
+    norm[170] = 40.0  # a 40x gradient norm
+    events = feed(StabilityMonitor(read_every=50), loss, norm=norm)
+    assert [(e.step, e.kind) for e in events] == [(150, "loss_spike"), (170, "grad_norm_anomaly")]
+
+
+def test_events_of_a_read_come_in_step_order():
+    mon = StabilityMonitor(read_every=30, window=20, min_history=5, overflow_rate=0.25)
+    losses = noisy(30)
+    losses[2] = math.nan  # nan_loss at step 2 ...
+    scale = [4.0] * 30
+    scale[16:] = [0.5] * 14  # ... scale_collapse at 16 ...
+    found = [0] * 10 + [1] * 20  # ... overflow_rate at 29
+    events = feed(mon, losses, found=found, scale=scale)
+    assert [(e.step, e.kind) for e in events] == [(2, "nan_loss"), (16, "scale_collapse"), (29, "overflow_rate")]
+
+
+def test_detectors_are_small_objects_that_can_be_tuned_or_replaced():
+    from adaptive_amp.detectors import GradNormAnomaly, NanLoss
+
+    mon = StabilityMonitor(read_every=30, detectors=[NanLoss(), GradNormAnomaly(factor=1.5, min_history=5)])
+    norm = [1.0] * 29 + [2.0]
+    events = feed(mon, [1.0] * 29 + [math.nan], norm=norm)
+    assert [(e.step, e.kind) for e in events] == [(29, "nan_loss"), (29, "grad_norm_anomaly")]
+    assert "factor=1.5" in repr(mon.detectors[1])
+    with pytest.raises(ValueError, match="each kind"):
+        StabilityMonitor(detectors=[NanLoss(), NanLoss()])

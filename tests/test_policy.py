@@ -335,3 +335,17 @@ def test_bf16_pure_preset(name):
     p = PrecisionPolicy.from_string(name)
     assert p.param_dtype == torch.bfloat16 and p.compute_dtype == torch.bfloat16 and p.loss_scale is None
     assert PrecisionPolicy.from_string(str(p)) == p
+
+
+def test_float16_compute_without_a_loss_scale_gets_dynamic_scaling_and_says_so():
+    p = PrecisionPolicy.from_string("params=float32,compute=float16")
+    assert p.loss_scale == LossScale()  # torch's defaults
+    assert any("dynamic loss scaling is on by default" in r and "loss_scale=none" in r for r in p.reasons)
+    assert PrecisionPolicy(F32, F16).loss_scale == LossScale()
+    off = PrecisionPolicy.from_string("params=float32,compute=float16,loss_scale=none")
+    assert off.loss_scale is None and not off.reasons
+    # The string form says "none", so that it reads back without scaling.
+    assert str(off) == "params=float32,compute=float16,loss_scale=none"
+    assert PrecisionPolicy.from_string(str(off)) == off and PrecisionPolicy.from_dict(off.to_dict()) == off
+    assert PrecisionPolicy.from_string("params=float32,compute=bfloat16").loss_scale is None
+    assert PrecisionPolicy(F32, BF16).replace(compute_dtype=F16).loss_scale is None  # replace keeps "none"

@@ -1,0 +1,338 @@
+"""The StabilityMonitor's detectors: each a small object with its own thresholds and warm-up.
+
+A detector looks at a :class:`SeriesView` (the steps just read, with the
+``window`` steps before them, as host arrays, and the per-layer statistics
+just read) and returns :class:`Event` records. Detectors that remember
+something between reads (a scale below the floor, an underflow baseline)
+keep it in ``state_dict()``. To tune one, pass your own list to
+``StabilityMonitor(detectors=...)``; to add one, subclass :class:`Detector`.
+
+Ordinary training must raise nothing. Early training moves fast (the loss
+falls steeply, gradient norms shrink or rise several-fold, the fp16 loss
+scale searches for its level), and a long plateau is so quiet that noise of
+a few percent is many robust standard deviations. So a value is unusual
+only when it is both far out in robust standard deviations *and* large in
+absolute terms (a relative size, a factor), and above everything in the
+reference window: a loss that climbs back towards where it was a few steps
+earlier is early training, not a spike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+
+_MAD_TO_SIGMA = 0.6745  # the MAD of a normal distribution is 0.6745 sigma
+
+#: The smallest spread a z-score divides by, relative to max(|median|, 1): a reference window of (nearly)
+#: equal values (a fixed batch, losses quantized to bf16) must not turn a change in the last bits into a
+#: "spike" of millions of standard deviations.
+_MIN_SPREAD = 1e-3
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the monitor saw or the controller decided, at a step."""
+
+    step: int
+    kind: str
+    message: str
+    layer: Optional[str] = None
+    data: Dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "kind": self.kind, "layer": self.layer, "message": self.message,
+                "data": dict(self.data)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Event":
+        return cls(step=int(d["step"]), kind=str(d["kind"]), message=str(d["message"]), layer=d.get("layer"),
+                   data=dict(d.get("data") or {}))
+
+    def __str__(self):
+        where = f" [{self.layer}]" if self.layer else ""
+        return f"step {self.step}: {self.kind}{where}: {self.message}"
+
+
+@dataclass
+class LayerStats:
+    """Per-layer statistics of one step, on the host."""
+
+    step: int
+    kind: str  # one of monitor.LAYER_STATS_KINDS
+    fmt: Optional[str]
+    rows: List[dict]
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "kind": self.kind, "fmt": self.fmt, "rows": self.rows}
+
+
+@dataclass
+class SeriesView:
+    """What a read hands the detectors: per-step columns (float64, unknown = NaN) over the steps just read
+    (indices ``first_new`` onwards) and the history window before them, plus the layer statistics just read."""
+
+    steps: np.ndarray
+    known_loss: np.ndarray  # bool: a loss was recorded (NaN in `loss` is then a real NaN)
+    loss: np.ndarray
+    found: np.ndarray  # bool: the step overflowed and was skipped
+    grad_norm: np.ndarray
+    scale: np.ndarray
+    first_new: int
+    layer_stats: List[LayerStats]
+
+    @property
+    def new(self) -> range:
+        return range(self.first_new, len(self.steps))
+
+
+def robust_z(reference: np.ndarray, value: float, min_count: int) -> float:
+    """(value - median) / MAD in standard deviations (MAD floored, see _MIN_SPREAD); -inf when the reference
+    has fewer than `min_count` finite values or `value` is not finite."""
+    ref = reference[np.isfinite(reference)]
+    if ref.size < min_count or not math.isfinite(value):
+        return -math.inf
+    med = float(np.median(ref))
+    mad = float(np.median(np.abs(ref - med)))
+    if mad == 0.0:
+        mad = float(np.mean(np.abs(ref - med)))
+    mad = max(mad, _MIN_SPREAD * max(abs(med), 1.0))
+    return _MAD_TO_SIGMA * (value - med) / mad
+
+
+class Detector:
+    """One kind of trouble. ``detect`` sees each read once, in step order."""
+
+    kind = "detector"
+
+    def detect(self, view: SeriesView) -> List[Event]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def __repr__(self):
+        settings = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({settings})"
+
+
+class NanLoss(Detector):
+    """A non-finite loss: one event per read, at the first such step, with the count."""
+
+    kind = "nan_loss"
+
+    def detect(self, view):
+        bad = [i for i in view.new if view.known_loss[i] and not math.isfinite(view.loss[i])]
+        if not bad:
+            return []
+        first, last = int(view.steps[bad[0]]), int(view.steps[bad[-1]])
+        return [Event(first, self.kind, f"loss is NaN or inf at {len(bad)} of {len(view.new)} steps "
+                      f"(steps {first}..{last})", data={"count": len(bad)})]
+
+
+class LossSpike(Detector):
+    """A loss far above the recent ones: robust z-score (median and MAD of the previous `window` finite
+    losses) above `z`, at least `rel` (a fraction) above that median, and above every loss of the window.
+
+    Robust statistics, so that spikes do not widen the yardstick that detects them; the relative size, so
+    that a plateau's tiny noise does not make a 1% wobble a spike; the window's maximum, so that early
+    training (a steep fall that bumps back up a little) is not one. Warm-up: `min_history` finite losses.
+    """
+
+    kind = "loss_spike"
+
+    def __init__(self, z: float = 6.0, rel: float = 0.05, window: int = 100, min_history: int = 20):
+        self.z, self.rel, self.window, self.min_history = float(z), float(rel), int(window), int(min_history)
+
+    def detect(self, view):
+        events = []
+        for i in view.new:
+            ref = view.loss[max(0, i - self.window):i]
+            ref = ref[np.isfinite(ref)]
+            value = view.loss[i]
+            z = robust_z(ref, value, self.min_history)
+            if z <= self.z:
+                continue
+            med = float(np.median(ref))
+            if value - med < self.rel * max(abs(med), 1e-12) or value <= float(ref.max()):
+                continue
+            events.append(Event(int(view.steps[i]), self.kind,
+                                f"loss {value:.4g} is {z:.1f} robust standard deviations above the median "
+                                f"{med:.4g} of the previous {ref.size} steps", data={"z": z, "loss": value}))
+        return events
+
+
+class OverflowRate(Detector):
+    """The fraction of skipped steps over the last `window` steps above `threshold`, the new steps
+    overflowing too (a storm that has just been cured is not reported again). Warm-up: `min_history` steps."""
+
+    kind = "overflow_rate"
+
+    def __init__(self, threshold: float = 0.25, window: int = 100, min_history: int = 20):
+        if not 0 < threshold <= 1:
+            raise ValueError(f"overflow_rate must be in (0, 1], got {threshold}")
+        self.threshold, self.window, self.min_history = float(threshold), int(window), int(min_history)
+
+    def detect(self, view):
+        n = len(view.steps)
+        lo = max(0, n - self.window)
+        span = n - lo
+        rate = float(view.found[lo:].mean()) if span else 0.0
+        chunk = float(view.found[view.first_new:].mean()) if n > view.first_new else 0.0
+        if span >= min(self.window, self.min_history) and rate > self.threshold and chunk > self.threshold:
+            return [Event(int(view.steps[-1]), self.kind,
+                          f"{rate:.0%} of the last {span} steps overflowed and were skipped "
+                          f"(threshold {self.threshold:.0%})", data={"rate": rate, "steps": span})]
+        return []
+
+
+class ScaleCollapse(Detector):
+    """The loss scale fell below `floor`: once per fall."""
+
+    kind = "scale_collapse"
+
+    def __init__(self, floor: float = 1.0):
+        self.floor = float(floor)
+        self._below = False
+
+    def detect(self, view):
+        events = []
+        for i in view.new:
+            scale = view.scale[i]
+            if not math.isfinite(scale):
+                continue
+            if scale < self.floor and not self._below:
+                events.append(Event(int(view.steps[i]), self.kind,
+                                    f"loss scale fell to {scale:.3g}, below the floor {self.floor:g}",
+                                    data={"scale": scale}))
+            self._below = scale < self.floor
+        return events
+
+    def state_dict(self):
+        return {"below": self._below}
+
+    def load_state_dict(self, state):
+        self._below = bool(state["below"])
+
+
+class GradNormAnomaly(Detector):
+    """On a step that was not skipped: a non-finite gradient norm, or a norm at least `factor` times the
+    median of the previous `window` norms of unskipped steps, above all of them, with a robust z-score of
+    the log-norms above `z`. Gradient norms move several-fold in early training and drift on plateaus;
+    an explosion is an order of magnitude. Warm-up: `min_history` norms."""
+
+    kind = "grad_norm_anomaly"
+
+    def __init__(self, z: float = 8.0, factor: float = 5.0, window: int = 100, min_history: int = 20):
+        self.z, self.factor, self.window, self.min_history = float(z), float(factor), int(window), int(min_history)
+
+    def detect(self, view):
+        events = []
+        norm, found = view.grad_norm, view.found
+        for i in view.new:
+            if found[i] or math.isnan(norm[i]):
+                continue
+            if math.isinf(norm[i]):
+                events.append(Event(int(view.steps[i]), self.kind, "gradient norm is inf on a step that was "
+                                    "not skipped", data={"norm": norm[i]}))
+                continue
+            lo = max(0, i - self.window)
+            ref = norm[lo:i]
+            ref = ref[~found[lo:i] & np.isfinite(ref) & (ref > 0)]
+            if norm[i] <= 0 or ref.size < self.min_history:
+                continue
+            med = float(np.median(ref))
+            if norm[i] < self.factor * med or norm[i] <= float(ref.max()):
+                continue
+            z = robust_z(np.log(ref), math.log(norm[i]), self.min_history)
+            if z > self.z:
+                events.append(Event(int(view.steps[i]), self.kind,
+                                    f"gradient norm {norm[i]:.4g} is {norm[i] / med:.1f}x the median of the "
+                                    f"previous {ref.size} steps ({z:.1f} robust standard deviations of the "
+                                    "log-norms)", data={"z": z, "norm": norm[i]}))
+        return events
+
+
+class UnderflowRising(Detector):
+    """The fraction of gradient elements that underflow in the compute format (at the loss scale) has at
+    least doubled since the first statistics and is above `min_fraction`; names the layer with the most.
+    Reported again only after it has come down."""
+
+    kind = "underflow_rising"
+
+    def __init__(self, min_fraction: float = 0.01):
+        self.min_fraction = float(min_fraction)
+        self._baseline: Optional[float] = None
+        self._flagged = False
+
+    def detect(self, view):
+        events = []
+        for ls in view.layer_stats:
+            if ls.kind != "gradient" or not ls.fmt:
+                continue
+            total = sum(r["numel"] for r in ls.rows)
+            if not total:
+                continue
+            frac = sum(r["underflow_count"] for r in ls.rows) / total
+            if self._baseline is None:
+                self._baseline = frac
+                continue
+            rising = frac > self.min_fraction and frac >= 2 * self._baseline
+            if rising and not self._flagged:
+                worst = max(ls.rows, key=lambda r: r["underflow_count"] / r["numel"] if r["numel"] else 0)
+                events.append(Event(ls.step, self.kind,
+                                    f"{frac:.2%} of gradient elements underflow in {ls.fmt} (was "
+                                    f"{self._baseline:.2%}); most in {worst['name']}", layer=worst["name"],
+                                    data={"fraction": frac, "baseline": self._baseline}))
+            self._flagged = rising
+        return events
+
+    def state_dict(self):
+        return {"baseline": self._baseline, "flagged": self._flagged}
+
+    def load_state_dict(self, state):
+        baseline = state["baseline"]
+        self._baseline = None if baseline is None else float(baseline)
+        self._flagged = bool(state["flagged"])
+
+
+def finite_inputs(layer_stats: List[LayerStats]) -> Dict[tuple, bool]:
+    """(step, layer) -> whether the layer's recorded input was free of inf/NaN."""
+    return {(ls.step, row["name"]): row["inf_count"] + row["nan_count"] == 0
+            for ls in layer_stats if ls.kind == "input" for row in ls.rows}
+
+
+def overflowing_rows(ls: LayerStats, inputs: Dict[tuple, bool]) -> List[dict]:
+    """The activation rows of `ls` whose layer made inf/NaN or values beyond the format out of finite inputs
+    (a layer handed infs only passes them on; with no input statistics the layer is taken to have made
+    its output from what it was given)."""
+    if ls.kind != "activation":
+        return []
+    return [row for row in ls.rows
+            if row.get("inf_count", 0) + row.get("nan_count", 0) + row.get("overflow_count", 0)
+            and inputs.get((ls.step, row["name"]), True)]
+
+
+class ActivationOverflow(Detector):
+    """A layer's output holds inf/NaN or values beyond the compute format while its input was finite: one
+    event per such layer and statistics step, none for the layers downstream that only carry its infs."""
+
+    kind = "activation_overflow"
+
+    def detect(self, view):
+        inputs = finite_inputs(view.layer_stats)
+        events = []
+        for ls in view.layer_stats:
+            for row in overflowing_rows(ls, inputs):
+                bad = row.get("inf_count", 0) + row.get("nan_count", 0) + row.get("overflow_count", 0)
+                what = f"{ls.fmt} range" if ls.fmt else "finite range"
+                events.append(Event(ls.step, self.kind, f"{bad} of {row['numel']} output elements are inf/NaN "
+                                    f"or beyond the {what} (amax {row['amax']:.4g})", layer=row["name"],
+                                    data={"count": bad, "numel": row["numel"], "amax": row["amax"]}))
+        return events
