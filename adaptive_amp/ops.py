@@ -268,11 +268,13 @@ def stochastic_round(x, dtype, *, generator=None, seed=None, offset=None, scale=
     Element ``i`` takes word ``i % 4`` of Philox4x32-10 with key ``seed`` and
     counter ``offset + 2**64 * (i // 4)``, independent of threads and blocks.
 
-    Specials: NaN -> NaN; +-inf -> +-inf (bf16, fp16, e5m2) or NaN (e4m3fn,
-    which has no inf; as torch's cast). Beyond the largest finite value M:
+    Specials: NaN -> NaN; +-inf -> +-inf (bf16, fp16, e5m2) or +-448
+    (e4m3fn, which has no inf; as torch 2.13's CPU cast, which saturates).
+    Beyond the largest finite value M:
     bf16, fp16 and e5m2 round to inf with the SR probability, counting the
     gap from M to inf as one more ulp (or give +-M with ``saturate``);
-    e4m3fn gives +-448 (never NaN from a finite value). +-0 keep their sign.
+    e4m3fn gives +-448 (never NaN from a finite value, also when ``x * scale``
+    overflows fp32). +-0 keep their sign.
 
     Not differentiable (the result does not require grad); for a
     straight-through gradient use :func:`stochastic_round_ste`. Works under
