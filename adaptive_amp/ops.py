@@ -226,7 +226,10 @@ def stochastic_round(x, dtype, *, generator=None, seed=None, offset=None, scale=
     Args:
         x: float32, float16 or bfloat16; a torch tensor (CPU or CUDA, on the
             current stream), a numpy array, or a DLPack array such as CuPy's.
-            Contiguous; any shape; empty is fine.
+            Any shape; empty is fine. Strided or lazily negated torch tensors
+            and numpy arrays that are not C-contiguous or not in the host's
+            byte order are read through an internal contiguous copy (element
+            ``i`` is the ``i``-th element in row-major order either way).
         dtype: ``torch.bfloat16``, ``torch.float16``, ``torch.float8_e4m3fn``
             or ``torch.float8_e5m2``, or their names as strings (also numpy /
             ml_dtypes dtypes).

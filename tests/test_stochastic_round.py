@@ -563,7 +563,7 @@ def _bad_cases():
         ("scale dtype", lambda o: SR(x, torch.bfloat16, scale=torch.ones(1, dtype=torch.float64), seed=1, out=o),
          TypeError, "scale"),
         ("scale type", lambda o: SR(x, torch.bfloat16, scale="2", seed=1, out=o), TypeError, "scale"),
-        ("x non-contiguous", lambda o: SR(spread(128, 1)[::2], torch.bfloat16, seed=1, out=o), ValueError, "x"),
+        ("out negated", lambda o: SR(x, torch.bfloat16, seed=1, out=torch._neg_view(o)), ValueError, "out"),
         ("out overlaps x", lambda o: SR(x, torch.bfloat16, seed=1, out=x.view(torch.bfloat16)[:64]), ValueError,
          "out"),
     ]
@@ -709,3 +709,18 @@ def test_ste_matches_its_reference_twin_forward_and_backward(target):
     g_ref, = torch.autograd.grad((ref.float() * weights).sum(), x)
     assert torch.equal(g_ours, g_ref)
     assert torch.equal(g_ours, (weights.to(target).to(torch.float32) * 0.5))
+
+
+@pytest.mark.parametrize("kind", ["transpose", "slice", "negated", "channels_last"])
+def test_strided_and_negated_inputs_round_like_their_contiguous_copy(kind):
+    g = torch.Generator().manual_seed(8)
+    base = torch.randn(4, 6, 5, 3, generator=g)
+    x = {"transpose": base[0, 0].t(), "slice": base[:, ::2, 1:], "negated": torch._neg_view(base),
+         "channels_last": base.contiguous(memory_format=torch.channels_last)}[kind]
+    got = SR(x, torch.bfloat16, seed=5, offset=2)
+    want = reference.stochastic_round(x.resolve_neg().contiguous(), torch.bfloat16, seed=5, offset=2)
+    assert got.shape == x.shape
+    assert_bitwise_equal(got, want)
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out.*lazy negation"):
+        SR(x, torch.bfloat16, seed=5, out=torch._neg_view(out))
