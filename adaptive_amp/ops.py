@@ -361,10 +361,13 @@ def tensor_stats(tensors, *, fmt=None, scale=None, names=None):
           cast to the format with round-to-nearest-even;
           ``subnormal_count`` counts y whose cast is a nonzero subnormal.
         * Deterministic: bitwise the same results on every run and whatever
-          the thread count. Counts and extrema are exact; mean and std are
-          accumulated in fp64 across chunks from sums shifted by each
-          tensor's first element, so they stay accurate for large tensors
-          and for ``|mean| >> std``.
+          the thread count. Counts and extrema are exact. Mean, std and
+          l2_norm are not fp64-exact: each chunk of ``STATS_CHUNK`` (65536)
+          elements is summed in fp32 (shifted by a reference value, so
+          ``|mean| >> std`` does not cancel), and the chunks are merged in
+          fp64. Tested bound: ``|mean - exact| <= 1e-6 * mean(|x|)`` and
+          relative errors of ``std`` and ``l2_norm`` ``<= 1e-6`` (measured
+          worst about 2.4e-7, on bf16 data whose mean cancels).
     """
     from . import stats
 
