@@ -729,3 +729,54 @@ def test_numpy_byte_order_handled_or_refused_in_every_entry_point(case, which):
         return
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
+
+
+# --------------------------------------------------------------------------- every plan, state resized under it
+#
+# Each cached plan (GradScaler's per-optimizer GradPlan, the optimizers'
+# OptimPlan, UnscalePlan) is built, then a buffer it described is resized in
+# place (same object, and when shrunk the same pointer). The next call must
+# see it: the result of a fresh computation, or a clear error, never the old
+# size.
+
+
+@pytest.mark.parametrize("plan", ["grad_scaler", "adamw_moment", "sgd_momentum", "unscale_plan"])
+def test_every_plan_notices_a_buffer_resized_in_place(plan):
+    torch.manual_seed(0)
+    if plan == "unscale_plan":
+        ts = [torch.full((1000,), 2.0), torch.full((10,), 2.0)]
+        p = adaptive_amp.UnscalePlan(ts)
+        p.unscale_and_check_(scalar(0.0), scalar(0.5))
+        ts[0].resize_(3)
+        ts[0].fill_(8.0)
+        p.unscale_and_check_(scalar(0.0), scalar(0.5))
+        assert ts[0].tolist() == [4.0] * 3 and ts[1].tolist() == [0.5] * 10
+        return
+    if plan == "grad_scaler":
+        model = _model_with_grads(4.0)
+        twin = _model_with_grads(4.0)
+        opt, opt_t = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+        ours, theirs = adaptive_amp.GradScaler("cpu", init_scale=2.0), torch.amp.GradScaler("cpu", init_scale=2.0)
+        for scaler, o, m in ((ours, opt, model), (theirs, opt_t, twin)):
+            scaler.scale(torch.ones(()))
+            scaler.unscale_(o)  # (ours builds its plan here)
+            scaler.update()
+            for q in m.parameters():
+                q.grad = torch.full_like(q, 4.0)
+            m[0].weight.grad.resize_(7)  # the planned numel no longer holds; the pointer does
+            scaler.scale(torch.ones(()))
+            scaler.unscale_(o)
+        for q, r in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(q.grad, r.grad)
+        return
+    key = "exp_avg" if plan == "adamw_moment" else "momentum_buffer"
+    model = _model_with_grads()
+    opt = aoptim.AdamW(model.parameters(), lr=0.1) if plan == "adamw_moment" else \
+        aoptim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.step()
+    opt.state[model[1].weight][key].resize_(5)
+    before = [q.detach().clone() for q in model.parameters()]
+    with pytest.raises(ValueError, match=rf"state\['{key}'\] of params\[2\] has 5 elements"):
+        opt.step()
+    for q, b in zip(model.parameters(), before):
+        assert torch.equal(q, b)
