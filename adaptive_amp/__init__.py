@@ -21,14 +21,14 @@ except ImportError as exc:  # a file that is there but does not load (another Py
     ) from exc
 
 from . import debug  # torch is imported inside its functions
-from .ops import (UNSCALE_CHUNK, stochastic_round, stochastic_round_ste, tensor_stats, unscale_and_check_,
-                  update_scale_)
+from .ops import (UNSCALE_CHUNK, UnscalePlan, stochastic_round, stochastic_round_ste, tensor_stats,
+                  unscale_and_check_, update_scale_)
 from .stats import TensorStats
 
 __version__ = "0.1.0"
 
 __all__ = ["AdaptiveMixedPrecision", "AdaptivePrecisionSelector", "Capabilities", "DynamicPrecisionAdjuster", "GradScaler", "HardwareDetector",
-           "LossScale", "PrecisionAnalyzer", "PrecisionPolicy", "StabilityMonitor", "TensorStats", "UNSCALE_CHUNK", "build_info", "cuda_available", "debug",
+           "LossScale", "PrecisionAnalyzer", "PrecisionPolicy", "StabilityMonitor", "TensorStats", "UNSCALE_CHUNK", "UnscalePlan", "build_info", "cuda_available", "debug",
            "stochastic_round", "stochastic_round_ste", "tensor_stats", "unscale_and_check_", "update_scale_",
            "__version__"]
 

@@ -282,6 +282,72 @@ class GradPlan {
   bool collected_ = false;
 };
 
+// A fixed list of torch tensors described once (adaptive_amp.UnscalePlan):
+// each call re-checks only what decides the memory the kernels touch, three
+// attribute reads per tensor instead of the seven of a fresh description.
+//
+// The plan holds the tensors and, from the build, their storages: a storage
+// held here can only change its memory by a reallocation, which moves the
+// tensor's data_ptr(). So while a tensor keeps the planned data pointer,
+// element count and dtype, [data_ptr, data_ptr + numel * itemsize) is memory
+// the tensor had when it was described (contiguous and unnegated then; a
+// tensor's layout flags cannot change in place without changing these, except
+// by as_strided_-style calls on the same memory). Anything else makes check()
+// fail and the caller describes the tensors again.
+class TensorsPlan {
+ public:
+  TensorsPlan(py::tuple tensors, py::tuple storages, const std::vector<std::uintptr_t>& ptrs,
+              const std::vector<std::int64_t>& numels, const std::vector<int>& codes, py::tuple dtypes, int device)
+      : tensors_(std::move(tensors)), storages_(std::move(storages)), dtypes_(std::move(dtypes)), device_(device) {
+    refs_ = tensor_refs(ptrs, numels, codes);
+    const std::size_t n = refs_.size();
+    if (static_cast<std::size_t>(py::len(tensors_)) != n || static_cast<std::size_t>(py::len(storages_)) != n ||
+        static_cast<std::size_t>(py::len(dtypes_)) != n) {
+      throw aamp::ArgumentError("tensors: the plan's lists differ in length");
+    }
+    workspace_bytes_ = aamp::unscale_workspace_bytes(refs_, true);
+    if (!check()) throw aamp::ArgumentError("tensors: not the tensors described (pointer, size or dtype)");
+  }
+
+  std::size_t size() const { return refs_.size(); }
+  std::size_t workspace_bytes() const { return workspace_bytes_; }
+
+  bool check() const {
+    static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
+    static PyObject* numel_name = PyUnicode_InternFromString("numel");
+    static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    for (std::size_t i = 0; i < refs_.size(); ++i) {
+      PyObject* x = PyTuple_GET_ITEM(tensors_.ptr(), i);
+      py::object ptr = call_method(x, data_ptr_name);
+      if (!ptr) return clear();
+      if (PyLong_AsUnsignedLongLong(ptr.ptr()) != reinterpret_cast<std::uintptr_t>(refs_[i].data)) return clear();
+      py::object numel = call_method(x, numel_name);
+      if (!numel || PyLong_AsLongLong(numel.ptr()) != refs_[i].numel) return clear();
+      py::object dtype = get_attr(x, dtype_name);
+      if (!dtype || dtype.ptr() != PyTuple_GET_ITEM(dtypes_.ptr(), i)) return clear();
+    }
+    return true;
+  }
+
+  // One unscale pass; the caller ran check() (the tensors and storages stay held by the plan).
+  void unscale(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
+               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
+    const py::tuple keep = tensors_, keep_storages = storages_;
+    run_unscale(refs_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
+  }
+
+ private:
+  static bool clear() {
+    PyErr_Clear();
+    return false;
+  }
+
+  py::tuple tensors_, storages_, dtypes_;
+  int device_;
+  std::vector<aamp::TensorRef> refs_;
+  std::size_t workspace_bytes_ = 0;
+};
+
 // Reads a DLPack capsule without consuming it: the capsule (held by the
 // caller until the op returns) keeps the memory alive and frees it itself.
 py::dict dlpack_describe(py::capsule capsule) {
@@ -748,6 +814,16 @@ PYBIND11_MODULE(_C, m) {
   m.attr("PLAN_GENERAL") = static_cast<int>(GradPlan::kGeneral);
   m.attr("PLAN_STALE") = static_cast<int>(GradPlan::kStale);
   m.def("dlpack_describe", &dlpack_describe, py::arg("capsule"));
+  py::class_<TensorsPlan>(m, "TensorsPlan")
+      .def(py::init<py::tuple, py::tuple, const std::vector<std::uintptr_t>&, const std::vector<std::int64_t>&,
+                    const std::vector<int>&, py::tuple, int>(),
+           py::arg("tensors"), py::arg("storages"), py::arg("ptrs"), py::arg("numels"), py::arg("codes"),
+           py::arg("dtypes"), py::arg("device"))
+      .def("__len__", &TensorsPlan::size)
+      .def_property_readonly("workspace_bytes", &TensorsPlan::workspace_bytes)
+      .def("check", &TensorsPlan::check)
+      .def("unscale", &TensorsPlan::unscale, py::arg("found_inf"), py::arg("inv_scale"), py::arg("check_only"),
+           py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"));
 
   m.attr("SROUND_GROUP") = aamp::kSroundGroup;
   m.def("stochastic_round", &stochastic_round, py::arg("x"), py::arg("numel"), py::arg("x_dtype"), py::arg("out"),

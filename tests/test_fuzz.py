@@ -566,3 +566,72 @@ def test_cuda_optim_steps_match_reference(data, lists, adam):
 def test_cuda_optim_long_lists_match_reference(data, count, adam):
     lists = long_optim_lists(count, data.draw(st.integers(0, 2**31 - 1)))
     _run_adamw(data, lists, "cuda") if adam else _run_sgd(data, lists, "cuda")
+
+
+# --------------------------------------------------------------------------- strided views and plans
+#
+# Every view kind torch's own ops take (slices with steps, transposes,
+# permutes, channels_last, storage offsets, lazily negated views; expanded
+# ones for reads), mixed with contiguous tensors: the result must be the
+# reference's on contiguous copies, written back into the caller's views.
+
+
+@st.composite
+def strided_views(draw, allow_expand=False):
+    dtype = draw(st.sampled_from(DTYPES))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    kind = draw(st.sampled_from(["step", "transpose", "permute", "channels_last", "negated", "column"]
+                                + (["expand"] if allow_expand else [])))
+    base = (torch.randn(5, 6, 4, 3, generator=g) * 2.0 ** draw(st.integers(-20, 20))).to(dtype)
+    if draw(st.booleans()):
+        base.view(-1)[draw(st.integers(0, base.numel() - 1))] = draw(st.sampled_from(SPECIALS))
+    if kind == "step":
+        return base.view(-1)[draw(st.integers(0, 5))::draw(st.integers(2, 7))]
+    if kind == "transpose":
+        return base[draw(st.integers(0, 4))].reshape(6, 12).t()
+    if kind == "permute":
+        return base.permute(*draw(st.permutations([0, 1, 2, 3])))
+    if kind == "channels_last":
+        return base.contiguous(memory_format=torch.channels_last)
+    if kind == "negated":
+        return torch._neg_view(base[draw(st.integers(0, 4))])
+    if kind == "column":
+        return base.reshape(30, 12)[:, draw(st.integers(0, 11))]
+    return base[0, 0, :1].expand(7, 3)
+
+
+def _twin(v):
+    """A copy of view v in its own storage with v's geometry and negation flag."""
+    t = torch.empty(0, dtype=v.dtype).set_(v.untyped_storage().clone(), v.storage_offset(), v.shape, v.stride())
+    return torch._neg_view(t) if v.is_neg() else t
+
+
+def _dense(t):
+    return t.resolve_neg().contiguous().clone()
+
+
+@FUZZ
+@given(views=st.lists(st.one_of(strided_views(), tensors_()), min_size=1, max_size=6),
+       inv=st.sampled_from(SCALES), check_only=st.booleans(), planned=st.booleans())
+def test_unscale_strided_views_match_reference(views, inv, check_only, planned):
+    ours = [_twin(v) for v in views]
+    assert all(o.stride() == v.stride() and o.is_neg() == v.is_neg() for o, v in zip(ours, views))
+    refs = [_dense(v) for v in views]
+    f, f_ref = scalar(0.0), scalar(0.0)
+    if planned:
+        adaptive_amp.UnscalePlan(ours).unscale_and_check_(f, scalar(inv), check_only=check_only)
+    else:
+        adaptive_amp.unscale_and_check_(ours, f, scalar(inv), check_only=check_only)
+    reference.unscale_and_check_(refs, f_ref, scalar(inv), check_only=check_only)
+    assert_bitwise_equal(f, f_ref, "found_inf")
+    for i, (a, e) in enumerate(zip(ours, refs)):
+        assert_bitwise_equal(_dense(a), e, f"tensors[{i}] ({tuple(a.stride())}, neg={a.is_neg()})")
+
+
+@FUZZ
+@given(views=st.lists(st.one_of(strided_views(allow_expand=True), tensors_()), min_size=1, max_size=6),
+       fmt=st.one_of(st.none(), st.sampled_from(FORMATS)))
+def test_tensor_stats_strided_views_match_reference(views, fmt):
+    got = adaptive_amp.tensor_stats(views, fmt=fmt).to_dict()
+    exp = reference.tensor_stats([_dense(v) for v in views], fmt=fmt)
+    assert_stats_match(got, exp, f"fmt={fmt}")

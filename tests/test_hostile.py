@@ -631,3 +631,152 @@ def test_thread_clearing_the_list_during_unscale_and_stats():
 # it (p.grad = None, then a new tensor) segfaults inside torch with no adaptive_amp code involved (a loop of
 # torch.optim.SGD.step, or of `p.grad.is_sparse`, against such a thread). The deterministic tests above
 # drop the gradients at the worst moment instead.
+
+
+# --------------------------------------------------------------------------- numpy byte order
+#
+# Every numpy entry point, every array argument, both byte orders: the kernels
+# read the host's order, so an array in the other order is either handled
+# (read or written through a copy in the host's order: the same result as the
+# native array) or refused by name, with nothing written.
+
+_SWAPPED = ">" if sys.byteorder == "little" else "<"
+
+
+def _order(a, order):
+    return a.astype(a.dtype.newbyteorder(order)) if order != "=" else a
+
+
+def _unscale_case(which, order):
+    grads = [np.array([1.0, 2.0, np.inf], np.float32), np.array([4.0, 8.0], np.float16)]
+    found, inv = np.zeros(1, np.float32), np.array([0.5], np.float32)
+    args = dict(grads=grads, found=found, inv=inv)
+    if which == "grads":
+        args["grads"] = [_order(g, order) for g in grads]
+    else:
+        args[which] = _order(args[which], order)
+
+    def run():
+        adaptive_amp.unscale_and_check_(args["grads"], args["found"], args["inv"])
+        return [np.asarray(g, dtype=np.float32) for g in args["grads"]] + [np.asarray(args["found"], np.float32)]
+    return run, list(args["grads"]) + [args["found"], args["inv"]]
+
+
+def _update_case(which, order):
+    arrays = dict(scale=np.array([1024.0], np.float32), growth_tracker=np.array([3], np.int32),
+                  found_inf=np.array([0.0], np.float32), counters=np.array([2, 0, 0, 0], np.int32),
+                  amax_history=np.array([1.0, 2.0, 0.5], np.float32), step_amax=np.array([3.0], np.float32),
+                  inv_scale=np.zeros(1, np.float32))
+    arrays[which] = _order(arrays[which], order)
+
+    def run():
+        a = arrays
+        adaptive_amp.update_scale_(a["scale"], a["growth_tracker"], a["found_inf"], 2.0, 0.5, 4,
+                                   counters=a["counters"], hysteresis=2, amax_history=a["amax_history"],
+                                   step_amax=a["step_amax"], inv_scale=a["inv_scale"])
+        return [np.asarray(v, dtype=np.float64) for v in a.values()]
+    return run, list(arrays.values())
+
+
+def _sround_case(which, order):
+    x = np.linspace(-3, 3, 37, dtype=np.float32)
+    arrays = dict(x=x, random_bits=np.arange(37, dtype=np.int32) * 99991, scale=np.array([2.0], np.float32),
+                  out=np.zeros(37, np.float16))
+    arrays[which] = _order(arrays[which], order)
+
+    def run():
+        a = arrays
+        got = adaptive_amp.stochastic_round(a["x"], "float16", random_bits=a["random_bits"], scale=a["scale"],
+                                            out=a["out"])
+        return [np.asarray(got, dtype=np.float32)]
+    return run, list(arrays.values())
+
+
+def _stats_case(which, order):
+    tensors = [np.array([1.0, -2.0, 3.0, np.nan], np.float32), np.array([0.5, 70000.0], np.float32)]
+    scale = np.array([2.0], np.float32)
+    if which == "tensors":
+        tensors = [_order(t, order) for t in tensors]
+    else:
+        scale = _order(scale, order)
+
+    def run():
+        st = adaptive_amp.tensor_stats(tensors, fmt="float16", scale=scale).to_dict()
+        return [np.asarray(st[k], dtype=np.float64) for k in sorted(st)]
+    return run, tensors + [scale]
+
+
+_BYTE_ORDER_CASES = ([(_unscale_case, w) for w in ("grads", "found", "inv")]
+                     + [(_update_case, w) for w in ("scale", "growth_tracker", "found_inf", "counters",
+                                                    "amax_history", "step_amax", "inv_scale")]
+                     + [(_sround_case, w) for w in ("x", "random_bits", "scale", "out")]
+                     + [(_stats_case, w) for w in ("tensors", "scale")])
+
+
+@pytest.mark.parametrize("case,which", _BYTE_ORDER_CASES,
+                         ids=[f"{c.__name__[1:-5]}-{w}" for c, w in _BYTE_ORDER_CASES])
+def test_numpy_byte_order_handled_or_refused_in_every_entry_point(case, which):
+    run, _ = case(which, "=")
+    want = run()
+    run, arrays = case(which, _SWAPPED)
+    before = [np.array(a, copy=True) for a in arrays]
+    try:
+        got = run()
+    except ValueError as e:
+        assert "byte order" in str(e) and re.search(r"\w", str(e).split(" ")[0]), e
+        for a, b in zip(arrays, before):  # refused: nothing written, in any argument
+            assert a.tobytes() == b.tobytes()
+        return
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+# --------------------------------------------------------------------------- every plan, state resized under it
+#
+# Each cached plan (GradScaler's per-optimizer GradPlan, the optimizers'
+# OptimPlan, UnscalePlan) is built, then a buffer it described is resized in
+# place (same object, and when shrunk the same pointer). The next call must
+# see it: the result of a fresh computation, or a clear error, never the old
+# size.
+
+
+@pytest.mark.parametrize("plan", ["grad_scaler", "adamw_moment", "sgd_momentum", "unscale_plan"])
+def test_every_plan_notices_a_buffer_resized_in_place(plan):
+    torch.manual_seed(0)
+    if plan == "unscale_plan":
+        ts = [torch.full((1000,), 2.0), torch.full((10,), 2.0)]
+        p = adaptive_amp.UnscalePlan(ts)
+        p.unscale_and_check_(scalar(0.0), scalar(0.5))
+        ts[0].resize_(3)
+        ts[0].fill_(8.0)
+        p.unscale_and_check_(scalar(0.0), scalar(0.5))
+        assert ts[0].tolist() == [4.0] * 3 and ts[1].tolist() == [0.5] * 10
+        return
+    if plan == "grad_scaler":
+        model = _model_with_grads(4.0)
+        twin = _model_with_grads(4.0)
+        opt, opt_t = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(twin.parameters(), lr=0.1)
+        ours, theirs = adaptive_amp.GradScaler("cpu", init_scale=2.0), torch.amp.GradScaler("cpu", init_scale=2.0)
+        for scaler, o, m in ((ours, opt, model), (theirs, opt_t, twin)):
+            scaler.scale(torch.ones(()))
+            scaler.unscale_(o)  # (ours builds its plan here)
+            scaler.update()
+            for q in m.parameters():
+                q.grad = torch.full_like(q, 4.0)
+            m[0].weight.grad.resize_(7)  # the planned numel no longer holds; the pointer does
+            scaler.scale(torch.ones(()))
+            scaler.unscale_(o)
+        for q, r in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(q.grad, r.grad)
+        return
+    key = "exp_avg" if plan == "adamw_moment" else "momentum_buffer"
+    model = _model_with_grads()
+    opt = aoptim.AdamW(model.parameters(), lr=0.1) if plan == "adamw_moment" else \
+        aoptim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt.step()
+    opt.state[model[1].weight][key].resize_(5)
+    before = [q.detach().clone() for q in model.parameters()]
+    with pytest.raises(ValueError, match=rf"state\['{key}'\] of params\[2\] has 5 elements"):
+        opt.step()
+    for q, b in zip(model.parameters(), before):
+        assert torch.equal(q, b)

@@ -449,3 +449,25 @@ def test_channels_last_taken_without_a_copy():
     x = torch.randn(2, 3, 5, 4).contiguous(memory_format=torch.channels_last)
     batch = _native.describe_many([x], "tensors", writable=False, dtypes=(_native.FLOAT32,), strided=True)
     assert batch.ptrs == [x.data_ptr()] and not batch.copies
+
+
+# --------------------------------------------------------------------------- the accuracy the docs state
+
+
+@pytest.mark.parametrize("kind", ["normal", "offset", "bf16_cancel", "uniform", "fp16", "two_chunks_plus"])
+def test_moments_within_the_documented_bound(device, kind):
+    """ops.tensor_stats documents |mean - exact| <= 1e-6 mean|x| and 1e-6 relative for std and l2_norm
+    (fp32 chunk sums merged in fp64): hold it to that against fp64 torch."""
+    g = torch.Generator().manual_seed(3)
+    n = 1 << 19
+    x = {"normal": lambda: torch.randn(n, generator=g),
+         "offset": lambda: torch.randn(n, generator=g) * 0.01 + 100,
+         "bf16_cancel": lambda: torch.randn(n, generator=g).bfloat16(),
+         "uniform": lambda: torch.rand(n, generator=g) * 1000,
+         "fp16": lambda: (torch.randn(n, generator=g) * 100).half(),
+         "two_chunks_plus": lambda: torch.randn(2 * 65536 + 77, generator=g) * 5 - 2}[kind]().to(device)
+    st = adaptive_amp.tensor_stats([x]).to_dict()
+    d = x.double().cpu()
+    assert abs(st["mean"][0] - d.mean().item()) <= 1e-6 * d.abs().mean().item()
+    assert abs(st["std"][0] - d.std().item()) <= 1e-6 * d.std().item()
+    assert abs(st["l2_norm"][0] - d.norm().item()) <= 1e-6 * d.norm().item()

@@ -1344,3 +1344,79 @@ def test_numpy_strided_and_fortran_arrays_written_back():
     adaptive_amp.unscale_and_check_(views[1:], f, np.array([0.5], np.float32))
     assert np.array_equal(a.T, wants[1]) and np.array_equal(views[2].astype(np.float32), wants[2])
     assert f[0] == 0.0
+
+
+# --------------------------------------------------------------------------- UnscalePlan
+
+
+def _plan_tensors(device="cpu"):
+    return [make(n, dt, seed=i, specials=None, device=device) for i, (n, dt) in
+            enumerate([(1000, torch.float32), (37, torch.float16), (70000, torch.bfloat16), (0, torch.float32),
+                       (5, torch.float32)])]
+
+
+@pytest.mark.parametrize("mode", ["plain", "stats", "check_only"])
+def test_unscale_plan_matches_the_op_call_after_call(device, mode):
+    ours, theirs = _plan_tensors(device), _plan_tensors(device)
+    plan = adaptive_amp.UnscalePlan(ours)
+    kw = dict(check_only=mode == "check_only", return_stats=mode == "stats")
+    for step, inv in enumerate([0.5, 2.0, 0.25]):
+        if step == 2:
+            ours[1][3] = float("inf")
+            theirs[1][3] = float("inf")
+        f1, f2 = scalar(0.0, device), scalar(0.0, device)
+        got = plan.unscale_and_check_(f1, scalar(inv, device), **kw)
+        want = adaptive_amp.unscale_and_check_(theirs, f2, scalar(inv, device), **kw)
+        assert float(f1) == float(f2) == (1.0 if step == 2 else 0.0)
+        assert_lists_bitwise_equal(ours, theirs)
+        if mode == "stats":
+            for a, b in zip(got, want):
+                assert_bitwise_equal(a, b)
+
+
+def _changes():
+    def resized_in_place(ts):  # same object, same pointer, fewer elements
+        ts[0].resize_(10)
+
+    def new_memory(ts):
+        ts[0].data = torch.full((4000,), 3.0)
+
+    def set_to_other_storage(ts):
+        ts[4].set_(torch.full((5,), 8.0, dtype=torch.float32))
+
+    def dtype_view(ts):  # same memory read as another dtype of the same width
+        ts[1].data = ts[1].data.view(torch.bfloat16)
+
+    def storage_freed(ts):  # FSDP-style: the storage gives up its memory, then gets new memory
+        ts[2].untyped_storage().resize_(0)
+        ts[2].untyped_storage().resize_(70000 * 2)
+        ts[2].fill_(4.0)
+    return [resized_in_place, new_memory, set_to_other_storage, dtype_view, storage_freed]
+
+
+@pytest.mark.parametrize("change", _changes())
+def test_unscale_plan_notices_a_changed_tensor(change):
+    ours, theirs = _plan_tensors(), _plan_tensors()
+    plan = adaptive_amp.UnscalePlan(ours)
+    plan.unscale_and_check_(scalar(0.0, "cpu"), scalar(0.5, "cpu"))
+    adaptive_amp.unscale_and_check_(theirs, scalar(0.0, "cpu"), scalar(0.5, "cpu"))
+    change(ours)
+    change(theirs)
+    plan.unscale_and_check_(scalar(0.0, "cpu"), scalar(0.5, "cpu"))
+    adaptive_amp.unscale_and_check_(theirs, scalar(0.0, "cpu"), scalar(0.5, "cpu"))
+    assert_lists_bitwise_equal(ours, theirs)
+
+
+def test_unscale_plan_keeps_its_tensors_alive_and_takes_other_lists_through_the_op():
+    ts = _plan_tensors()
+    plan = adaptive_amp.UnscalePlan(ts)
+    ts.clear()  # the plan holds its own tuple
+    f = scalar(0.0, "cpu")
+    plan.unscale_and_check_(f, scalar(0.5, "cpu"))
+    assert len(plan) == 5 and float(f) == 0.0
+    arrays = [np.ones(4, np.float32), np.ones(3, np.float16)[::2]]
+    np_plan = adaptive_amp.UnscalePlan(arrays)
+    np_plan.unscale_and_check_(np.zeros(1, np.float32), np.array([0.5], np.float32))
+    assert arrays[0].tolist() == [0.5] * 4 and arrays[1].tolist() == [0.5, 0.5]
+    with pytest.raises(ValueError, match=r"tensors\[0\]"):
+        adaptive_amp.UnscalePlan([torch.ones(3, requires_grad=True)])
