@@ -289,7 +289,7 @@ def test_update_scale_0dim_scalars_are_fine():
 
 
 @pytest.mark.parametrize("bad", [dict(growth_factor=1.0), dict(growth_factor=NAN), dict(backoff_factor=0.0),
-                                 dict(backoff_factor=1.0), dict(backoff_factor=NAN), dict(growth_interval=0),
+                                 dict(backoff_factor=1.0), dict(backoff_factor=NAN),
                                  dict(hysteresis=0), dict(min_scale=-1.0), dict(min_scale=4.0, max_scale=2.0),
                                  dict(fmt_max=0.0), dict(counters="short"), dict(amax_history="empty"),
                                  dict(amax_history="no_step_amax")])

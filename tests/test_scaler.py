@@ -1147,6 +1147,21 @@ def test_update_scale_op_matches_reference_with_extensions(device, seed):
     assert int(a["counters"][1]) > 10, "skipped steps are counted"
 
 
+@pytest.mark.parametrize("interval", [0, -3, 2**31 - 1])
+def test_update_scale_op_takes_any_growth_interval_like_torch(device, interval):
+    """torch._amp_update_scale_ grows when the clean-step count equals growth_interval: 0 or a negative
+    value never grows (GradScaler maps intervals beyond int32 to 0)."""
+    s, t_s = torch.tensor([8.0], device=device), torch.tensor([8.0], device=device)
+    g, t_g = torch.zeros(1, dtype=torch.int32, device=device), torch.zeros(1, dtype=torch.int32, device=device)
+    for found in (0.0, 0.0, 1.0, 0.0, 0.0, 0.0):
+        f = torch.tensor([found], device=device)
+        adaptive_amp.update_scale_(s, g, f, 2.0, 0.5, interval)
+        torch._amp_update_scale_(t_s, t_g, f, 2.0, 0.5, interval)
+        assert_bitwise_equal(s, t_s)
+        assert torch.equal(g, t_g)
+    assert float(s) == 4.0
+
+
 def test_update_scale_op_argument_errors():
     s = torch.tensor([4.0])
     g = torch.zeros(1, dtype=torch.int32)
