@@ -157,8 +157,10 @@ def test_promotion_and_switch_on_compiled_llama(max_promotions):
     amp, _, compiled = train(planted_llama(), "before", FP16, 12, read_every=4, max_promotions=max_promotions)
     assert decisions(amp) == decisions(eager)
     if max_promotions:
-        assert decisions(amp)[0] == (4, "promote", "model.layers.0.mlp.down_proj")
-        assert amp.policy.compute_dtype == torch.float16 and amp.monitor.history()["found_inf"][4:] == [0] * 8
+        promoted_at, kind, layer = decisions(amp)[0]
+        assert (kind, layer) == ("promote", "model.layers.0.mlp.down_proj")
+        found_inf = amp.monitor.history()["found_inf"]
+        assert amp.policy.compute_dtype == torch.float16 and not any(found_inf[promoted_at:])
     else:
         assert [k for _, k, _ in decisions(amp)] == ["switch_compute"]
         assert amp.policy.compute_dtype == torch.bfloat16 and not amp.scaler.is_enabled()
