@@ -181,7 +181,7 @@ def test_tune_restores_everything_bitwise_and_records_every_trial():
     chosen = result.chosen
     assert chosen.agrees and chosen.fits
     assert chosen.step_time_ms <= min(t.step_time_ms for t in result.trials if t.agrees) * 1.01 + 1e-9
-    assert result.policy == result.recipe.policy()
+    assert result.policy == result.recipe.policy
 
 
 def test_overflowing_fp16_disagrees_and_islands_fix_it():
