@@ -488,10 +488,15 @@ class Tuner:
             scale = max(1.0, scale / 2**4)
         return grads
 
-    def _cosine(self, grads: List[torch.Tensor], ref: List[torch.Tensor]) -> float:
-        dot = sum(float((g.to(r.device) * r).sum(dtype=torch.float64)) for g, r in zip(grads, ref))
-        n1 = sum(float(g.double().pow(2).sum()) for g in grads)
-        n2 = sum(float(r.double().pow(2).sum()) for r in ref)
+    @staticmethod
+    def _cosine(grads: List[torch.Tensor], ref: List[torch.Tensor]) -> float:
+        """Cosine of two gradients given per parameter; `ref` (on the CPU) comes over a tensor at a time."""
+        dot = n1 = n2 = 0.0
+        for g, r in zip(grads, ref):
+            g, r = g.double(), r.to(g.device, non_blocking=True).double()
+            dot += float((g * r).sum())
+            n1 += float(g.pow(2).sum())
+            n2 += float(r.pow(2).sum())
         if not (math.isfinite(dot) and n1 > 0 and n2 > 0 and math.isfinite(n1)):
             return math.nan
         return dot / math.sqrt(n1 * n2)
@@ -502,6 +507,9 @@ class Tuner:
         a = AppliedRecipe(recipe, self.model, self.optimizer)
         try:
             grads = self._probe(a)
+            # Compared (or kept, on the CPU) before the trajectory, so that they are not in its peak memory.
+            out = [g.cpu() for g in grads] if ref_grads is None else self._cosine(grads, ref_grads)
+            del grads
             _set_rng_states(self.snapshot.rng)
             if cuda:
                 torch.cuda.synchronize()
@@ -523,8 +531,7 @@ class Tuner:
         finally:
             a.optimizer.zero_grad(set_to_none=True)
             a.undo()
-        return [g.cpu() if self.device.type != "cpu" else g for g in grads] if ref_grads is None else \
-            self._cosine(grads, ref_grads)
+        return out
 
     def _time_round(self, recipe: Recipe, trial: Trial, offset: int):
         self.snapshot.restore()

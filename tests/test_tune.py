@@ -19,7 +19,7 @@ from adaptive_amp.pressure import MemoryGuard  # noqa: E402
 from adaptive_amp.recipes import cast_parameters, checkpoint_blocks, convert_optimizer, find_blocks  # noqa: E402
 from adaptive_amp.tune import LossComparison, Snapshot, parse_budget, t_quantile  # noqa: E402
 
-from conftest import assert_bitwise_equal  # noqa: E402
+from conftest import assert_bitwise_equal, requires_cuda  # noqa: E402
 
 CPU = Capabilities(device_type="cpu", name="test cpu", bf16=True)
 FAST = dict(steps=3, rounds=1, timed_steps=1)
@@ -344,3 +344,26 @@ def test_cli_tune(capsys, tmp_path):
     assert (tmp_path / "tune.png").exists() and json.loads((tmp_path / "tune.json").read_text())["trials"]
     with pytest.raises(SystemExit, match="unknown"):
         main(["tune", "--candidates", "fp64", "--steps", "2"])
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_tune_on_cuda_measures_peak_memory_and_restores_bitwise():
+    torch.cuda.init()
+    zm = zoo.build("gpt2", "tiny", seed=0, device="cuda")
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=3e-3)
+    batches = [zm.make_batch(4, seed=i, device="cuda") for i in range(3)]
+    _train(zm, opt, batches, 1)
+    before = _everything(zm, opt)
+    torch.manual_seed(0)
+    cuda_rng = torch.cuda.get_rng_state()
+    result = tune(zm.model, opt, batches, zm.loss, candidates=["fp32", "bf16", "fp16", "bf16-pure"], **FAST)
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
+    after = _everything(zm, opt)
+    before["rng"] = after["rng"]
+    _assert_same(before, after)
+    assert all(t.peak_bytes and t.memory_source == "cuda peak allocated" for t in result.trials if not t.error)
+    guard = MemoryGuard()
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16", progress=False,
+                                 memory_guard=guard)
+    assert guard.headroom(amp) > 0
