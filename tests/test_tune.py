@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
@@ -237,7 +238,7 @@ def test_tune_compiled_model():
 # ---------------------------------------------------------------------------- controller
 
 
-def test_controller_policy_tune_applies_the_choice():
+def test_controller_policy_tune_applies_the_choice(tmp_path):
     zm, opt, batches = _setup("llama")
     amp = AdaptiveMixedPrecision(zm.model, opt, policy="tune", capabilities=CPU, progress=False,
                                  tune=dict(batches=batches, loss_fn=zm.loss, candidates=["bf16-pure"], **FAST))
@@ -246,8 +247,11 @@ def test_controller_policy_tune_applies_the_choice():
     assert all(p.dtype == torch.bfloat16 for p in zm.model.parameters())
     losses = [float(amp.train_step(lambda b=b: zm.loss(zm.model, b))) for b in batches * 3]
     assert losses[-1] < losses[0]
-    report = amp.report()
-    assert "A/B of precision recipes" in report.text()
+    report = amp.report(str(tmp_path), plots=importlib.util.find_spec("matplotlib") is not None)
+    assert "A/B of precision recipes" in report.text() and "bf16-pure" in report.text()
+    assert json.loads((tmp_path / "report.json").read_text())["tuning"]["chosen"] == "bf16-pure"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "tune.png").exists()
     with pytest.raises(ValueError, match="tune=dict\\(batches="):
         AdaptiveMixedPrecision(zm.model, opt, policy="tune", capabilities=CPU)
 
@@ -314,6 +318,18 @@ def test_out_of_memory_in_a_step_moves_lighter_and_reruns_the_same_batch():
     with pytest.raises(torch.OutOfMemoryError, match="no lighter recipe is left"):
         amp.train_step(closure)
     handle.remove()
+    step_oom = [True]
+    real_step = amp.optimizers[0].step
+
+    def failing_step(*a, **k):
+        if step_oom[0]:
+            step_oom[0] = False
+            raise torch.OutOfMemoryError("CUDA out of memory (injected in the optimizer)")
+        return real_step(*a, **k)
+
+    amp.optimizers[0].step = failing_step
+    with pytest.raises(torch.OutOfMemoryError, match="optimizer step ran out of memory.*not retried"):
+        amp.train_step(closure)
     plain = AdaptiveMixedPrecision(zoo.build("gpt2").model, torch.optim.SGD([torch.zeros(1)]), policy="fp32")
     with pytest.raises(torch.OutOfMemoryError, match="no memory guard"):
         plain.train_step(lambda: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
