@@ -86,6 +86,8 @@ def test_loss_comparison_interval():
     half = 3.1824 * d.std(ddof=1) / 2
     assert c.mean == pytest.approx(d.mean())
     assert (c.ci_low, c.ci_high) == pytest.approx((d.mean() - half, d.mean() + half), abs=1e-4)
+    # t = mean / se = 0.15 / 0.06455 = 2.324 with 3 degrees of freedom: two-sided p = 0.1027 (t tables)
+    assert c.p_value == pytest.approx(0.1027, abs=5e-4)
     nan = LossComparison.of([1.0, math.nan], [1.0, 1.0])
     assert not math.isfinite(nan.ci_high)
 
