@@ -411,8 +411,8 @@ class TrainingReport:
     # ------------------------------------------------------------------ files
     def save(self, directory: str, plots: bool = True) -> Dict[str, str]:
         """Write report.txt, report.json and (with plots, when matplotlib is installed) timeline.png and,
-        with an analysis, sensitivity.png into `directory`. Returns {"text", "json", "timeline",
-        "sensitivity"} -> path for the files written."""
+        with an analysis, sensitivity.png, with a TuneResult, tune.png into `directory`. Returns {"text", "json",
+        "timeline", "sensitivity", "tuning"} -> path for the files written."""
         os.makedirs(directory, exist_ok=True)
         written = {}
         written["text"] = os.path.join(directory, "report.txt")
