@@ -255,7 +255,7 @@ def train_step(amp, closure: Callable[[], torch.Tensor], max_grad_norm=None, nor
     """One whole step: ``loss = closure()`` under the policy's autocast, backward, step. An out-of-memory error
     in the forward or backward drops the partial step (gradients, recorded loss), lets the memory guard make
     the recipe lighter, and runs the closure again on the same data; without a guard, or with no move left,
-    the error is raised. Returns the detached loss."""
+    the error is raised. One in the optimizer step is raised (see below). Returns the detached loss."""
     while True:
         what = None
         try:
@@ -279,7 +279,15 @@ def train_step(amp, closure: Callable[[], torch.Tensor], max_grad_norm=None, nor
                                          "AdaptiveMixedPrecision to move to a lighter recipe instead)"
                                          if guard is None else "no lighter recipe is left (moves made: " +
                                          ", ".join(m.name for m in guard.moves) + ")"))
-    amp.step(max_grad_norm=max_grad_norm, norm_type=norm_type)
+    try:
+        amp.step(max_grad_norm=max_grad_norm, norm_type=norm_type)
+    except torch.OutOfMemoryError as exc:
+        # Not retried: an optimizer may have updated part of its state (moments, step counts) before the
+        # allocation that failed, and a second step would apply that part twice.
+        raise torch.OutOfMemoryError(f"step {amp.step_count}: the optimizer step ran out of memory ({exc}); it is "
+                                     "not retried, since its state may be partly updated. Let a MemoryGuard move "
+                                     "before it happens (a larger min_free, a smaller check_every), or make room "
+                                     "for the optimizer state") from None
     return loss.detach()
 
 

@@ -34,7 +34,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 HISTORY_COLUMNS = ("step", "loss", "grad_norm", "scale", "found_inf", "skipped_steps")
 _FLOAT_COLUMNS = ("loss", "grad_norm", "scale")
 #: Event kinds that change the policy: their messages are the reasons shown with a policy change.
-POLICY_EVENT_KINDS = ("promote", "demote", "switch_compute")
+POLICY_EVENT_KINDS = ("promote", "demote", "switch_compute", "memory_pressure", "memory_recovered")
 PLOT_HINT = "plots need matplotlib: pip install 'adaptive-amp[plot]' (or pip install matplotlib)"
 #: Events of one kind quoted in the text report; the rest are counted.
 EVENT_MESSAGES_SHOWN = 3
@@ -411,8 +411,8 @@ class TrainingReport:
     # ------------------------------------------------------------------ files
     def save(self, directory: str, plots: bool = True) -> Dict[str, str]:
         """Write report.txt, report.json and (with plots, when matplotlib is installed) timeline.png and,
-        with an analysis, sensitivity.png into `directory`. Returns {"text", "json", "timeline",
-        "sensitivity"} -> path for the files written."""
+        with an analysis, sensitivity.png, with a TuneResult, tune.png into `directory`. Returns {"text", "json",
+        "timeline", "sensitivity", "tuning"} -> path for the files written."""
         os.makedirs(directory, exist_ok=True)
         written = {}
         written["text"] = os.path.join(directory, "report.txt")

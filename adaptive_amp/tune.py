@@ -18,8 +18,8 @@ that keeps the loss and fits the memory budget.
    models, the bytes autograd saves for the backward of the first step).
 3. The reference is the safest candidate (fp32, TF32 where native) that runs
    and fits; the others are compared with it on identical batches: the
-   per-step loss differences ``d_k = loss_k - ref_k`` and the 95% t-interval
-   of their mean. A candidate *agrees* when all its losses are finite, the
+   per-step loss differences ``d_k = loss_k - ref_k``, the 95% t-interval
+   of their mean and the paired t-test's p-value. A candidate *agrees* when all its losses are finite, the
    interval's upper end is at most ``loss_tolerance`` (relative to the mean
    reference loss; a candidate may be better, not worse), and the gradient
    cosine is at least ``min_cosine``. The d_k of successive steps are not
@@ -139,6 +139,7 @@ class LossComparison:
     ci_low: float
     ci_high: float
     confidence: float = 0.95
+    p_value: float = math.nan  # paired t-test of "no difference" (two-sided)
 
     @classmethod
     def of(cls, losses: Sequence[float], reference: Sequence[float], confidence: float = 0.95) -> "LossComparison":
@@ -151,8 +152,10 @@ class LossComparison:
             half = math.inf if math.isfinite(mean) else math.nan
             return cls(d, mean, mean - half, mean + half, confidence)
         sd = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1))
-        half = t_quantile(0.5 + confidence / 2, n - 1) * sd / math.sqrt(n)
-        return cls(d, mean, mean - half, mean + half, confidence)
+        se = sd / math.sqrt(n)
+        half = t_quantile(0.5 + confidence / 2, n - 1) * se
+        p = (1.0 if mean == 0 else 0.0) if se == 0 else 2.0 * (1.0 - t_cdf(abs(mean) / se, n - 1))
+        return cls(d, mean, mean - half, mean + half, confidence, p)
 
 
 # ---------------------------------------------------------------------------- snapshot
@@ -342,6 +345,7 @@ class Trial:
                 "memory_bytes": self.memory_bytes, "memory_source": self.memory_source,
                 "losses": list(self.losses), "grad_cosine": self.grad_cosine,
                 "loss_diff_mean": None if c is None else c.mean, "loss_diff_ci": None if c is None else [c.ci_low, c.ci_high],
+                "loss_diff_p": None if c is None else c.p_value, "loss_diffs": None if c is None else list(c.differences),
                 "error": self.error, "fits": self.fits, "agrees": self.agrees, "verdict": self.verdict}
 
 
@@ -488,10 +492,15 @@ class Tuner:
             scale = max(1.0, scale / 2**4)
         return grads
 
-    def _cosine(self, grads: List[torch.Tensor], ref: List[torch.Tensor]) -> float:
-        dot = sum(float((g.to(r.device) * r).sum(dtype=torch.float64)) for g, r in zip(grads, ref))
-        n1 = sum(float(g.double().pow(2).sum()) for g in grads)
-        n2 = sum(float(r.double().pow(2).sum()) for r in ref)
+    @staticmethod
+    def _cosine(grads: List[torch.Tensor], ref: List[torch.Tensor]) -> float:
+        """Cosine of two gradients given per parameter; `ref` (on the CPU) comes over a tensor at a time."""
+        dot = n1 = n2 = 0.0
+        for g, r in zip(grads, ref):
+            g, r = g.double(), r.to(g.device, non_blocking=True).double()
+            dot += float((g * r).sum())
+            n1 += float(g.pow(2).sum())
+            n2 += float(r.pow(2).sum())
         if not (math.isfinite(dot) and n1 > 0 and n2 > 0 and math.isfinite(n1)):
             return math.nan
         return dot / math.sqrt(n1 * n2)
@@ -502,6 +511,9 @@ class Tuner:
         a = AppliedRecipe(recipe, self.model, self.optimizer)
         try:
             grads = self._probe(a)
+            # Compared (or kept, on the CPU) before the trajectory, so that they are not in its peak memory.
+            out = [g.cpu() for g in grads] if ref_grads is None else self._cosine(grads, ref_grads)
+            del grads
             _set_rng_states(self.snapshot.rng)
             if cuda:
                 torch.cuda.synchronize()
@@ -523,8 +535,7 @@ class Tuner:
         finally:
             a.optimizer.zero_grad(set_to_none=True)
             a.undo()
-        return [g.cpu() if self.device.type != "cpu" else g for g in grads] if ref_grads is None else \
-            self._cosine(grads, ref_grads)
+        return out
 
     def _time_round(self, recipe: Recipe, trial: Trial, offset: int):
         self.snapshot.restore()
@@ -575,7 +586,8 @@ class Tuner:
                     trial.error = ("out of memory" if _is_oom(exc) else type(exc).__name__) + f": {_short(exc)}"
                     trial.fits = False if _is_oom(exc) else None
                     self._free()
-                    self._maybe_checkpoint(recipe, trial, queue, blocks)
+                    if _is_oom(exc):
+                        self._maybe_checkpoint(recipe, trial, queue, blocks)
                     continue
                 self._free()
                 trial.fits = self.budget is None or trial.memory_bytes is None or trial.memory_bytes <= self.budget
@@ -711,7 +723,7 @@ def _trial_line(t: Trial) -> str:
     c = t.comparison
     parts = [f"{_num(t.step_time_ms)} ms/step", f"memory {_bytes(t.memory_bytes)}"]
     if c is not None and t.error is None:
-        parts.append(f"loss diff {c.mean:+.3g} [{c.ci_low:+.3g}, {c.ci_high:+.3g}]")
+        parts.append(f"loss diff {c.mean:+.3g} [{c.ci_low:+.3g}, {c.ci_high:+.3g}] (p={c.p_value:.2g})")
     if t.grad_cosine is not None:
         parts.append(f"grad cosine {_num(t.grad_cosine)}")
     return ", ".join(parts) + f": {t.verdict or 'reference'}"
@@ -794,11 +806,12 @@ def tuning_rows(d: dict) -> List[dict]:
                      "memory MiB": None if t.get("memory_bytes") is None else t["memory_bytes"] / 2**20,
                      "loss diff": t.get("loss_diff_mean") if not t.get("error") else None,
                      "95% CI": f"[{ci[0]:+.3g}, {ci[1]:+.3g}]" if ok_ci else "-",
+                     "p": t.get("loss_diff_p") if ok_ci else None,
                      "grad cos": "-" if t.get("grad_cosine") is None else f"{t['grad_cosine']:.6f}",
                      "verdict": t.get("verdict") or "reference"})
     for s in d.get("skipped", []):
         rows.append({"candidate": s["name"], "ms/step": None, "memory MiB": None, "loss diff": None, "95% CI": "-",
-                     "grad cos": "-", "verdict": "skipped: " + s["why"]})
+                     "p": None, "grad cos": "-", "verdict": "skipped: " + s["why"]})
     return rows
 
 

@@ -163,6 +163,7 @@ def main(argv=None):
     for name in args.models.split(","):
         for mode in args.modes.split(","):
             t0 = time.perf_counter()
+            print(f"== {name} {mode} ({time.strftime('%H:%M:%S')})", flush=True)
             torch._dynamo.reset()
             zm, bs, seq = build(name, args.tiny, device)
             batches = [zm.make_batch(bs, seed=i, device=device, seq_len=seq) for i in range(8)]
@@ -202,6 +203,14 @@ def main(argv=None):
                 run["oom"] = oom_run(zm, batches, device, args.oom_fraction, 30)
             run["seconds"] = time.perf_counter() - t0
             tuned, ref = run["tuned"], run["torch_bf16_autocast"]
+            agreeing = [t.name for t in res.trials if t.agrees and t.fits and t.name in alone]
+            best = max((alone[n]["tokens_per_s"] for n in agreeing), default=None)
+            run["targets"] = {
+                "tuned_vs_best_agreeing_alone": tuned["tokens_per_s"] / best if best else None,
+                "tuned_vs_torch_bf16_autocast": tuned["tokens_per_s"] / ref["tokens_per_s"],
+                "final_loss_diff_vs_torch_bf16": tuned["final_loss"] - ref["final_loss"],
+                "tuning_fraction_of_10k_steps": res.seconds / (10000 * tuned["ms_per_step"] / 1e3)}
+            print(f"== {name} {mode} targets: " + json.dumps(_jsonable(run["targets"])), flush=True)
             print(f"== {name} {mode}: tuned {res.recipe.name} {tuned['tokens_per_s']:.0f} tok/s, "
                   f"{tuned['peak_gib']} GiB, loss {tuned['final_loss']:.4f} | torch bf16 autocast "
                   f"{ref['tokens_per_s']:.0f} tok/s, {ref['peak_gib']} GiB, loss {ref['final_loss']:.4f} | alone "

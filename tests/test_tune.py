@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import random
@@ -19,7 +20,7 @@ from adaptive_amp.pressure import MemoryGuard  # noqa: E402
 from adaptive_amp.recipes import cast_parameters, checkpoint_blocks, convert_optimizer, find_blocks  # noqa: E402
 from adaptive_amp.tune import LossComparison, Snapshot, parse_budget, t_quantile  # noqa: E402
 
-from conftest import assert_bitwise_equal  # noqa: E402
+from conftest import assert_bitwise_equal, requires_cuda  # noqa: E402
 
 CPU = Capabilities(device_type="cpu", name="test cpu", bf16=True)
 FAST = dict(steps=3, rounds=1, timed_steps=1)
@@ -85,6 +86,8 @@ def test_loss_comparison_interval():
     half = 3.1824 * d.std(ddof=1) / 2
     assert c.mean == pytest.approx(d.mean())
     assert (c.ci_low, c.ci_high) == pytest.approx((d.mean() - half, d.mean() + half), abs=1e-4)
+    # t = mean / se = 0.15 / 0.06455 = 2.324 with 3 degrees of freedom: two-sided p = 0.1027 (t tables)
+    assert c.p_value == pytest.approx(0.1027, abs=5e-4)
     nan = LossComparison.of([1.0, math.nan], [1.0, 1.0])
     assert not math.isfinite(nan.ci_high)
 
@@ -181,7 +184,7 @@ def test_tune_restores_everything_bitwise_and_records_every_trial():
     chosen = result.chosen
     assert chosen.agrees and chosen.fits
     assert chosen.step_time_ms <= min(t.step_time_ms for t in result.trials if t.agrees) * 1.01 + 1e-9
-    assert result.policy == result.recipe.policy()
+    assert result.policy == result.recipe.policy
 
 
 def test_overflowing_fp16_disagrees_and_islands_fix_it():
@@ -237,7 +240,7 @@ def test_tune_compiled_model():
 # ---------------------------------------------------------------------------- controller
 
 
-def test_controller_policy_tune_applies_the_choice():
+def test_controller_policy_tune_applies_the_choice(tmp_path):
     zm, opt, batches = _setup("llama")
     amp = AdaptiveMixedPrecision(zm.model, opt, policy="tune", capabilities=CPU, progress=False,
                                  tune=dict(batches=batches, loss_fn=zm.loss, candidates=["bf16-pure"], **FAST))
@@ -246,8 +249,11 @@ def test_controller_policy_tune_applies_the_choice():
     assert all(p.dtype == torch.bfloat16 for p in zm.model.parameters())
     losses = [float(amp.train_step(lambda b=b: zm.loss(zm.model, b))) for b in batches * 3]
     assert losses[-1] < losses[0]
-    report = amp.report()
-    assert "A/B of precision recipes" in report.text()
+    report = amp.report(str(tmp_path), plots=importlib.util.find_spec("matplotlib") is not None)
+    assert "A/B of precision recipes" in report.text() and "bf16-pure" in report.text()
+    assert json.loads((tmp_path / "report.json").read_text())["tuning"]["chosen"] == "bf16-pure"
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "tune.png").exists()
     with pytest.raises(ValueError, match="tune=dict\\(batches="):
         AdaptiveMixedPrecision(zm.model, opt, policy="tune", capabilities=CPU)
 
@@ -314,6 +320,18 @@ def test_out_of_memory_in_a_step_moves_lighter_and_reruns_the_same_batch():
     with pytest.raises(torch.OutOfMemoryError, match="no lighter recipe is left"):
         amp.train_step(closure)
     handle.remove()
+    step_oom = [True]
+    real_step = amp.optimizers[0].step
+
+    def failing_step(*a, **k):
+        if step_oom[0]:
+            step_oom[0] = False
+            raise torch.OutOfMemoryError("CUDA out of memory (injected in the optimizer)")
+        return real_step(*a, **k)
+
+    amp.optimizers[0].step = failing_step
+    with pytest.raises(torch.OutOfMemoryError, match="optimizer step ran out of memory.*not retried"):
+        amp.train_step(closure)
     plain = AdaptiveMixedPrecision(zoo.build("gpt2").model, torch.optim.SGD([torch.zeros(1)]), policy="fp32")
     with pytest.raises(torch.OutOfMemoryError, match="no memory guard"):
         plain.train_step(lambda: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))
@@ -344,3 +362,26 @@ def test_cli_tune(capsys, tmp_path):
     assert (tmp_path / "tune.png").exists() and json.loads((tmp_path / "tune.json").read_text())["trials"]
     with pytest.raises(SystemExit, match="unknown"):
         main(["tune", "--candidates", "fp64", "--steps", "2"])
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_tune_on_cuda_measures_peak_memory_and_restores_bitwise():
+    torch.cuda.init()
+    zm = zoo.build("gpt2", "tiny", seed=0, device="cuda")
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=3e-3)
+    batches = [zm.make_batch(4, seed=i, device="cuda") for i in range(3)]
+    _train(zm, opt, batches, 1)
+    before = _everything(zm, opt)
+    torch.manual_seed(0)
+    cuda_rng = torch.cuda.get_rng_state()
+    result = tune(zm.model, opt, batches, zm.loss, candidates=["fp32", "bf16", "fp16", "bf16-pure"], **FAST)
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
+    after = _everything(zm, opt)
+    before["rng"] = after["rng"]
+    _assert_same(before, after)
+    assert all(t.peak_bytes and t.memory_source == "cuda peak allocated" for t in result.trials if not t.error)
+    guard = MemoryGuard()
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16", progress=False,
+                                 memory_guard=guard)
+    assert guard.headroom(amp) > 0
