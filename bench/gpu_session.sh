@@ -31,6 +31,10 @@ for stage in "$@"; do
            run info python3 -m adaptive_amp info ;;
     tests) run tests python3 -m pytest "$repo/tests" -m cuda -q -p no:cacheprovider ;;
     sanitize) run sanitize bash "$repo/bench/sanitize.sh" "$out" ;;
+    unscale) run unscale python3 "$repo/bench/bench_unscale.py" --eager --json "$out/unscale_eager.json" ;;
+    zoo) run zoo python3 "$repo/bench/zoo_gpu.py" --out "$out/zoo" ;;
+    e2e) run e2e python3 -m adaptive_amp bench --suites e2e --json "$out/e2e.json" ;;
+    tune) run tune python3 "$repo/bench/tune_evidence.py" --out "$out/tune" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
