@@ -238,3 +238,11 @@ def test_gradient_accumulation_matches_lightning_amp_bitwise():
     assert len(m_ours.losses) == 6 and m_ours.losses == m_theirs.losses
     assert plugin.amp.step_count == 3 and plugin.amp.scaler.skipped_steps == 1
     assert plugin.amp.scaler.get_scale() == scaler.get_scale()
+
+
+def test_fabric_twin_takes_one_optimizer():
+    model = tiny_gpt2()
+    a = torch.optim.SGD(model.parameters(), lr=0.1)
+    b = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="pass one optimizer"):
+        AdaptiveFabricPrecision(FP16).connect(model, a, b)
