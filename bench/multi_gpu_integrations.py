@@ -30,6 +30,8 @@ and prints PASS/FAIL per check; exit status 1 if a section raised or a check fai
               (its gradient statistics are of each rank's shard; the clip norm
               is the scaler's, all-reduced).
   lightning   Trainer(strategy="ddp", plugins=[AdaptivePrecision(...)]).
+  lightning_fsdp2  Trainer(strategy=ModelParallelStrategy(...)) (FSDP2 through
+              configure_model), the same plugin.
   accelerate  Accelerator() + adaptive_amp.integrations.accelerate.attach.
 
 On two GPUs (NCCL) it takes well under a minute; on the CPU (gloo) about as long.
@@ -248,7 +250,7 @@ def section_fsdp2(ctx, report):
         amp.zero_grad()
     # The recorded gradient norms are the clip norms, all-reduced over the shards by the scaler.
     norms = amp.report(plots=False).history["grad_norm"]
-    full_sum = float(sum(p.full_tensor().double().sum() for p in model.parameters()))
+    full_sum = float(sum(p.detach().full_tensor().double().sum() for p in model.parameters()))
     per_rank = gather(summary(amp, torch.nn.Module(), {"norms": norms, "params_sum": full_sum}))
     report.facts["fsdp2"] = per_rank
     agree(report, "fsdp2", per_rank, "policy_history", "the same policies at the same steps on all ranks")
@@ -301,6 +303,58 @@ def section_lightning(ctx, report):
     promoted_lm_head(per_rank, "lightning", report, "model.lm_head")
 
 
+def section_lightning_fsdp2(ctx, report):
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    from adaptive_amp.integrations.lightning import AdaptivePrecision
+
+    device = ctx["device"]
+    rank = dist.get_rank()
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_gpt2("cpu")
+            self.injector = Injector(self.model, rank)
+
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.transformer.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+        def training_step(self, batch, batch_idx):
+            self.injector.step = self.global_step
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=True)
+
+    plugin = AdaptivePrecision(POLICY, **CONTROLLER)
+    module = Lit()
+    data = [b.cpu() for b in batches(ctx["steps"], rank, "cpu")]
+    strategy = ModelParallelStrategy(data_parallel_size=dist.get_world_size(), tensor_parallel_size=1)
+    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=dist.get_world_size(),
+                         strategy=strategy, max_steps=ctx["steps"], plugins=[plugin], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         gradient_clip_val=1.0, use_distributed_sampler=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    norms = plugin.amp.report(plots=False).history["grad_norm"]
+    full_sum = float(sum(p.detach().full_tensor().double().sum() for p in module.parameters()))
+    per_rank = gather(summary(plugin.amp, torch.nn.Module(), {"norms": norms, "params_sum": full_sum}))
+    report.facts["lightning_fsdp2"] = per_rank
+    agree(report, "lightning_fsdp2", per_rank, "policy_history", "the same policies at the same steps on all ranks")
+    agree(report, "lightning_fsdp2", per_rank, "skipped", "the same skipped-step count on all ranks")
+    agree(report, "lightning_fsdp2", per_rank, "norms", "clip norms identical on all ranks")
+    report.check("lightning_fsdp2", "the injected steps were skipped",
+                 all(r["skipped"] >= len(INJECT_STEPS) for r in per_rank))
+    promoted_lm_head(per_rank, "lightning_fsdp2", report, "model.lm_head")
+
+
 def section_accelerate(ctx, report):
     from accelerate import Accelerator
 
@@ -340,7 +394,7 @@ def section_accelerate(ctx, report):
 
 
 SECTIONS = {"controller": section_controller, "resume": section_resume, "fsdp2": section_fsdp2,
-            "lightning": section_lightning,
+            "lightning": section_lightning, "lightning_fsdp2": section_lightning_fsdp2,
             "accelerate": section_accelerate}
 
 

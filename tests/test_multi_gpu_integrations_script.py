@@ -52,10 +52,12 @@ def report(tmp_path_factory):
 def test_every_section_ran(report):
     assert not report["json"]["errors"], report["json"]["errors"]
     sections = {c["section"] for c in report["json"]["checks"]}
-    assert sections == {"controller", "resume", "fsdp2", "lightning", "accelerate"}, report["log"]
+    assert sections == {"controller", "resume", "fsdp2", "lightning", "lightning_fsdp2",
+                        "accelerate"}, report["log"]
 
 
-@pytest.mark.parametrize("section", ["controller", "resume", "fsdp2", "lightning", "accelerate"])
+@pytest.mark.parametrize("section", ["controller", "resume", "fsdp2", "lightning", "lightning_fsdp2",
+                                     "accelerate"])
 def test_section_checks_pass(report, section):
     checks = [c for c in report["json"]["checks"] if c["section"] == section]
     assert checks, report["log"]
