@@ -33,6 +33,7 @@ and prints PASS/FAIL per check; exit status 1 if a section raised or a check fai
   lightning_fsdp2  Trainer(strategy=ModelParallelStrategy(...)) (FSDP2 through
               configure_model), the same plugin.
   accelerate  Accelerator() + adaptive_amp.integrations.accelerate.attach.
+  accelerate_fsdp2  the same with FullyShardedDataParallelPlugin(fsdp_version=2).
 
 On two GPUs (NCCL) it takes well under a minute; on the CPU (gloo) about as long.
 """
@@ -355,13 +356,24 @@ def section_lightning_fsdp2(ctx, report):
     promoted_lm_head(per_rank, "lightning_fsdp2", report, "model.lm_head")
 
 
-def section_accelerate(ctx, report):
+def section_accelerate(ctx, report, fsdp2=False):
     from accelerate import Accelerator
 
     from adaptive_amp.integrations.accelerate import attach
 
     rank = dist.get_rank()
-    accelerator = Accelerator(cpu=ctx["device"].type == "cpu", mixed_precision="no")
+    kwargs = {}
+    if fsdp2:
+        from accelerate import FullyShardedDataParallelPlugin
+
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(cpu=ctx["device"].type == "cpu", mixed_precision="no", **kwargs)
+    if fsdp2 and accelerator.distributed_type.name != "FSDP":
+        # Accelerate keeps FSDP for accelerators: on the CPU it falls back to plain multi-process DDP.
+        report.facts["accelerate_fsdp2"] = f"not run: Accelerate chose {accelerator.distributed_type.name}, not FSDP"
+        if rank == 0:
+            print(f"[accelerate_fsdp2] {report.facts['accelerate_fsdp2']}", flush=True)
+        return
     model = tiny_gpt2("cpu")
     injector = Injector(model, rank)
     opt = adaptive_amp.optim.AdamW(model.parameters(), lr=1e-3)  # fused: skips on the device
@@ -378,24 +390,34 @@ def section_accelerate(ctx, report):
         sched.step()
         skipped.append(bool(accelerator.optimizer_step_was_skipped))
         opt.zero_grad()
-    per_rank = gather(summary(amp, accelerator.unwrap_model(model),
-                              {"skipped_flags": skipped, "sched_steps": sched.scheduler.last_epoch}))
-    report.facts["accelerate"] = per_rank
-    agree(report, "accelerate", per_rank, "policy_history", "the same policies at the same steps on all ranks")
-    agree(report, "accelerate", per_rank, "skipped_flags", "step_was_skipped identical on all ranks")
-    agree(report, "accelerate", per_rank, "params_sum", "parameters identical on all ranks")
+    name = "accelerate_fsdp2" if fsdp2 else "accelerate"
+    norms = amp.report(plots=False).history["grad_norm"]
+    params = list(accelerator.unwrap_model(model).parameters())
+    full_sum = float(sum((p.detach().full_tensor() if type(p).__name__ == "DTensor" else p.detach()).double().sum()
+                         for p in params))
+    per_rank = gather(summary(amp, torch.nn.Module(), {"skipped_flags": skipped, "params_sum": full_sum,
+                                                       "sched_steps": sched.scheduler.last_epoch, "norms": norms}))
+    report.facts[name] = per_rank
+    agree(report, name, per_rank, "policy_history", "the same policies at the same steps on all ranks")
+    agree(report, name, per_rank, "skipped_flags", "step_was_skipped identical on all ranks")
+    agree(report, name, per_rank, "params_sum", "parameters identical on all ranks")
+    if fsdp2:  # replicated (DDP) gradients: each rank's norm is its own copy's; sharded: the all-reduced one
+        agree(report, name, per_rank, "norms", "clip norms identical on all ranks")
+        report.check(name, "Accelerate sharded the parameters (DTensors)",
+                     all(type(p).__name__ == "DTensor" for p in params))
     r0 = per_rank[0]
     # (Accelerate's scheduler wrapper steps once per process for each optimizer step)
     stepped = (ctx["steps"] - sum(r0["skipped_flags"])) * dist.get_world_size()
-    report.check("accelerate", "the scheduler stepped only on steps that were not skipped",
+    report.check(name, "the scheduler stepped only on steps that were not skipped",
                  r0["sched_steps"] == stepped and sum(r0["skipped_flags"]) >= len(INJECT_STEPS),
                  f"{r0['sched_steps']} scheduler steps, flags {r0['skipped_flags']}")
-    promoted_lm_head(per_rank, "accelerate", report)
+    promoted_lm_head(per_rank, name, report)
 
 
 SECTIONS = {"controller": section_controller, "resume": section_resume, "fsdp2": section_fsdp2,
             "lightning": section_lightning, "lightning_fsdp2": section_lightning_fsdp2,
-            "accelerate": section_accelerate}
+            "accelerate": section_accelerate,
+            "accelerate_fsdp2": lambda ctx, report: section_accelerate(ctx, report, fsdp2=True)}
 
 
 def main():

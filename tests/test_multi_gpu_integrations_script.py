@@ -65,6 +65,11 @@ def test_section_checks_pass(report, section):
     assert not failed, failed
 
 
+def test_accelerate_fsdp2_needs_an_accelerator(report):
+    """Accelerate does not shard on the CPU (it falls back to DDP); that section runs on GPUs only."""
+    assert report["json"]["facts"]["accelerate_fsdp2"].startswith("not run: Accelerate chose MULTI_CPU")
+
+
 def test_decisions_really_were_collective(report):
     """The control run (each rank deciding alone) split, so the agreement above is the collective's doing;
     and the collective run promoted at the same step on both ranks."""
