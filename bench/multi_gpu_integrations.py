@@ -13,6 +13,9 @@ overflows on rank 1 alone (a forward hook writes an inf into it), so:
   saw it (the collective controller takes the union over ranks),
 * scales, clip norms and parameters must agree on every rank afterwards.
 
+In the torch DDP sections, rank 1's gradient alone (after DDP's all-reduce)
+also gets an inf at step 5: every rank must skip that step too.
+
 Sections (every rank runs every one; rank 0 writes DIR/multi_gpu_integrations.json
 and prints PASS/FAIL per check; exit status 1 if a section raised or a check failed):
 
@@ -27,7 +30,10 @@ and prints PASS/FAIL per check; exit status 1 if a section raised or a check fai
               (its gradient statistics are of each rank's shard; the clip norm
               is the scaler's, all-reduced).
   lightning   Trainer(strategy="ddp", plugins=[AdaptivePrecision(...)]).
+  lightning_fsdp2  Trainer(strategy=ModelParallelStrategy(...)) (FSDP2 through
+              configure_model), the same plugin.
   accelerate  Accelerator() + adaptive_amp.integrations.accelerate.attach.
+  accelerate_fsdp2  the same with FullyShardedDataParallelPlugin(fsdp_version=2).
 
 On two GPUs (NCCL) it takes well under a minute; on the CPU (gloo) about as long.
 """
@@ -57,6 +63,7 @@ POLICY = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval
 CONTROLLER = dict(read_every=2, storm_rate=0.25, progress=False)
 INJECT_STEPS = (0, 1)
 INJECT_RANK = 1
+GRAD_INF_STEP = 5  # torch DDP sections: an inf in rank 1's gradient alone
 VOCAB, SEQ = 96, 16
 
 
@@ -164,8 +171,14 @@ def train_raw(ctx, make, steps, start=0, state=None):
         with amp.autocast():
             loss = ddp(input_ids=data[i], labels=data[i]).loss
         amp.backward(loss)
+        if i == GRAD_INF_STEP and dist.get_rank() == INJECT_RANK:
+            # After DDP's all-reduce: only this rank's gradients hold the inf, so only an all-reduced
+            # found_inf makes the other rank skip too.
+            model.transformer.h[0].mlp.c_fc.weight.grad.view(-1)[0] = float("inf")
         amp.step(max_grad_norm=1.0)
-        norms.append(float(amp.scaler.last_grad_norm) if amp.scaler.is_enabled() else None)
+        # The norm of a step that was skipped is each rank's own (inf where the inf was): compare the rest.
+        stepped = amp.scaler.is_enabled() and not amp.scaler.found_inf.item()
+        norms.append(float(amp.scaler.last_grad_norm) if stepped else None)
         amp.zero_grad()
         if ctx.get("save_at") == i + 1:
             saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
@@ -184,10 +197,10 @@ def section_controller(ctx, report):
     agree(report, "controller", per_rank, "events", "the same decisions (promote/switch/diagnose) on all ranks")
     agree(report, "controller", per_rank, "skipped", "the same skipped-step count on all ranks")
     agree(report, "controller", per_rank, "scale")
-    agree(report, "controller", per_rank, "norms", "clip norms identical on all ranks")
+    agree(report, "controller", per_rank, "norms", "clip norms identical on all ranks (steps taken)")
     agree(report, "controller", per_rank, "params_sum", "parameters identical on all ranks")
-    report.check("controller", "the injected steps were skipped", all(r["skipped"] >= len(INJECT_STEPS)
-                                                                         for r in per_rank))
+    report.check("controller", "the injected steps were skipped on every rank",
+                 all(r["skipped"] >= len(INJECT_STEPS) + 1 for r in per_rank), str([r["skipped"] for r in per_rank]))
     promoted_lm_head(per_rank, "controller", report)
 
     def plain(model, opt, policy, **kw):  # each rank decides alone; the scaler still agrees on found_inf
@@ -238,7 +251,7 @@ def section_fsdp2(ctx, report):
         amp.zero_grad()
     # The recorded gradient norms are the clip norms, all-reduced over the shards by the scaler.
     norms = amp.report(plots=False).history["grad_norm"]
-    full_sum = float(sum(p.full_tensor().double().sum() for p in model.parameters()))
+    full_sum = float(sum(p.detach().full_tensor().double().sum() for p in model.parameters()))
     per_rank = gather(summary(amp, torch.nn.Module(), {"norms": norms, "params_sum": full_sum}))
     report.facts["fsdp2"] = per_rank
     agree(report, "fsdp2", per_rank, "policy_history", "the same policies at the same steps on all ranks")
@@ -291,13 +304,76 @@ def section_lightning(ctx, report):
     promoted_lm_head(per_rank, "lightning", report, "model.lm_head")
 
 
-def section_accelerate(ctx, report):
+def section_lightning_fsdp2(ctx, report):
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    from adaptive_amp.integrations.lightning import AdaptivePrecision
+
+    device = ctx["device"]
+    rank = dist.get_rank()
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_gpt2("cpu")
+            self.injector = Injector(self.model, rank)
+
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.transformer.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+        def training_step(self, batch, batch_idx):
+            self.injector.step = self.global_step
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=True)
+
+    plugin = AdaptivePrecision(POLICY, **CONTROLLER)
+    module = Lit()
+    data = [b.cpu() for b in batches(ctx["steps"], rank, "cpu")]
+    strategy = ModelParallelStrategy(data_parallel_size=dist.get_world_size(), tensor_parallel_size=1)
+    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=dist.get_world_size(),
+                         strategy=strategy, max_steps=ctx["steps"], plugins=[plugin], logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         gradient_clip_val=1.0, use_distributed_sampler=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    norms = plugin.amp.report(plots=False).history["grad_norm"]
+    full_sum = float(sum(p.detach().full_tensor().double().sum() for p in module.parameters()))
+    per_rank = gather(summary(plugin.amp, torch.nn.Module(), {"norms": norms, "params_sum": full_sum}))
+    report.facts["lightning_fsdp2"] = per_rank
+    agree(report, "lightning_fsdp2", per_rank, "policy_history", "the same policies at the same steps on all ranks")
+    agree(report, "lightning_fsdp2", per_rank, "skipped", "the same skipped-step count on all ranks")
+    agree(report, "lightning_fsdp2", per_rank, "norms", "clip norms identical on all ranks")
+    report.check("lightning_fsdp2", "the injected steps were skipped",
+                 all(r["skipped"] >= len(INJECT_STEPS) for r in per_rank))
+    promoted_lm_head(per_rank, "lightning_fsdp2", report, "model.lm_head")
+
+
+def section_accelerate(ctx, report, fsdp2=False):
     from accelerate import Accelerator
 
     from adaptive_amp.integrations.accelerate import attach
 
     rank = dist.get_rank()
-    accelerator = Accelerator(cpu=ctx["device"].type == "cpu", mixed_precision="no")
+    kwargs = {}
+    if fsdp2:
+        from accelerate import FullyShardedDataParallelPlugin
+
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(cpu=ctx["device"].type == "cpu", mixed_precision="no", **kwargs)
+    if fsdp2 and accelerator.distributed_type.name != "FSDP":
+        # Accelerate keeps FSDP for accelerators: on the CPU it falls back to plain multi-process DDP.
+        report.facts["accelerate_fsdp2"] = f"not run: Accelerate chose {accelerator.distributed_type.name}, not FSDP"
+        if rank == 0:
+            print(f"[accelerate_fsdp2] {report.facts['accelerate_fsdp2']}", flush=True)
+        return
     model = tiny_gpt2("cpu")
     injector = Injector(model, rank)
     opt = adaptive_amp.optim.AdamW(model.parameters(), lr=1e-3)  # fused: skips on the device
@@ -314,24 +390,34 @@ def section_accelerate(ctx, report):
         sched.step()
         skipped.append(bool(accelerator.optimizer_step_was_skipped))
         opt.zero_grad()
-    per_rank = gather(summary(amp, accelerator.unwrap_model(model),
-                              {"skipped_flags": skipped, "sched_steps": sched.scheduler.last_epoch}))
-    report.facts["accelerate"] = per_rank
-    agree(report, "accelerate", per_rank, "policy_history", "the same policies at the same steps on all ranks")
-    agree(report, "accelerate", per_rank, "skipped_flags", "step_was_skipped identical on all ranks")
-    agree(report, "accelerate", per_rank, "params_sum", "parameters identical on all ranks")
+    name = "accelerate_fsdp2" if fsdp2 else "accelerate"
+    norms = amp.report(plots=False).history["grad_norm"]
+    params = list(accelerator.unwrap_model(model).parameters())
+    full_sum = float(sum((p.detach().full_tensor() if type(p).__name__ == "DTensor" else p.detach()).double().sum()
+                         for p in params))
+    per_rank = gather(summary(amp, torch.nn.Module(), {"skipped_flags": skipped, "params_sum": full_sum,
+                                                       "sched_steps": sched.scheduler.last_epoch, "norms": norms}))
+    report.facts[name] = per_rank
+    agree(report, name, per_rank, "policy_history", "the same policies at the same steps on all ranks")
+    agree(report, name, per_rank, "skipped_flags", "step_was_skipped identical on all ranks")
+    agree(report, name, per_rank, "params_sum", "parameters identical on all ranks")
+    if fsdp2:  # replicated (DDP) gradients: each rank's norm is its own copy's; sharded: the all-reduced one
+        agree(report, name, per_rank, "norms", "clip norms identical on all ranks")
+        report.check(name, "Accelerate sharded the parameters (DTensors)",
+                     all(type(p).__name__ == "DTensor" for p in params))
     r0 = per_rank[0]
     # (Accelerate's scheduler wrapper steps once per process for each optimizer step)
     stepped = (ctx["steps"] - sum(r0["skipped_flags"])) * dist.get_world_size()
-    report.check("accelerate", "the scheduler stepped only on steps that were not skipped",
+    report.check(name, "the scheduler stepped only on steps that were not skipped",
                  r0["sched_steps"] == stepped and sum(r0["skipped_flags"]) >= len(INJECT_STEPS),
                  f"{r0['sched_steps']} scheduler steps, flags {r0['skipped_flags']}")
-    promoted_lm_head(per_rank, "accelerate", report)
+    promoted_lm_head(per_rank, name, report)
 
 
 SECTIONS = {"controller": section_controller, "resume": section_resume, "fsdp2": section_fsdp2,
-            "lightning": section_lightning,
-            "accelerate": section_accelerate}
+            "lightning": section_lightning, "lightning_fsdp2": section_lightning_fsdp2,
+            "accelerate": section_accelerate,
+            "accelerate_fsdp2": lambda ctx, report: section_accelerate(ctx, report, fsdp2=True)}
 
 
 def main():

@@ -225,3 +225,24 @@ def test_fabric_twin_trains_like_the_controller():
 def test_fabric_twin_explains_a_missing_connect():
     with pytest.raises(RuntimeError, match=r"precision.connect\(model, optimizer\)"):
         AdaptiveFabricPrecision("auto").backward(torch.ones(()), None)
+
+
+def test_gradient_accumulation_matches_lightning_amp_bitwise():
+    """accumulate_grad_batches: the controller steps once per two backwards, as Lightning's AMP path does."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    kw = {"trainer_kw": {"accumulate_grad_batches": 2}, "inject_inf_at": [1]}
+    _, m_theirs = _fit(MixedPrecision("16-mixed", "cpu", scaler=scaler), steps=3, **kw)
+    plugin = AdaptivePrecision(FP16, read_every=2)
+    trainer, m_ours = _fit(plugin, steps=3, **kw)
+    _same_params(m_theirs, m_ours)
+    assert len(m_ours.losses) == 6 and m_ours.losses == m_theirs.losses
+    assert plugin.amp.step_count == 3 and plugin.amp.scaler.skipped_steps == 1
+    assert plugin.amp.scaler.get_scale() == scaler.get_scale()
+
+
+def test_fabric_twin_takes_one_optimizer():
+    model = tiny_gpt2()
+    a = torch.optim.SGD(model.parameters(), lr=0.1)
+    b = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="pass one optimizer"):
+        AdaptiveFabricPrecision(FP16).connect(model, a, b)

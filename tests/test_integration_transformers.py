@@ -251,3 +251,47 @@ def test_accelerate_loop_with_save_and_load_state(tmp_path):
     assert amp_resumed.step_count == 7
     assert amp_resumed.scaler.state_dict() == amp_straight.scaler.state_dict()
     assert os.path.exists(tmp_path / "state" / "scaler.pt")
+
+
+def test_accelerate_gradient_accumulation_steps_once_per_window():
+    """gradient_accumulation_steps=2 under accelerator.accumulate: the bridge steps the controller at the
+    window's end only, bitwise as the controller driven by hand (losses halved, two backwards, one step)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from adaptive_amp.integrations.accelerate import attach
+
+    data = token_batches(6)
+
+    def by_accelerate():
+        AcceleratorState._reset_state(reset_partial_state=True)
+        accelerator = Accelerator(cpu=True, mixed_precision="no", gradient_accumulation_steps=2)
+        model = tiny_gpt2()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        model, opt = accelerator.prepare(model, opt)
+        amp = attach(accelerator, model, opt, FP16)
+        for batch in data:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(input_ids=batch, labels=batch).loss)
+                opt.step()
+                opt.zero_grad()
+        accelerator.free_memory()
+        return accelerator.unwrap_model(model), amp
+
+    def by_hand():
+        model = tiny_gpt2()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        amp = adaptive_amp.AdaptiveMixedPrecision(model, opt, FP16, progress=False)
+        for i, batch in enumerate(data):
+            with amp.autocast():
+                loss = model(input_ids=batch, labels=batch).loss
+            amp.backward(loss / 2)
+            if i % 2 == 1:
+                amp.step()
+                amp.zero_grad()
+        return model, amp
+
+    m_acc, amp_acc = by_accelerate()
+    m_ref, amp_ref = by_hand()
+    _same_params(m_ref, m_acc)
+    assert amp_acc.step_count == amp_ref.step_count == 3

@@ -52,15 +52,22 @@ def report(tmp_path_factory):
 def test_every_section_ran(report):
     assert not report["json"]["errors"], report["json"]["errors"]
     sections = {c["section"] for c in report["json"]["checks"]}
-    assert sections == {"controller", "resume", "fsdp2", "lightning", "accelerate"}, report["log"]
+    assert sections == {"controller", "resume", "fsdp2", "lightning", "lightning_fsdp2",
+                        "accelerate"}, report["log"]
 
 
-@pytest.mark.parametrize("section", ["controller", "resume", "fsdp2", "lightning", "accelerate"])
+@pytest.mark.parametrize("section", ["controller", "resume", "fsdp2", "lightning", "lightning_fsdp2",
+                                     "accelerate"])
 def test_section_checks_pass(report, section):
     checks = [c for c in report["json"]["checks"] if c["section"] == section]
     assert checks, report["log"]
     failed = [c for c in checks if not c["passed"]]
     assert not failed, failed
+
+
+def test_accelerate_fsdp2_needs_an_accelerator(report):
+    """Accelerate does not shard on the CPU (it falls back to DDP); that section runs on GPUs only."""
+    assert report["json"]["facts"]["accelerate_fsdp2"].startswith("not run: Accelerate chose MULTI_CPU")
 
 
 def test_decisions_really_were_collective(report):

@@ -2,12 +2,13 @@
 
 * :mod:`adaptive_amp.integrations.lightning`: ``Trainer(plugins=[AdaptivePrecision("auto")])``
   and its Fabric twin ``AdaptiveFabricPrecision``.
-* :mod:`adaptive_amp.integrations.accelerate`: ``prepare_accelerator(accelerator, model, optimizer)``.
-* :mod:`adaptive_amp.integrations.transformers`: ``AdaptiveAmpCallback`` for the transformers Trainer.
+* :mod:`adaptive_amp.integrations.accelerate`: ``attach(accelerator, model, optimizer, "auto")``
+  after ``accelerator.prepare``.
+* :mod:`adaptive_amp.integrations.transformers`: ``attach(trainer, "auto")`` before ``trainer.train()``.
 
 Each module imports its framework when it is imported, never before, so
 ``import adaptive_amp`` stays free of them. The adapters translate the
 framework's calls into :class:`adaptive_amp.AdaptiveMixedPrecision`'s
 (``autocast``, ``backward``, ``step``, ``state_dict``); the decisions are the
-controller's.
+controller's (collective under several processes: :mod:`adaptive_amp.distributed`).
 """

@@ -294,6 +294,9 @@ class AdaptiveFabricPrecision(_ControllerHost, _FabricPrecisionBase):
         """Build the controller on the module and optimizers that ``fabric.setup`` returned (or the raw ones)."""
         if len(optimizers) == 1 and isinstance(optimizers[0], (list, tuple)):
             optimizers = tuple(optimizers[0])
+        if len(optimizers) != 1:
+            raise ValueError(f"AdaptiveFabricPrecision.connect: pass one optimizer (the controller steps it at "
+                             f"each optimizer.step()), got {len(optimizers)}; combine the parameter groups into one")
         raw = [getattr(o, "optimizer", o) for o in optimizers]  # _FabricOptimizer -> the optimizer
         inner = getattr(module, "module", module)  # _FabricModule -> the strategy's module (DDP or not)
         inner = getattr(inner, "module", inner) if isinstance(inner, torch.nn.parallel.DistributedDataParallel) \
