@@ -65,7 +65,7 @@ def _device_scalar(t, name, device):
     want = torch.device("cpu") if device == _native.CPU else torch.device("cuda", device)
     if t.device != want:
         t = t.to(want, non_blocking=True)
-    return t.contiguous()
+    return t.resolve_neg().contiguous()  # (a lazily negated view holds -t in memory; the core reads memory)
 
 
 def _seed_offset(generator, seed, offset, device):

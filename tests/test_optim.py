@@ -787,3 +787,12 @@ def test_lazily_negated_grads_step_with_their_sign(cls, kw):
                     assert p.grad.is_neg()
         _step_both(pair, s, fresh=False)
         _assert_same(pair)
+
+
+def test_lazily_negated_grad_scale_is_read_with_its_sign():
+    ps, gs, ms, vs, steps = _lists([(37,)], torch.float32, torch.float32)
+    a, b = _clone([ps, ms, vs, steps]), _clone([ps, ms, vs, steps])
+    optim.adamw_step_(a[0], gs, a[1], a[2], a[3], grad_scale=torch.tensor([4.0]), seed=1, **ADAM_KW)
+    optim.adamw_step_(b[0], gs, b[1], b[2], b[3], grad_scale=torch._neg_view(torch.tensor([-4.0])), seed=1,
+                      **ADAM_KW)
+    _assert_lists(a, b)
