@@ -65,7 +65,7 @@ def _device_scalar(t, name, device):
     want = torch.device("cpu") if device == _native.CPU else torch.device("cuda", device)
     if t.device != want:
         t = t.to(want, non_blocking=True)
-    return t.contiguous()
+    return t.resolve_neg().contiguous()  # (a lazily negated view holds -t in memory; the core reads memory)
 
 
 def _seed_offset(generator, seed, offset, device):
@@ -115,7 +115,11 @@ def _common(params, grads, lists, names):
                                  f"{p.numel()} (shape {tuple(p.shape)}); pass buffers of the params' shapes")
     batches = []
     device = None
-    for xs, name in zip(lists, names):
+    for k, (xs, name) in enumerate(zip(lists, names)):
+        if name == "grads" and any(isinstance(g, Tensor) and g.is_neg() for g in xs):
+            # torch's lazy negation (the memory holds -grad): read through a resolved copy, as torch's step would
+            # read the negated values; the copy lives in lists (the caller's) until the launch.
+            xs = lists[k] = [g.resolve_neg() if isinstance(g, Tensor) else g for g in xs]
         if not xs:
             batches.append(None)
             continue

@@ -644,6 +644,9 @@ class OptimPlan {
       if (!dtype || dtype.ptr() != PyList_GET_ITEM(dtypes_.ptr(), i)) return clear();
       py::object contiguous = call_method(grad.ptr(), contiguous_name);
       if (!contiguous || contiguous.ptr() != Py_True) return clear();  // sparse layouts raise
+      static PyObject* neg_name = PyUnicode_InternFromString("is_neg");
+      py::object neg = call_method(grad.ptr(), neg_name);  // lazily negated: the functional path resolves it
+      if (!neg || neg.ptr() != Py_False) return clear();
       py::object shape = get_attr(grad.ptr(), shape_name);
       if (!shape) return clear();
       const int same = PyObject_RichCompareBool(shape.ptr(), PyList_GET_ITEM(shapes_.ptr(), i), Py_EQ);

@@ -771,3 +771,28 @@ def test_native_plan_refuses_moment_sizes_it_was_not_given():
     v.resize_(4)
     assert not good.collect()
     assert torch.equal(m, torch.zeros(3))
+
+
+@pytest.mark.parametrize("cls,kw", PLAN_CASES)
+def test_lazily_negated_grads_step_with_their_sign(cls, kw):
+    """A grad with torch's lazy negation flag (memory holds -grad) steps as the resolved grad, on the first
+    step and on a planned one (the sign was lost before)."""
+    pair = _pair(cls, torch.bfloat16, "cpu", **kw)
+    for s in range(3):
+        for k, (model, _) in enumerate(pair):
+            _grads(model, s)
+            if k == 1:
+                for p in model.parameters():
+                    p.grad = torch._neg_view(p.grad.neg())  # the same values, negated lazily
+                    assert p.grad.is_neg()
+        _step_both(pair, s, fresh=False)
+        _assert_same(pair)
+
+
+def test_lazily_negated_grad_scale_is_read_with_its_sign():
+    ps, gs, ms, vs, steps = _lists([(37,)], torch.float32, torch.float32)
+    a, b = _clone([ps, ms, vs, steps]), _clone([ps, ms, vs, steps])
+    optim.adamw_step_(a[0], gs, a[1], a[2], a[3], grad_scale=torch.tensor([4.0]), seed=1, **ADAM_KW)
+    optim.adamw_step_(b[0], gs, b[1], b[2], b[3], grad_scale=torch._neg_view(torch.tensor([-4.0])), seed=1,
+                      **ADAM_KW)
+    _assert_lists(a, b)
