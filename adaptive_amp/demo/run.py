@@ -296,6 +296,35 @@ def _save_report(amp, directory: str) -> None:
         print(f"  report not written: {exc}", file=sys.stderr)
 
 
+_LABELS = {"fp32": "fp32", "torch_amp": "torch AMP", "adaptive": "adaptive_amp"}
+
+
+def plot_recipes(results: List[RunResult], directory: str) -> List[str]:
+    """recipes_<scenario>.png per scenario: loss, loss scale, skipped steps (seed 0's run) and step time
+    (the timing rounds of every seed) of each recipe side by side. Nothing without matplotlib."""
+    from ..report import plot_recipes as draw
+
+    written = []
+    for scenario in dict.fromkeys(r.scenario for r in results):
+        runs, notes = {}, []
+        for recipe in RECIPES:
+            rs = [r for r in results if r.scenario == scenario and r.recipe == recipe]
+            if rs:
+                first = min(rs, key=lambda r: r.seed)
+                runs[_LABELS[recipe]] = {"losses": first.losses, "scales": first.scales,
+                                         "skipped_at": first.skipped_at,
+                                         "step_times": [t for r in rs for t in r.step_times]}
+                notes.append(f"{_LABELS[recipe]}: {first.policy}")
+        path = os.path.join(directory, f"recipes_{scenario}.png")
+        try:
+            written.append(draw(runs, path, title=f"demo, {scenario} scenario: the recipes side by side "
+                                                  f"(curves: seed 0; step times: every seed)", notes=notes))
+        except ImportError as exc:
+            print(f"  {path} not written: {exc}", file=sys.stderr)
+            break
+    return written
+
+
 def _with_spread(value: float, values: List[float]) -> str:
     s = spread(values)
     return f"{value:.2f}" if s != s else f"{value:.2f}+-{s:.2f}"
@@ -436,5 +465,8 @@ def main(argv=None) -> int:
         f.write(table + "\n\n" + "\n".join(checks) + "\n")
     with open(os.path.join(args.out, "demo.json"), "w") as f:
         json.dump({"config": asdict(cfg), "results": [asdict(r) for r in results], "checks": checks}, f, indent=2)
-    print(f"\nwritten: {args.out}/demo.txt, demo.json and the adaptive runs' reports (report_*/)")
+    plots = plot_recipes(results, args.out)
+    print(f"\nwritten: {args.out}/demo.txt, demo.json, "
+          + (", ".join(os.path.basename(p) for p in plots) + " (the recipes side by side), " if plots else "")
+          + "and the adaptive runs' reports (report_*/)")
     return 0
