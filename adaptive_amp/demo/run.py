@@ -401,12 +401,17 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 2000 GPU, 500 CPU)")
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds per recipe of the ordinary scenario (run-to-run spread; default 3 GPU, 2 CPU)")
-    parser.add_argument("--scenarios", default="ordinary,planted", help="comma-separated: ordinary, planted")
-    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated: " + ", ".join(RECIPES))
-    parser.add_argument("--out", default="adaptive_amp_demo", help="directory for the table, JSON and reports")
+    parser.add_argument("--scenarios", default="ordinary,planted",
+                        help="comma-separated (default both): ordinary (TinyLM as it is) and planted (a layer whose "
+                             "fp16 outputs overflow)")
+    parser.add_argument("--recipes", default=",".join(RECIPES),
+                        help="comma-separated (default all): fp32; torch_amp (autocast + torch.amp.GradScaler); "
+                             "adaptive (adaptive_amp.AdaptiveMixedPrecision)")
+    parser.add_argument("--out", default="adaptive_amp_demo",
+                        help="directory for demo.txt, demo.json, recipes_*.png and the reports (default %(default)s)")
     parser.add_argument("--timing-rounds", type=int, default=None,
                         help="rounds of the round-robin step-time phase (default 7 GPU, 3 CPU; 0 skips it)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (one line per finished run only)")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
