@@ -26,6 +26,9 @@ def test_demo_runs_and_writes_its_table_reports_and_checks(tmp_path, capsys):
     assert all(r["step_ms"] > 0 for r in runs.values())
     assert "planted: adaptive_amp final loss" in printed and "scenario" in printed
     assert (out / "demo.txt").read_text().startswith("scenario")
+    for scenario in ("ordinary", "planted"):  # the recipes side by side
+        assert (out / f"recipes_{scenario}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(runs["planted", "torch_amp"]["skipped_at"]) == 12 and len(runs["planted", "adaptive"]["losses"]) == 12
     for scenario in ("ordinary", "planted"):
         assert (out / f"report_{scenario}" / "report.txt").exists()
         assert (out / f"report_{scenario}" / "report.json").exists()

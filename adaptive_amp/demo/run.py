@@ -296,6 +296,35 @@ def _save_report(amp, directory: str) -> None:
         print(f"  report not written: {exc}", file=sys.stderr)
 
 
+_LABELS = {"fp32": "fp32", "torch_amp": "torch AMP", "adaptive": "adaptive_amp"}
+
+
+def plot_recipes(results: List[RunResult], directory: str) -> List[str]:
+    """recipes_<scenario>.png per scenario: loss, loss scale, skipped steps (seed 0's run) and step time
+    (the timing rounds of every seed) of each recipe side by side. Nothing without matplotlib."""
+    from ..report import plot_recipes as draw
+
+    written = []
+    for scenario in dict.fromkeys(r.scenario for r in results):
+        runs, notes = {}, []
+        for recipe in RECIPES:
+            rs = [r for r in results if r.scenario == scenario and r.recipe == recipe]
+            if rs:
+                first = min(rs, key=lambda r: r.seed)
+                runs[_LABELS[recipe]] = {"losses": first.losses, "scales": first.scales,
+                                         "skipped_at": first.skipped_at,
+                                         "step_times": [t for r in rs for t in r.step_times]}
+                notes.append(f"{_LABELS[recipe]}: {first.policy}")
+        path = os.path.join(directory, f"recipes_{scenario}.png")
+        try:
+            written.append(draw(runs, path, title=f"demo, {scenario} scenario: the recipes side by side "
+                                                  f"(curves: seed 0; step times: every seed)", notes=notes))
+        except ImportError as exc:
+            print(f"  {path} not written: {exc}", file=sys.stderr)
+            break
+    return written
+
+
 def _with_spread(value: float, values: List[float]) -> str:
     s = spread(values)
     return f"{value:.2f}" if s != s else f"{value:.2f}+-{s:.2f}"
@@ -372,12 +401,17 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="training steps per run (default 2000 GPU, 500 CPU)")
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds per recipe of the ordinary scenario (run-to-run spread; default 3 GPU, 2 CPU)")
-    parser.add_argument("--scenarios", default="ordinary,planted", help="comma-separated: ordinary, planted")
-    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated: " + ", ".join(RECIPES))
-    parser.add_argument("--out", default="adaptive_amp_demo", help="directory for the table, JSON and reports")
+    parser.add_argument("--scenarios", default="ordinary,planted",
+                        help="comma-separated (default both): ordinary (TinyLM as it is) and planted (a layer whose "
+                             "fp16 outputs overflow)")
+    parser.add_argument("--recipes", default=",".join(RECIPES),
+                        help="comma-separated (default all): fp32; torch_amp (autocast + torch.amp.GradScaler); "
+                             "adaptive (adaptive_amp.AdaptiveMixedPrecision)")
+    parser.add_argument("--out", default="adaptive_amp_demo",
+                        help="directory for demo.txt, demo.json, recipes_*.png and the reports (default %(default)s)")
     parser.add_argument("--timing-rounds", type=int, default=None,
                         help="rounds of the round-robin step-time phase (default 7 GPU, 3 CPU; 0 skips it)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (one line per finished run only)")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -436,5 +470,8 @@ def main(argv=None) -> int:
         f.write(table + "\n\n" + "\n".join(checks) + "\n")
     with open(os.path.join(args.out, "demo.json"), "w") as f:
         json.dump({"config": asdict(cfg), "results": [asdict(r) for r in results], "checks": checks}, f, indent=2)
-    print(f"\nwritten: {args.out}/demo.txt, demo.json and the adaptive runs' reports (report_*/)")
+    plots = plot_recipes(results, args.out)
+    print(f"\nwritten: {args.out}/demo.txt, demo.json, "
+          + (", ".join(os.path.basename(p) for p in plots) + " (the recipes side by side), " if plots else "")
+          + "and the adaptive runs' reports (report_*/)")
     return 0
