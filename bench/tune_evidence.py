@@ -16,13 +16,16 @@ Per model and mode (eager / compiled) it runs, in one process:
    lighter recipe and keep training.
 
 The issue asks for 2000 training steps per run and a few hundred steps per
-candidate; the defaults here are 150 and 30 so that the whole script fits
-about 8 minutes on one H100/H200 (say so when quoting the numbers).
+candidate; the defaults here are 100 and 20 so that the default plan (GPT-2
+medium eager with a 20 GiB budget and a real OOM at 30% of the GPU's memory,
+Llama 1.1B eager, GPT-2 medium compiled) fits about 8 minutes on one
+H100/H200 (say so when quoting the numbers); no run starts after
+--max-minutes.
 
 Usage (one GPU)::
 
-    python bench/tune_evidence.py --out bench/results/tune                       # default plan
-    python bench/tune_evidence.py --models gpt2-medium --modes eager --budget 20GiB --oom-fraction 0.3
+    python bench/tune_evidence.py --out bench/results/tune                       # the default plan
+    python bench/tune_evidence.py --models gpt2-medium,llama-1b --modes compiled --max-minutes 9
     python bench/tune_evidence.py --tiny --device cpu                            # a CPU smoke run
 """
 
@@ -140,15 +143,18 @@ def oom_run(zm, batches, device, fraction, steps):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt2-medium,llama-1b")
-    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--models", default=None, help="with --modes: every model in every mode (default: the plan "
+                                                  "below)")
+    p.add_argument("--modes", default="eager")
+    p.add_argument("--max-minutes", type=float, default=8.0,
+                   help="start no new run after this many minutes (what ran is in evidence.json)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny zoo models (a CPU smoke run of this script)")
     p.add_argument("--tune-steps", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timed-steps", type=int, default=3)
-    p.add_argument("--train-steps", type=int, default=150)
-    p.add_argument("--alone-steps", type=int, default=30)
+    p.add_argument("--train-steps", type=int, default=100)
+    p.add_argument("--alone-steps", type=int, default=20)
     p.add_argument("--compiled-candidates", default="fp32,bf16,bf16-pure",
                    help="compiling each candidate takes long: fewer for the compiled mode")
     p.add_argument("--budget", default=None)
@@ -160,68 +166,78 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "args": vars(args), "runs": []}
-    for name in args.models.split(","):
-        for mode in args.modes.split(","):
-            t0 = time.perf_counter()
-            print(f"== {name} {mode} ({time.strftime('%H:%M:%S')})", flush=True)
-            torch._dynamo.reset()
-            zm, bs, seq = build(name, args.tiny, device)
-            batches = [zm.make_batch(bs, seed=i, device=device, seq_len=seq) for i in range(8)]
-            model = torch.compile(zm.model) if mode == "compiled" else zm.model
-            opt = torch.optim.AdamW(zm.model.parameters(), lr=args.lr)
-            cands = args.compiled_candidates.split(",") if mode == "compiled" else None
-            snap = Snapshot(zm.model, [opt])  # every run below starts from the same weights and state
-            run = {"model": name, "mode": mode, "parameters": zm.num_parameters(), "tokens_per_step": bs * seq}
-            res = tune(model, opt, batches, zm.loss, candidates=cands, steps=args.tune_steps, rounds=args.rounds,
-                       timed_steps=args.timed_steps, progress=lambda m: print(m, flush=True))
-            print(res.table(), flush=True)
-            res.save(os.path.join(args.out, f"{name}-{mode}"))
-            run["tune"] = res.to_dict()
+    if args.models:
+        plan = [(m, mode, args.budget, args.oom_fraction) for m in args.models.split(",")
+                for mode in args.modes.split(",")]
+    else:  # the default plan: the issue's budget and OOM targets on GPT-2 medium, eager
+        plan = [("gpt2-medium", "eager", args.budget or "20GiB", args.oom_fraction or 0.3),
+                ("llama-1b", "eager", None, None), ("gpt2-medium", "compiled", None, None)]
+    started = time.perf_counter()
+    for name, mode, budget, oom_fraction in plan:
+        if time.perf_counter() - started > 60 * args.max_minutes:
+            print(f"== {name} {mode}: skipped, past --max-minutes {args.max_minutes}", flush=True)
+            results["runs"].append({"model": name, "mode": mode, "skipped": "past --max-minutes"})
+            continue
+        t0 = time.perf_counter()
+        print(f"== {name} {mode} ({time.strftime('%H:%M:%S')})", flush=True)
+        torch._dynamo.reset()
+        zm, bs, seq = build(name, args.tiny, device)
+        batches = [zm.make_batch(bs, seed=i, device=device, seq_len=seq) for i in range(8)]
+        model = torch.compile(zm.model) if mode == "compiled" else zm.model
+        opt = torch.optim.AdamW(zm.model.parameters(), lr=args.lr)
+        cands = args.compiled_candidates.split(",") if mode == "compiled" else None
+        snap = Snapshot(zm.model, [opt])  # every run below starts from the same weights and state
+        run = {"model": name, "mode": mode, "parameters": zm.num_parameters(), "tokens_per_step": bs * seq}
+        res = tune(model, opt, batches, zm.loss, candidates=cands, steps=args.tune_steps, rounds=args.rounds,
+                   timed_steps=args.timed_steps, progress=lambda m: print(m, flush=True))
+        print(res.table(), flush=True)
+        res.save(os.path.join(args.out, f"{name}-{mode}"))
+        run["tune"] = res.to_dict()
+        snap.restore()
+        run["tuned"] = train(zm, model, opt, batches, args.train_steps, device, res.recipe)
+        snap.restore()
+        run["torch_bf16_autocast"] = train(zm, model, opt, batches, args.train_steps, device, None)
+        alone = {}
+        recipes = {r.name: r for r in AdaptivePrecisionSelector().candidates(res_caps(device), None, cands)[0]}
+        for t in res.trials:
+            if t.error is None and t.fits and t.name in recipes:
+                snap.restore()
+                r = train(zm, model, opt, batches, args.alone_steps, device, recipes[t.name])
+                alone[t.name] = {k: r[k] for k in ("tokens_per_s", "ms_per_step", "peak_gib", "final_loss")}
+        run["alone"] = alone
+        if budget:
             snap.restore()
-            run["tuned"] = train(zm, model, opt, batches, args.train_steps, device, res.recipe)
+            b = tune(model, opt, batches, zm.loss, candidates=cands, steps=args.tune_steps, rounds=1,
+                     timed_steps=args.timed_steps, memory_budget=budget)
+            print(b.table(), flush=True)
+            b.save(os.path.join(args.out, f"{name}-{mode}-budget"))
+            run["budget"] = b.to_dict()
             snap.restore()
-            run["torch_bf16_autocast"] = train(zm, model, opt, batches, args.train_steps, device, None)
-            alone = {}
-            recipes = {r.name: r for r in AdaptivePrecisionSelector().candidates(res_caps(device), None, cands)[0]}
-            for t in res.trials:
-                if t.error is None and t.fits and t.name in recipes:
-                    snap.restore()
-                    r = train(zm, model, opt, batches, args.alone_steps, device, recipes[t.name])
-                    alone[t.name] = {k: r[k] for k in ("tokens_per_s", "ms_per_step", "peak_gib", "final_loss")}
-            run["alone"] = alone
-            if args.budget:
-                snap.restore()
-                b = tune(model, opt, batches, zm.loss, candidates=cands, steps=args.tune_steps, rounds=1,
-                         timed_steps=args.timed_steps, memory_budget=args.budget)
-                print(b.table(), flush=True)
-                b.save(os.path.join(args.out, f"{name}-{mode}-budget"))
-                run["budget"] = b.to_dict()
-                snap.restore()
-                run["budget_trained"] = train(zm, model, opt, batches, args.train_steps, device, b.recipe)
-            if args.oom_fraction and device.type == "cuda" and mode == "eager":
-                snap.restore()
-                run["oom"] = oom_run(zm, batches, device, args.oom_fraction, 30)
-            run["seconds"] = time.perf_counter() - t0
-            tuned, ref = run["tuned"], run["torch_bf16_autocast"]
-            agreeing = [t.name for t in res.trials if t.agrees and t.fits and t.name in alone]
-            best = max((alone[n]["tokens_per_s"] for n in agreeing), default=None)
-            run["targets"] = {
-                "tuned_vs_best_agreeing_alone": tuned["tokens_per_s"] / best if best else None,
-                "tuned_vs_torch_bf16_autocast": tuned["tokens_per_s"] / ref["tokens_per_s"],
-                "final_loss_diff_vs_torch_bf16": tuned["final_loss"] - ref["final_loss"],
-                "tuning_fraction_of_10k_steps": res.seconds / (10000 * tuned["ms_per_step"] / 1e3)}
-            print(f"== {name} {mode} targets: " + json.dumps(_jsonable(run["targets"])), flush=True)
-            print(f"== {name} {mode}: tuned {res.recipe.name} {tuned['tokens_per_s']:.0f} tok/s, "
-                  f"{tuned['peak_gib']} GiB, loss {tuned['final_loss']:.4f} | torch bf16 autocast "
-                  f"{ref['tokens_per_s']:.0f} tok/s, {ref['peak_gib']} GiB, loss {ref['final_loss']:.4f} | alone "
-                  + ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in alone.items())
-                  + f" | tuning {res.seconds:.1f} s, all {run['seconds']:.0f} s", flush=True)
-            results["runs"].append(run)
-            with open(os.path.join(args.out, "evidence.json"), "w") as f:
-                json.dump(_jsonable(results), f, indent=1)
-            del model, opt, zm, batches, snap
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            run["budget_trained"] = train(zm, model, opt, batches, args.train_steps, device, b.recipe)
+        if oom_fraction and device.type == "cuda" and mode == "eager":
+            snap.restore()
+            run["oom"] = oom_run(zm, batches, device, oom_fraction, 30)
+        run["seconds"] = time.perf_counter() - t0
+        tuned, ref = run["tuned"], run["torch_bf16_autocast"]
+        agreeing = [t.name for t in res.trials if t.agrees and t.fits and t.name in alone]
+        best = max((alone[n]["tokens_per_s"] for n in agreeing), default=None)
+        run["targets"] = {
+            "tuned_vs_best_agreeing_alone": tuned["tokens_per_s"] / best if best else None,
+            "tuned_vs_torch_bf16_autocast": tuned["tokens_per_s"] / ref["tokens_per_s"],
+            "final_loss_diff_vs_torch_bf16": tuned["final_loss"] - ref["final_loss"],
+            "tuning_fraction_of_10k_steps": res.seconds / (10000 * tuned["ms_per_step"] / 1e3)}
+        print(f"== {name} {mode} targets: " + json.dumps(_jsonable(run["targets"])), flush=True)
+        print(f"== {name} {mode}: tuned {res.recipe.name} {tuned['tokens_per_s']:.0f} tok/s, "
+              f"{tuned['peak_gib']} GiB, loss {tuned['final_loss']:.4f} | torch bf16 autocast "
+              f"{ref['tokens_per_s']:.0f} tok/s, {ref['peak_gib']} GiB, loss {ref['final_loss']:.4f} | alone "
+              + ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in alone.items())
+              + f" | tuning {res.seconds:.1f} s, all {run['seconds']:.0f} s", flush=True)
+        results["runs"].append(run)
+        with open(os.path.join(args.out, "evidence.json"), "w") as f:
+            json.dump(_jsonable(results), f, indent=1)
+        del model, opt, zm, batches, snap
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return 0
 
 
