@@ -522,3 +522,65 @@ def test_zoo_planted_overflow_recovers_when_compiled():
     promoted = [layer for e in amp.events if e.kind == "promote" for layer in e.data["layers"]]
     assert promoted == list(PLANTED["gpt2"][1])  # the same decisions as eager
     assert recovery_steps(stepped) <= 10 and stepped[-1] is True, stepped
+
+
+ANOMALIES = ("nan_loss", "loss_spike", "overflow_rate", "scale_collapse", "grad_norm_anomaly", "underflow_rising",
+             "activation_overflow")
+
+
+@pytest.mark.parametrize("family, policy", [("llama", FP16), ("gpt2", "params=float32,compute=bfloat16"),
+                                            ("vit", "params=float32,compute=bfloat16")])
+def test_ordinary_zoo_training_raises_no_anomaly(family, policy):
+    # Early training on the zoo's learnable data: a steep fall of the loss and gradient norms that move
+    # several-fold. Statistics and reads every 10 steps, so every detector runs often.
+    zm = zoo.build(family, "tiny", seed=0)
+    final, stepped, amp = train_zoo(zm, "adaptive", 60, policy=policy, batch=4)
+    amp.report(plots=False)
+    assert [str(e) for e in amp.events if e.kind in ANOMALIES] == []
+    assert not [e for e in amp.events if e.kind in ("promote", "switch_compute")]
+    h = amp.monitor.history()
+    assert final < h["loss"][0] and all(stepped)  # it trained, and no step was skipped
+
+
+def test_step_returns_a_bool_for_every_policy():
+    from adaptive_amp import optim as aoptim
+
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    for policy, make_opt in [(FP16, torch.optim.AdamW), ("params=float32,compute=bfloat16", torch.optim.AdamW),
+                             ("float32", torch.optim.AdamW),
+                             (FP16, lambda ps, **kw: aoptim.AdamW(ps, stochastic_rounding=False, **kw)),
+                             ("bf16-pure", lambda ps, **kw: aoptim.AdamW(ps, stochastic_rounding=True, **kw))]:
+        model = copy.deepcopy(zm.model)
+        amp = AdaptiveMixedPrecision(model, make_opt(model.parameters(), lr=1e-3), policy=policy,
+                                     capabilities=CPU_BF16, read_every=10)
+        for i in range(2):
+            with amp.autocast():
+                loss = zm.loss(model, zm.make_batch(4, seed=i))
+            amp.backward(loss)
+            assert amp.step() is True, policy
+            amp.zero_grad()
+
+
+def test_bf16_pure_runs_without_autocast_and_casts_float_inputs():
+    # Autocast would run its fp32 ops (layer_norm, pow in GELU, softmax, rms_norm on CUDA) in fp32 and keep
+    # fp32 copies for the backward pass: the plain bf16 loop does not, and neither does bf16-pure.
+    from adaptive_amp import optim as aoptim
+
+    zm = zoo.build("vit", "tiny", seed=0)  # fp32 pixel values into bf16 weights
+    model = zm.model
+    amp = AdaptiveMixedPrecision(model, aoptim.AdamW(model.parameters(), lr=1e-3, stochastic_rounding=True),
+                                 policy="bf16-pure", capabilities=CPU_BF16)
+    b = zm.make_batch(4, seed=0)
+    assert b["pixel_values"].dtype == torch.float32
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["pixel_values"].dtype),
+                                    with_kwargs=True)  # runs after the controller's cast
+    with amp.autocast():
+        assert not torch.is_autocast_enabled("cpu")
+        loss = zm.loss(model, b)
+    amp.backward(loss)
+    assert amp.step() is True
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters()) and seen == [torch.bfloat16]
+    amp.remove()
+    zm.loss(model, b)
+    assert seen[-1] == torch.float32  # the cast was the controller's: removed with it
