@@ -14,7 +14,15 @@ from .kernels import (SUITES, format_table, sround_cpu, sround_gpu, sround_summa
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m adaptive_amp bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--suites", default="gpt2,many", help="comma-separated: " + ",".join(SUITES) + ",sround,optim")
+    parser.add_argument("--suites", default="gpt2,many",
+                        help="comma-separated: " + ",".join(SUITES) + ",sround,optim,e2e")
+    parser.add_argument("--e2e-models", default=None,
+                        help="e2e: comma-separated of gpt2-small,gpt2-medium,llama-small (GPU default: all; "
+                             "CPU: gpt2-small, built tiny)")
+    parser.add_argument("--e2e-recipes", default=None,
+                        help="e2e: comma-separated of fp32,torch-fp16,torch-bf16,auto,fp16,bf16-pure (default: all)")
+    parser.add_argument("--e2e-modes", default="eager,compiled", help="e2e: eager, compiled or both")
+    parser.add_argument("--e2e-steps", type=int, default=None, help="e2e: timed steps per loop (GPU 60, CPU 4)")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--json", help="write the rows to this JSON file")
     parser.add_argument("--cpu", action="store_true", help="also time the CPU variants")
@@ -29,7 +37,8 @@ def main(argv=None):
     suites = [s for s in args.suites.split(",") if s]
     sround = "sround" in suites  # the stochastic-rounding suite; the others are unscale suites
     optim_suite = "optim" in suites  # the fused-optimizer suite (GPU)
-    suites = [s for s in suites if s not in ("sround", "optim")]
+    e2e_suite = "e2e" in suites  # end to end: the zoo's models under torch's recipes and ours
+    suites = [s for s in suites if s not in ("sround", "optim", "e2e")]
     cuda = args.device.startswith("cuda")
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     rows = []
@@ -79,6 +88,14 @@ def main(argv=None):
         print("\n".join(stats_summary(stats_rows)))
         report["stats"] = [asdict(r) for r in stats_rows]
         rows += stats_rows
+    if e2e_suite:
+        from .e2e import RECIPES, format_e2e, run_e2e, to_json
+
+        split = lambda text: [t for t in text.split(",") if t] if text else None  # noqa: E731
+        result = run_e2e(models=split(args.e2e_models), recipes=split(args.e2e_recipes) or RECIPES,
+                         modes=split(args.e2e_modes), steps=args.e2e_steps, device=args.device.split(":")[0])
+        print(format_e2e(result))
+        report["e2e"] = to_json(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
