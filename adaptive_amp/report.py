@@ -178,7 +178,10 @@ class TrainingReport:
                 lines.append(f"grad norm:    {_fmt(s['grad_norm_min'])} to {_fmt(s['grad_norm_max'])} "
                              f"(median {_fmt(s['grad_norm_median'])})")
         for key, value in self.summary.items():
-            lines.append(f"{key + ':':<13} {_fmt(value)}")
+            if _repeats(key, value, s, self.policies):
+                continue
+            label = _SUMMARY_LABELS.get(key, key)
+            lines.append(f"{label + ':':<13} {_fmt(value)}")
 
         lines.append("")
         if not self.policies:
@@ -279,25 +282,34 @@ class TrainingReport:
 
     # ------------------------------------------------------------------ plots
     def plot_timeline(self, path: str) -> str:
-        """One PNG: loss, loss scale (log), skipped steps (cumulative) and gradient norm (log) over a shared step
-        axis; events as vertical lines coloured by kind, policy changes as annotated dashed lines."""
+        """One PNG over a shared step axis: an events strip (one row per kind, a mark per event), the loss,
+        the loss scale (log) and skipped steps (cumulative) when the run scaled the loss or skipped a step,
+        and the gradient norm (log); policy changes as dashed lines, labelled in the events strip."""
         Figure, FigureCanvasAgg = _matplotlib()
         h = self.history
-        fig = Figure(figsize=(11, 9), constrained_layout=True)
-        FigureCanvasAgg(fig)
-        axes = fig.subplots(4, 1, sharex=True)
-        fig.suptitle(self.title)
         steps = h["step"]
+        scaled = any(math.isfinite(v) and v > 0 for v in h["scale"])
+        skipped = any(v > 0 for v in h["skipped_steps"])
         marker = "." if len(steps) < 50 else None  # a single step draws no line: show the points
-        panels = [
-            ("loss", h["loss"], "linear", "loss", "no finite loss"),
-            ("scale", h["scale"], "log", "loss scale", "no loss scaling"),
-            ("skipped_steps", [float(v) for v in h["skipped_steps"]], "linear", "skipped steps", "no steps"),
-            ("grad_norm", h["grad_norm"], "log", "grad norm", "grad norm not recorded"),
-        ]
-        for ax, (column, values, yscale, label, empty) in zip(axes, panels):
-            shown = [(s, v) for s, v in zip(steps, values)
-                     if math.isfinite(v) and (yscale == "linear" or v > 0)]
+        panels = [("loss", h["loss"], "linear", "loss", "no finite loss")]
+        if scaled or skipped:
+            panels.append(("scale", h["scale"], "log", "loss scale", "no loss scaling"))
+            panels.append(("skipped_steps", [float(v) for v in h["skipped_steps"]], "linear", "skipped steps",
+                           "no steps"))
+        panels.append(("grad_norm", h["grad_norm"], "log", "grad norm", "grad norm not recorded"))
+        groups = self.events_by_kind()
+        changes = self.policy_changes()
+        strip = bool(groups or changes)
+        ratios = ([0.35 + 0.18 * max(1, len(groups))] if strip else []) + [1.0] * len(panels)
+        fig = Figure(figsize=(11, 2.0 + 1.9 * len(panels) + (0.4 * len(groups) if strip else 0)),
+                     constrained_layout=True)
+        FigureCanvasAgg(fig)
+        axes = list(fig.subplots(len(ratios), 1, sharex=True, gridspec_kw={"height_ratios": ratios}, squeeze=False)[:, 0])
+        note = "" if scaled or skipped else " (no loss scaling: no scale or skipped-step panels)"
+        fig.suptitle(self.title + note)
+        event_ax, plot_axes = (axes[0], axes[1:]) if strip else (None, axes)
+        for ax, (column, values, yscale, label, empty) in zip(plot_axes, panels):
+            shown = [(st, v) for st, v in zip(steps, values) if math.isfinite(v) and (yscale == "linear" or v > 0)]
             ax.set_ylabel(label)
             if not shown:
                 ax.text(0.5, 0.5, empty, transform=ax.transAxes, ha="center", va="center", color="gray")
@@ -311,30 +323,34 @@ class TrainingReport:
             if yscale == "log":
                 ax.set_yscale("log")
             if column == "loss":
-                bad = [s for s, v in zip(steps, values) if not math.isfinite(v)]
+                bad = [st for st, v in zip(steps, values) if not math.isfinite(v)]
                 if bad:  # where the loss is missing from the line, say why
                     ax.plot(bad, [max(ys)] * len(bad), "x", color="black", label="non-finite loss")
+                    ax.legend(loc="upper right", fontsize=7)
         axes[-1].set_xlabel("step")
-
-        handles = []
-        groups = self.events_by_kind()
-        colors = _kind_colors(groups)
-        for kind, evs in groups.items():
-            xs = [e["step"] for e in evs]
-            for ax in axes:  # full-height lines whatever the panel's y range
-                lines = ax.vlines(xs, 0, 1, transform=ax.get_xaxis_transform(), colors=colors[kind], alpha=0.6,
-                                  linewidth=1, label=f"{kind} ({len(evs)})")
-            handles.append(lines)
-        changes = self.policy_changes()
         for c in changes:
             for ax in axes:
                 ax.axvline(c["step"], color="black", linestyle="--", linewidth=1)
-            axes[0].annotate(c["diff"], xy=(c["step"], 1), xycoords=("data", "axes fraction"), rotation=90,
-                             va="top", ha="right", fontsize=7)
-        if changes:
-            handles.append(_legend_line("policy change"))
-        if handles:
-            axes[0].legend(handles=handles, loc="upper right", fontsize=7, title="events", title_fontsize=7)
+        if strip:
+            # One row per kind: events at the same steps stay apart, whatever their number.
+            colors = _kind_colors(groups)
+            kinds = list(groups)
+            for row, kind in enumerate(kinds):
+                xs = sorted({e["step"] for e in groups[kind]})
+                event_ax.plot(xs, [row] * len(xs), "|", color=colors[kind], markersize=10, markeredgewidth=2)
+            event_ax.set_yticks(range(len(kinds)))
+            event_ax.set_yticklabels([f"{k} ({len(groups[k])})" for k in kinds], fontsize=7)
+            # Rows top-down; below them, when the policy changed, a row for the changes' labels.
+            event_ax.set_ylim(len(kinds) - 0.4 + (1.0 if changes else 0), -0.6)
+            event_ax.set_title("events (one row per kind) and policy changes (dashed)", fontsize=8, loc="left")
+            # Labels of policy changes close together alternate between two heights instead of overlapping.
+            span = (max(steps) - min(steps)) if steps else 1
+            last_x, level = None, 0
+            for c in changes:
+                level = 1 - level if last_x is not None and c["step"] - last_x < 0.15 * max(span, 1) else 0
+                event_ax.annotate(f"step {c['step']}: {c['diff']}", xy=(c["step"], len(kinds) + 0.4 * level),
+                                  fontsize=7, va="center", xytext=(3, 0), textcoords="offset points")
+                last_x = c["step"]
         if self.policies:
             axes[-1].annotate(f"policy at step {self.policies[0][0]}: {self.policies[0][1]}", xy=(0, -0.45),
                               xycoords="axes fraction", fontsize=7, va="top")
@@ -353,7 +369,7 @@ class TrainingReport:
         finite = [v for e in layers for v in e["errors"].values() if math.isfinite(v) and v > 0]
         floor = min(finite) / 10 if finite else 1e-8
         ceiling = max(finite) * 10 if finite else 1.0  # where a non-finite error is drawn
-        fig = Figure(figsize=(max(6, 0.6 * len(layers) * len(dtypes) ** 0.5 + 2), 5), constrained_layout=True)
+        fig = Figure(figsize=(max(6, 0.6 * len(layers) * len(dtypes) ** 0.5 + 2) + 2.5, 5), constrained_layout=True)
         FigureCanvasAgg(fig)
         ax = fig.subplots()
         width = 0.8 / max(1, len(dtypes))
@@ -382,10 +398,14 @@ class TrainingReport:
         for fmt, t in (threshold.items() if isinstance(threshold, dict) else [("", threshold)] if threshold else []):
             if not dtypes or not fmt or fmt in dtypes:
                 by_value.setdefault(float(t), []).append(fmt)
-        for t, fmts in sorted(by_value.items()):
-            ax.axhline(t, color="red", linestyle="--", linewidth=1)
+        styles = ["--", ":", "-.", (0, (5, 1, 1, 1))]
+        for k, (t, fmts) in enumerate(sorted(by_value.items())):
+            # A threshold of one format takes that format's colour; each threshold its own dash pattern.
+            own = [f for f in fmts if f in dtypes]
+            color = colors[dtypes.index(own[0]) % len(colors)] if len(own) == 1 else "red"
+            ax.axhline(t, color=color, linestyle=styles[k % len(styles)], linewidth=1.5)
             label = f"risky above {t:g}" + (f" ({', '.join(f for f in fmts if f)})" if any(fmts) else "")
-            legend.append(Line2D([], [], color="red", linestyle="--", label=label))
+            legend.append(Line2D([], [], color=color, linestyle=styles[k % len(styles)], linewidth=1.5, label=label))
         ax.set_yscale("log")
         ax.set_xticks(range(len(layers)))
         ax.set_xticklabels([e["name"] or "(model)" for e in layers], rotation=60, ha="right", fontsize=7)
@@ -395,9 +415,12 @@ class TrainingReport:
                 tick.set_fontweight("bold")
         ax.set_ylabel("relative model-output error")
         total = len(self.sensitive_layers(limit=None))
-        ax.set_title("layer sensitivity by format (red: risky; hatched: not finite, overflow)"
-                     + (f", {len(layers)} of {total} layers" if total > len(layers) else ""))
-        ax.legend(handles=legend, fontsize=7)
+        # A short title (a long one is cut on a narrow figure); the key is in the legend, beside the bars.
+        ax.set_title("layer sensitivity by format" + (f" ({len(layers)} of {total} layers)" if total > len(layers)
+                                                      else ""), fontsize=10)
+        legend.append(Patch(facecolor="white", edgecolor="red", linewidth=1.5, label="risky (red edge and name)"))
+        legend.append(Patch(facecolor="white", edgecolor="gray", hatch="//", label="not finite (overflow)"))
+        ax.legend(handles=legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         _save(fig, path)
         return path
 
@@ -424,7 +447,120 @@ class TrainingReport:
         return written
 
 
+# ---------------------------------------------------------------------- recipes side by side
+
+
+def plot_recipes(runs: Mapping[str, Mapping[str, Sequence]], path: str, title: str = "recipes side by side",
+                 notes: Sequence[str] = ()) -> str:
+    """One PNG comparing training runs (e.g. fp32, torch AMP, adaptive_amp on the same data), 2 x 2 panels:
+    loss per step (a moving average over 2% of the steps drawn over the raw values), loss scale (log),
+    skipped steps (cumulative), and step time (median with the interquartile range of its timing rounds).
+
+    Args:
+        runs: label -> {"losses": per-step losses, "scales": per-step loss scale (empty without loss
+            scaling), "skipped_at": steps whose update was skipped, "step_times": ms per step, one per
+            timing round (may be empty)}. Keep labels short: they name the curves and the bars.
+        path: the PNG to write.
+        notes: lines printed under the panels (e.g. each recipe's full policy).
+    """
+    Figure, FigureCanvasAgg = _matplotlib()
+    fig = Figure(figsize=(12, 7.5 + 0.2 * len(notes)), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    (ax_loss, ax_scale), (ax_skip, ax_time) = fig.subplots(2, 2)
+    fig.suptitle(title)
+    colors = ["tab:gray", "tab:orange", "tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]
+    unscaled, lossless = [], []
+    for k, (label, run) in enumerate(runs.items()):
+        color = colors[k % len(colors)]
+        losses = [float(v) for v in run.get("losses", [])]
+        steps = list(range(len(losses)))
+        finite = [(st, v) for st, v in zip(steps, losses) if math.isfinite(v)]
+        if finite:
+            xs, ys = zip(*finite)
+            ax_loss.plot(xs, ys, color=color, alpha=0.25, linewidth=0.6)
+            window = max(1, len(ys) // 50)
+            smooth = [sum(ys[max(0, i - window + 1):i + 1]) / len(ys[max(0, i - window + 1):i + 1])
+                      for i in range(len(ys))]
+            ax_loss.plot(xs, smooth, color=color, linewidth=1.5, label=label)
+        else:
+            lossless.append(label)
+        scales = [float(v) for v in run.get("scales", [])]
+        shown = [(st, v) for st, v in enumerate(scales) if math.isfinite(v) and v > 0]
+        if shown:
+            xs, ys = zip(*shown)
+            ax_scale.step(xs, ys, where="post", color=color, label=label)
+        else:
+            unscaled.append(label)
+        skipped = sorted(int(v) for v in run.get("skipped_at", []))
+        total = max(len(losses), (skipped[-1] + 1) if skipped else 0)
+        counts, i = [], 0
+        for st in range(total):
+            while i < len(skipped) and skipped[i] <= st:
+                i += 1
+            counts.append(i)
+        if total:
+            ax_skip.step(range(total), counts, where="post", color=color, label=f"{label} ({len(skipped)})")
+        times = [float(v) for v in run.get("step_times", []) if math.isfinite(v)]
+        if times:
+            med = _median(times)
+            if len(times) >= 4:
+                ordered = sorted(times)
+                lo, hi = ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]
+            else:
+                lo, hi = min(times), max(times)
+            ax_time.bar(k, med, color=color, yerr=[[med - lo], [hi - med]], capsize=4)
+            ax_time.annotate(f"{med:.2f}", xy=(k, hi), ha="center", va="bottom", fontsize=8,
+                             xytext=(0, 3), textcoords="offset points")
+    ax_loss.set_title("training loss (faint: per step; line: moving average)", fontsize=9)
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("loss")
+    if ax_loss.lines:
+        ax_loss.legend(fontsize=8)
+    if lossless:
+        ax_loss.text(0.02, 0.04, "no finite loss: " + ", ".join(lossless), transform=ax_loss.transAxes, fontsize=8,
+                     color="gray")
+    ax_scale.set_title("loss scale", fontsize=9)
+    ax_scale.set_xlabel("step")
+    if ax_scale.lines:
+        ax_scale.set_yscale("log")
+        ax_scale.legend(fontsize=8)
+    if unscaled:
+        ax_scale.text(0.02, 0.04, "no loss scaling: " + ", ".join(unscaled), transform=ax_scale.transAxes,
+                      fontsize=8, color="gray")
+    ax_skip.set_title("skipped steps (cumulative; total in the legend)", fontsize=9)
+    ax_skip.set_xlabel("step")
+    most = max((len(run.get("skipped_at", [])) for run in runs.values()), default=0)
+    ax_skip.set_ylim(0, max(1, most) * 1.05)  # a flat zero line sits on the axis, not mid-panel
+    if not most:
+        ax_skip.text(0.5, 0.5, "no run skipped a step", transform=ax_skip.transAxes, ha="center", color="gray")
+    if ax_skip.lines:
+        ax_skip.legend(fontsize=8)
+    ax_time.set_title("step time: median and interquartile range of the timing rounds", fontsize=9)
+    ax_time.set_xticks(range(len(runs)))
+    ax_time.set_xticklabels(list(runs), fontsize=8)
+    ax_time.set_ylabel("ms per step")
+    if not ax_time.patches:
+        ax_time.text(0.5, 0.5, "not timed", transform=ax_time.transAxes, ha="center", color="gray")
+    if notes:
+        fig.supxlabel("\n".join(notes), fontsize=8, ha="left", x=0.01)
+    _save(fig, path)
+    return path
+
+
 # ---------------------------------------------------------------------- tables
+
+
+#: Summary keys shown under a clearer name (the monitor's figures cover its recent window only).
+_SUMMARY_LABELS = {"loss_trend": "recent loss slope per step", "loss_variance": "recent loss variance"}
+
+
+def _repeats(key: str, value, stats: dict, policies) -> bool:
+    """Whether a summary entry only repeats a line the report already prints (steps, the final policy)."""
+    if key == "steps":
+        return stats["steps"] and value == stats["last_step"] + 1 or value == stats["steps"]
+    if key == "policy":
+        return bool(policies) and str(value) == policies[-1][1]
+    return False
 
 
 def comparison_table(rows: Sequence[Mapping[str, Any]], columns: Optional[Sequence[str]] = None) -> str:

@@ -73,7 +73,7 @@ def test_unscale_chunk_exposed():
     assert adaptive_amp.UNSCALE_CHUNK == 16384
 
 
-def test_import_and_run_without_torch():
+def test_import_and_run_without_torch(tmp_path):
     """`import adaptive_amp` and the op on numpy arrays work with torch blocked."""
     code = textwrap.dedent(
         """
@@ -105,8 +105,11 @@ def test_import_and_run_without_torch():
         print("OK", info["version"])
         """
     )
-    env = dict(os.environ)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    # The copy under test (built in place or installed), from a folder that cannot shadow it.
+    here = os.path.dirname(os.path.dirname(os.path.abspath(adaptive_amp.__file__)))
+    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK" in proc.stdout
 

@@ -26,6 +26,9 @@ def test_demo_runs_and_writes_its_table_reports_and_checks(tmp_path, capsys):
     assert all(r["step_ms"] > 0 for r in runs.values())
     assert "planted: adaptive_amp final loss" in printed and "scenario" in printed
     assert (out / "demo.txt").read_text().startswith("scenario")
+    for scenario in ("ordinary", "planted"):  # the recipes side by side
+        assert (out / f"recipes_{scenario}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(runs["planted", "torch_amp"]["skipped_at"]) == 12 and len(runs["planted", "adaptive"]["losses"]) == 12
     for scenario in ("ordinary", "planted"):
         assert (out / f"report_{scenario}" / "report.txt").exists()
         assert (out / f"report_{scenario}" / "report.json").exists()
@@ -61,3 +64,27 @@ def test_verdict_explains_equal_skips_only_where_torch_amp_scales_fp16(torch_dty
     lines = verdicts(runs)
     assert "ordinary: skipped steps 0.0 (adaptive) vs 0.0 (torch AMP): equal (neither skipped a step)" in lines
     assert any("--steps 14000" in line for line in lines) == hint
+
+
+def test_step_time_verdict_does_not_flip_on_noise():
+    """10.29 against 10.11 ms with a spread of 0.3 ms is no measurable difference (it printed FAIL once)."""
+    from adaptive_amp.demo.run import RunResult, compare_times, verdicts
+
+    sentence, verdict = compare_times([10.0, 10.29, 10.6, 10.2, 10.4], [10.11, 9.8, 10.4, 10.0, 10.3], "torch AMP")
+    assert verdict == "same" and sentence.startswith("no measurable difference")
+    sentence, verdict = compare_times([12.0, 12.1, 11.9, 12.05], [10.0, 10.1, 9.9, 10.05], "torch AMP")
+    assert verdict == "slower" and sentence.startswith("1.20x torch AMP's time")
+    assert compare_times([8.0, 8.1, 7.9, 8.05], [10.0, 10.1, 9.9, 10.05], "torch AMP")[1] == "faster"
+
+    def result(recipe, times):
+        return RunResult("ordinary", recipe, 0, final_loss=1.0, train_loss=1.0, train_ms=1.0, skipped_steps=0,
+                         policy="params=float32,compute=bfloat16", step_ms=times[0], step_times=times)
+
+    noisy = verdicts([result("torch_amp", [10.11, 9.8, 10.4, 10.0]), result("adaptive", [10.29, 10.0, 10.6, 10.2])])
+    line = next(v for v in noisy if v.startswith("ordinary: step time"))
+    assert "no measurable difference" in line and line.endswith("PASS"), line
+    slower = verdicts([result("torch_amp", [10.0, 10.1, 9.9, 10.05]), result("adaptive", [12.0, 12.1, 11.9, 12.05])])
+    line = next(v for v in slower if v.startswith("ordinary: step time"))
+    assert "1.20x torch AMP's time" in line and line.endswith("FAIL (measurably slower)"), line
+    assert not any(v.startswith("note: on the CPU") for v in slower)
+    assert any(v.startswith("note: on the CPU") for v in verdicts(slower and [result("adaptive", [1.0])], "cpu"))

@@ -31,14 +31,24 @@ ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("pybind11", reason="the build needs pybind11 (pip install -e '.[test]')")
 
 
+_NOT_IN_A_CLONE = ("build", "dist", "out", ".git", "__pycache__", ".pytest_cache", ".hypothesis", "_build")
+
+
 def _tracked_files():
-    """The files of a fresh clone: tracked plus new, unignored ones (so uncommitted work is tested too)."""
+    """The files of a fresh clone: tracked plus new, unignored ones (so uncommitted work is tested too);
+    without git, every file but build outputs, caches and environments."""
     try:
         out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
                              check=True).stdout
+        return [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
     except (OSError, subprocess.CalledProcessError):
-        pytest.skip("needs git to list the checkout's files")
-    return [f for f in out.decode().split("\0") if f and (ROOT / f).is_file()]
+        files = []
+        for folder, dirs, names in os.walk(ROOT):
+            dirs[:] = [d for d in dirs if d not in _NOT_IN_A_CLONE and not d.startswith(".venv")
+                       and not d.endswith(".egg-info")]
+            rel = Path(folder).relative_to(ROOT)
+            files += [str(rel / n) for n in names if not n.endswith((".so", ".o", ".pyc", ".whl"))]
+        return files
 
 
 def _run(cmd, cwd, env=None, timeout=300):
@@ -54,7 +64,8 @@ sys.meta_path[:] = [f for f in sys.meta_path if "adaptive_amp" not in getattr(f,
 
 def _env(site=None, **extra):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ADAPTIVE_AMP_OPENMP")}
-    env.update(ADAPTIVE_AMP_CUDA="0", MPLBACKEND="Agg", **extra)
+    env.update({"ADAPTIVE_AMP_CUDA": "0", "MPLBACKEND": "Agg"})
+    env.update(extra)
     if site is not None:
         shim = Path(site).parent / "no-editable-finder"
         shim.mkdir(exist_ok=True)
@@ -157,3 +168,24 @@ def test_build_follows_its_settings_and_caches_objects(clone, site, tmp_path):
     assert "-shared" in proc.stdout, "the extension was not relinked for the other settings"
     lib = next((clone / "build").glob("lib.*"))
     assert _build_info(lib, cwd=tmp_path)["openmp"] > 0
+
+
+def _nvcc():
+    return shutil.which("nvcc") or (Path("/usr/local/cuda/bin/nvcc").exists() and "/usr/local/cuda/bin/nvcc")
+
+
+@pytest.mark.skipif(not _nvcc() or os.environ.get("ADAPTIVE_AMP_TEST_CUDA_BUILD") != "1",
+                    reason="builds the CUDA kernels three times (minutes): needs nvcc and ADAPTIVE_AMP_TEST_CUDA_BUILD=1")
+def test_cuda_settings_rebuild_what_they_affect(clone, tmp_path):
+    """The issue's case: ADAPTIVE_AMP_CUDA_ARCHS and ADAPTIVE_AMP_CUDA in a clone built before (no GPU needed)."""
+    builds = {}
+    for name, env in {"archs90": {"ADAPTIVE_AMP_CUDA": "1", "ADAPTIVE_AMP_CUDA_ARCHS": "90"},
+                      "archs80_90": {"ADAPTIVE_AMP_CUDA": "1", "ADAPTIVE_AMP_CUDA_ARCHS": "80;90"},
+                      "cpu": {"ADAPTIVE_AMP_CUDA": "0"},
+                      "archs90_again": {"ADAPTIVE_AMP_CUDA": "1", "ADAPTIVE_AMP_CUDA_ARCHS": "90"}}.items():
+        _pip_install(clone, tmp_path / name, **env)
+        builds[name] = _build_info(tmp_path / name, cwd=tmp_path)
+    assert builds["archs90"]["cuda_built"] and builds["archs90"]["cuda_archs"] == "90", builds["archs90"]
+    assert builds["archs80_90"]["cuda_archs"] == "80;90", builds["archs80_90"]
+    assert not builds["cpu"]["cuda_built"] and builds["cpu"]["cuda_archs"] == "", builds["cpu"]
+    assert builds["archs90_again"]["cuda_archs"] == "90", builds["archs90_again"]

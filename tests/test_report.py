@@ -253,3 +253,35 @@ def test_without_matplotlib_plots_say_how_to_install(report, tmp_path, no_matplo
     assert set(paths) == {"text", "json"}
     assert len(caught) == 1 and "adaptive-amp[plot]" in str(caught[0].message)
     assert not (tmp_path / "out" / "timeline.png").exists()
+
+
+def test_summary_lines_that_repeat_the_report_are_left_out():
+    r = TrainingReport(run_history(5), policies=[(0, FP16)],
+                       summary={"steps": 5, "policy": FP16, "device": "cpu", "loss_trend": -0.5})
+    text = r.text()
+    assert text.count("steps:") == 1 and text.count("policy:") == 1, text
+    assert "device:       cpu" in text and "recent loss slope per step:" in text
+
+
+def test_timeline_without_loss_scaling_has_no_scale_panels(tmp_path):
+    from matplotlib.image import imread
+
+    h = run_history(40)
+    h["scale"] = [NAN] * 40
+    h["found_inf"] = [0] * 40
+    h.pop("skipped_steps", None)
+    unscaled = imread(TrainingReport(h).plot_timeline(str(tmp_path / "unscaled.png")))
+    scaled = imread(TrainingReport(run_history(40)).plot_timeline(str(tmp_path / "scaled.png")))
+    assert unscaled.shape[0] < 0.75 * scaled.shape[0]  # two panels fewer
+
+
+def test_recipes_plot(tmp_path):
+    from adaptive_amp.report import plot_recipes
+
+    runs = {"fp32": {"losses": [3.0 - 0.01 * i for i in range(100)], "scales": [], "skipped_at": [],
+                     "step_times": [5.0, 5.2, 4.9, 5.1]},
+            "torch AMP": {"losses": [NAN] * 100, "scales": [2.0 ** (16 - i) for i in range(100)],
+                          "skipped_at": list(range(100)), "step_times": [4.0]},
+            "adaptive_amp": {"losses": [3.0 - 0.01 * i for i in range(100)], "scales": [65536.0] * 100,
+                             "skipped_at": [0, 1, 2], "step_times": []}}
+    assert_png(plot_recipes(runs, str(tmp_path / "r.png"), notes=["fp32: float32"]))
