@@ -414,3 +414,173 @@ def test_bf16_pure_resume_with_the_generator_state_continues_bitwise():
 
     for p, q in zip(run(None), run(13)):
         assert p.dtype == torch.bfloat16 and torch.equal(p, q)
+
+
+# ---------------------------------------------------------------- the zoo: planted overflows in real models
+from adaptive_amp import zoo  # noqa: E402
+
+# A layer whose fp16 output overflows (its weights scaled up; in fp32 the model still trains): GPT-2's is a
+# transformers Conv1D; Llama's up_proj feeds down_proj, which overflows in turn once up_proj runs in fp32.
+PLANTED = {"gpt2": ("transformer.h.1.mlp.c_fc", ("transformer.h.1.mlp.c_fc", "transformer.h.1.mlp.c_proj")),
+           "llama": ("model.layers.1.mlp.up_proj", ("model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"))}
+FP16_NO_SCALE_GIVEN = "params=float32,compute=float16"
+
+
+def planted_zoo_model(family, amplify=1e6):
+    zm = zoo.build(family, "tiny", seed=0)
+    with torch.no_grad():
+        dict(zm.model.named_modules())[PLANTED[family][0]].weight.mul_(amplify)
+    return zm
+
+
+def train_zoo(zm, mode, steps, *, compile_model=False, policy=FP16_NO_SCALE_GIVEN, batch=8, **amp_kwargs):
+    """Train a zoo model: "fp32", "torch" (fp16 autocast + torch's GradScaler) or "adaptive"; return
+    (eval loss, per-step bools of whether the optimizer stepped, the controller or None)."""
+    model = zm.model
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # The usual linear warm-up of transformer training: without it the first steps, where an overflow is
+    # seen and the steps lost, move the loss most (ours then equals fp32 with those steps skipped).
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 10))
+    fwd = torch.compile(model) if compile_model else model
+    amp = AdaptiveMixedPrecision(fwd, opt, policy=policy, capabilities=CPU_NO_BF16, read_every=10,
+                                 **amp_kwargs) if mode == "adaptive" else None
+    scaler = torch.amp.GradScaler("cpu") if mode == "torch" else None
+    stepped = []
+    for i in range(steps):
+        b = zm.make_batch(batch, seed=i)
+        if mode == "fp32":
+            zm.loss(fwd, b).backward()
+            opt.step()
+            stepped.append(True)
+        elif mode == "torch":
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = zm.loss(fwd, b)
+            scaler.scale(loss).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            stepped.append(scaler.get_scale() >= before)
+        else:
+            with amp.autocast():
+                loss = zm.loss(fwd, b)
+            amp.backward(loss)
+            stepped.append(amp.step())
+        opt.zero_grad()
+        warmup.step()
+    with torch.no_grad():
+        final = zm.loss(model, zm.make_batch(64, seed=10_000)).item()
+    return final, stepped, amp
+
+
+def recovery_steps(stepped):
+    """Steps from the first skipped step to the first step after it that stepped (0: nothing skipped)."""
+    if all(stepped):
+        return 0
+    first = stepped.index(False)
+    return stepped.index(True, first) - first
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_zoo_planted_overflow_recovers_within_10_steps_and_reaches_fp32s_loss(family):
+    steps = 60  # three trainings of a real model in fp16 on the CPU: ~30 s each
+    fp32, _, _ = train_zoo(planted_zoo_model(family), "fp32", steps)
+    stalled, torch_stepped, _ = train_zoo(planted_zoo_model(family), "torch", steps)
+    ours, stepped, amp = train_zoo(planted_zoo_model(family), "adaptive", steps)
+
+    assert not any(torch_stepped)  # torch AMP skips every step: its scale only falls
+    assert stalled > 1.2 * fp32  # ... and its model is left behind
+    assert recovery_steps(stepped) <= 10, stepped
+    assert stepped.count(False) <= 10, stepped
+    assert ours <= 1.05 * fp32, (ours, fp32)
+    # The policy said nothing about loss scaling: fp16 got dynamic scaling, and the reasons say so.
+    assert amp.policy.loss_scale is not None
+    assert any("dynamic loss scaling is on by default" in r for r in amp.policy.reasons)
+    promoted = [layer for e in amp.events if e.kind == "promote" for layer in e.data["layers"]]
+    assert promoted[0] == PLANTED[family][0] and set(promoted) <= set(PLANTED[family][1])
+    assert amp.policy.compute_dtype == torch.float16
+    steps_of_events = [e.step for e in amp.events]
+    assert steps_of_events == sorted(steps_of_events)
+
+
+def test_activation_overflow_is_acted_on_without_loss_scaling():
+    # loss_scale=none: no scaling, but an overflowing step is still skipped (not written into the weights) and
+    # the overflowing layer promoted.
+    zm = planted_zoo_model("gpt2")
+    ours, stepped, amp = train_zoo(zm, "adaptive", 6, policy=FP16_NO_SCALE_GIVEN + ",loss_scale=none")
+    assert amp.policy.loss_scale is None and "loss_scale=none" in str(amp.policy)
+    assert recovery_steps(stepped) <= 10 and stepped[-1] is True
+    assert PLANTED["gpt2"][0] in amp.policy.islands
+    assert amp.scaler.get_scale() == 1.0
+    assert all(torch.isfinite(p).all() for p in zm.model.parameters())
+
+
+@pytest.mark.xfail(strict=True, reason="compiled fp32 islands on the CPU still give NaN gradients in the "
+                   "planted block (island backward under torch.compile; reported to the lead): the controller "
+                   "promotes the same layers as eager but every later step overflows")
+def test_zoo_planted_overflow_recovers_when_compiled():
+    _, stepped, amp = train_zoo(planted_zoo_model("gpt2"), "adaptive", 6, compile_model=True)
+    promoted = [layer for e in amp.events if e.kind == "promote" for layer in e.data["layers"]]
+    assert promoted == list(PLANTED["gpt2"][1])  # the same decisions as eager
+    assert recovery_steps(stepped) <= 10 and stepped[-1] is True, stepped
+
+
+ANOMALIES = ("nan_loss", "loss_spike", "overflow_rate", "scale_collapse", "grad_norm_anomaly", "underflow_rising",
+             "activation_overflow")
+
+
+@pytest.mark.parametrize("family, policy", [("llama", FP16), ("gpt2", "params=float32,compute=bfloat16"),
+                                            ("vit", "params=float32,compute=bfloat16")])
+def test_ordinary_zoo_training_raises_no_anomaly(family, policy):
+    # Early training on the zoo's learnable data: a steep fall of the loss and gradient norms that move
+    # several-fold. Statistics and reads every 10 steps, so every detector runs often.
+    zm = zoo.build(family, "tiny", seed=0)
+    final, stepped, amp = train_zoo(zm, "adaptive", 60, policy=policy, batch=4)
+    amp.report(plots=False)
+    assert [str(e) for e in amp.events if e.kind in ANOMALIES] == []
+    assert not [e for e in amp.events if e.kind in ("promote", "switch_compute")]
+    h = amp.monitor.history()
+    assert final < h["loss"][0] and all(stepped)  # it trained, and no step was skipped
+
+
+def test_step_returns_a_bool_for_every_policy():
+    from adaptive_amp import optim as aoptim
+
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    for policy, make_opt in [(FP16, torch.optim.AdamW), ("params=float32,compute=bfloat16", torch.optim.AdamW),
+                             ("float32", torch.optim.AdamW),
+                             (FP16, lambda ps, **kw: aoptim.AdamW(ps, stochastic_rounding=False, **kw)),
+                             ("bf16-pure", lambda ps, **kw: aoptim.AdamW(ps, stochastic_rounding=True, **kw))]:
+        model = copy.deepcopy(zm.model)
+        amp = AdaptiveMixedPrecision(model, make_opt(model.parameters(), lr=1e-3), policy=policy,
+                                     capabilities=CPU_BF16, read_every=10)
+        for i in range(2):
+            with amp.autocast():
+                loss = zm.loss(model, zm.make_batch(4, seed=i))
+            amp.backward(loss)
+            assert amp.step() is True, policy
+            amp.zero_grad()
+
+
+def test_bf16_pure_runs_without_autocast_and_casts_float_inputs():
+    # Autocast would run its fp32 ops (layer_norm, pow in GELU, softmax, rms_norm on CUDA) in fp32 and keep
+    # fp32 copies for the backward pass: the plain bf16 loop does not, and neither does bf16-pure.
+    from adaptive_amp import optim as aoptim
+
+    zm = zoo.build("vit", "tiny", seed=0)  # fp32 pixel values into bf16 weights
+    model = zm.model
+    amp = AdaptiveMixedPrecision(model, aoptim.AdamW(model.parameters(), lr=1e-3, stochastic_rounding=True),
+                                 policy="bf16-pure", capabilities=CPU_BF16)
+    b = zm.make_batch(4, seed=0)
+    assert b["pixel_values"].dtype == torch.float32
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["pixel_values"].dtype),
+                                    with_kwargs=True)  # runs after the controller's cast
+    with amp.autocast():
+        assert not torch.is_autocast_enabled("cpu")
+        loss = zm.loss(model, b)
+    amp.backward(loss)
+    assert amp.step() is True
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters()) and seen == [torch.bfloat16]
+    amp.remove()
+    zm.loss(model, b)
+    assert seen[-1] == torch.float32  # the cast was the controller's: removed with it

@@ -24,6 +24,8 @@ _EPILOG = """suites (--suites, comma-separated; default gpt2,many):
   many    the same on 2000 tensors of 4096 fp32 values (launch-bound)
   sround  stochastic rounding of fp32 to bf16, fp16, e4m3, e5m2 (256M values on a GPU, 16M on the CPU)
   optim   fused SR AdamW / SGD steps on the GPT-2-small parameter set (GPU only)
+  e2e     the zoo's GPT-2 small/medium and Llama trained under torch's recipes and ours, eager and compiled:
+          tokens/s, peak memory, final loss, the controller against its plain loop; the drop-in check
 --stats adds tensor_stats on the gpt2/many sets; --scaler and --lm measure GradScaler (GPU only).
 
 examples:
@@ -39,7 +41,15 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to time: cuda (default when torch sees a GPU; 'cuda:1' for another) or cpu")
     parser.add_argument("--suites", default="gpt2,many",
-                        help="comma-separated, from " + ", ".join([*SUITES, "sround", "optim"]) + " (default gpt2,many)")
+                        help="comma-separated, from " + ", ".join([*SUITES, "sround", "optim", "e2e"]) +
+                             " (default gpt2,many)")
+    parser.add_argument("--e2e-models", default=None,
+                        help="e2e: comma-separated of gpt2-small,gpt2-medium,llama-small (GPU default: all; "
+                             "CPU: gpt2-small, built tiny)")
+    parser.add_argument("--e2e-recipes", default=None,
+                        help="e2e: comma-separated of fp32,torch-fp16,torch-bf16,auto,fp16,bf16-pure (default: all)")
+    parser.add_argument("--e2e-modes", default="eager,compiled", help="e2e: eager, compiled or both")
+    parser.add_argument("--e2e-steps", type=int, default=None, help="e2e: timed steps per loop (GPU 60, CPU 4)")
     parser.add_argument("--reps", type=int, default=None,
                         help="timed repetitions per row after warm-up, reported as the median "
                              "(default 50 on a GPU; on the CPU 7 for unscale, 5 for sround and stats)")
@@ -56,7 +66,8 @@ def main(argv=None):
     suites = [s for s in args.suites.split(",") if s]
     sround = "sround" in suites  # the stochastic-rounding suite; the others are unscale suites
     optim_suite = "optim" in suites  # the fused-optimizer suite (GPU)
-    suites = [s for s in suites if s not in ("sround", "optim")]
+    e2e_suite = "e2e" in suites  # end to end: the zoo's models under torch's recipes and ours
+    suites = [s for s in suites if s not in ("sround", "optim", "e2e")]
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU; use --device cpu")
@@ -112,6 +123,14 @@ def main(argv=None):
         print("\n".join(stats_summary(stats_rows)))
         report["stats"] = [asdict(r) for r in stats_rows]
         rows += stats_rows
+    if e2e_suite:
+        from .e2e import RECIPES, format_e2e, run_e2e, to_json
+
+        split = lambda text: [t for t in text.split(",") if t] if text else None  # noqa: E731
+        result = run_e2e(models=split(args.e2e_models), recipes=split(args.e2e_recipes) or RECIPES,
+                         modes=split(args.e2e_modes), steps=args.e2e_steps, device=args.device.split(":")[0])
+        print(format_e2e(result))
+        report["e2e"] = to_json(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
