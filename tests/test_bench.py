@@ -1,0 +1,42 @@
+"""The bench's wording: one direction for ratios, noise stated as such, ceilings above 100% flagged."""
+
+from __future__ import annotations
+
+from adaptive_amp.bench.kernels import Row, format_table, speedups, sround_summary, time_ratio
+
+TORCH = "torch _amp_foreach_non_finite_check_and_unscale_"
+
+
+def test_ratios_read_one_way():
+    slower = time_ratio(Row("many", "ours", "graph", 1.03, 0, 0.0, None), Row("many", "t", "graph", 1.0, 0, 0.0, None),
+                        "torch")
+    assert slower == "1.03x torch's time" and "faster" not in slower
+    lines = speedups([Row("gpt2", TORCH, "graph", 1.0, 1, 1.0, 0.5), Row("gpt2", "adaptive_amp unscale", "graph", 0.8,
+                                                                        1, 1.0, 0.6)])
+    assert lines == ["gpt2 graph: adaptive_amp unscale: 0.80x torch's time"]
+
+
+def test_a_gap_inside_the_spread_is_no_measurable_difference():
+    ours = Row("many", "adaptive_amp unscale", "cpu", 10.29, 1, 1.0, 0.2, spread_ms=0.3)
+    base = Row("many", TORCH, "cpu", 10.11, 1, 1.0, 0.2, spread_ms=0.2)
+    assert time_ratio(ours, base, "torch").startswith("no measurable difference from torch (10.290 +- 0.300 ms")
+    far = Row("many", "adaptive_amp unscale", "cpu", 20.0, 1, 1.0, 0.2, spread_ms=0.3)
+    assert time_ratio(far, base, "torch") == "1.98x torch's time"
+
+
+def test_ceiling_above_100_percent_is_flagged_and_cpu_ceiling_explained():
+    table = format_table([Row("ceiling", "host copy (read+write)", "cpu", 16.0, 1, 33.5, 1.0),
+                          Row("many", TORCH, "cpu", 1.3, 1, 50.3, 1.499)])
+    assert "149.9%*" in table and "* above the ceiling measured in the same run" in table
+    assert "on the CPU 'of ceiling' is a reference, not a bound" in table
+    gpu = format_table([Row("ceiling", "device copy", "graph", 1.0, 1, 4000.0, 1.0)])
+    assert "*" not in gpu and "cpu rows" not in gpu
+
+
+def test_gpu_targets_only_on_gpu_rows():
+    def rows(mode):
+        return [Row("sround", "adaptive_amp stochastic_round -> bf16", mode, 0.4, 1, 1.0, 0.95),
+                Row("sround", "torch .to(dtype) (round to nearest) -> bf16", mode, 0.38, 1, 1.0, 0.99)]
+
+    assert "target" not in " ".join(sround_summary(rows("cpu")))
+    assert "(target <= 1.25x)" in " ".join(sround_summary(rows("graph")))
