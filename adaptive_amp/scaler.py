@@ -261,7 +261,9 @@ class GradScaler(torch.amp.GradScaler):
         self._device = device
         self._enabled = enabled
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
-            warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
+            warnings.warn("adaptive_amp.GradScaler(device='cuda') is enabled, but torch sees no CUDA GPU: it is "
+                          "disabled (scale() and step() pass through). Pass device='cpu' to scale on the CPU, or "
+                          "enabled=False to silence this.", stacklevel=2)
             self._enabled = False
         if mode not in _MODES:
             raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
