@@ -8,6 +8,7 @@
 #   zoo       the model zoo at real sizes under AdaptiveMixedPrecision, eager and compiled
 #   e2e       python -m adaptive_amp bench --suites e2e
 #   tune      the measured policy selection on the zoo
+#   multi     (2 GPUs) the scaler's and the integrations' NCCL scripts
 # ZOO_ARGS, E2E_ARGS and TUNE_ARGS pass options to those stages (a stage must fit a 10-minute call).
 # The logs are packed into $OUT/logs.tgz (the device tool brings back at most 8 files), with
 # the summary in $OUT/summary.txt. Python runs from /tmp, never from the checkout (the source folder would shadow the install).
@@ -35,6 +36,9 @@ for stage in "$@"; do
     unscale) run unscale python3 "$repo/bench/bench_unscale.py" --eager --json "$out/unscale_eager.json" ;;
     zoo) run zoo python3 "$repo/bench/zoo_gpu.py" --out "$out/zoo" ${ZOO_ARGS:-} ;;
     e2e) run e2e python3 -m adaptive_amp bench --suites e2e --json "$out/e2e.json" ${E2E_ARGS:-} ;;
+    multi) run multi_gpu torchrun --standalone --nproc_per_node=2 "$repo/bench/multi_gpu.py" --out "$out/mg"
+           run multi_gpu_integrations torchrun --standalone --nproc_per_node=2 "$repo/bench/multi_gpu_integrations.py" \
+               --backend nccl --device cuda --out "$out/mgi" --timeout 120 ;;
     tune) run tune python3 "$repo/bench/tune_evidence.py" --out "$out/tune" ${TUNE_ARGS:-} ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
