@@ -82,13 +82,12 @@ class CollectiveAdaptiveMixedPrecision(AdaptiveMixedPrecision):
                          **kwargs)
 
     def _candidate_layers(self) -> List[str]:
-        return [name for name, module in self.model.named_modules()
-                if name and isinstance(module, self.layer_types)]
+        return [name for name, _ in self.layers]
 
-    def _overflowing_layers(self) -> List[str]:
-        mine = super()._overflowing_layers()
+    def _overflowing_layers(self, step: Optional[int] = None) -> List[str]:
+        mine = super()._overflowing_layers(step)
         # The communication device: NCCL groups reduce CUDA tensors only.
         device = self.device if torch.distributed.get_backend(self.process_group) == "nccl" else None
-        islands = set(self.policy.islands)
+        islands = set(self.adjuster.islands)
         agreed = agree_on_layers(mine, self._candidate_layers(), self.process_group, device)
         return [name for name in agreed if name not in islands]

@@ -62,7 +62,12 @@ def _args(tmp_path, steps=6, device="cpu", **kw):
                 full_determinism=True, disable_tqdm=True, dataloader_num_workers=0, max_grad_norm=0.0,
                 optim="adamw_torch", lr_scheduler_type="linear")
     base.update(kw)
-    return TrainingArguments(**base)
+    args = TrainingArguments(**base)
+    if device == "cuda":
+        # One GPU: on a host with several, the Trainer would wrap the model in DataParallel (one loss per GPU).
+        _ = args.device
+        args._n_gpu = 1
+    return args
 
 
 def _trainer(tmp_path, steps=6, inject_inf_at=(), device="cpu", **kw):
