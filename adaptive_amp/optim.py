@@ -340,7 +340,10 @@ class _Fused(torch.optim.Optimizer):
             for key in self._moment_keys:
                 value = saved[old].get(key)
                 if isinstance(value, Tensor):
-                    st[key] = value.detach().to(device=p.device, dtype=dtype_of[id(p)], copy=True)
+                    if value.shape == p.shape:  # in the param's memory layout (a contiguous checkpoint of a
+                        st[key] = torch.empty_like(p, dtype=dtype_of[id(p)]).copy_(value.detach())  # channels_last net)
+                    else:  # (refused by name at the next step)
+                        st[key] = value.detach().to(device=p.device, dtype=dtype_of[id(p)], copy=True)
             if "step" in st:
                 step = st["step"]
                 step = step if isinstance(step, Tensor) else torch.tensor(float(step))

@@ -828,3 +828,20 @@ def test_transposed_grad_is_read_like_its_contiguous_copy():
     optim.adamw_step_(a[0], gs, a[1], a[2], a[3], seed=1, **ADAM_KW)
     optim.adamw_step_(b[0], [gs[0].t().contiguous().t()], b[1], b[2], b[3], seed=1, **ADAM_KW)
     _assert_lists(a, b)
+
+
+def test_contiguous_checkpoint_loads_into_a_channels_last_net():
+    torch.manual_seed(0)
+    net = torch.nn.Conv2d(3, 8, 3).bfloat16()
+    opt = optim.AdamW(net.parameters(), lr=1e-2)
+    net(torch.randn(1, 3, 5, 5).bfloat16()).float().sum().backward()
+    opt.step()
+    sd = opt.state_dict()
+    net.to(memory_format=torch.channels_last)
+    other = optim.AdamW(net.parameters(), lr=1e-2)
+    other.load_state_dict(sd)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert other.state[net.weight][key].stride() == net.weight.stride()
+        assert torch.equal(other.state[net.weight][key], opt.state[net.weight][key])
+    net(torch.randn(1, 3, 5, 5).bfloat16().contiguous(memory_format=torch.channels_last)).float().sum().backward()
+    other.step()
