@@ -333,11 +333,14 @@ def _check_copies_alias(originals, name, writable, outputs):
 
 
 def describe_many(xs: Sequence, name: str, *, writable: bool, dtypes: Sequence[int], strided: bool = False,
-                  outputs: Sequence = ()) -> Batch:
+                  outputs: Sequence = (), dense: bool = False) -> Batch:
     """A list of arrays of one device -> Batch. Errors name `name[i]`.
 
     The list is copied first (a tuple the Batch holds), so another thread that clears or changes the
     caller's list cannot free an array the core is using: keep the Batch until the native call returns.
+
+    dense: take dense permuted torch layouts (channels_last) as they are, without copying anything else
+    (for elementwise ops whose caller checks that all operands share one layout).
 
     outputs: (array, name) pairs the op writes besides the list, checked against strided inputs (which
     the core sees only as copies).
@@ -357,7 +360,8 @@ def describe_many(xs: Sequence, name: str, *, writable: bool, dtypes: Sequence[i
         xs, copies = _strided_copies(xs, name, writable)
         if copies:
             _check_copies_alias(originals, name, writable, outputs)
-    arrays = [describe(x, f"{name}[{i}]", writable=writable, dtypes=dtypes, dense=strided) for i, x in enumerate(xs)]
+    arrays = [describe(x, f"{name}[{i}]", writable=writable, dtypes=dtypes, dense=strided or dense)
+              for i, x in enumerate(xs)]
     first = arrays[0]
     for i, a in enumerate(arrays):
         if a.device != first.device:

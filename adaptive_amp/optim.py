@@ -48,8 +48,9 @@ def _u64(v: int) -> int:
 
 
 def _describe(xs, name, dtypes):
-    batch = _native.describe_many(list(xs), name, writable=False, dtypes=dtypes)
-    return batch
+    # Dense permuted layouts (channels_last) as they are: the step is elementwise over memory, and _common
+    # checks that each param's grad and buffers share its layout.
+    return _native.describe_many(xs, name, writable=False, dtypes=dtypes, dense=True)
 
 
 def _device_scalar(t, name, device):
@@ -104,15 +105,27 @@ def _common(params, grads, lists, names):
                             "(pass torch.view_as_real(p))")
         if isinstance(p, Tensor) and isinstance(g, Tensor) and g.shape != p.shape:
             raise ValueError(f"grads[{i}] has shape {tuple(g.shape)}; params[{i}] has shape {tuple(p.shape)}")
-    for xs, name in zip(lists, names):
-        if name in ("params", "grads", "steps"):
+    for k, (xs, name) in enumerate(zip(lists, names)):
+        if name in ("params", "steps"):
             continue
         for i, (p, m) in enumerate(zip(params, xs)):
+            if not (isinstance(p, Tensor) and isinstance(m, Tensor)):
+                continue
             # torch refuses a buffer of another shape (a broadcast error); so do we, by name, before the core
             # (which checks the element counts again) is called.
-            if isinstance(p, Tensor) and isinstance(m, Tensor) and m.shape != p.shape:
+            if name != "grads" and m.shape != p.shape:
                 raise ValueError(f"{name}[{i}] has {m.numel()} elements (shape {tuple(m.shape)}); params[{i}] has "
                                  f"{p.numel()} (shape {tuple(p.shape)}); pass buffers of the params' shapes")
+            if p.numel() > 1 and m.stride() != p.stride() and not (p.is_contiguous() and m.is_contiguous()):
+                # The step pairs elements by memory order: a channels_last param needs its grad and buffers
+                # in the same layout (autograd and the optimizers' own state give exactly that).
+                if name == "grads":  # read only: a copy in the param's layout
+                    xs = lists[k] = list(xs) if not isinstance(xs, list) else xs
+                    xs[i] = torch.empty_like(p, dtype=m.dtype).copy_(m)
+                else:
+                    raise ValueError(f"{name}[{i}] has strides {m.stride()}; params[{i}] has {p.stride()}; the "
+                                     f"fused step needs one memory layout: pass {name}[{i}] in the param's layout "
+                                     "(torch.empty_like(param).copy_(buffer))")
     batches = []
     device = None
     for k, (xs, name) in enumerate(zip(lists, names)):
@@ -327,7 +340,10 @@ class _Fused(torch.optim.Optimizer):
             for key in self._moment_keys:
                 value = saved[old].get(key)
                 if isinstance(value, Tensor):
-                    st[key] = value.detach().to(device=p.device, dtype=dtype_of[id(p)], copy=True)
+                    if value.shape == p.shape:  # in the param's memory layout (a contiguous checkpoint of a
+                        st[key] = torch.empty_like(p, dtype=dtype_of[id(p)]).copy_(value.detach())  # channels_last net)
+                    else:  # (refused by name at the next step)
+                        st[key] = value.detach().to(device=p.device, dtype=dtype_of[id(p)], copy=True)
             if "step" in st:
                 step = st["step"]
                 step = step if isinstance(step, Tensor) else torch.tensor(float(step))
@@ -446,9 +462,12 @@ class _Fused(torch.optim.Optimizer):
                     raise ValueError(f"{name} is on {value.device}; the param is on {p.device}; {fix}")
                 if value.dtype not in _MOMENT_DTYPES:
                     raise TypeError(f"{name} has dtype {value.dtype}; expected torch.float32 or torch.bfloat16")
-                if not value.is_contiguous() or value.is_neg() or value.is_conj():
-                    raise ValueError(f"{name} is not contiguous (a strided or lazily negated view); the fused step "
-                                     f"writes it as a dense buffer: replace it with {name}.contiguous()")
+                same_layout = value.stride() == p.stride() or (value.is_contiguous() and p.is_contiguous())
+                if not same_layout or value.is_neg() or value.is_conj():
+                    raise ValueError(f"{name} is not laid out like the param (strides {value.stride()} vs "
+                                     f"{p.stride()}, or lazily negated); the fused step writes it in the param's "
+                                     f"memory layout (contiguous, or channels_last like the param): replace it with "
+                                     f"torch.empty_like(param).copy_({name})")
 
     def _param_name(self, group, p):
         i = next(i for i, q in enumerate(group["params"]) if q is p)
@@ -551,9 +570,9 @@ class AdamW(_Fused):
             st = self.state[p]
             if len(st) == 0:
                 st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                st["exp_avg"] = torch.zeros_like(p, dtype=group["moment_dtype"], memory_format=torch.contiguous_format)
+                st["exp_avg"] = torch.zeros_like(p, dtype=group["moment_dtype"], memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, dtype=group["moment_dtype"],
-                                                    memory_format=torch.contiguous_format)
+                                                    memory_format=torch.preserve_format)
         return {}
 
     def _lists(self, group, ps):
@@ -615,7 +634,7 @@ class SGD(_Fused):
                 st = self.state[p]
                 if st.get("momentum_buffer") is None:
                     st["momentum_buffer"] = torch.zeros_like(p, dtype=group["moment_dtype"],
-                                                             memory_format=torch.contiguous_format)
+                                                             memory_format=torch.preserve_format)
                     first[p] = True
         return first
 

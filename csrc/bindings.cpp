@@ -580,10 +580,11 @@ class OptimPlan {
       for (auto [list, seen, name] : {std::tuple{&a_.exp_avgs, &seen_m, "exp_avgs"},
                                       std::tuple{&a_.exp_avg_sqs, &seen_v, "exp_avg_sqs"}}) {
         if (i < list->size() && reinterpret_cast<std::uintptr_t>((*list)[i].data) == w.ptr) {
-          if ((*list)[i].numel != w.numel || !w.contiguous) {
+          // (A non-contiguous moment is the param's dense permuted layout, which optim.py checked; still()
+          // then holds its strides.)
+          if ((*list)[i].numel != w.numel) {
             throw aamp::ArgumentError(aamp::item_name(name, i) + ": has " + std::to_string(w.numel) +
-                                      (w.contiguous ? "" : " strided") + " elements, not the " +
-                                      std::to_string((*list)[i].numel) + " given");
+                                      " elements, not the " + std::to_string((*list)[i].numel) + " given");
           }
           (*seen)[i] = true;
         }
@@ -643,7 +644,8 @@ class OptimPlan {
       py::object dtype = get_attr(grad.ptr(), dtype_name);
       if (!dtype || dtype.ptr() != PyList_GET_ITEM(dtypes_.ptr(), i)) return clear();
       py::object contiguous = call_method(grad.ptr(), contiguous_name);
-      if (!contiguous || contiguous.ptr() != Py_True) return clear();  // sparse layouts raise
+      if (!contiguous) return clear();  // sparse layouts raise
+      if (contiguous.ptr() != Py_True && !same_strides(grad.ptr(), watched_[i])) return clear();  // param's layout
       static PyObject* neg_name = PyUnicode_InternFromString("is_neg");
       py::object neg = call_method(grad.ptr(), neg_name);  // lazily negated: the functional path resolves it
       if (!neg || neg.ptr() != Py_False) return clear();
@@ -697,6 +699,7 @@ class OptimPlan {
     std::int64_t numel = 0;
     py::object dtype;
     bool contiguous = false;
+    py::object strides;  // non-contiguous (dense permuted) tensors only
   };
 
   static Watched read(PyObject* x, const std::string& name) {
@@ -719,7 +722,29 @@ class OptimPlan {
     }
     w.dtype = std::move(dtype);
     w.contiguous = contiguous.ptr() == Py_True;
+    if (!w.contiguous) {  // a dense permuted layout (channels_last): its strides are part of what must hold
+      w.strides = call_method(x, stride_name());
+      if (!w.strides) {
+        PyErr_Clear();
+        throw aamp::ArgumentError(name + ": has no readable strides");
+      }
+    }
     return w;
+  }
+
+  static PyObject* stride_name() {
+    static PyObject* name = PyUnicode_InternFromString("stride");
+    return name;
+  }
+
+  // Whether x has the strides of w, a non-contiguous watched tensor.
+  static bool same_strides(PyObject* x, const Watched& w) {
+    if (w.contiguous || !w.strides) return false;
+    py::object strides = call_method(x, stride_name());
+    if (!strides) return clear();
+    const int same = PyObject_RichCompareBool(strides.ptr(), w.strides.ptr(), Py_EQ);
+    if (same < 0) return clear();
+    return same == 1;
   }
 
   // Whether x still is the tensor w describes: same pointer, element count, dtype and contiguity.
@@ -739,7 +764,7 @@ class OptimPlan {
     if (!dtype || dtype.ptr() != w.dtype.ptr()) return clear();
     py::object contiguous = call_method(x, contiguous_name);
     if (!contiguous || (contiguous.ptr() == Py_True) != w.contiguous) return clear();
-    return true;
+    return w.contiguous || same_strides(x, w);
   }
 
   static bool clear() {
