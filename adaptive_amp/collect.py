@@ -81,9 +81,9 @@ class ActivationCollector:
             x = first_tensor(args)
             x = first_tensor(kwargs) if x is None else x
             ok = x is not None and x.dtype in STATS_DTYPES and x.numel() > 0
-            # TEMP(r1): contiguous() until tensor_stats takes strided tensors (issue 17 item 4); a copy
-            # only for strided tensors (channels_last convolutions, some compiled outputs).
-            self.records.append((name, x.detach().contiguous() if ok else None, out.detach().contiguous()))
+            # As they are: tensor_stats reads strided tensors (channels_last natively, other views through
+            # its own copy), so a statistics step adds no copy to the graph.
+            self.records.append((name, x.detach() if ok else None, out.detach()))
             return None
         return record
 
