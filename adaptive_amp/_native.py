@@ -92,7 +92,26 @@ def is_torch_tensor(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _describe_torch(x, name, writable, dtypes) -> Array:
+def _dense_layout(x) -> bool:
+    """Whether a torch tensor's elements fill one block of memory, each once, from data_ptr() up
+    (contiguous, or channels_last / channels_last_3d): elementwise ops and order-free reductions can
+    take it as a flat array as it is."""
+    if x.is_contiguous():
+        return True
+    torch = _torch()
+    if x.dim() == 4:
+        return x.is_contiguous(memory_format=torch.channels_last)
+    if x.dim() == 5:
+        return x.is_contiguous(memory_format=torch.channels_last_3d)
+    return False
+
+
+def _lazy_flag(x) -> bool:
+    """torch's lazy negation / conjugation: the memory holds -x (or conj x), the tensor reads as x."""
+    return x.is_neg() or x.is_conj()
+
+
+def _describe_torch(x, name, writable, dtypes, dense=False) -> Array:
     code = torch_dtype_code(x.dtype)
     _check_dtype(code, x.dtype, name, dtypes)
     if x.layout != _torch().strided:
@@ -103,7 +122,10 @@ def _describe_torch(x, name, writable, dtypes) -> Array:
         device = CPU
     else:
         raise ValueError(f"{name} is on device '{x.device}'; adaptive_amp runs on the CPU and on CUDA GPUs")
-    if not x.is_contiguous():
+    if _lazy_flag(x):
+        raise ValueError(f"{name} has torch's lazy negation/conjugation flag (a view such as x.conj().imag); pass "
+                         f"{name}.resolve_neg() (and copy the result back if needed)")
+    if not (x.is_contiguous() or (dense and _dense_layout(x))):
         raise ValueError(f"{name} is not contiguous; pass x.contiguous() (and copy the result back if needed)")
     if writable and x.requires_grad and x.is_leaf:
         raise ValueError(
@@ -116,6 +138,10 @@ def _describe_torch(x, name, writable, dtypes) -> Array:
 def _describe_numpy(x: np.ndarray, name, writable, dtypes) -> Array:
     code = _CODE_BY_NAME.get(x.dtype.name)
     _check_dtype(code, x.dtype, name, dtypes)
+    if not x.dtype.isnative:
+        # The kernels read the host's byte order; a big-endian array would be read as garbage.
+        raise ValueError(f"{name} has non-native byte order (dtype {x.dtype.str}); pass "
+                         f"{name}.astype({name}.dtype.newbyteorder('='))")
     if not x.flags.c_contiguous:
         raise ValueError(f"{name} is not C-contiguous; pass np.ascontiguousarray(x)")
     if writable and not x.flags.writeable:
@@ -165,10 +191,13 @@ def _describe_dlpack(x, name, writable, dtypes) -> Array:
     return Array(info["data"], numel, code, device, "cupy" if _is_cupy(x) else "dlpack", x, capsule)
 
 
-def describe(x, name: str, *, writable: bool, dtypes: Sequence[int]) -> Array:
-    """One array -> Array, with errors that name `name`."""
+def describe(x, name: str, *, writable: bool, dtypes: Sequence[int], dense: bool = False) -> Array:
+    """One array -> Array, with errors that name `name`.
+
+    dense: also take torch tensors in a dense permuted layout (channels_last) as they are (for ops whose
+    result does not depend on the order of elements in memory)."""
     if is_torch_tensor(x):
-        return _describe_torch(x, name, writable, dtypes)
+        return _describe_torch(x, name, writable, dtypes, dense)
     if isinstance(x, np.ndarray):
         return _describe_numpy(x, name, writable, dtypes)
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
@@ -186,7 +215,8 @@ class Batch(NamedTuple):
     device: int
     framework: str
     arrays: list  # Array per item when described one by one, else None
-    objs: Sequence
+    objs: tuple  # what the pointers point into: held by the caller until the native call returns
+    copies: tuple = ()  # (caller's array, contiguous copy the core sees) for strided inputs; see write_back
 
 
 _allowed_code_maps: dict = {}
@@ -205,19 +235,129 @@ def _torch_fast_batch(xs, writable, dtypes) -> Batch | None:
     if allowed is None:
         torch_dtype_code(None)  # fills the cache
         allowed = _allowed_code_maps[key] = {dt: c for dt, c in _torch_code_cache.items() if c in dtypes}
-    found = _C.describe_tensors(xs if type(xs) is list else list(xs), allowed, writable)
+    found = _C.describe_tensors(xs, allowed, writable)
     if found is None:
         return None
     ptrs, numels, codes, device = found
     return Batch(ptrs, numels, codes, device, "torch", None, xs)
 
 
-def describe_many(xs: Sequence, name: str, *, writable: bool, dtypes: Sequence[int]) -> Batch:
-    """A list of arrays of one device -> Batch. Errors name `name[i]`."""
+def _strided_copies(xs: tuple, name: str, writable: bool):
+    """Contiguous copies of the arrays the kernels cannot take as they are -> (arrays to describe, copies).
+
+    Torch tensors: strided views (slices, transposes, expanded), lazily negated views; dense permuted
+    layouts (channels_last) need no copy. Numpy arrays: anything not C-contiguous or not in the host's byte
+    order. A writing op refuses what torch's in-place ops refuse (overlapping memory, a leaf that requires
+    grad, a read-only array) before anything is copied or written.
+    """
+    out, copies = list(xs), []
+    for i, x in enumerate(xs):
+        if is_torch_tensor(x):
+            if x.layout != _torch().strided or (not _lazy_flag(x) and _dense_layout(x)):
+                continue  # (describe names a sparse layout)
+            if writable:
+                if x.requires_grad and x.is_leaf:
+                    _describe_torch(x, f"{name}[{i}]", True, (FLOAT32, FLOAT16, BFLOAT16, INT32))  # names it
+                overlap = getattr(_torch(), "_debug_has_internal_overlap", None)
+                if overlap is not None and overlap(x) == 1:
+                    raise ValueError(f"{name}[{i}] has overlapping memory (an expanded view) and this op writes in "
+                                     "place; pass a tensor whose elements are distinct (x.clone())")
+            copy = x.detach().resolve_conj().resolve_neg().contiguous()
+            if copy.data_ptr() == x.data_ptr() and copy.numel():
+                copy = copy.clone()
+        elif isinstance(x, np.ndarray):
+            if x.flags.c_contiguous and x.dtype.isnative:
+                continue
+            if writable and not x.flags.writeable:
+                continue  # describe names it
+            native = x.dtype if x.dtype.isnative else x.dtype.newbyteorder("=")
+            copy = np.ascontiguousarray(x, dtype=native)
+        else:
+            continue
+        out[i] = copy
+        copies.append((x, copy))
+    return tuple(out), tuple(copies)
+
+
+def _byte_bounds(x):
+    """(device, lowest byte, one past the highest byte) that a torch tensor or numpy array spans; None if empty."""
+    if is_torch_tensor(x):
+        if x.numel() == 0:
+            return None
+        lo = hi = x.data_ptr()
+        size = x.element_size()
+        for extent, stride in zip(x.shape, x.stride()):
+            reach = (extent - 1) * stride * size
+            lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+        return str(x.device), lo, hi + size
+    if isinstance(x, np.ndarray) and x.size:
+        lo, hi = _np_byte_bounds(x)
+        return "cpu", lo, hi
+    return None
+
+
+def _np_byte_bounds(x):
+    try:
+        from numpy.lib.array_utils import byte_bounds
+    except ImportError:  # numpy < 2
+        byte_bounds = np.byte_bounds
+    return byte_bounds(x)
+
+
+def _check_copies_alias(originals, name, writable, outputs):
+    """The core checks aliasing among the arrays it is handed, but a strided view goes to it as a copy:
+    check the caller's arrays here (by the spans they cover: views that interleave count as sharing)."""
+    spans = []
+    for i, x in enumerate(originals):
+        b = _byte_bounds(x)
+        if b is not None:
+            spans.append((b, f"{name}[{i}]", writable))
+    for x, what in outputs:
+        b = _byte_bounds(x)
+        if b is not None:
+            spans.append((b, what, True))
+    spans.sort(key=lambda s: (s[0][0], s[0][1]))
+    reach_any = reach_written = None  # the furthest-reaching span so far, and written span, of this device
+    for span in spans:
+        (dev, lo, hi), what, written = span
+        if reach_any is not None and reach_any[0][0] != dev:
+            reach_any = reach_written = None
+        other = reach_any if written else reach_written
+        if other is not None and lo < other[0][2]:
+            raise ValueError(f"{what} shares memory with {other[1]}, and this op writes one of them; pass "
+                             "separate tensors")
+        if reach_any is None or hi > reach_any[0][2]:
+            reach_any = span
+        if written and (reach_written is None or hi > reach_written[0][2]):
+            reach_written = span
+
+
+def describe_many(xs: Sequence, name: str, *, writable: bool, dtypes: Sequence[int], strided: bool = False,
+                  outputs: Sequence = ()) -> Batch:
+    """A list of arrays of one device -> Batch. Errors name `name[i]`.
+
+    The list is copied first (a tuple the Batch holds), so another thread that clears or changes the
+    caller's list cannot free an array the core is using: keep the Batch until the native call returns.
+
+    outputs: (array, name) pairs the op writes besides the list, checked against strided inputs (which
+    the core sees only as copies).
+
+    strided: take non-contiguous arrays too, for ops whose result does not depend on the order of
+    elements in memory: dense permuted torch layouts (channels_last) as they are, everything else through
+    a contiguous copy (numpy: also non-native byte order); after a writing op, write_back(batch) copies
+    the results into the caller's arrays.
+    """
+    xs = tuple(xs)
     batch = _torch_fast_batch(xs, writable, dtypes)
     if batch is not None:
         return batch
-    arrays = [describe(x, f"{name}[{i}]", writable=writable, dtypes=dtypes) for i, x in enumerate(xs)]
+    copies = ()
+    if strided:
+        originals = xs
+        xs, copies = _strided_copies(xs, name, writable)
+        if copies:
+            _check_copies_alias(originals, name, writable, outputs)
+    arrays = [describe(x, f"{name}[{i}]", writable=writable, dtypes=dtypes, dense=strided) for i, x in enumerate(xs)]
     first = arrays[0]
     for i, a in enumerate(arrays):
         if a.device != first.device:
@@ -226,7 +366,21 @@ def describe_many(xs: Sequence, name: str, *, writable: bool, dtypes: Sequence[i
                 "pass the tensors of one device per call"
             )
     return Batch([a.ptr for a in arrays], [a.numel for a in arrays], [a.dtype for a in arrays], first.device,
-                 first.framework, arrays, xs)
+                 first.framework, arrays, xs, copies)
+
+
+def write_back(batch: Batch):
+    """Copies the results of a writing op from the contiguous copies into the caller's strided arrays
+    (torch: on the current stream, its version counter bumped; not recorded by autograd)."""
+    if not batch.copies:
+        return
+    torch = _torch()
+    for orig, copy in batch.copies:
+        if is_torch_tensor(orig):
+            with torch.no_grad():
+                orig.copy_(copy)
+        else:
+            orig[...] = copy
 
 
 def check_scalar(a: Array, name: str, device: int):

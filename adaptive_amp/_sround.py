@@ -145,6 +145,9 @@ def stochastic_round_array(x, dtype, *, generator, seed, offset, scale, saturate
     """stochastic_round for numpy arrays and DLPack arrays (CuPy, JAX)."""
     code = target_code(dtype)
     check_choice(generator, seed, offset, random_bits)
+    if isinstance(x, np.ndarray) and not (x.dtype.isnative and x.flags.c_contiguous):
+        # Read through a contiguous copy in the host's byte order (element order is x's logical order).
+        x = np.ascontiguousarray(x, dtype=x.dtype if x.dtype.isnative else x.dtype.newbyteorder("="))
     xa = _native.describe(x, "x", writable=False, dtypes=SOURCES)
     shape = _shape(x)
     if shape is None:  # a bare DLPack producer: the shape its capsule states

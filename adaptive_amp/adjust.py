@@ -15,15 +15,35 @@ Islands are made by wrapping the module's ``forward`` (an instance attribute
 that shadows the class method) rather than by a pre-hook/hook pair: the
 autocast context is then entered and left in one ``with`` block, which stays
 correct when the forward raises and which torch.compile traces as one region.
+
+A compiled model's backward is compiled with its forward, and by default
+(``torch._functorch.config.backward_pass_autocast = "same_as_forward"`` in
+torch 2.13) under the autocast the forward ran in: an island's backward
+would then compute in fp16 and overflow where eager's does not (pytorch
+issues 153044, 179804). The policy's autocast context compiles backward
+passes without autocast ("off"), as eager runs them, so an island protects
+the backward of a compiled model as it does an eager one's. It also turns off
+AOT autograd's functionalization view replay for graph outputs that alias
+others (``view_replay_for_aliased_outputs``; the autograd/as_strided replay
+remains): in torch 2.13 it rebuilt such an output with a garbage shape
+("shape '[94358125396928, ...]' is invalid") for GPT-2 under fp16 autocast
+with inductor, where the controller's statistics hooks return a detached
+alias of the logits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Dict, Optional
 
 import torch
 from torch import nn
+
+try:
+    from torch._functorch import config as _functorch_config
+except ImportError:  # pragma: no cover - torch without AOT autograd's config
+    _functorch_config = None
 
 from .layers import expand_names, unwrap_model
 
@@ -40,6 +60,25 @@ def _to_fp32(value):
     if isinstance(value, dict):
         return type(value)((k, _to_fp32(v)) for k, v in value.items())
     return value
+
+
+class PolicyAutocast(torch.autocast):
+    """torch.autocast, under which compiled backward passes are compiled without autocast and aliased outputs
+    are rebuilt without functionalization's view replay (see the module docstring); restored on exit."""
+
+    def __enter__(self):
+        self._backward = contextlib.ExitStack()
+        if hasattr(_functorch_config, "backward_pass_autocast"):  # torch >= 2.8
+            self._backward.enter_context(_functorch_config.patch(backward_pass_autocast="off"))
+        if hasattr(_functorch_config, "view_replay_for_aliased_outputs"):
+            self._backward.enter_context(_functorch_config.patch(view_replay_for_aliased_outputs=False))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._backward.close()
 
 
 def _device_type(model: nn.Module) -> str:
@@ -85,9 +124,10 @@ class DynamicPrecisionAdjuster:
         return tuple(self._wrapped)
 
     def autocast(self) -> torch.autocast:
-        """The autocast context of the policy (disabled when the policy computes in fp32)."""
+        """The autocast context of the policy (disabled when the policy computes in fp32); a compiled model
+        run in it gets a backward without autocast, as an eager one has."""
         dtype = self.policy.compute_dtype
-        return torch.autocast(self.device_type, dtype=dtype, enabled=dtype != torch.float32)
+        return PolicyAutocast(self.device_type, dtype=dtype, enabled=dtype != torch.float32)
 
     def check_policy(self, policy) -> None:
         """Raises ValueError if `policy` cannot be applied to this model (nothing is changed)."""

@@ -104,6 +104,15 @@ def _common(params, grads, lists, names):
                             "(pass torch.view_as_real(p))")
         if isinstance(p, Tensor) and isinstance(g, Tensor) and g.shape != p.shape:
             raise ValueError(f"grads[{i}] has shape {tuple(g.shape)}; params[{i}] has shape {tuple(p.shape)}")
+    for xs, name in zip(lists, names):
+        if name in ("params", "grads", "steps"):
+            continue
+        for i, (p, m) in enumerate(zip(params, xs)):
+            # torch refuses a buffer of another shape (a broadcast error); so do we, by name, before the core
+            # (which checks the element counts again) is called.
+            if isinstance(p, Tensor) and isinstance(m, Tensor) and m.shape != p.shape:
+                raise ValueError(f"{name}[{i}] has {m.numel()} elements (shape {tuple(m.shape)}); params[{i}] has "
+                                 f"{p.numel()} (shape {tuple(p.shape)}); pass buffers of the params' shapes")
     batches = []
     device = None
     for xs, name in zip(lists, names):
@@ -380,6 +389,7 @@ class _Fused(torch.optim.Optimizer):
         absent = [i for i, p in enumerate(group["params"]) if p.grad is None]
         devices = []
         for _, ps in _by_device(with_grad):
+            self._check_state(group, ps)
             lists, names, keys = self._lists(group, ps)
             batches, device = _common(ps, lists[1], lists, names)
             if self._kind == _ADAMW:
@@ -401,15 +411,47 @@ class _Fused(torch.optim.Optimizer):
             native = _C.OptimPlan(self._kind, group["params"], [index[id(p)] for p in ps], [], list(ps), pb.ptrs,
                                   pb.numels, pb.dtypes, [p.shape for p in ps], [p.dtype for p in ps], self.state,
                                   states, list(keys), values, value_ptrs, mb.ptrs if mb else [],
-                                  mb.dtypes if mb else [], vb.ptrs if vb else [], vb.dtypes if vb else [], step_ptrs,
-                                  flags, device)
+                                  mb.numels if mb else [], mb.dtypes if mb else [], vb.ptrs if vb else [],
+                                  vb.numels if vb else [], vb.dtypes if vb else [], step_ptrs, flags, device)
             bits = group["stochastic_rounding"] and _needs_bits((pb, mb, vb), True)
             devices.append(_DevicePlan(native, list(ps), device, buf, bits))
         absent_plan = None
         if absent:
             absent_plan = _C.OptimPlan(self._kind, group["params"], [], absent, [], [], [], [], [], [], {}, [], [],
-                                       [], [], [], [], [], [], [], [], _native.CPU)
+                                       [], [], [], [], [], [], [], [], [], [], _native.CPU)
         return _GroupPlan(group, self.state, self._plan_key(group), devices, absent_plan, first)
+
+    def _check_state(self, group, ps):
+        """torch-like errors, naming the param and the state key, for a moment the step cannot use as the
+        param's buffer (a checkpoint of a resized layer, a buffer replaced or resized by hand). The core
+        checks the sizes again; this says which param and key, before anything is written."""
+        for p in ps:
+            for key in self._moment_keys:
+                value = self.state[p].get(key)
+                if value is None:
+                    continue
+                where = self._param_name(group, p)
+                name = f"state['{key}'] of {where}"
+                fix = f"reset it (del optimizer.state[{where}]) or load a state_dict saved for this model"
+                if not isinstance(value, Tensor):
+                    raise TypeError(f"{name} is a {type(value).__name__}; expected a tensor; {fix}")
+                if value.shape != p.shape:
+                    raise ValueError(f"{name} has {value.numel()} elements (shape {tuple(value.shape)}); the param "
+                                     f"has {p.numel()} (shape {tuple(p.shape)}); {fix}")
+                if value.device != p.device:
+                    raise ValueError(f"{name} is on {value.device}; the param is on {p.device}; {fix}")
+                if value.dtype not in _MOMENT_DTYPES:
+                    raise TypeError(f"{name} has dtype {value.dtype}; expected torch.float32 or torch.bfloat16")
+                if not value.is_contiguous() or value.is_neg() or value.is_conj():
+                    raise ValueError(f"{name} is not contiguous (a strided or lazily negated view); the fused step "
+                                     f"writes it as a dense buffer: replace it with {name}.contiguous()")
+
+    def _param_name(self, group, p):
+        i = next(i for i, q in enumerate(group["params"]) if q is p)
+        if len(self.param_groups) == 1:
+            return f"params[{i}]"
+        g = next(j for j, h in enumerate(self.param_groups) if h is group)
+        return f"param_groups[{g}]['params'][{i}]"
 
     def _launch(self, plan, group, hyper, grad_scale, found_inf):
         for dp in plan.devices:

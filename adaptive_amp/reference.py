@@ -178,7 +178,8 @@ def stochastic_round(x, dtype, *, random_bits=None, seed=None, offset=None, scal
     mag = torch.where(away, k + 1, k) * ulp
     over = mag > max_finite
     mag = torch.where(over, float("inf") if has_inf and not saturate else max_finite, mag)
-    mag = torch.where(torch.isinf(a), float("inf") if has_inf else float("nan"), mag)
+    # e4m3fn has no inf: +-inf (also an fp32 overflow of x * scale) saturates, as torch 2.13's CPU cast.
+    mag = torch.where(torch.isinf(a), float("inf") if has_inf else max_finite, mag)
     mag = torch.where(torch.isnan(a), float("nan"), mag)
     return torch.where(negative, -mag, mag).float().to(target)
 

@@ -185,6 +185,8 @@ def _check_tensor_arg(t, name, x, dtype, shape=True):
         raise ValueError(f"{name} has shape {tuple(t.shape)}; x has shape {tuple(x.shape)}")
     if not t.is_contiguous():
         raise ValueError(f"{name} is not contiguous; pass {name}.contiguous()")
+    if not _is_compiling() and (t.is_neg() or t.is_conj()):
+        raise ValueError(f"{name} has torch's lazy negation/conjugation flag; pass {name}.resolve_neg()")
 
 
 def stochastic_round(x: Tensor, dtype, *, generator=None, seed=None, offset=None, scale=None, saturate=False,
@@ -199,8 +201,11 @@ def stochastic_round(x: Tensor, dtype, *, generator=None, seed=None, offset=None
         raise ValueError(f"x is on device '{x.device}'; adaptive_amp runs on the CPU and on CUDA GPUs")
     if x.layout != torch.strided:
         raise ValueError(f"x is a {x.layout} tensor; pass a dense tensor")
-    if not x.is_contiguous():
-        raise ValueError("x is not contiguous; pass x.contiguous()")
+    # (dynamo cannot trace is_neg(); a compiled graph's custom op describes, and refuses, a negated view.)
+    if not x.is_contiguous() or (not _is_compiling() and x.is_neg()):
+        # Strided or lazily negated views are read through a contiguous copy (element i is x's i-th element
+        # in row-major order, as for x.contiguous()).
+        x = x.resolve_neg().contiguous()
     if random_bits is not None:
         _check_tensor_arg(random_bits, "random_bits", x, torch.int32)
     scale_t = scale_value = None

@@ -65,14 +65,14 @@ def _check_names(names, count):
 
 def compute(tensors, *, fmt=None, scale=None, names=None) -> "TensorStats":
     """Implementation of :func:`adaptive_amp.ops.tensor_stats` (documented there)."""
-    tensors = _native.as_list(tensors, "tensors")
+    tensors = tuple(_native.as_list(tensors, "tensors"))  # ours: another thread may change the caller's list
     fmt = format_name(fmt)
     names = _check_names(names, len(tensors))
     if scale is not None and fmt is None:
         raise ValueError("scale is given without fmt; the scale only applies to the format counts (pass fmt=...)")
     if len(tensors) == 0:
         return TensorStats(None, 0, fmt=fmt, names=names or [], framework="numpy", device=_native.CPU)
-    batch = _native.describe_many(tensors, "tensors", writable=False, dtypes=INPUTS)
+    batch = _native.describe_many(tensors, "tensors", writable=False, dtypes=INPUTS, strided=True)
     scale_ptr, per_tensor, has_value, value = 0, False, False, 1.0
     if scale is not None:
         if isinstance(scale, bool):
@@ -92,7 +92,7 @@ def compute(tensors, *, fmt=None, scale=None, names=None) -> "TensorStats":
     out, out_ptr = _native.empty(batch.framework, batch.device, len(tensors) * nfields * 8, -1)
     ws_bytes = _C.stats_workspace_bytes(batch.numels)
     ws_owner, ws_ptr = _native.workspace(batch.framework, batch.device, ws_bytes)
-    stream = _native.current_stream(batch.framework, batch.device, tensors[0])
+    stream = _native.current_stream(batch.framework, batch.device, batch.objs[0])
     _C.tensor_stats(batch.ptrs, batch.numels, batch.dtypes, FORMATS[fmt] if fmt else -1, scale_ptr, per_tensor,
                     has_value, value, out_ptr, ws_ptr, ws_bytes, batch.device, stream)
     _native.keep_until_done(ws_owner, batch.device)

@@ -56,7 +56,9 @@ void run_unscale(std::vector<aamp::TensorRef> tensors, std::uintptr_t found_inf,
   a.place.device = device;
   a.place.stream = stream;
   // CPU work runs without the GIL so other Python threads go on; CUDA work
-  // only enqueues, which is quick either way.
+  // only enqueues, which is quick either way. Every caller holds references
+  // to the arrays behind these pointers until this returns (ops keep their
+  // _native.Batch, plans their lists), and `a` is this call's own copy.
   py::gil_scoped_release release;
   aamp::unscale_and_check(a);
 }
@@ -116,21 +118,27 @@ py::object call_method(PyObject* obj, PyObject* name) {
 // .get_device(), .numel() and .data_ptr(), instead of one Python pass per
 // question. `codes` maps the allowed dtype objects to dtype codes. Returns
 // (ptrs, numels, codes, device), or None when anything is unusual (another
-// dtype, a sparse or non-contiguous tensor, two devices, a tensor that
+// dtype, a sparse, non-contiguous or lazily negated tensor, two devices, a tensor that
 // requires grad in a writing call, no memory): the Python path then finds and
 // names the problem.
-py::object describe_tensors(py::list xs, py::dict codes, bool writable) {
+py::object describe_tensors(py::object seq, py::dict codes, bool writable) {
   static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
   static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
+  static PyObject* neg_name = PyUnicode_InternFromString("is_neg");
   static PyObject* requires_grad_name = PyUnicode_InternFromString("requires_grad");
   static PyObject* device_name = PyUnicode_InternFromString("get_device");
   static PyObject* numel_name = PyUnicode_InternFromString("numel");
   static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
-  const Py_ssize_t n = PyList_GET_SIZE(xs.ptr());
+  // A list or tuple as it is (the caller holds it until the native call: see _native.describe_many).
+  py::object xs = py::reinterpret_steal<py::object>(PySequence_Fast(seq.ptr(), "xs: expected a list or tuple"));
+  if (!xs) throw py::error_already_set();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(xs.ptr());
   py::list ptrs(n), numels(n), out_codes(n);
   long device = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* x = PyList_GET_ITEM(xs.ptr(), i);
+    // Owned: torch's methods may release the GIL, and another thread may then change a list.
+    py::object xo = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(xs.ptr(), i));
+    PyObject* x = xo.ptr();
     py::object dtype = get_attr(x, dtype_name);
     if (!dtype) {
       PyErr_Clear();
@@ -140,6 +148,12 @@ py::object describe_tensors(py::list xs, py::dict codes, bool writable) {
     if (code == nullptr) return py::none();
     py::object contiguous = call_method(x, contiguous_name);
     if (!contiguous || contiguous.ptr() != Py_True) {  // sparse layouts raise
+      PyErr_Clear();
+      return py::none();
+    }
+    // torch's lazy negation: the memory holds -x (real dtypes have no lazy conjugation).
+    py::object neg = call_method(x, neg_name);
+    if (!neg || neg.ptr() != Py_False) {
       PyErr_Clear();
       return py::none();
     }
@@ -207,7 +221,10 @@ class GradPlan {
     static PyObject* numel_name = PyUnicode_InternFromString("numel");
     static PyObject* device_name = PyUnicode_InternFromString("get_device");
     static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
+    static PyObject* neg_name = PyUnicode_InternFromString("is_neg");
     static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    collected_ = false;
+    py::list grads(refs_.size());
     for (std::size_t i = 0; i < refs_.size(); ++i) {
       PyObject* list = slots_[i].first.ptr();
       const std::size_t at = slots_[i].second;
@@ -225,6 +242,9 @@ class GradPlan {
         return kGeneral;
       }
       if (contiguous.ptr() != Py_True) return kGeneral;
+      py::object neg = call_method(grad.ptr(), neg_name);  // torch's lazy negation: the memory holds -grad
+      if (!neg) throw py::error_already_set();
+      if (neg.ptr() != Py_False) return kGeneral;
       py::object numel = call_method(grad.ptr(), numel_name);
       py::object device = call_method(grad.ptr(), device_name);
       if (!numel || !device) throw py::error_already_set();
@@ -233,13 +253,21 @@ class GradPlan {
       if (!ptr) throw py::error_already_set();
       refs_[i].data = reinterpret_cast<void*>(PyLong_AsUnsignedLongLong(ptr.ptr()));
       if (refs_[i].numel > 0 && refs_[i].data == nullptr) return kGeneral;
+      PyList_SET_ITEM(grads.ptr(), i, grad.release().ptr());
     }
+    grads_ = std::move(grads);
+    collected_ = true;
     return kDone;
   }
 
-  // One native pass over the gradients that the last collect() found.
+  // One native pass over the gradients that the last collect() found. The
+  // gradients stay referenced (a local list, which another thread's collect()
+  // cannot replace) while the core runs without the GIL, so p.grad = None or
+  // zero_grad() on another thread cannot free them under the kernel.
   void launch(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
+    if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that found every gradient");
+    const py::list grads = grads_;
     run_unscale(refs_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
   }
 
@@ -250,6 +278,8 @@ class GradPlan {
   int device_;
   std::vector<aamp::TensorRef> refs_;
   std::size_t workspace_bytes_ = 0;
+  py::list grads_;  // the gradients whose pointers refs_ holds
+  bool collected_ = false;
 };
 
 // Reads a DLPack capsule without consuming it: the capsule (held by the
@@ -411,44 +441,98 @@ void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::
 // .grad in one C++ loop and launches; the core validates the assembled
 // arguments again before anything is written.
 //
-// collect() checks that the plan still holds and reports kStale otherwise,
-// so that the caller rebuilds it (and its full validation names any
-// problem): the group's list has the same length and the same parameter
-// objects at the planned places, each parameter has the same data pointer,
-// its state dict is the same object holding the same moment and step
-// objects (with the same data pointers), its gradient has the parameter's
-// dtype, shape and device and is contiguous; parameters planned without a
-// gradient still have none. Only attribute reads: nothing is written.
+// Sizes are never taken on trust: the constructor reads each param's and
+// each watched state value's element count, dtype and contiguity itself, and
+// every moment handed to the core must be one of the watched state values
+// with the element count given for it (the core then compares it with its
+// param's). collect() checks that the plan still holds and reports false
+// otherwise, so that the caller rebuilds it (and its full validation names
+// any problem): the group's list has the same length and the same parameter
+// objects at the planned places; each parameter, and each moment of its state
+// dict (the same dict holding the same objects), still has the same data
+// pointer, element count, dtype and contiguity (a buffer resized or
+// re-strided in place keeps its object and maybe its pointer); its gradient
+// has the parameter's dtype, shape and device and is contiguous; parameters
+// planned without a gradient still have none. Only attribute reads: nothing
+// is written.
+//
+// The tensors of a launch (params and state values held by the plan, the
+// gradients that collect() found, held in a list it replaces each time) stay
+// referenced while the core runs without the GIL, so another thread that sets
+// p.grad = None or drops a state entry cannot free memory under the kernel.
 class OptimPlan {
  public:
   OptimPlan(int kind, py::list group_params, std::vector<std::size_t> planned, std::vector<std::size_t> absent,
             py::list params, const std::vector<std::uintptr_t>& param_ptrs, const std::vector<std::int64_t>& numels,
             const std::vector<int>& codes, py::list shapes, py::list dtypes, py::dict state, py::list states,
             py::list keys, py::list values, const std::vector<std::uintptr_t>& value_ptrs,
-            const std::vector<std::uintptr_t>& exp_avgs, const std::vector<int>& exp_avg_codes,
-            const std::vector<std::uintptr_t>& exp_avg_sqs, const std::vector<int>& exp_avg_sq_codes,
+            const std::vector<std::uintptr_t>& exp_avgs, const std::vector<std::int64_t>& exp_avg_numels,
+            const std::vector<int>& exp_avg_codes, const std::vector<std::uintptr_t>& exp_avg_sqs,
+            const std::vector<std::int64_t>& exp_avg_sq_numels, const std::vector<int>& exp_avg_sq_codes,
             const std::vector<std::uintptr_t>& steps, const std::vector<bool>& first, int device)
       : group_params_(std::move(group_params)), length_(static_cast<std::size_t>(py::len(group_params_))),
         planned_(std::move(planned)), absent_(std::move(absent)), params_(std::move(params)),
-        param_ptrs_(param_ptrs), shapes_(std::move(shapes)), dtypes_(std::move(dtypes)), state_(std::move(state)),
-        states_(std::move(states)), keys_(std::move(keys)), values_(std::move(values)), value_ptrs_(value_ptrs) {
+        shapes_(std::move(shapes)), dtypes_(std::move(dtypes)), state_(std::move(state)),
+        states_(std::move(states)), keys_(std::move(keys)), values_(std::move(values)) {
     if (kind != 0 && kind != 1) throw aamp::ArgumentError("kind: expected 0 (AdamW) or 1 (SGD)");
     const std::size_t n = planned_.size();
     const std::size_t nk = static_cast<std::size_t>(py::len(keys_));
-    if (static_cast<std::size_t>(py::len(params_)) != n || param_ptrs_.size() != n || numels.size() != n ||
+    if (static_cast<std::size_t>(py::len(params_)) != n || param_ptrs.size() != n || numels.size() != n ||
         codes.size() != n || static_cast<std::size_t>(py::len(shapes_)) != n ||
         static_cast<std::size_t>(py::len(dtypes_)) != n || static_cast<std::size_t>(py::len(states_)) != n ||
-        static_cast<std::size_t>(py::len(values_)) != n * nk || value_ptrs_.size() != n * nk) {
+        static_cast<std::size_t>(py::len(values_)) != n * nk || value_ptrs.size() != n * nk) {
       throw aamp::ArgumentError("params: the plan's lists differ in length");
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      if (planned_[i] >= length_) throw aamp::ArgumentError(aamp::item_name("planned", i) + ": is out of range");
     }
     a_.kind = static_cast<aamp::OptimKind>(kind);
     a_.params = tensor_refs(param_ptrs, numels, codes);
     a_.grads = tensor_refs(std::vector<std::uintptr_t>(n, 0), numels, codes);
-    if (!exp_avgs.empty()) a_.exp_avgs = tensor_refs(exp_avgs, numels, exp_avg_codes);
-    if (!exp_avg_sqs.empty()) a_.exp_avg_sqs = tensor_refs(exp_avg_sqs, numels, exp_avg_sq_codes);
+    if (!exp_avgs.empty()) a_.exp_avgs = tensor_refs(exp_avgs, exp_avg_numels, exp_avg_codes);
+    if (!exp_avg_sqs.empty()) a_.exp_avg_sqs = tensor_refs(exp_avg_sqs, exp_avg_sq_numels, exp_avg_sq_codes);
     for (std::uintptr_t p : steps) a_.steps.push_back(as_ptr<float>(p));
     for (bool f : first) a_.first.push_back(f ? 1 : 0);
     a_.place.device = device;
+    // What each watched tensor is now, read here rather than taken from the caller's lists.
+    for (std::size_t i = 0; i < n; ++i) {
+      Watched w = read(PyList_GET_ITEM(params_.ptr(), i), aamp::item_name("params", i));
+      if (w.ptr != param_ptrs[i] || w.numel != numels[i]) {
+        throw aamp::ArgumentError(aamp::item_name("params", i) + ": is not the tensor described (pointer or size)");
+      }
+      watched_.push_back(std::move(w));
+    }
+    std::vector<bool> seen_m(a_.exp_avgs.size(), false), seen_v(a_.exp_avg_sqs.size(), false);
+    for (std::size_t j = 0; j < n * nk; ++j) {
+      if (value_ptrs[j] == 0) {
+        watched_.push_back(Watched{});  // not a buffer the core touches through this plan (AdamW's step)
+        continue;
+      }
+      const std::size_t i = j / nk;
+      Watched w = read(PyList_GET_ITEM(values_.ptr(), j), aamp::item_name("values", j));
+      if (w.ptr != value_ptrs[j]) throw aamp::ArgumentError(aamp::item_name("values", j) + ": pointer differs");
+      for (auto [list, seen, name] : {std::tuple{&a_.exp_avgs, &seen_m, "exp_avgs"},
+                                      std::tuple{&a_.exp_avg_sqs, &seen_v, "exp_avg_sqs"}}) {
+        if (i < list->size() && reinterpret_cast<std::uintptr_t>((*list)[i].data) == w.ptr) {
+          if ((*list)[i].numel != w.numel || !w.contiguous) {
+            throw aamp::ArgumentError(aamp::item_name(name, i) + ": has " + std::to_string(w.numel) +
+                                      (w.contiguous ? "" : " strided") + " elements, not the " +
+                                      std::to_string((*list)[i].numel) + " given");
+          }
+          (*seen)[i] = true;
+        }
+      }
+      watched_.push_back(std::move(w));
+    }
+    for (auto [list, seen, name] : {std::tuple{&a_.exp_avgs, &seen_m, "exp_avgs"},
+                                    std::tuple{&a_.exp_avg_sqs, &seen_v, "exp_avg_sqs"}}) {
+      for (std::size_t i = 0; i < seen->size(); ++i) {
+        // (An empty moment is never touched, and the core checks that its param is empty too.)
+        if (!(*seen)[i] && (*list)[i].numel != 0) {
+          throw aamp::ArgumentError(aamp::item_name(name, i) + ": is not one of the state values the plan watches");
+        }
+      }
+    }
   }
 
   std::size_t size() const { return planned_.size(); }
@@ -460,13 +544,16 @@ class OptimPlan {
     static PyObject* device_name = PyUnicode_InternFromString("get_device");
     static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
     static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    collected_ = false;  // a collect() that fails midway leaves pointers of gradients grads_ does not hold
     PyObject* list = group_params_.ptr();
     if (static_cast<std::size_t>(PyList_GET_SIZE(list)) != length_) return false;
+    const std::size_t n = planned_.size();
     const std::size_t nk = static_cast<std::size_t>(PyList_GET_SIZE(keys_.ptr()));
-    for (std::size_t i = 0; i < planned_.size(); ++i) {
+    py::list grads(n);
+    for (std::size_t i = 0; i < n; ++i) {
       PyObject* param = PyList_GET_ITEM(params_.ptr(), i);
       if (PyList_GET_ITEM(list, planned_[i]) != param) return false;
-      if (!same_ptr(param, data_ptr_name, param_ptrs_[i])) return false;
+      if (!still(param, watched_[i])) return false;
       PyObject* st = PyList_GET_ITEM(states_.ptr(), i);
       if (nk != 0) {
         PyObject* now = PyDict_GetItemWithError(state_.ptr(), param);  // borrowed
@@ -476,12 +563,14 @@ class OptimPlan {
         }
       }
       for (std::size_t k = 0; k < nk; ++k) {
-        PyObject* v = PyDict_GetItemWithError(st, PyList_GET_ITEM(keys_.ptr(), k));
-        if (v != PyList_GET_ITEM(values_.ptr(), i * nk + k)) {
+        PyObject* v = PyDict_GetItemWithError(st, PyList_GET_ITEM(keys_.ptr(), k));  // borrowed from the dict,
+        PyObject* planned = PyList_GET_ITEM(values_.ptr(), i * nk + k);            // held by values_
+        if (v != planned) {
           PyErr_Clear();
           return false;
         }
-        if (value_ptrs_[i * nk + k] != 0 && !same_ptr(v, data_ptr_name, value_ptrs_[i * nk + k])) return false;
+        const Watched& w = watched_[n + i * nk + k];
+        if (w.ptr != 0 && !still(planned, w)) return false;
       }
       py::object grad = get_attr(param, grad_name);
       if (!grad || grad.is_none()) return clear();
@@ -499,12 +588,15 @@ class OptimPlan {
       if (!ptr) return clear();
       a_.grads[i].data = reinterpret_cast<void*>(PyLong_AsUnsignedLongLong(ptr.ptr()));
       if (a_.grads[i].numel > 0 && a_.grads[i].data == nullptr) return false;
+      PyList_SET_ITEM(grads.ptr(), i, grad.release().ptr());
     }
     for (std::size_t at : absent_) {
       if (at >= length_) return false;
       py::object grad = get_attr(PyList_GET_ITEM(list, at), grad_name);
       if (!grad || !grad.is_none()) return clear();
     }
+    grads_ = std::move(grads);
+    collected_ = true;
     return true;
   }
 
@@ -513,11 +605,17 @@ class OptimPlan {
               double weight_decay, bool maximize, bool stochastic_rounding, std::uintptr_t grad_scale,
               std::uintptr_t found_inf, std::uint64_t seed, std::uint64_t offset, std::uintptr_t seed_offset,
               std::uintptr_t stream) {
+    if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
+    collected_ = false;  // the gradients found are used once: the next step collects again
     set_step_scalars(a_, lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize,
                      stochastic_rounding, grad_scale, found_inf, seed, offset, seed_offset, stream);
+    // Local copies: what this launch touches stays referenced (and its pointers unchanged) even if another
+    // thread collects or drops tensors while the core runs without the GIL.
+    const aamp::OptimArgs args = a_;
+    const py::list grads = grads_, params = params_, values = values_;
     {
       py::gil_scoped_release release;
-      aamp::optim_step(a_);
+      aamp::optim_step(args);
     }
     // A new momentum buffer is new for one step only (a skipped step leaves it
     // at zero, which the next step reads as history: see optim.SGD).
@@ -525,27 +623,71 @@ class OptimPlan {
   }
 
  private:
-  static bool clear() {
-    PyErr_Clear();
-    return false;
+  struct Watched {
+    std::uintptr_t ptr = 0;
+    std::int64_t numel = 0;
+    py::object dtype;
+    bool contiguous = false;
+  };
+
+  static Watched read(PyObject* x, const std::string& name) {
+    static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
+    static PyObject* numel_name = PyUnicode_InternFromString("numel");
+    static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
+    static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    py::object ptr = call_method(x, data_ptr_name), numel = call_method(x, numel_name);
+    py::object dtype = get_attr(x, dtype_name), contiguous = call_method(x, contiguous_name);
+    if (!ptr || !numel || !dtype || !contiguous) {
+      PyErr_Clear();
+      throw aamp::ArgumentError(name + ": is not a tensor");
+    }
+    Watched w;
+    w.ptr = PyLong_AsUnsignedLongLong(ptr.ptr());
+    w.numel = PyLong_AsLongLong(numel.ptr());
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      throw aamp::ArgumentError(name + ": has no readable pointer or size");
+    }
+    w.dtype = std::move(dtype);
+    w.contiguous = contiguous.ptr() == Py_True;
+    return w;
   }
-  static bool same_ptr(PyObject* x, PyObject* data_ptr_name, std::uintptr_t want) {
+
+  // Whether x still is the tensor w describes: same pointer, element count, dtype and contiguity.
+  static bool still(PyObject* x, const Watched& w) {
+    static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
+    static PyObject* numel_name = PyUnicode_InternFromString("numel");
+    static PyObject* contiguous_name = PyUnicode_InternFromString("is_contiguous");
+    static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
     py::object ptr = call_method(x, data_ptr_name);
     if (!ptr) return clear();
     const std::uintptr_t got = PyLong_AsUnsignedLongLong(ptr.ptr());
     if (PyErr_Occurred()) return clear();
-    return got == want;
+    if (got != w.ptr) return false;
+    py::object numel = call_method(x, numel_name);
+    if (!numel || PyLong_AsLongLong(numel.ptr()) != w.numel) return clear();
+    py::object dtype = get_attr(x, dtype_name);
+    if (!dtype || dtype.ptr() != w.dtype.ptr()) return clear();
+    py::object contiguous = call_method(x, contiguous_name);
+    if (!contiguous || (contiguous.ptr() == Py_True) != w.contiguous) return clear();
+    return true;
+  }
+
+  static bool clear() {
+    PyErr_Clear();
+    return false;
   }
 
   py::list group_params_;
   std::size_t length_;
   std::vector<std::size_t> planned_, absent_;
   py::list params_;
-  std::vector<std::uintptr_t> param_ptrs_;
   py::list shapes_, dtypes_;
   py::dict state_;
   py::list states_, keys_, values_;
-  std::vector<std::uintptr_t> value_ptrs_;
+  std::vector<Watched> watched_;  // params, then values (index n + i * nk + k)
+  py::list grads_;
+  bool collected_ = false;
   aamp::OptimArgs a_;
 };
 
@@ -626,13 +768,15 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<int, py::list, std::vector<std::size_t>, std::vector<std::size_t>, py::list,
                     const std::vector<std::uintptr_t>&, const std::vector<std::int64_t>&, const std::vector<int>&,
                     py::list, py::list, py::dict, py::list, py::list, py::list, const std::vector<std::uintptr_t>&,
-                    const std::vector<std::uintptr_t>&, const std::vector<int>&, const std::vector<std::uintptr_t>&,
-                    const std::vector<int>&, const std::vector<std::uintptr_t>&, const std::vector<bool>&, int>(),
+                    const std::vector<std::uintptr_t>&, const std::vector<std::int64_t>&, const std::vector<int>&,
+                    const std::vector<std::uintptr_t>&, const std::vector<std::int64_t>&, const std::vector<int>&,
+                    const std::vector<std::uintptr_t>&, const std::vector<bool>&, int>(),
            py::arg("kind"), py::arg("group_params"), py::arg("planned"), py::arg("absent"), py::arg("params"),
            py::arg("param_ptrs"), py::arg("numels"), py::arg("codes"), py::arg("shapes"), py::arg("dtypes"),
            py::arg("state"), py::arg("states"), py::arg("keys"), py::arg("values"), py::arg("value_ptrs"),
-           py::arg("exp_avgs"), py::arg("exp_avg_codes"), py::arg("exp_avg_sqs"), py::arg("exp_avg_sq_codes"),
-           py::arg("steps"), py::arg("first"), py::arg("device"))
+           py::arg("exp_avgs"), py::arg("exp_avg_numels"), py::arg("exp_avg_codes"), py::arg("exp_avg_sqs"),
+           py::arg("exp_avg_sq_numels"), py::arg("exp_avg_sq_codes"), py::arg("steps"), py::arg("first"),
+           py::arg("device"))
       .def("__len__", &OptimPlan::size)
       .def("collect", &OptimPlan::collect)
       .def("launch", &OptimPlan::launch, py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),

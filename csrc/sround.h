@@ -28,12 +28,13 @@
 //
 //   Specials and range, per target:
 //     NaN     -> NaN (quiet, sign of x XOR sign of the scale; payload not kept)
-//     +-inf   -> +-inf for bf16, fp16, e5m2; NaN for e4m3fn (it has no inf; as torch's cast)
+//     +-inf   -> +-inf for bf16, fp16, e5m2; +-448 for e4m3fn (it has no inf; as torch 2.13's CPU cast)
 //     beyond the largest finite value M:
 //       bf16, fp16, e5m2: the gap from M to inf counts as one more ulp: values in
 //                         (M, M + ulp) go to inf with probability f, larger ones to inf;
 //                         with saturate, every finite value beyond M gives +-M.
-//       e4m3fn:           always +-448 (never NaN from a finite value); saturate is moot.
+//       e4m3fn:           always +-448 (never NaN from a finite x, also when x * scale overflows
+//                         fp32); saturate is moot.
 //
 //   * random_bits: int32, numel of x; given, no Philox bits are drawn.
 //   * seed_offset, scale, amax: single values in the memory of the place

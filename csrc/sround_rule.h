@@ -79,8 +79,10 @@ AAMP_HD std::uint32_t sround_element(std::uint32_t y, std::uint32_t sign, std::u
   t = t < limit ? t : limit;
   const bool is_nan = a > 0x7f800000u;
   const bool is_inf = a == 0x7f800000u;
-  // +-inf stays +-inf where the format has inf (e4m3fn: NaN, as torch's cast).
-  const std::uint32_t inf = Fmt::kInf != 0 ? Fmt::kInf : Fmt::kNaN;
+  // +-inf stays +-inf where the format has inf. e4m3fn has none and
+  // saturates: +-inf (also a finite x whose scaled product overflowed fp32)
+  // gives +-448, as torch 2.13's CPU cast does with inf.
+  const std::uint32_t inf = Fmt::kInf != 0 ? Fmt::kInf : Fmt::kMax;
   t = is_nan ? Fmt::kNaN : (is_inf ? inf : t);
   return ((sign >> 31) << (Fmt::kBits - 1)) | t;
 }

@@ -47,11 +47,12 @@ void validate_unscale(const UnscaleArgs& a) {
                                       std::to_string(need) + " are needed (unscale_workspace_bytes)");
     }
   }
+  // found_inf is written by every block, also when only checking: it may not
+  // live inside a tensor being read.
+  check_outside(a.tensors, "tensors", a.found_inf, "found_inf");
   if (!a.check_only) {
     check_no_overlap(a.tensors, "tensors");
-    // found_inf is written and inv_scale read by every block while the
-    // tensors are written: neither may live inside one of them.
-    check_outside(a.tensors, "tensors", a.found_inf, "found_inf");
+    // inv_scale is read by every block while the tensors are written.
     check_outside(a.tensors, "tensors", a.inv_scale, "inv_scale");
   }
   if (a.place.is_cuda() && !cuda_built()) {

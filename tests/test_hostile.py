@@ -88,12 +88,18 @@ def test_unscale_numpy_same_array_twice_refused():
     assert np.array_equal(a, before)
 
 
-def test_unscale_found_inf_aliasing_a_gradient_refused():
+@pytest.mark.parametrize("check_only", [False, True])
+def test_unscale_found_inf_aliasing_a_gradient_refused(check_only):
+    # check_only writes found_inf too: the same alias checks as the writing path (issue 18 item 8).
     t = torch.tensor([1.0, INF, 3.0])
     before = t.clone()
     with pytest.raises(ValueError, match="found_inf"):
-        adaptive_amp.unscale_and_check_([t], t[0:1], scalar(0.5))
+        adaptive_amp.unscale_and_check_([t], t[0:1], scalar(0.5), check_only=check_only)
     assert_bitwise_equal(t, before)
+    a = np.array([1.0, np.inf, 3.0], np.float32)
+    with pytest.raises(ValueError, match="found_inf"):
+        adaptive_amp.unscale_and_check_([a], a[0:1], np.array([0.5], np.float32), check_only=check_only)
+    assert a[0] == 1.0
 
 
 @pytest.mark.parametrize("kind", ["inv_scale_is_scale", "growth_tracker_in_counters"])
@@ -438,3 +444,288 @@ def test_cuda_ops_on_a_non_current_device():
     s, gt, f = scalar(8.0, "cuda:1"), torch.zeros(1, dtype=torch.int32, device="cuda:1"), scalar(1.0, "cuda:1")
     adaptive_amp.update_scale_(s, gt, f, 2.0, 0.5, 1)
     assert float(s) == 4.0
+
+
+# --------------------------------------------------------------------------- another thread frees what a call uses
+#
+# Native calls release the GIL while the kernels run, and Python code runs
+# between describing arrays and launching. Every call must hold its own
+# references to what it touches. The deterministic tests free the caller's
+# references at the worst moment (right before the launch, through a hook on
+# the stream lookup every op does last) and put a same-sized sentinel where
+# the freed memory was likely to be reused: a kernel using a stale pointer
+# changes the sentinel or reads garbage. The threaded tests loop calls against
+# a mutating thread: no crash, and results right or a clear error.
+
+import threading  # noqa: E402
+import time  # noqa: E402
+
+from adaptive_amp import _native, optim as aoptim  # noqa: E402
+
+_BIG = 1 << 18  # 1 MiB of float32: the allocator hands a freed block of this size to the next request
+
+
+def _hook(monkeypatch, module, name, action):
+    original = getattr(module, name)
+
+    def hooked(*args, **kwargs):
+        action()
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, hooked)
+
+
+def _sentinels(count, dtype=torch.float32):
+    return [torch.full((_BIG,), 7.0, dtype=dtype) for _ in range(count)]
+
+
+def test_unscale_list_cleared_before_launch_keeps_its_tensors(monkeypatch):
+    tensors = [torch.full((_BIG,), 2.0) for _ in range(4)]
+    kept = []
+    _hook(monkeypatch, _native, "current_stream", lambda: (tensors.clear(), kept.extend(_sentinels(4))))
+    f = scalar(0.0)
+    adaptive_amp.unscale_and_check_(tensors, f, scalar(0.5))
+    for s in kept:
+        assert torch.all(s == 7.0), "the kernel wrote through a pointer of a freed tensor"
+    assert float(f) == 0.0
+
+
+def test_tensor_stats_list_cleared_before_launch_keeps_its_tensors(monkeypatch):
+    tensors = [torch.full((_BIG,), 2.0) for _ in range(3)]
+    kept = []
+    _hook(monkeypatch, _native, "current_stream", lambda: (tensors.clear(), kept.extend(_sentinels(3))))
+    stats = adaptive_amp.tensor_stats(tensors)
+    assert stats["max"] == [2.0, 2.0, 2.0] and stats["min"] == [2.0, 2.0, 2.0]
+
+
+def _model_with_grads(value=1.0):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    for p in model.parameters():
+        p.grad = torch.full_like(p, value)
+    return model
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "SGD"])
+@pytest.mark.parametrize("planned", [False, True])
+def test_optimizer_grads_dropped_before_launch_are_kept(monkeypatch, cls, planned):
+    model = _model_with_grads()
+    twin = _model_with_grads()
+    kw = dict(lr=0.1, stochastic_rounding=False, **({"momentum": 0.9} if cls == "SGD" else {}))
+    opt, ref = getattr(aoptim, cls)(model.parameters(), **kw), getattr(aoptim, cls)(twin.parameters(), **kw)
+    if planned:  # one step builds the plan; the next one reuses it
+        opt.step(), ref.step()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            p.grad, q.grad = torch.full_like(p, 1.0), torch.full_like(q, 1.0)
+    kept = []
+
+    def drop():
+        if not kept:
+            opt.zero_grad(set_to_none=True)
+            kept.extend(torch.full_like(p, 1e30) for p in model.parameters())
+    _hook(monkeypatch, aoptim, "_stream", drop)
+    opt.step()
+    monkeypatch.undo()
+    ref.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q), "the step read a freed gradient"
+
+
+def test_functional_optimizer_lists_cleared_before_launch(monkeypatch):
+    ps = [torch.zeros(_BIG) for _ in range(2)]
+    gs = [torch.full((_BIG,), 1.0) for _ in range(2)]
+    ms = [torch.zeros(_BIG) for _ in range(2)]
+    kept = []
+    _hook(monkeypatch, aoptim, "_stream", lambda: (gs.clear(), kept.extend(_sentinels(2))))
+    aoptim.sgd_step_(ps, gs, ms, [True, True], lr=1.0, momentum=0.9, stochastic_rounding=False)
+    for p in ps:
+        assert torch.all(p == -1.0)
+    for s in kept:
+        assert torch.all(s == 7.0)
+
+
+def test_grad_scaler_grads_dropped_before_launch_are_kept(monkeypatch):
+    from adaptive_amp import scaler as scaler_mod
+    model = _model_with_grads(4.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = adaptive_amp.GradScaler("cpu", init_scale=2.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)  # builds the plan
+    scaler.update()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 4.0)
+    scaler.scale(torch.ones(()))
+    kept = []
+
+    def drop():
+        if not kept:
+            opt.zero_grad(set_to_none=True)
+            kept.extend(torch.full_like(p, 7.0) for p in model.parameters())
+    _hook(monkeypatch, scaler_mod._DeviceGroup, "stream", lambda *a: drop())
+    scaler.unscale_(opt)
+    for s in kept:
+        assert torch.all(s == 7.0), "unscale_ wrote through a pointer of a freed gradient"
+
+
+def _race(call, mutate, seconds=0.5):
+    """Loops call() while another thread loops mutate(); returns the exceptions call() raised."""
+    stop = threading.Event()
+    failures = []
+
+    def mutator():
+        try:
+            while not stop.is_set():
+                mutate()
+        except BaseException as e:  # pragma: no cover - reported below
+            failures.append(e)
+    thread = threading.Thread(target=mutator, daemon=True)
+    errors = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, also in the middle of our Python code
+    thread.start()
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                call()
+            except (ValueError, TypeError, AssertionError, RuntimeError) as e:
+                errors.append(e)
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(old)
+    assert not failures, failures
+    return errors
+
+
+import sys  # noqa: E402
+
+
+def _clear_errors(errors):
+    for e in errors:  # a clear error that names an argument, never a crash
+        # (A step that finds every gradient gone: torch's scaler says "No inf checks were recorded".)
+        assert re.search(r"tensors|grads|params|found_inf|expected|pass|inf checks|non-empty TensorList", str(e)), e
+
+
+def test_thread_clearing_the_list_during_unscale_and_stats():
+    shared = []
+
+    def mutate():
+        shared.clear()
+        shared.extend(torch.full((_BIG // 4,), 2.0) for _ in range(4))
+
+    mutate()
+    f = scalar(0.0)
+
+    def call():
+        adaptive_amp.unscale_and_check_(shared, f, scalar(1.0))
+        st = adaptive_amp.tensor_stats(shared) if shared else None
+        if st is not None and len(st):
+            assert set(st["max"]) == {2.0}
+
+    _clear_errors(_race(call, mutate))
+    assert float(f) == 0.0
+
+
+# No threaded test sets p.grad: with torch 2.13 on the CPU, one thread reading p.grad while another assigns
+# it (p.grad = None, then a new tensor) segfaults inside torch with no adaptive_amp code involved (a loop of
+# torch.optim.SGD.step, or of `p.grad.is_sparse`, against such a thread). The deterministic tests above
+# drop the gradients at the worst moment instead.
+
+
+# --------------------------------------------------------------------------- numpy byte order
+#
+# Every numpy entry point, every array argument, both byte orders: the kernels
+# read the host's order, so an array in the other order is either handled
+# (read or written through a copy in the host's order: the same result as the
+# native array) or refused by name, with nothing written.
+
+_SWAPPED = ">" if sys.byteorder == "little" else "<"
+
+
+def _order(a, order):
+    return a.astype(a.dtype.newbyteorder(order)) if order != "=" else a
+
+
+def _unscale_case(which, order):
+    grads = [np.array([1.0, 2.0, np.inf], np.float32), np.array([4.0, 8.0], np.float16)]
+    found, inv = np.zeros(1, np.float32), np.array([0.5], np.float32)
+    args = dict(grads=grads, found=found, inv=inv)
+    if which == "grads":
+        args["grads"] = [_order(g, order) for g in grads]
+    else:
+        args[which] = _order(args[which], order)
+
+    def run():
+        adaptive_amp.unscale_and_check_(args["grads"], args["found"], args["inv"])
+        return [np.asarray(g, dtype=np.float32) for g in args["grads"]] + [np.asarray(args["found"], np.float32)]
+    return run, list(args["grads"]) + [args["found"], args["inv"]]
+
+
+def _update_case(which, order):
+    arrays = dict(scale=np.array([1024.0], np.float32), growth_tracker=np.array([3], np.int32),
+                  found_inf=np.array([0.0], np.float32), counters=np.array([2, 0, 0, 0], np.int32),
+                  amax_history=np.array([1.0, 2.0, 0.5], np.float32), step_amax=np.array([3.0], np.float32),
+                  inv_scale=np.zeros(1, np.float32))
+    arrays[which] = _order(arrays[which], order)
+
+    def run():
+        a = arrays
+        adaptive_amp.update_scale_(a["scale"], a["growth_tracker"], a["found_inf"], 2.0, 0.5, 4,
+                                   counters=a["counters"], hysteresis=2, amax_history=a["amax_history"],
+                                   step_amax=a["step_amax"], inv_scale=a["inv_scale"])
+        return [np.asarray(v, dtype=np.float64) for v in a.values()]
+    return run, list(arrays.values())
+
+
+def _sround_case(which, order):
+    x = np.linspace(-3, 3, 37, dtype=np.float32)
+    arrays = dict(x=x, random_bits=np.arange(37, dtype=np.int32) * 99991, scale=np.array([2.0], np.float32),
+                  out=np.zeros(37, np.float16))
+    arrays[which] = _order(arrays[which], order)
+
+    def run():
+        a = arrays
+        got = adaptive_amp.stochastic_round(a["x"], "float16", random_bits=a["random_bits"], scale=a["scale"],
+                                            out=a["out"])
+        return [np.asarray(got, dtype=np.float32)]
+    return run, list(arrays.values())
+
+
+def _stats_case(which, order):
+    tensors = [np.array([1.0, -2.0, 3.0, np.nan], np.float32), np.array([0.5, 70000.0], np.float32)]
+    scale = np.array([2.0], np.float32)
+    if which == "tensors":
+        tensors = [_order(t, order) for t in tensors]
+    else:
+        scale = _order(scale, order)
+
+    def run():
+        st = adaptive_amp.tensor_stats(tensors, fmt="float16", scale=scale).to_dict()
+        return [np.asarray(st[k], dtype=np.float64) for k in sorted(st)]
+    return run, tensors + [scale]
+
+
+_BYTE_ORDER_CASES = ([(_unscale_case, w) for w in ("grads", "found", "inv")]
+                     + [(_update_case, w) for w in ("scale", "growth_tracker", "found_inf", "counters",
+                                                    "amax_history", "step_amax", "inv_scale")]
+                     + [(_sround_case, w) for w in ("x", "random_bits", "scale", "out")]
+                     + [(_stats_case, w) for w in ("tensors", "scale")])
+
+
+@pytest.mark.parametrize("case,which", _BYTE_ORDER_CASES,
+                         ids=[f"{c.__name__[1:-5]}-{w}" for c, w in _BYTE_ORDER_CASES])
+def test_numpy_byte_order_handled_or_refused_in_every_entry_point(case, which):
+    run, _ = case(which, "=")
+    want = run()
+    run, arrays = case(which, _SWAPPED)
+    before = [np.array(a, copy=True) for a in arrays]
+    try:
+        got = run()
+    except ValueError as e:
+        assert "byte order" in str(e) and re.search(r"\w", str(e).split(" ")[0]), e
+        for a, b in zip(arrays, before):  # refused: nothing written, in any argument
+            assert a.tobytes() == b.tobytes()
+        return
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)

@@ -645,3 +645,129 @@ def test_plan_grad_on_another_device_errors(cls):
         opt.step()
     for p, b in zip(model.parameters(), before):
         assert_bitwise_equal(p.detach(), b, "param")
+
+
+# --------------------------------------------------------------------------- state of the wrong size
+#
+# A state buffer the core would read and write as if it had its param's size
+# (a checkpoint of a resized layer, a buffer replaced or resized after the
+# plan was built) must be refused with torch-like errors that name the param
+# and the state key, before anything is written.
+
+
+def _wrong_size_cases(cls):
+    key = "exp_avg" if cls == "AdamW" else "momentum_buffer"
+    keys = ["exp_avg", "exp_avg_sq"] if cls == "AdamW" else ["momentum_buffer"]
+
+    def replaced_smaller(opt, p, k):
+        opt.state[p][k] = torch.zeros(3, dtype=opt.state[p][k].dtype)
+
+    def replaced_larger(opt, p, k):
+        opt.state[p][k] = torch.zeros(p.numel() + 1000, dtype=opt.state[p][k].dtype)
+
+    def resized_in_place(opt, p, k):
+        opt.state[p][k].resize_(2)  # same object and (shrunk in place) the same pointer
+
+    def same_numel_other_shape(opt, p, k):
+        opt.state[p][k] = torch.zeros(p.numel(), dtype=opt.state[p][k].dtype)
+
+    def strided_in_place(opt, p, k):
+        t = opt.state[p][k]
+        t.as_strided_((t.numel() // 2,), (2,))  # same object, same pointer
+
+    cases = [replaced_smaller, replaced_larger, resized_in_place, same_numel_other_shape, strided_in_place]
+    return [(cls, k, c) for k in keys for c in cases] + [(cls, key, None)]
+
+
+@pytest.mark.parametrize("cls,key,mutate", _wrong_size_cases("AdamW")[:-1] + _wrong_size_cases("SGD")[:-1])
+@pytest.mark.parametrize("when", ["after_plan", "before_first_step"])
+def test_state_of_the_wrong_size_refused_before_any_write(cls, key, mutate, when):
+    torch.manual_seed(0)
+    model = _model(torch.bfloat16)
+    kw = {"momentum": 0.9} if cls == "SGD" else {}
+    opt = getattr(optim, cls)(model.parameters(), lr=1e-2, **kw)
+    target = model[2].weight
+    if when == "after_plan":
+        for s in range(2):
+            _grads(model, s)
+            opt.step()
+        assert opt._plans
+    else:  # state present before the optimizer ever stepped (as a loaded checkpoint gives it)
+        donor = getattr(optim, cls)(model.parameters(), lr=1e-2, **kw)
+        _grads(model, 0)
+        donor.step()
+        opt.load_state_dict(donor.state_dict())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape))
+    _grads(model, 5)
+    mutate(opt, target, key)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = {(i, k): v.detach().clone() for i, p in enumerate(model.parameters()) for k, v in opt.state[p].items()}
+    index = next(i for i, p in enumerate(model.parameters()) if p is target)
+    with pytest.raises(ValueError, match=rf"state\['{key}'\] of params\[{index}\].*(elements|shape|contiguous)"):
+        opt.step()
+    for p, before in zip(model.parameters(), params):
+        assert_bitwise_equal(p.detach(), before, "param")
+    for i, p in enumerate(model.parameters()):
+        for k, v in opt.state[p].items():
+            if (i, k) in state and v.shape == state[(i, k)].shape:
+                assert_bitwise_equal(v.detach(), state[(i, k)], f"state {i} {k}")
+    # Reset, it goes on.
+    del opt.state[target]
+    opt._plans = {}
+    opt.step()
+
+
+@pytest.mark.parametrize("which", ["exp_avgs", "exp_avg_sqs"])
+@pytest.mark.parametrize("size", [3, 40])
+def test_adamw_step_wrong_sized_moment_refused(which, size):
+    ps, gs, ms, vs, steps = _lists([(37,), (5, 9)], torch.bfloat16, torch.float32)
+    lists = dict(exp_avgs=ms, exp_avg_sqs=vs)
+    lists[which][1] = torch.zeros(size)
+    before = _clone([ps, ms, vs, steps])
+    with pytest.raises(ValueError, match=rf"{which}\[1\] has {size} elements.*params\[1\] has 45"):
+        optim.adamw_step_(ps, gs, ms, vs, steps, seed=1, **ADAM_KW)
+    _assert_lists([ps, ms, vs, steps], before)
+
+
+@pytest.mark.parametrize("size", [3, 100])
+def test_sgd_step_wrong_sized_momentum_buffer_refused(size):
+    ps, gs, ms, _, _ = _lists([(37,), (5, 9)], torch.bfloat16, torch.float32)
+    ms[0] = torch.zeros(size)
+    before = _clone([ps, ms])
+    with pytest.raises(ValueError, match=rf"momentum_buffers\[0\] has {size} elements.*params\[0\] has 37"):
+        optim.sgd_step_(ps, gs, ms, [False, False], seed=1, **SGD_KW)
+    _assert_lists([ps, ms], before)
+
+
+def test_native_plan_refuses_moment_sizes_it_was_not_given():
+    """The core checks every size: a plan handed a moment's true size that differs from its param's refuses
+    to launch, whatever Python checked before."""
+    from adaptive_amp import _C
+    p = torch.zeros(8, dtype=torch.bfloat16)
+    m, v = torch.zeros(3), torch.zeros(8)
+    step = torch.zeros(1)
+    p.grad = torch.ones(8, dtype=torch.bfloat16)
+    st = {"exp_avg": m, "exp_avg_sq": v}
+
+    def plan(m_numel, watched=True):
+        keys, values = (["exp_avg", "exp_avg_sq"], [m, v]) if watched else ([], [])
+        return _C.OptimPlan(0, [p], [0], [], [p], [p.data_ptr()], [8], [2], [p.shape], [p.dtype], {p: st}, [st],
+                            keys, values, [x.data_ptr() for x in values], [m.data_ptr()], [m_numel], [0],
+                            [v.data_ptr()], [8], [0], [step.data_ptr()], [], -1)
+
+    # Told the moment's true size, the core compares it with the param's and refuses.
+    good = plan(3)
+    assert good.collect()
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\]: has 3 elements; params\[0\] has 8"):
+        good.launch(1e-3, 0.9, 0.999, 1e-8, 0.0, 0.0, False, 0.0, False, False, 0, 0, 0, 0, 0, 0)
+    # Told a wrong size, or handed a moment it cannot watch, the plan is not built.
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\]: has 3 elements, not the 8 given"):
+        plan(8)
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\]: is not one of the state values"):
+        plan(3, watched=False)
+    # Resized in place after the plan was built (same object, same pointer): collect() no longer holds.
+    v.resize_(4)
+    assert not good.collect()
+    assert torch.equal(m, torch.zeros(3))

@@ -17,7 +17,7 @@ import torch
 
 import adaptive_amp
 from adaptive_amp import reference
-from conftest import CUDA_OK, NO_CUDA_REASON
+from conftest import CUDA_OK, NO_CUDA_REASON, assert_bitwise_equal
 
 cuda_test = lambda fn: pytest.mark.cuda(pytest.mark.skipif(not CUDA_OK, reason=NO_CUDA_REASON)(fn))  # noqa: E731
 
@@ -236,8 +236,9 @@ def test_specials(target):
         got = SR(torch.tensor([INF, -INF]), target, seed=0, saturate=saturate).float()
         if has_inf:
             assert got.tolist() == [INF, -INF]
-        else:
-            assert bool(torch.isnan(got).all())  # e4m3fn has no inf: as torch's cast
+        else:  # e4m3fn has no inf: it saturates, as torch's CPU cast does
+            assert got.tolist() == [448.0, -448.0]
+            assert torch.tensor([INF, -INF]).to(target).float().tolist() == [448.0, -448.0]
     big = torch.tensor([fmax * 4 if fmax < 1e38 else 3.4e38, 3.4e38, -3.4e38, fmax * 1.001])
     got = SR(big, target, seed=2).float()
     if has_inf:
@@ -253,6 +254,22 @@ def test_e4m3fn_never_nan_from_finite():
     got = SR(x, torch.float8_e4m3fn, seed=4).float()
     assert not bool(torch.isnan(got).any())
     assert float(got.abs().max()) == 448.0
+
+
+@pytest.mark.parametrize("scale", [1e10, 3.4e38, -1e30])
+def test_e4m3fn_scaled_fp32_overflow_saturates(scale):
+    """A finite x whose x * scale overflows fp32 gives +-448, not NaN (the README's promise), on every path."""
+    x = torch.tensor([1e30, -1e30, 3e38, 5.0, -2.0, 0.0, float("nan")])
+    want_sign = torch.sign(x * (1 if scale > 0 else -1))
+    got = SR(x, torch.float8_e4m3fn, seed=3, scale=scale).float()
+    ref = reference.stochastic_round(x, torch.float8_e4m3fn, seed=3, scale=scale).float()
+    assert_bitwise_equal(got, ref)
+    assert torch.isnan(got[-1]) and not torch.isnan(got[:-1]).any()
+    assert got[:2].tolist() == [448.0 * want_sign[0].item(), 448.0 * want_sign[1].item()]
+    got_t = SR(x, torch.float8_e4m3fn, seed=3, scale=torch.tensor([scale])).float()
+    assert_bitwise_equal(got_t, got)
+    got_np = adaptive_amp.stochastic_round(x.numpy(), "float8_e4m3fn", seed=3, scale=scale)
+    assert_bitwise_equal(torch.from_numpy(got_np.astype(np.float32)), got)
 
 
 @pytest.mark.parametrize("target", TARGETS, ids=TARGET_IDS)
@@ -546,7 +563,7 @@ def _bad_cases():
         ("scale dtype", lambda o: SR(x, torch.bfloat16, scale=torch.ones(1, dtype=torch.float64), seed=1, out=o),
          TypeError, "scale"),
         ("scale type", lambda o: SR(x, torch.bfloat16, scale="2", seed=1, out=o), TypeError, "scale"),
-        ("x non-contiguous", lambda o: SR(spread(128, 1)[::2], torch.bfloat16, seed=1, out=o), ValueError, "x"),
+        ("out negated", lambda o: SR(x, torch.bfloat16, seed=1, out=torch._neg_view(o)), ValueError, "out"),
         ("out overlaps x", lambda o: SR(x, torch.bfloat16, seed=1, out=x.view(torch.bfloat16)[:64]), ValueError,
          "out"),
     ]
@@ -692,3 +709,18 @@ def test_ste_matches_its_reference_twin_forward_and_backward(target):
     g_ref, = torch.autograd.grad((ref.float() * weights).sum(), x)
     assert torch.equal(g_ours, g_ref)
     assert torch.equal(g_ours, (weights.to(target).to(torch.float32) * 0.5))
+
+
+@pytest.mark.parametrize("kind", ["transpose", "slice", "negated", "channels_last"])
+def test_strided_and_negated_inputs_round_like_their_contiguous_copy(kind):
+    g = torch.Generator().manual_seed(8)
+    base = torch.randn(4, 6, 5, 3, generator=g)
+    x = {"transpose": base[0, 0].t(), "slice": base[:, ::2, 1:], "negated": torch._neg_view(base),
+         "channels_last": base.contiguous(memory_format=torch.channels_last)}[kind]
+    got = SR(x, torch.bfloat16, seed=5, offset=2)
+    want = reference.stochastic_round(x.resolve_neg().contiguous(), torch.bfloat16, seed=5, offset=2)
+    assert got.shape == x.shape
+    assert_bitwise_equal(got, want)
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out.*lazy negation"):
+        SR(x, torch.bfloat16, seed=5, out=torch._neg_view(out))

@@ -835,10 +835,8 @@ def _bad(kind, device):
         return x.to(torch.int64) + 1, f, inv, {}, TypeError, "tensors[1]"
     if kind == "float64":
         return x.double(), f, inv, {}, TypeError, "tensors[1]"
-    if kind == "strided":
-        return x[::2], f, inv, {}, ValueError, "tensors[1]"
-    if kind == "transposed":
-        return x.reshape(8, 8).t(), f, inv, {}, ValueError, "tensors[1]"
+    if kind == "expanded":  # overlapping elements: torch's in-place ops refuse them too
+        return x[:1].expand(64), f, inv, {}, ValueError, "tensors[1]"
     if kind == "found_inf_float64":
         return x, torch.zeros(1, dtype=torch.float64, device=device), inv, {}, TypeError, "found_inf"
     if kind == "found_inf_int":
@@ -870,7 +868,7 @@ def _bad(kind, device):
     raise AssertionError(kind)
 
 
-BAD_KINDS = ["int32", "int64", "float64", "strided", "transposed", "found_inf_float64", "found_inf_int",
+BAD_KINDS = ["int32", "int64", "float64", "expanded", "found_inf_float64", "found_inf_int",
              "found_inf_2_elements", "found_inf_python_float", "inv_scale_float64", "inv_scale_float16",
              "inv_scale_2_elements", "inv_scale_empty", "inv_scale_python_float", "requires_grad_leaf", "sparse",
              "python_list", "python_float", "none"]
@@ -894,7 +892,7 @@ def _assert_unchanged(objs, snaps):
 
 # check_only accepts leaves that require grad (tested separately).
 _BAD_CASES = [(k, m) for k in BAD_KINDS for m in ("plain", "stats", "check_only")
-              if not (k == "requires_grad_leaf" and m == "check_only")]
+              if not (k in ("requires_grad_leaf", "expanded") and m == "check_only")]
 
 
 @pytest.mark.parametrize("kind,mode", _BAD_CASES, ids=[f"{k}-{m}" for k, m in _BAD_CASES])
@@ -994,10 +992,10 @@ def test_numpy_bad_dtype_refused():
     good = to_numpy(_good0("cpu"))
     before = good.copy()
     found = np.zeros(1, np.float32)
+    read_only = np.ones((4, 4), np.float32)[:, ::2]  # strided views are fine (a copy), read-only ones are not
+    read_only.flags.writeable = False
     for bad, exc in ((np.arange(10, dtype=np.float64), TypeError), (np.arange(10, dtype=np.int32), TypeError),
-                     (np.ones((4, 4), np.float32)[:, ::2] * 3, ValueError)):
-        if exc is ValueError:
-            bad = np.ones((4, 4), np.float32)[:, ::2]
+                     (read_only, ValueError)):
         with pytest.raises(exc, match=re.escape("tensors[1]")):
             adaptive_amp.unscale_and_check_([good, bad], found, np.array([0.5], np.float32))
         assert found[0] == 0.0
@@ -1230,3 +1228,119 @@ def test_cuda_graph_capture_and_replay():
         assert_bitwise_equal(amax, amax_ref)
         assert_sumsq_close(sumsq, data, inv_value)
     assert float(found) == 0.0  # the last replay had no inf
+
+
+# --------------------------------------------------------------------------- strided views
+#
+# Whatever torch's own unscale takes, ours takes: contiguous and channels_last
+# tensors in place, every other view through a copy that is written back.
+
+
+def _views(device):
+    g = torch.Generator().manual_seed(11)
+
+    def base(*shape, dtype=torch.float32):
+        x = (torch.randn(*shape, generator=g) * 1000).to(dtype)
+        x.view(-1)[3] = INF if dtype != torch.float32 else x.view(-1)[3]
+        return x.to(device)
+
+    conv = torch.nn.Conv2d(3, 8, 3).to(device).to(memory_format=torch.channels_last)
+    act = base(2, 3, 9, 7).to(memory_format=torch.channels_last)
+    out = {
+        "slice": base(40)[1::3],
+        "transpose": base(6, 10, dtype=torch.float16).t(),
+        "storage_offset": base(100)[37:81],
+        "column": base(12, 9, dtype=torch.bfloat16)[:, 4],
+        "channels_last_activation": act,
+        "channels_last_conv_weight": conv.weight.detach() * 1000,
+        "channels_last_3d": base(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d),
+        "permuted": base(3, 4, 5).permute(2, 0, 1),
+        "negated": torch._neg_view(base(17)) if hasattr(torch, "_neg_view") else base(17).conj().imag,
+        "conj_imag": torch.randn(9, dtype=torch.complex64, generator=g).to(device).conj().imag,
+        "compiled_like_transpose_view": base(4, 6).t()[1:],
+    }
+    return out
+
+
+VIEW_KINDS = list(_views("cpu"))
+
+
+@pytest.mark.parametrize("kind", VIEW_KINDS)
+@pytest.mark.parametrize("mode", ["plain", "stats", "check_only"])
+def test_strided_views_match_reference_and_write_back(device, kind, mode):
+    view = _views(device)[kind]
+    contiguous_sibling = make(50, torch.float16, 4, device=device)
+    ours = [contiguous_sibling.clone(), view.clone() if kind not in ("negated", "conj_imag") else view]
+    if kind in ("negated", "conj_imag"):
+        ours = [contiguous_sibling.clone(), view]
+        theirs = [contiguous_sibling.clone(), view.resolve_neg().clone()]
+        before = view.resolve_neg().clone()
+    else:
+        ours = [contiguous_sibling.clone(), _same_view(view)]
+        theirs = [contiguous_sibling.clone(), _same_view(view)]
+        before = view.clone()
+    assert not ours[1].is_contiguous() or ours[1].is_neg() or ours[1].storage_offset()
+    strides = ours[1].stride()
+    f1, f2 = scalar(0.0, device), scalar(0.0, device)
+    kw = dict(check_only=mode == "check_only", return_stats=mode == "stats")
+    got = adaptive_amp.unscale_and_check_(ours, f1, scalar(0.25, device), **kw)
+    want = reference.unscale_and_check_(theirs, f2, scalar(0.25, device), **kw)
+    assert float(f1) == float(f2)
+    assert ours[1].stride() == strides  # still the caller's view
+    assert_bitwise_equal(ours[0], theirs[0])
+    assert_bitwise_equal(ours[1].resolve_neg() if ours[1].is_neg() else ours[1], theirs[1])
+    if mode == "check_only":
+        assert_bitwise_equal(ours[1].resolve_neg() if ours[1].is_neg() else ours[1], before)
+    if mode == "stats":
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0, equal_nan=True)
+
+
+def _same_view(view):
+    """A copy of view in its own storage with the same size, strides and storage offset."""
+    storage = torch.empty(view.untyped_storage().nbytes() // view.element_size(), dtype=view.dtype,
+                          device=view.device)
+    storage.copy_(torch.empty(0, dtype=view.dtype, device=view.device).set_(view.untyped_storage()))
+    return storage.as_strided(view.shape, view.stride(), view.storage_offset())
+
+
+def test_strided_view_written_back_into_its_base_and_version_bumped():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    view = base[1:, ::2].t()  # storage offset, steps, transposed
+    v0 = base._version
+    adaptive_amp.unscale_and_check_([view], scalar(0.0, "cpu"), scalar(0.5, "cpu"))
+    want = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    want[1:, ::2] *= 0.5
+    assert torch.equal(base, want)
+    assert base._version > v0
+
+
+def test_strided_view_of_a_non_leaf_requiring_grad_is_written_without_a_graph():
+    leaf = torch.ones(8, requires_grad=True)
+    y = leaf * 2
+    view = y[::2]
+    adaptive_amp.unscale_and_check_([view], scalar(0.0, "cpu"), scalar(0.5, "cpu"))
+    assert torch.equal(y.detach(), torch.tensor([1.0, 2.0] * 4))
+
+
+def test_strided_views_sharing_memory_with_others_refused():
+    base = torch.arange(20, dtype=torch.float32)
+    before = base.clone()
+    f = scalar(0.0, "cpu")
+    with pytest.raises(ValueError, match="shares memory"):
+        adaptive_amp.unscale_and_check_([base[2:12], base[::3]], f, scalar(0.5, "cpu"))
+    with pytest.raises(ValueError, match="found_inf"):
+        adaptive_amp.unscale_and_check_([base[::2]], base[5:6], scalar(0.5, "cpu"), check_only=True)
+    assert torch.equal(base, before) and float(f) == 0.0
+    # Reading only, the same memory twice is fine.
+    adaptive_amp.unscale_and_check_([base[2:12], base[::3]], f, scalar(0.5, "cpu"), check_only=True)
+
+
+def test_numpy_strided_and_fortran_arrays_written_back():
+    a = np.arange(30, dtype=np.float32).reshape(5, 6)
+    views = [a[:, 1], a.T, np.asfortranarray(np.arange(6, dtype=np.float16).reshape(2, 3))]
+    wants = [v.astype(np.float32) * 0.5 for v in views]
+    f = np.zeros(1, np.float32)
+    adaptive_amp.unscale_and_check_(views[1:], f, np.array([0.5], np.float32))
+    assert np.array_equal(a.T, wants[1]) and np.array_equal(views[2].astype(np.float32), wants[2])
+    assert f[0] == 0.0

@@ -91,3 +91,18 @@ def test_masked_lm_batch_masks_at_least_one_token_per_sequence():
     assert masked.any(dim=1).all()
     assert (batch["input_ids"][masked] == zm.config.vocab_size - 1).all()
     assert (batch["input_ids"][~masked] < zm.config.vocab_size - 1).all()
+
+
+def test_plant_overflow_sets_the_layers_fp32_amax():
+    zm = zoo.build("llama")
+    batch = zm.make_batch(2, seed=1)
+    zoo.plant_overflow(zm, "model.layers.0.mlp.down_proj", batch, amax=1e6)
+    seen = []
+    zm.model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append(out.abs().max()))
+    with torch.no_grad():
+        zm.model(**zm.inputs(batch))
+    assert float(seen[0]) == pytest.approx(1e6, rel=1e-4)
+    with pytest.raises(ValueError, match="no weight matrix"):
+        zoo.plant_overflow(zm, "model.norm", batch)
+    with pytest.raises(ValueError, match="'nope' is not a module"):
+        zoo.plant_overflow(zm, "nope", batch)

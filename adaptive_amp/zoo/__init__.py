@@ -25,14 +25,14 @@ from typing import Callable, Dict, Optional
 import torch
 
 from . import hf
-from .model import SIZES, ZooModel
+from .model import SIZES, ZooModel, plant_overflow
 from .resnet import ResNet, resnet
 
 #: family -> factory(size) -> ZooModel
 FAMILIES: Dict[str, Callable[[str], ZooModel]] = {"gpt2": hf.gpt2, "llama": hf.llama, "bert": hf.bert,
                                                    "t5": hf.t5, "vit": hf.vit, "resnet": resnet}
 
-__all__ = ["FAMILIES", "SIZES", "ResNet", "ZooModel", "build"]
+__all__ = ["FAMILIES", "SIZES", "ResNet", "ZooModel", "build", "plant_overflow"]
 
 
 def build(family: str, size: str = "tiny", *, seed: int = 0, device=None) -> ZooModel:

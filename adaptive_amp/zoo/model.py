@@ -154,3 +154,34 @@ def image_batches(num_classes: int, channels: int, side: int, channels_last: boo
             pixels = pixels.contiguous(memory_format=torch.channels_last)
         return {"pixel_values": pixels.to(device), "labels": labels.to(device)}
     return make_batch
+
+
+def plant_overflow(zm: ZooModel, layer: str, batch: Dict[str, torch.Tensor], amax: float = 1e6) -> float:
+    """Scale the weights of `layer` (its own parameters of 2 or more dimensions) so that its fp32 output's
+    largest |value| on `batch` is `amax` (fp16's max is 65504): a planted overflow, the same at every model
+    size. Returns the factor the weights were multiplied by."""
+    module = dict(zm.model.named_modules()).get(layer)
+    if module is None:
+        raise ValueError(f"layer {layer!r} is not a module of the {zm.name} model")
+    weights = [p for p in module.parameters(recurse=False) if p.dim() >= 2]
+    if not weights:
+        raise ValueError(f"layer {layer!r} has no weight matrix of its own to scale")
+    seen = []
+
+    def hook(mod, args, out):
+        t = out if isinstance(out, torch.Tensor) else out[0]
+        seen.append(float(t.detach().float().abs().max()))
+
+    handle = module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            zm.model(**zm.inputs(batch))
+    finally:
+        handle.remove()
+    if not seen or not seen[0] > 0:
+        raise ValueError(f"layer {layer!r} was not called by the forward, or its output is all zeros")
+    factor = amax / max(seen)
+    with torch.no_grad():
+        for w in weights:
+            w.mul_(factor)
+    return factor

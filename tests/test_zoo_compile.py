@@ -1,0 +1,281 @@
+"""AdaptiveMixedPrecision on compiled zoo models (compiled before or after the controller wraps them).
+
+Every path works on a compiled model: "auto" with sample_inputs, fp16 with loss scaling, bf16, bf16-pure,
+islands, promotion, the switch to bf16, demotion, per-layer statistics. No graph break, and graphs are
+compiled only when the policy changes: two per policy (one for statistics steps, one for the others, see
+adaptive_amp.collect), and a policy seen before reuses its graphs. Counted with dynamo's counters.
+
+Most tests compile with the "aot_eager" backend: dynamo and AOT autograd (graph breaks, guards,
+recompiles, traced hooks) exactly as with inductor, without inductor's code generation, which costs
+minutes on a 2-core CPU. test_inductor_* and tests/test_zoo.py compile with inductor itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+pytest.importorskip("transformers")
+
+from adaptive_amp import zoo  # noqa: E402
+from adaptive_amp.controller import AdaptiveMixedPrecision  # noqa: E402
+from adaptive_amp.hardware import Capabilities  # noqa: E402
+from adaptive_amp.adjust import DynamicPrecisionAdjuster  # noqa: E402
+from adaptive_amp.layers import find_layers  # noqa: E402
+from adaptive_amp.policy import PrecisionPolicy  # noqa: E402
+
+CPU_BF16 = Capabilities(device_type="cpu", name="test cpu with bf16", bf16=True, fp16=True)
+FP16 = "params=float32,compute=float16,loss_scale=dynamic:65536"
+BF16 = "params=float32,compute=bfloat16"
+DECISIONS = ("promote", "demote", "switch_compute", "diagnose")
+
+
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def graph_breaks() -> dict:
+    return dict(counters["graph_break"])
+
+
+def train(zm, order, policy, steps, *, backend="aot_eager", opt=None, batch=4, **amp_kwargs):
+    """Train `zm` for `steps` under AdaptiveMixedPrecision; `order`: "eager", "before" (compile, then wrap)
+    or "after" (wrap, then compile). Returns (amp, losses, graphs compiled after each step)."""
+    opt = opt or torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    model = torch.compile(zm.model, backend=backend) if order == "before" else zm.model
+    amp = AdaptiveMixedPrecision(model, opt, policy=policy, capabilities=CPU_BF16, progress=False, **amp_kwargs)
+    if order == "after":
+        model = torch.compile(zm.model, backend=backend)
+    losses, compiled = [], []
+    for i in range(steps):
+        with amp.autocast():
+            loss = zm.loss(model, zm.make_batch(batch, seed=i))
+        amp.backward(loss)
+        amp.step()
+        amp.zero_grad()
+        losses.append(float(loss.detach()))
+        compiled.append(graphs())
+    return amp, losses, compiled
+
+
+def decisions(amp):
+    return [(e.step, e.kind, e.layer) for e in amp.events if e.kind in DECISIONS]
+
+
+def stats_steps(amp, kind="activation"):
+    amp.events.extend(amp.monitor.read())  # statistics still pending since the last read window
+    return sorted({ls.step for ls in amp.monitor.layer_stats if ls.kind == kind})
+
+
+def check_graphs(amp, compiled):
+    """No graph break; at most two graphs per distinct policy; none after the last policy change has been
+    seen on a statistics step and on another step."""
+    assert graph_breaks() == {}
+    policies = {p for _, p in amp.policy_history}
+    assert compiled[-1] <= 2 * len(policies), (compiled, amp.policy_history)
+    last_change = amp.policy_history[-1][0]
+    settled = [c for step, c in enumerate(compiled) if step >= last_change + amp.monitor.stats_every]
+    assert len(set(settled)) <= 1, compiled
+
+
+def planted_gpt2():
+    """GPT-2 whose first attention output projection (a Conv1D) adds 1e5: inf in fp16, harmless in fp32
+    (the LayerNorms after it remove the constant)."""
+    zm = zoo.build("gpt2", seed=0)
+    with torch.no_grad():
+        zm.model.transformer.h[0].attn.c_proj.bias.fill_(1e5)
+    return zm
+
+
+PLANTED = "transformer.h.0.attn.c_proj"
+
+
+@pytest.fixture(scope="module")
+def planted_eager():
+    """The planted GPT-2's run in eager mode: what every compiled run must reproduce."""
+    amp, losses, _ = train(planted_gpt2(), "eager", FP16, 24, read_every=4, demote_after=8)
+    return amp, losses
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_promotion_and_demotion_on_compiled_gpt2_match_eager(order, planted_eager):
+    eager, eager_losses = planted_eager
+    assert [k for _, k, layer in decisions(eager) if layer == PLANTED][:3] == ["promote", "demote", "promote"]
+    fresh_dynamo()
+    amp, losses, compiled = train(planted_gpt2(), order, FP16, 24, read_every=4, demote_after=8)
+    assert decisions(amp) == decisions(eager)
+    assert amp.policy_history == eager.policy_history
+    assert stats_steps(amp) == stats_steps(eager) and stats_steps(amp, "input") == stats_steps(eager, "input")
+    assert losses == pytest.approx(eager_losses, rel=1e-3, nan_ok=True)
+    check_graphs(amp, compiled)
+    # Two policies (with and without the island), revisited: four graphs, whatever the number of changes.
+    assert compiled[-1] == 4
+
+
+def planted_llama():
+    """Llama whose first down_proj weights are 1e6 times too large: its fp16 output overflows, and so would
+    its backward in fp16."""
+    zm = zoo.build("llama", seed=0)
+    with torch.no_grad():
+        zm.model.model.layers[0].mlp.down_proj.weight.mul_(1e6)
+    return zm
+
+
+def test_island_protects_the_backward_of_a_compiled_model():
+    """torch 2.13 compiles a backward under the forward's autocast by default: the island's backward ran in
+    fp16 and overflowed, in the compiled model only. The policy's autocast compiles it without autocast."""
+    def bad_grads(order):
+        zm = planted_llama()
+        adjuster = DynamicPrecisionAdjuster(zm.model, PrecisionPolicy(compute_dtype="float16",
+                                                                      islands=("model.layers.0.mlp.down_proj",)))
+        model = torch.compile(zm.model, backend="aot_eager") if order == "compiled" else zm.model
+        with adjuster.autocast():
+            loss = zm.loss(model, zm.make_batch(4))
+        (loss * 2.0 ** 16).backward()
+        return [n for n, p in zm.model.named_parameters() if not torch.isfinite(p.grad).all()]
+
+    assert bad_grads("eager") == []
+    fresh_dynamo()
+    assert bad_grads("compiled") == []
+    assert torch._functorch.config.backward_pass_autocast == "same_as_forward"  # restored after the context
+
+
+@pytest.mark.parametrize("max_promotions", [2, 0])
+def test_promotion_and_switch_on_compiled_llama(max_promotions):
+    """Compiled before wrapping: the planted Llama is cured by promoting down_proj; with no promotion
+    allowed, compute switches to bf16 instead. The same decisions as eager."""
+    eager = train(planted_llama(), "eager", FP16, 12, read_every=4, max_promotions=max_promotions)[0]
+    fresh_dynamo()
+    amp, _, compiled = train(planted_llama(), "before", FP16, 12, read_every=4, max_promotions=max_promotions)
+    assert decisions(amp) == decisions(eager)
+    if max_promotions:
+        promoted_at, kind, layer = decisions(amp)[0]
+        assert (kind, layer) == ("promote", "model.layers.0.mlp.down_proj")
+        found_inf = amp.monitor.history()["found_inf"]
+        assert amp.policy.compute_dtype == torch.float16 and not any(found_inf[promoted_at:])
+    else:
+        assert [k for _, k, _ in decisions(amp)] == ["switch_compute"]
+        assert amp.policy.compute_dtype == torch.bfloat16 and not amp.scaler.is_enabled()
+    assert stats_steps(amp) == stats_steps(eager)
+    check_graphs(amp, compiled)
+
+
+@pytest.mark.parametrize("family", list(zoo.FAMILIES))
+def test_statistics_of_every_zoo_family_compiled(family):
+    """Per-layer statistics at every statistics step of a compiled model, the same rows as eager."""
+    eager = train(zoo.build(family), "eager", BF16, 4, read_every=2)[0]
+    fresh_dynamo()
+    amp, _, compiled = train(zoo.build(family), "after", BF16, 4, read_every=2)
+    assert stats_steps(amp) == stats_steps(eager) == [0, 2]
+    for a, b in zip(eager.monitor.layer_stats, amp.monitor.layer_stats):
+        assert (a.step, a.kind) == (b.step, b.kind)
+        assert [r["name"] for r in a.rows] == [r["name"] for r in b.rows]
+        for ra, rb in zip(a.rows, b.rows):
+            assert ra["numel"] == rb["numel"] and ra["inf_count"] == rb["inf_count"]
+            assert rb["amax"] == pytest.approx(ra["amax"], rel=0.05, abs=1e-3), ra["name"]
+    names = {r["name"] for ls in amp.monitor.layer_stats if ls.kind == "activation" for r in ls.rows}
+    assert not any("_orig_mod" in n for n in names) and names <= {n for n, _ in find_layers(zoo.build(family).model)}
+    assert graph_breaks() == {} and compiled == [1, 2, 2, 2]  # a statistics graph, another graph, nothing more
+
+
+def test_auto_policy_analyzes_a_compiled_model():
+    zm = zoo.build("gpt2")
+    batch = zm.make_batch(2, seed=1)
+    eager = AdaptiveMixedPrecision(zm.model, torch.optim.SGD(zm.model.parameters(), lr=0.0), policy="auto",
+                                   sample_inputs=zm.inputs(batch), loss_fn=zm.output_loss(batch),
+                                   capabilities=CPU_BF16, progress=False)
+    eager.remove()
+    fresh_dynamo()
+    compiled = torch.compile(zm.model, backend="aot_eager")
+    amp = AdaptiveMixedPrecision(compiled, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy="auto",
+                                 sample_inputs=zm.inputs(batch), loss_fn=zm.output_loss(batch),
+                                 capabilities=CPU_BF16, progress=False)
+    names = [r.name for r in amp.analysis.results]
+    assert names == [r.name for r in eager.analysis.results] and "transformer.h.0.mlp.c_fc" in names
+    assert amp.policy == eager.policy
+    with amp.autocast():
+        loss = zm.loss(compiled, batch)
+    amp.backward(loss)
+    amp.step()
+    assert stats_steps(amp) == [0] and graph_breaks() == {}
+
+
+@pytest.mark.parametrize("island", ["lm_head", "_orig_mod.lm_head", "transformer.h.*.mlp.c_proj"])
+def test_islands_name_layers_the_same_compiled_and_eager(island):
+    zm = zoo.build("gpt2")
+    fresh_dynamo()
+    amp, _, compiled = train(zm, "before", f"{BF16},islands={island}", 4, read_every=2)
+    expected = ("lm_head",) if "lm_head" in island else ("transformer.h.0.mlp.c_proj", "transformer.h.1.mlp.c_proj")
+    assert amp.adjuster.islands == expected
+    assert amp.policy.islands == (island.replace("_orig_mod.", ""),)
+    rows = {r["name"] for ls in amp.monitor.layer_stats if ls.kind == "activation" for r in ls.rows}
+    assert rows and not rows & set(expected)  # islands compute in fp32: their fp16/bf16 range is not watched
+    check_graphs(amp, compiled)
+
+
+def test_bf16_pure_compiled():
+    from adaptive_amp import optim
+
+    zm = zoo.build("llama")
+    opt = optim.AdamW(zm.model.parameters(), lr=1e-3, stochastic_rounding=True)
+    before = [p.detach().clone() for p in zm.model.parameters()]
+    fresh_dynamo()
+    amp, losses, compiled = train(zm, "after", "bf16-pure", 4, opt=opt, read_every=2)
+    assert all(p.dtype == torch.bfloat16 for p in zm.model.parameters())
+    assert all(not torch.equal(a.to(p.dtype), p) for a, p in zip(before, zm.model.parameters()))  # all stepped
+    assert stats_steps(amp) == [0, 2] and all(torch.isfinite(torch.tensor(losses)))
+    check_graphs(amp, compiled)
+
+
+def test_model_compiled_and_run_before_the_controller_warns_that_it_has_no_statistics():
+    zm = zoo.build("gpt2")
+    fresh_dynamo()
+    compiled = torch.compile(zm.model, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the global state the controller's autocast will have
+        zm.loss(compiled, zm.make_batch(2)).backward()
+    amp = AdaptiveMixedPrecision(compiled, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
+                                 capabilities=CPU_BF16, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with amp.autocast():
+            loss = zm.loss(compiled, zm.make_batch(2))
+    assert any("no layer statistics at step 0" in str(w.message) and "torch._dynamo.reset()" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+    amp.backward(loss)
+    amp.step()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "resnet"])
+def test_inductor_statistics_match_eager(family):
+    """Inductor's graphs (their strided outputs, channels_last convolutions) give the statistics eager gives;
+    the planted GPT-2 layer is seen overflowing. One statistics step: inductor compiles slowly on a CPU."""
+    def build():
+        zm = zoo.build(family, seed=0)
+        if family == "gpt2":
+            with torch.no_grad():
+                zm.model.transformer.h[0].attn.c_proj.bias.fill_(1e5)
+        return zm
+
+    policy = FP16 if family == "gpt2" else BF16
+    eager = train(build(), "eager", policy, 1)[0]
+    fresh_dynamo()
+    amp, _, compiled = train(build(), "after", policy, 1, backend="inductor")
+    assert stats_steps(amp) == stats_steps(eager) == [0]
+    for a, b in zip(eager.monitor.layer_stats, amp.monitor.layer_stats):
+        assert (a.kind, [r["name"] for r in a.rows]) == (b.kind, [r["name"] for r in b.rows])
+        for ra, rb in zip(a.rows, b.rows):
+            assert (ra["numel"], ra["inf_count"] + ra["nan_count"]) == (rb["numel"], rb["inf_count"] + rb["nan_count"])
+            if a.kind != "gradient":  # gradients of a bf16/fp16 backward differ more than a rounding
+                assert rb["amax"] == pytest.approx(ra["amax"], rel=0.05, abs=1e-3, nan_ok=True), ra["name"]
+    overflows = [e.layer for e in amp.events if e.kind == "activation_overflow"]
+    assert overflows == [e.layer for e in eager.events if e.kind == "activation_overflow"]
+    assert overflows == ([PLANTED] if family == "gpt2" else [])
+    assert graph_breaks() == {} and compiled == [1]

@@ -1,0 +1,26 @@
+"""bench/zoo_gpu.py (the lead's GPU run of the zoo at real size) still runs: its CPU smoke mode, tiny models."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def test_zoo_gpu_script_smoke(tmp_path):
+    path = os.path.join(os.path.dirname(__file__), "..", "bench", "zoo_gpu.py")
+    spec = importlib.util.spec_from_file_location("zoo_gpu", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    status = script.main(["--tiny-cpu", "--no-hook-cost", "--only", "gpt2-small,resnet-small", "--modes", "eager",
+                          "--steps", "6", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "zoo_gpu.json").read_text())
+    assert status == 0, report
+    runs = {r["config"]: r for r in report["results"]}
+    assert runs["gpt2-small"]["checks"]["planted"] and runs["gpt2-small"]["ok"]
+    assert runs["resnet-small"]["ok"] and runs["resnet-small"]["stats_steps"] == [0, 4]
+    assert "PASS" in (tmp_path / "zoo_gpu.txt").read_text()
