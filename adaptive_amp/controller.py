@@ -119,7 +119,8 @@ class AdaptiveMixedPrecision:
             AdaptivePrecisionSelector.select takes them).
         adapt: let the controller change the policy while training runs.
         read_every: steps between reads of the monitor (one transfer each).
-        storm_rate, scale_floor: what counts as an overflow storm.
+        storm_rate, scale_floor: what counts as an overflow storm over a read
+            window (overflows the per-step diagnosis could not cure).
         max_promotions: promotion rounds before switching compute instead.
         switch_compute: after promotions fail, switch fp16 to bf16 (native)
             or fp32; False only logs.
@@ -129,7 +130,8 @@ class AdaptiveMixedPrecision:
             promoted to islands): by default every module that owns weights;
             name patterns and/or module types (see adaptive_amp.layers).
         layer_stats: collect per-layer statistics every ``read_every`` steps
-            (False: only while diagnosing a storm).
+            (False: only at the step after an overflow or a policy change,
+            to diagnose it).
         track_grad_norm: without loss scaling or clipping, measure the
             gradient norm every step anyway (a few small launches, no sync),
             for the monitor's gradient-norm detector.

@@ -22,6 +22,7 @@ def test_e2e_eager_every_recipe_with_the_drop_in_check(tmp_path, capsys):
     for r in rows:
         assert r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 and r["final_loss"] == pytest.approx(4.86, abs=0.2)
         assert (r["overhead"] is not None) == (r["loop"] == "controller")
+        assert r["anomalies"] == (0 if r["loop"] == "controller" else None)
     assert report["dropin"][0]["bitwise_equal"] is True
     assert "drop-in check" in capsys.readouterr().out
 

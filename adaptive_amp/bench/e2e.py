@@ -57,6 +57,7 @@ class E2ERow:
     final_loss: float
     skipped_steps: int
     overhead: Optional[float] = None  # controller / plain step time (controller rows)
+    anomalies: Optional[int] = None  # the monitor's events in the controller's run (ordinary training: 0)
 
 
 class _Loop:
@@ -248,6 +249,10 @@ def run_e2e(models=None, recipes=RECIPES, modes=("eager", "compiled"), steps=Non
                                        med[loop.name] / med["plain"] if loop.name == "controller" else None))
                 for loop in loops:
                     if loop.amp is not None:
+                        from ..monitor import KINDS
+
+                        loop.amp.report(plots=False)  # reads the last, partial window
+                        rows[-1].anomalies = sum(e.kind in KINDS for e in loop.amp.events)
                         loop.amp.remove()
                 del loops
                 if cuda:
@@ -298,12 +303,13 @@ def dropin_check(steps: int = 20, device=None, family: str = "gpt2") -> dict:
 
 def format_e2e(result: Dict[str, list]) -> str:
     lines = [f"{'model':<12} {'mode':<8} {'recipe':<11} {'loop':<10} {'ms/step':>8} {'tokens/s':>10} "
-             f"{'peak GiB':>8} {'loss':>7} {'skip':>4} {'ctl/plain':>9}  policy"]
+             f"{'peak GiB':>8} {'loss':>7} {'skip':>4} {'ctl/plain':>9} {'events':>6}  policy"]
     for r in result["rows"]:
         over = f"{r.overhead:.3f}" if r.overhead is not None else ""
+        events = str(r.anomalies) if r.anomalies is not None else ""
         lines.append(f"{r.model:<12} {r.mode:<8} {r.recipe:<11} {r.loop:<10} {r.ms_per_step:8.2f} "
                      f"{r.tokens_per_s:10.0f} {r.peak_mem_gib:8.2f} {r.final_loss:7.3f} {r.skipped_steps:4d} "
-                     f"{over:>9}  {r.policy}")
+                     f"{over:>9} {events:>6}  {r.policy}")
     for d in result["dropin"]:
         lines.append(f"drop-in check ({d['model']}, {d['steps']} fp16 steps, deterministic): torch GradScaler vs "
                      f"ours bitwise equal: {d['bitwise_equal']} (max |diff| {d['max_abs_diff']:.3g}; scales "
