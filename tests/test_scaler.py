@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import json
 import pickle
 import random
 import subprocess
@@ -2041,3 +2042,17 @@ def test_float64_model_converted_back_to_float32_returns_to_the_native_path(slow
     # first step collects slowly (and sees the new dtype), the next ones are native again.
     assert calls_at == [0, 3, 4], calls_at
     assert ours.skipped_steps == 1
+
+
+def test_bench_scaler_on_the_cpu_freezes_the_asked_fraction(tmp_path, capsys):
+    """`python -m adaptive_amp bench --device cpu --scaler --scaler-frozen ...`: the fine-tuning measurement runs."""
+    from adaptive_amp.bench.cli import main
+
+    out = tmp_path / "calls.json"
+    main(["--device", "cpu", "--no-unscale", "--scaler", "--scaler-frozen", "0", "0.3", "--json", str(out)])
+    rows = json.loads(out.read_text())["scaler_calls_cpu"]
+    assert [(r["frozen"], r["params"], r["frozen_params"]) for r in rows] == [(0.0, 148, 0), (0.3, 148, 44)]
+    assert all(r["torch_us"] > 0 and r["ours_us"] > 0 for r in rows)
+    assert "unscale_ + step + update" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--no-unscale", "--scaler", "--scaler-frozen", "1.0"])
