@@ -8,9 +8,11 @@ same scale trajectory and parameters. What differs is the cost and what you
 can ask of it:
 
 * The grouping of an optimizer's parameters by device is built once; a step
-  only collects the gradients' pointers, and each device gets one native
+  only collects the gradients' pointers (in C++, skipping parameters without
+  a gradient: frozen or unused ones), and each device gets one native
   launch for all its gradients, fp32, fp16 and bf16 mixed. float64 gradients
-  go through torch's own kernel, as in torch's scaler.
+  go through torch's own kernel, as in torch's scaler (a model turned back
+  to float32 is replanned at its next step).
 * ``unscale_`` also yields each gradient's sum of squares and amax from the
   same read, so :meth:`clip_grad_norm_` needs no second pass (while the
   gradients provably did not change since) and the last gradient norm is

@@ -1895,7 +1895,7 @@ def slow_path_calls(monkeypatch):
 class _FineTuneNet(torch.nn.Module):
     """A frozen body (requires_grad=False), an embedding never used (grad None), a branch used on some steps."""
 
-    def __init__(self, dtype=torch.float32):
+    def __init__(self, dtype=torch.float32, device="cpu"):
         super().__init__()
         torch.manual_seed(0)
         self.emb = torch.nn.Embedding(12, 8)
@@ -1904,7 +1904,7 @@ class _FineTuneNet(torch.nn.Module):
         self.branch = torch.nn.Linear(16, 16)
         self.head = torch.nn.Linear(16, 4)
         self.body.requires_grad_(False)
-        self.to(dtype)
+        self.to(device=device, dtype=dtype)
 
     def forward(self, idx, use_branch):
         h = torch.tanh(self.body(self.emb(idx).mean(1)))
@@ -1915,10 +1915,11 @@ class _FineTuneNet(torch.nn.Module):
 
 def _fine_tune_steps(scaler, model, opt, steps, branch_steps, poison=(), on_step=None):
     gen = torch.Generator().manual_seed(1)
+    weight = model.head.weight
     for i in range(steps):
         opt.zero_grad(set_to_none=True)
-        idx = torch.randint(0, 12, (4, 3), generator=gen)
-        y = torch.randn(4, 4, generator=gen, dtype=model.head.weight.dtype)
+        idx = torch.randint(0, 12, (4, 3), generator=gen).to(weight.device)
+        y = torch.randn(4, 4, generator=gen, dtype=weight.dtype).to(weight.device)
         scaler.scale(F.mse_loss(model(idx, i in branch_steps), y)).backward()
         if i in poison:
             model.head.weight.grad.view(-1)[1] = INF
@@ -1929,16 +1930,16 @@ def _fine_tune_steps(scaler, model, opt, steps, branch_steps, poison=(), on_step
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adam_foreach", "adamw_fused"])
-def test_frozen_and_unused_parameters_stay_on_the_native_path(kind, slow_path_calls):
+def test_frozen_and_unused_parameters_stay_on_the_native_path(kind, device, slow_path_calls):
     """Gradients that are None (frozen, unused, a branch used on steps 3-4 only) are skipped natively.
 
     Every step is bitwise torch's, and no step takes the per-parameter path:
     before, one missing gradient sent its whole device group there.
     """
-    ours_model, torch_model = _FineTuneNet(), _FineTuneNet()
+    ours_model, torch_model = _FineTuneNet(device=device), _FineTuneNet(device=device)
     ours_opt, torch_opt = make_opt(kind, ours_model.parameters()), make_opt(kind, torch_model.parameters())
-    ours = GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
-    theirs = TorchScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    ours = GradScaler(device, init_scale=2.0**10, growth_interval=2)
+    theirs = TorchScaler(device, init_scale=2.0**10, growth_interval=2)
     log = {"ours": [], "torch": []}
     _fine_tune_steps(theirs, torch_model, torch_opt, 9, {3, 4}, poison={6},
                      on_step=lambda i, r: log["torch"].append((r, theirs.get_scale(), params_of(torch_model))))
