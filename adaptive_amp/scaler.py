@@ -8,9 +8,11 @@ same scale trajectory and parameters. What differs is the cost and what you
 can ask of it:
 
 * The grouping of an optimizer's parameters by device is built once; a step
-  only collects the gradients' pointers, and each device gets one native
+  only collects the gradients' pointers (in C++, skipping parameters without
+  a gradient: frozen or unused ones), and each device gets one native
   launch for all its gradients, fp32, fp16 and bf16 mixed. float64 gradients
-  go through torch's own kernel, as in torch's scaler.
+  go through torch's own kernel, as in torch's scaler (a model turned back
+  to float32 is replanned at its next step).
 * ``unscale_`` also yields each gradient's sum of squares and amax from the
   same read, so :meth:`clip_grad_norm_` needs no second pass (while the
   gradients provably did not change since) and the last gradient norm is
@@ -61,19 +63,24 @@ class _DeviceGroup:
     """Parameters of one optimizer on one device, with what stays fixed between steps.
 
     A group is either native (float32/float16/bfloat16 plain tensors: one
-    native plan collects the gradients' pointers in C++) or general (other
-    dtypes, DTensors: gradients are collected one by one in Python).
+    native plan collects the gradients' pointers in C++, skipping parameters
+    without a gradient) or general (other dtypes, DTensors: gradients are
+    collected one by one in Python). ``by_dtype`` marks a general group that is
+    general only for its parameters' dtype: one that later holds a gradient of
+    a native dtype (``model.float()`` after ``model.double()``) is replanned.
     """
 
-    __slots__ = ("device", "index", "params", "names", "has_fp16", "native")
+    __slots__ = ("device", "index", "params", "names", "has_fp16", "native", "by_dtype")
 
-    def __init__(self, device: torch.device, slots: List[tuple], names: List[str], native: bool):
+    def __init__(self, device: torch.device, slots: List[tuple], names: List[str], native: bool,
+                 by_dtype: bool = False):
         self.device = device
         self.index = -1 if device.type == "cpu" else (device.index if device.index is not None
                                                       else torch.cuda.current_device())
         self.params = [group_params[i] for group_params, i in slots]
         self.names = names  # "param_groups[g]['params'][i]", for errors
         self.has_fp16 = any(p.dtype == torch.float16 for p in self.params)
+        self.by_dtype = by_dtype and not native
         # The native plan keeps each gradient's expected dtype, size and device
         # and re-checks them every step (a gradient matches its parameter, and
         # a parameter that changed makes the plan report itself stale).
@@ -100,12 +107,13 @@ class _Plan:
                 if not isinstance(param, torch.Tensor):
                     raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
                 # DTensor (FSDP2) gradients hold a local shard: the general path unwraps them.
-                native = param.dtype in _NATIVE_DTYPES and not _is_dtensor(param)
-                slots, names = by_key.setdefault((param.device, native), ([], []))
+                dtensor = _is_dtensor(param)
+                native = param.dtype in _NATIVE_DTYPES and not dtensor
+                slots, names = by_key.setdefault((param.device, native, dtensor), ([], []))
                 slots.append((params, i))
                 names.append(f"param_groups[{g}]['params'][{i}]")
-        self.groups = [_DeviceGroup(device, slots, names, native)
-                       for (device, native), (slots, names) in by_key.items()]
+        self.groups = [_DeviceGroup(device, slots, names, native, by_dtype=not dtensor)
+                       for (device, native, dtensor), (slots, names) in by_key.items()]
         self.sharded = any(_is_dtensor(p) for g in self.groups for p in g.params)
 
 
@@ -443,8 +451,9 @@ class GradScaler(torch.amp.GradScaler):
                              found_inf: Optional[torch.Tensor] = None, agree: bool = True):
         """One native pass per device group: unscale (or only check) and take statistics.
 
-        Groups that need the general path (missing, sparse or non-contiguous
-        gradients; float64 ones; fp16 ones where torch refuses them) are
+        Parameters without a gradient are skipped on either path. Groups that
+        need the general path (sparse or non-contiguous gradients; float64
+        ones; fp16 ones where torch refuses them) are
         collected, and refused, before any group is written. Returns
         ({device: found_inf}, [(sumsq, amax), ...]); with ``agree`` the found_infs
         are all-reduced over the process group (a re-measurement whose
@@ -459,7 +468,11 @@ class GradScaler(torch.amp.GradScaler):
                 general = {id(g): self._collect_slow(g, allow_fp16) for g in groups
                            if g.native is None or (g.has_fp16 and not allow_fp16)}
                 outcomes = {id(g): g.native.collect() for g in groups if id(g) not in general}
-                if _C.PLAN_STALE not in outcomes.values():
+                # float64 parameters turned native (model.float()): the dtype check rides on the
+                # general path's own gradients, so native groups pay nothing for it.
+                retyped = any(g.by_dtype and any(grad.dtype in _NATIVE_DTYPES for grad, _ in general[id(g)])
+                              for g in groups if g.native is None)
+                if not retyped and _C.PLAN_STALE not in outcomes.values():
                     break
                 self._drop_plan(optimizer)
             for group in groups:  # (a plan still stale after its rebuild takes the general path too)
@@ -468,8 +481,8 @@ class GradScaler(torch.amp.GradScaler):
             for group in groups:
                 device = group.device
                 grads = general.get(id(group))
-                if grads is not None and not grads:
-                    continue
+                if not (grads if grads is not None else group.native.collected_count):
+                    continue  # no gradient on this device: torch records no found_inf for it either
                 found = found_per_device.get(device)
                 if found is None:
                     found = (torch.zeros((), dtype=torch.float32, device=device) if found_inf is None
@@ -480,7 +493,7 @@ class GradScaler(torch.amp.GradScaler):
                     try:
                         stats.append(self._launch_plan(group, found, inv, check_only))
                     except (ValueError, TypeError) as exc:
-                        raise _name_params(exc, group.names) from None
+                        raise _name_params(exc, [group.names[i] for i in group.native.collected]) from None
                 else:
                     stats.extend(self._launch_general(grads, found, inv, check_only))
         group = self._group(sharded=plan.sharded) if agree else None
@@ -515,8 +528,8 @@ class GradScaler(torch.amp.GradScaler):
 
     @staticmethod
     def _launch_plan(group: _DeviceGroup, found, inv, check_only):
-        """The fast path: one native pass over the pointers the plan collected."""
-        n, device = len(group.native), group.device
+        """The fast path: one native pass over the pointers the plan collected (statistics for those only)."""
+        n, device = group.native.collected_count, group.device
         sumsq = torch.empty(n, dtype=torch.float32, device=device)
         amax = torch.empty(n, dtype=torch.float32, device=device)
         ws_bytes = group.native.workspace_bytes

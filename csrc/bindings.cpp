@@ -188,6 +188,9 @@ py::object describe_tensors(py::object seq, py::dict codes, bool writable) {
 // asked for `.grad`, `.dtype`, `.numel()`, `.get_device()`,
 // `.is_contiguous()` and `.data_ptr()`; no framework header is involved.
 //
+// A parameter without a gradient (frozen, or unused this step) is skipped, as
+// torch's scaler skips it; collect() lists which ones it found, every step.
+//
 // Every step checks that the plan still holds: the same parameter object at
 // the same place, a gradient of the planned dtype, size and device. Anything
 // else (a model moved with .half() or .to(), a resized .data, a parameter
@@ -214,6 +217,9 @@ class GradPlan {
 
   std::size_t workspace_bytes() const { return workspace_bytes_; }
   std::size_t size() const { return refs_.size(); }
+  // Positions (in the plan) of the gradients the last collect() found, in launch order.
+  const std::vector<std::size_t>& collected() const { return live_at_; }
+  std::size_t collected_count() const { return live_at_.size(); }
 
   Outcome collect() {
     static PyObject* grad_name = PyUnicode_InternFromString("grad");
@@ -224,6 +230,8 @@ class GradPlan {
     static PyObject* neg_name = PyUnicode_InternFromString("is_neg");
     static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
     collected_ = false;
+    live_.clear();
+    live_at_.clear();
     py::list grads(refs_.size());
     for (std::size_t i = 0; i < refs_.size(); ++i) {
       PyObject* list = slots_[i].first.ptr();
@@ -232,7 +240,10 @@ class GradPlan {
       if (at >= static_cast<std::size_t>(PyList_GET_SIZE(list)) || PyList_GET_ITEM(list, at) != param) return kStale;
       py::object grad = get_attr(param, grad_name);
       if (!grad) throw py::error_already_set();
-      if (grad.is_none()) return kGeneral;
+      if (grad.is_none()) {
+        PyList_SET_ITEM(grads.ptr(), i, grad.release().ptr());
+        continue;
+      }
       py::object dtype = get_attr(grad.ptr(), dtype_name);
       if (!dtype) throw py::error_already_set();
       if (dtype.ptr() != dtypes_[i].ptr()) return kStale;
@@ -251,8 +262,11 @@ class GradPlan {
       if (PyLong_AsLongLong(numel.ptr()) != refs_[i].numel || PyLong_AsLong(device.ptr()) != device_) return kStale;
       py::object ptr = call_method(grad.ptr(), data_ptr_name);
       if (!ptr) throw py::error_already_set();
-      refs_[i].data = reinterpret_cast<void*>(PyLong_AsUnsignedLongLong(ptr.ptr()));
-      if (refs_[i].numel > 0 && refs_[i].data == nullptr) return kGeneral;
+      aamp::TensorRef ref = refs_[i];
+      ref.data = reinterpret_cast<void*>(PyLong_AsUnsignedLongLong(ptr.ptr()));
+      if (ref.numel > 0 && ref.data == nullptr) return kGeneral;
+      live_.push_back(ref);
+      live_at_.push_back(i);
       PyList_SET_ITEM(grads.ptr(), i, grad.release().ptr());
     }
     grads_ = std::move(grads);
@@ -266,9 +280,9 @@ class GradPlan {
   // zero_grad() on another thread cannot free them under the kernel.
   void launch(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
-    if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that found every gradient");
+    if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
     const py::list grads = grads_;
-    run_unscale(refs_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
+    run_unscale(live_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
   }
 
  private:
@@ -276,9 +290,11 @@ class GradPlan {
   py::list params_;
   py::list dtypes_;
   int device_;
-  std::vector<aamp::TensorRef> refs_;
-  std::size_t workspace_bytes_ = 0;
-  py::list grads_;  // the gradients whose pointers refs_ holds
+  std::vector<aamp::TensorRef> refs_;  // planned sizes and dtypes; no pointers
+  std::vector<aamp::TensorRef> live_;  // the gradients found by the last collect(), with their pointers
+  std::vector<std::size_t> live_at_;   // their positions in the plan
+  std::size_t workspace_bytes_ = 0;    // for every planned gradient: enough for any subset
+  py::list grads_;  // the gradients whose pointers live_ holds (None where a parameter has none)
   bool collected_ = false;
 };
 
@@ -835,6 +851,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("device"))
       .def_property_readonly("workspace_bytes", &GradPlan::workspace_bytes)
       .def("__len__", &GradPlan::size)
+      .def_property_readonly("collected", &GradPlan::collected)
+      .def_property_readonly("collected_count", &GradPlan::collected_count)
       .def("collect", [](GradPlan& p) { return static_cast<int>(p.collect()); })
       .def("launch", &GradPlan::launch, py::arg("found_inf"), py::arg("inv_scale"), py::arg("check_only"),
            py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"));

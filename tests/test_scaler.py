@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import json
 import pickle
 import random
 import subprocess
@@ -1875,3 +1876,187 @@ def test_kernel_errors_name_the_parameter_not_a_list_index():
     msg = str(info.value)
     assert "param_groups[0]['params'][1].grad" in msg and "tensors[" not in msg, msg
     assert torch.equal(a.grad, torch.full((4,), 12.0)), "nothing written"
+
+
+# ---- the native plan with parameters that have no gradient, and with parameters that change dtype
+
+
+@pytest.fixture
+def slow_path_calls(monkeypatch):
+    """Names of the parameter groups that went through the per-parameter Python path, one entry per call."""
+    calls = []
+    collect = GradScaler._collect_slow
+
+    def spy(group, allow_fp16):
+        calls.append(list(group.names))
+        return collect(group, allow_fp16)
+
+    monkeypatch.setattr(GradScaler, "_collect_slow", staticmethod(spy))
+    return calls
+
+
+class _FineTuneNet(torch.nn.Module):
+    """A frozen body (requires_grad=False), an embedding never used (grad None), a branch used on some steps."""
+
+    def __init__(self, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(12, 8)
+        self.unused = torch.nn.Embedding(6, 8)
+        self.body = torch.nn.Linear(8, 16)
+        self.branch = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+        self.body.requires_grad_(False)
+        self.to(device=device, dtype=dtype)
+
+    def forward(self, idx, use_branch):
+        h = torch.tanh(self.body(self.emb(idx).mean(1)))
+        if use_branch:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
+def _fine_tune_steps(scaler, model, opt, steps, branch_steps, poison=(), on_step=None):
+    gen = torch.Generator().manual_seed(1)
+    weight = model.head.weight
+    for i in range(steps):
+        opt.zero_grad(set_to_none=True)
+        idx = torch.randint(0, 12, (4, 3), generator=gen).to(weight.device)
+        y = torch.randn(4, 4, generator=gen, dtype=weight.dtype).to(weight.device)
+        scaler.scale(F.mse_loss(model(idx, i in branch_steps), y)).backward()
+        if i in poison:
+            model.head.weight.grad.view(-1)[1] = INF
+        ret = scaler.step(opt)
+        scaler.update()
+        if on_step is not None:
+            on_step(i, ret)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam_foreach", "adamw_fused"])
+def test_frozen_and_unused_parameters_stay_on_the_native_path(kind, device, slow_path_calls):
+    """Gradients that are None (frozen, unused, a branch used on steps 3-4 only) are skipped natively.
+
+    Every step is bitwise torch's, and no step takes the per-parameter path:
+    before, one missing gradient sent its whole device group there.
+    """
+    ours_model, torch_model = _FineTuneNet(device=device), _FineTuneNet(device=device)
+    ours_opt, torch_opt = make_opt(kind, ours_model.parameters()), make_opt(kind, torch_model.parameters())
+    ours = GradScaler(device, init_scale=2.0**10, growth_interval=2)
+    theirs = TorchScaler(device, init_scale=2.0**10, growth_interval=2)
+    log = {"ours": [], "torch": []}
+    _fine_tune_steps(theirs, torch_model, torch_opt, 9, {3, 4}, poison={6},
+                     on_step=lambda i, r: log["torch"].append((r, theirs.get_scale(), params_of(torch_model))))
+    live = []
+
+    def ours_step(i, r):
+        log["ours"].append((r, ours.get_scale(), params_of(ours_model)))
+        assert slow_path_calls == [], f"step {i} collected gradients one by one: {slow_path_calls}"
+        live.append([g.native.collected_count for g in ours._plan(ours_opt).groups])
+
+    _fine_tune_steps(ours, ours_model, ours_opt, 9, {3, 4}, poison={6}, on_step=ours_step)
+    for i, (a, b) in enumerate(zip(log["ours"], log["torch"])):
+        assert a[1] == b[1], f"step {i}: scale {a[1]} != torch's {b[1]}"
+        assert_params_equal(a[2], b[2], f"step {i}")
+    assert ours.skipped_steps == 1
+    assert slow_path_calls == []
+    # emb, head (2) and, on steps 3-4, branch (2) have gradients; body (2) and unused never do.
+    assert live == [[3]] * 3 + [[5]] * 2 + [[3]] * 4
+
+
+def test_missing_gradients_leave_no_stale_pointer_and_no_replan(slow_path_calls):
+    """A gradient dropped between steps is not written through the pointer of the last step that had it."""
+    model = _FineTuneNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = GradScaler("cpu", init_scale=4.0)
+    kept = {}
+
+    def on_step(i, ret):
+        if i == 4:
+            kept["grad"] = model.branch.weight.grad
+            kept["value"] = model.branch.weight.grad.clone()
+
+    _fine_tune_steps(s, model, opt, 5, {3, 4}, on_step=on_step)
+    plan = s._plan(opt)
+    _fine_tune_steps(s, model, opt, 2, set(), on_step=None)  # branch.weight.grad is None again
+    assert model.branch.weight.grad is None
+    assert torch.equal(kept["grad"], kept["value"]), "the plan wrote through a gradient the model dropped"
+    assert s._plan(opt) is plan, "a gradient appearing or vanishing is no reason to rebuild the plan"
+    assert slow_path_calls == []
+
+
+def test_clip_and_last_norm_skip_missing_gradients():
+    model, twin = _FineTuneNet(), _FineTuneNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = GradScaler("cpu", init_scale=2.0**6)
+    idx = torch.randint(0, 12, (4, 3), generator=torch.Generator().manual_seed(0))
+    y = torch.randn(4, 4)
+    s.scale(F.mse_loss(model(idx, False), y)).backward()
+    F.mse_loss(twin(idx, False), y).backward()
+    got = s.clip_grad_norm_(opt, 0.01)
+    want = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.01)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+
+
+def test_errors_name_the_parameter_after_skipped_ones():
+    """The kernel's list positions count only gradients found; the error still names the right parameter."""
+    a, frozen, b = (torch.nn.Parameter(torch.ones(4)) for _ in range(3))
+    opt = torch.optim.SGD([a, frozen, b], lr=0.1)
+    s = GradScaler("cpu", init_scale=4.0)
+    s.scale((a * 3).sum()).backward()
+    b.grad = a.grad
+    with pytest.raises(ValueError) as info:
+        s.unscale_(opt)
+    msg = str(info.value)
+    assert "param_groups[0]['params'][2].grad" in msg and "['params'][1]" not in msg, msg
+    assert torch.equal(a.grad, torch.full((4,), 12.0)), "nothing written"
+
+
+def test_no_gradient_at_all_is_refused_like_torch():
+    for cls in (TorchScaler, GradScaler):
+        model = _FineTuneNet()
+        opt = torch.optim.SGD(model.unused.parameters(), lr=0.1)
+        s = cls("cpu")
+        s.scale(model(torch.zeros(1, 3, dtype=torch.long), False).sum()).backward()
+        with pytest.raises(AssertionError, match="No inf checks were recorded"):
+            s.step(opt)
+
+
+def test_float64_model_converted_back_to_float32_returns_to_the_native_path(slow_path_calls):
+    """model.double() then model.float(), same optimizer: the plan follows the gradients' dtype both ways."""
+    ours_model, torch_model = _FineTuneNet(), _FineTuneNet()
+    ours_opt = torch.optim.SGD(ours_model.parameters(), lr=0.1)
+    torch_opt = torch.optim.SGD(torch_model.parameters(), lr=0.1)
+    ours = GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    theirs = TorchScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    calls_at = []
+    for phase, dtype in enumerate((torch.float32, torch.float64, torch.float32)):
+        ours_model.to(dtype)
+        torch_model.to(dtype)
+        for scaler, model, opt in ((ours, ours_model, ours_opt), (theirs, torch_model, torch_opt)):
+            _fine_tune_steps(scaler, model, opt, 3, {1}, poison={2} if phase == 1 else ())
+        assert ours.get_scale() == theirs.get_scale()
+        assert_params_equal(params_of(ours_model), params_of(torch_model), f"phase {phase}")
+        calls_at.append(len(slow_path_calls))
+        assert [g.native is not None for g in ours._plan(ours_opt).groups] == [dtype != torch.float64]
+    # float64 goes through torch's kernel, one slow collect per step; back in float32 only the
+    # first step collects slowly (and sees the new dtype), the next ones are native again.
+    assert calls_at == [0, 3, 4], calls_at
+    assert ours.skipped_steps == 1
+
+
+def test_bench_scaler_on_the_cpu_freezes_the_asked_fraction(tmp_path, capsys):
+    """`python -m adaptive_amp bench --device cpu --scaler --scaler-frozen ...`: the fine-tuning measurement runs."""
+    from adaptive_amp.bench.cli import main
+
+    out = tmp_path / "calls.json"
+    main(["--device", "cpu", "--no-unscale", "--scaler", "--scaler-frozen", "0", "0.3", "--json", str(out)])
+    rows = json.loads(out.read_text())["scaler_calls_cpu"]
+    assert [(r["frozen"], r["params"], r["frozen_params"]) for r in rows] == [(0.0, 148, 0), (0.3, 148, 44)]
+    assert all(r["torch_us"] > 0 and r["ours_us"] > 0 for r in rows)
+    assert "unscale_ + step + update" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--no-unscale", "--scaler", "--scaler-frozen", "1.0"])

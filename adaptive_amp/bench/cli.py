@@ -26,12 +26,14 @@ _EPILOG = """suites (--suites, comma-separated; default gpt2,many):
   optim   fused SR AdamW / SGD steps on the GPT-2-small parameter set (GPU only)
   e2e     the zoo's GPT-2 small/medium and Llama trained under torch's recipes and ours, eager and compiled:
           tokens/s, peak memory, final loss, the controller against its plain loop; the drop-in check
---stats adds tensor_stats on the gpt2/many sets; --scaler and --lm measure GradScaler (GPU only).
+--stats adds tensor_stats on the gpt2/many sets; --scaler and --lm measure GradScaler (GPU; --scaler also on the CPU).
 
 examples:
   python -m adaptive_amp bench                                  # gpt2 + many on the GPU (or the CPU)
   python -m adaptive_amp bench --suites gpt2,many,sround,optim --stats --json out.json
   python -m adaptive_amp bench --device cpu --suites many --reps 9
+  python -m adaptive_amp bench --no-unscale --scaler --scaler-frozen 0 0.3 --json scaler.json   # fine-tuning
+  python -m adaptive_amp bench --device cpu --no-unscale --scaler --scaler-frozen 0 0.3          # host cost
 """
 
 
@@ -56,7 +58,11 @@ def main(argv=None):
     parser.add_argument("--json", metavar="PATH", help="also write every row (and the device, torch version) as JSON")
     parser.add_argument("--cpu", action="store_true", help="on a GPU, also time the CPU variants of the unscale suites")
     parser.add_argument("--scaler", action="store_true",
-                        help="GradScaler's per-step overhead against torch.amp.GradScaler's on the same sets (GPU)")
+                        help="GradScaler's per-step overhead against torch.amp.GradScaler's on the same sets (GPU); "
+                             "with --device cpu, the host cost of unscale_+step+update on small tensors")
+    parser.add_argument("--scaler-frozen", type=float, metavar="FRACTIONS", nargs="+", default=[0.0],
+                        help="with --scaler: fractions of the parameter tensors to freeze (requires_grad=False, "
+                             "grad None, still in the optimizer), one table row set each (default 0)")
     parser.add_argument("--lm", type=int, metavar="STEPS", default=0,
                         help="train the demo LM in fp16 for STEPS steps per scaler mode: skipped steps, loss (GPU)")
     parser.add_argument("--no-unscale", action="store_true", help="skip the unscale suites (gpt2, many)")
@@ -73,6 +79,8 @@ def main(argv=None):
         parser.error("--device cuda: torch sees no CUDA GPU; use --device cpu")
     if args.reps is not None and args.reps < 1:
         parser.error("--reps must be >= 1")
+    if not all(0.0 <= f < 1.0 for f in args.scaler_frozen):
+        parser.error("--scaler-frozen: each fraction must be in [0, 1)")
     cpu_reps = {"reps": args.reps} if args.reps else {}
     gpu_reps = args.reps or 50
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
@@ -88,10 +96,16 @@ def main(argv=None):
     if args.scaler and cuda:
         from .scaler import format_overhead, scaler_overhead_gpu
 
-        overhead = scaler_overhead_gpu(suites)
+        overhead = [row for frozen in args.scaler_frozen for row in scaler_overhead_gpu(suites, frozen=frozen)]
         print(format_overhead(overhead))
         report["scaler_overhead"] = [dict(asdict(r), torch_overhead=r.torch_overhead, ours_overhead=r.ours_overhead)
                                      for r in overhead]
+    if args.scaler and not cuda:
+        from .scaler import format_calls, scaler_calls_cpu
+
+        calls = [scaler_calls_cpu(frozen) for frozen in args.scaler_frozen]
+        print(format_calls(calls))
+        report["scaler_calls_cpu"] = [asdict(r) for r in calls]
     if args.lm and cuda:
         from .scaler import format_lm, lm_modes_gpu
 
