@@ -8,9 +8,15 @@ adaptive_amp and torch can use a CUDA device.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 
-import pytest
-import torch
+# torch.compile's on-disk caches, private to this run: a cache shared with other processes compiling at the
+# same time crashed a compiled backward while it saved its entry (segfault in AOT autograd's cache pickling).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="adaptive_amp_tests_inductor_"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import adaptive_amp
 
