@@ -47,6 +47,7 @@ import math
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -639,8 +640,9 @@ class AdaptiveMixedPrecision:
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
-        """Scaler, policy, monitor and adaptation state: a resumed run continues bitwise."""
-        return {"version": 1, "step": self._step, "policy": self.policy.to_dict(),
+        """Scaler, policy, monitor and adaptation state: a resumed run continues bitwise. Plain Python values
+        and tensors only, so that ``torch.load(..., weights_only=True)`` (Lightning's, Accelerate's) takes it."""
+        return _plain({"version": 1, "step": self._step, "policy": self.policy.to_dict(),
                 "policy_history": [list(p) for p in self.policy_history],
                 "scaler_enabled": self.scaler.is_enabled(), "scaler": self.scaler.state_dict(),
                 "monitor": self.monitor.state_dict(), "events": [e.to_dict() for e in self.events],
@@ -648,7 +650,7 @@ class AdaptiveMixedPrecision:
                           "promoted": list(self._promoted), "demotions": dict(self._demotions),
                           "watch_next": self._watch_next, "first_overflow": self._first_overflow,
                           "unexplained": self._unexplained,
-                          "scale_before_storm": self._scale_before_storm}}
+                          "scale_before_storm": self._scale_before_storm}})
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved. Everything is checked first: a refused state changes
@@ -709,3 +711,14 @@ class AdaptiveMixedPrecision:
     def __repr__(self):
         return (f"AdaptiveMixedPrecision(policy={str(self.policy)!r}, device={self.device}, step={self._step}, "
                 f"events={len(self.events)})")
+
+
+def _plain(value):
+    """`value` with numpy scalars (the monitor's host-side numbers) turned into Python ones, recursively."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

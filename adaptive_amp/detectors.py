@@ -211,7 +211,7 @@ class ScaleCollapse(Detector):
                 events.append(Event(int(view.steps[i]), self.kind,
                                     f"loss scale fell to {scale:.3g}, below the floor {self.floor:g}",
                                     data={"scale": scale}))
-            self._below = scale < self.floor
+            self._below = bool(scale < self.floor)  # a numpy bool would not load with weights_only
         return events
 
     def state_dict(self):

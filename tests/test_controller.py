@@ -584,3 +584,24 @@ def test_bf16_pure_runs_without_autocast_and_casts_float_inputs():
     amp.remove()
     zm.loss(model, b)
     assert seen[-1] == torch.float32  # the cast was the controller's: removed with it
+
+
+def test_state_dict_loads_with_weights_only_after_overflows():
+    """Lightning and Accelerate load checkpoints with weights_only=True: no numpy scalar may hide in the state
+    (the scale-collapse detector kept a numpy bool after an overflow)."""
+    import io
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    amp = AdaptiveMixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                                 policy="params=float32,compute=float16,loss_scale=dynamic", read_every=2)
+    for i in range(6):
+        with amp.autocast():
+            loss = m(torch.randn(4, 8)).float().pow(2).mean()
+        amp.backward(loss * float("inf") if i == 3 else loss)
+        amp.step(max_grad_norm=1.0)
+        amp.zero_grad()
+    buf = io.BytesIO()
+    torch.save(amp.state_dict(), buf)
+    buf.seek(0)
+    amp.load_state_dict(torch.load(buf, weights_only=True))

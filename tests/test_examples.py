@@ -21,8 +21,14 @@ EXPECTED = {
 }
 
 
+# The integrations' examples, run by tests/test_examples_integrations.py with the frameworks' arguments.
+INTEGRATIONS = {"lightning_gpt2.py", "hf_trainer_gpt2.py", "accelerate_gpt2.py"}
+
+
 def test_every_example_is_listed():
-    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(EXPECTED)
+    assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted({*EXPECTED, *INTEGRATIONS})
+    runner = (Path(__file__).parent / "test_examples_integrations.py").read_text()
+    assert all(f'"{name}"' in runner for name in INTEGRATIONS)
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))
