@@ -116,8 +116,9 @@ def test_promotion_and_demotion_on_compiled_gpt2_match_eager(order, planted_eage
     assert stats_steps(amp) == stats_steps(eager) and stats_steps(amp, "input") == stats_steps(eager, "input")
     assert losses == pytest.approx(eager_losses, rel=1e-3, nan_ok=True)
     check_graphs(amp, compiled)
-    # Two policies (with and without the island), revisited: four graphs, whatever the number of changes.
-    assert compiled[-1] == 4
+    # Two policies (with and without the island), each with and without statistics, revisited: at most four
+    # graphs, whatever the number of changes (the controller's per-step diagnosis need not visit all four).
+    assert compiled[-1] <= 4
 
 
 def planted_llama():
