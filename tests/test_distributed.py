@@ -49,3 +49,45 @@ def test_collective_controller_gives_its_scalers_the_group(one_rank_group):
                                            process_group=one_rank_group, progress=False)
     assert amp.process_group is one_rank_group
     assert amp._scaler_kwargs["process_group"] is one_rank_group  # kept for the scalers made after a switch
+
+
+def _nan_loss_on_one_rank(rank, store, out, steps):
+    """Rank 1's loss (and so its gradients) is NaN from step 2 on; no layer's output overflows."""
+    import datetime
+    import json
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        amp = CollectiveAdaptiveMixedPrecision(model, opt, "params=float32,compute=float16,loss_scale=dynamic",
+                                               read_every=50, progress=False)
+        gen = torch.Generator().manual_seed(rank)
+        for i in range(steps):
+            with amp.autocast():
+                loss = model(torch.randn(4, 8, generator=gen)).float().pow(2).mean()
+            if rank == 1 and i >= 2:
+                loss = loss * float("nan")
+            amp.backward(loss)
+            amp.step()
+            amp.zero_grad()
+        history = [(s, str(p)) for s, p in amp.policy_history]
+        decisions = [(e.step, e.kind) for e in amp.events if e.kind in ("promote", "switch_compute")]
+        with open(out / f"rank{rank}.json", "w") as f:
+            json.dump({"history": history, "decisions": decisions}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_nan_loss_on_one_rank_is_decided_on_by_every_rank(tmp_path):
+    """The per-step diagnosis asks whether the loss was finite when no layer is to blame: a per-rank value.
+    Collectively, every rank must switch at the same step (alone, rank 1 switched and rank 0 then hung in
+    the scaler's all-reduce)."""
+    import json
+
+    torch.multiprocessing.spawn(_nan_loss_on_one_rank, args=(tmp_path / "store", tmp_path, 8), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert [kind for _, kind in ranks[0]["decisions"]] == ["switch_compute"], ranks[0]
