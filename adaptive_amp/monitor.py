@@ -261,10 +261,12 @@ class StabilityMonitor:
         pending_stats = [{"step": step, "kind": kind, "fmt": st.fmt, "names": list(st.names),
                           "values": values.reshape(-1).tolist()}
                          for (step, kind, st), values in zip(self._pending_stats, stat_values)]
-        return {"version": 1, "pending": pending, "pending_stats": pending_stats, "steps": list(self._steps), "columns": {c: list(v) for c, v in self._cols.items()},
+        # Detectors compute from numpy columns: their states and events may hold numpy scalars, which
+        # torch.load(weights_only=True) refuses. A checkpoint holds builtins only.
+        return _builtin({"version": 1, "pending": pending, "pending_stats": pending_stats, "steps": list(self._steps), "columns": {c: list(v) for c, v in self._cols.items()},
                 "layer_stats": [ls.to_dict() for ls in self.layer_stats],
                 "events": [e.to_dict() for e in self.events],
-                "detectors": {d.kind: d.state_dict() for d in self.detectors}}
+                "detectors": {d.kind: d.state_dict() for d in self.detectors}})
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("version") != 1:
@@ -302,6 +304,17 @@ def _native_cpu():
     from . import _native
 
     return _native.CPU
+
+
+def _builtin(obj):
+    """`obj` with numpy scalars turned into Python ones (through dicts, lists and tuples)."""
+    if isinstance(obj, dict):
+        return {k: _builtin(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_builtin(v) for v in obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
 
 
 def _plain(value):
