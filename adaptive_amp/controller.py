@@ -530,12 +530,17 @@ class AdaptiveMixedPrecision:
             elif self.switch_compute:
                 self._switch(f"{why}; {', '.join(layers)} still overflow after {self._promotions} promotions")
             return
-        if math.isfinite(self.monitor.value_at("loss", step)):
+        if self._loss_finite(step):
             return  # finite activations and loss: the gradients overflowed at this scale; the scaler backs off
         self._unexplained += 1
         if self._unexplained >= 2 and self.switch_compute:
             self._switch(f"{why}; the loss is not finite and no layer's output overflowed from finite "
                          "inputs, so the overflow is outside the layers islands can hold")
+
+    def _loss_finite(self, step: int) -> bool:
+        """Whether `step`'s loss was finite; what the diagnosis decides from when no layer is to blame.
+        A subclass whose decisions must agree over several processes makes it collective."""
+        return math.isfinite(self.monitor.value_at("loss", step))
 
     def _adapt(self) -> None:
         """At a read window: an overflow storm the per-step diagnosis did not cure."""

@@ -7,6 +7,11 @@ in the arithmetic). Its inputs are:
 
 * the skipped-step rate and the loss scale: the same on every rank once the
   scaler all-reduces found_inf (``process_group``), which this class sets up;
+* whether an overflowing step's loss was finite (when no layer is to blame,
+  a non-finite loss counts towards a switch of the compute dtype): each rank
+  has its own loss, so :meth:`CollectiveAdaptiveMixedPrecision._loss_finite`
+  takes the minimum over ranks (one all-reduce, at an overflowing watched
+  step only, which every rank reaches together: found_inf is all-reduced);
 * the layers whose outputs overflowed, taken from each rank's own activation
   statistics: a rank whose batch overflows alone would promote a layer the
   others never saw. :func:`agree_on_layers` makes it the union over ranks
@@ -84,10 +89,19 @@ class CollectiveAdaptiveMixedPrecision(AdaptiveMixedPrecision):
     def _candidate_layers(self) -> List[str]:
         return [name for name, _ in self.layers]
 
+    def _comm_device(self) -> torch.device:
+        # NCCL groups reduce CUDA tensors only.
+        nccl = torch.distributed.get_backend(self.process_group) == "nccl"
+        return self.device if nccl else torch.device("cpu")
+
     def _overflowing_layers(self, step: Optional[int] = None) -> List[str]:
         mine = super()._overflowing_layers(step)
-        # The communication device: NCCL groups reduce CUDA tensors only.
-        device = self.device if torch.distributed.get_backend(self.process_group) == "nccl" else None
         islands = set(self.adjuster.islands)
-        agreed = agree_on_layers(mine, self._candidate_layers(), self.process_group, device)
+        agreed = agree_on_layers(mine, self._candidate_layers(), self.process_group, self._comm_device())
         return [name for name in agreed if name not in islands]
+
+    def _loss_finite(self, step: int) -> bool:
+        # A NaN loss on one rank alone must count on every rank, or that rank alone would switch.
+        flag = torch.tensor([int(super()._loss_finite(step))], dtype=torch.int32, device=self._comm_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.process_group)
+        return bool(flag.item())

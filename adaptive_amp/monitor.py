@@ -111,13 +111,17 @@ class StabilityMonitor:
         """Keep this step's values (device tensors or numbers; None: unknown). No synchronization.
 
         Tensors are kept by reference until the next read: pass ones that are
-        not modified in place afterwards (clone the scaler's scale).
+        not modified in place afterwards (clone the scaler's scale). A DTensor
+        (FSDP2: torch's clip returns the total norm as a replicated one) is
+        kept as its global value: a replicated one's local tensor, a partial
+        or sharded one reduced or gathered (a collective: every rank records
+        every step, as the controller does).
         """
         last = self._pending[-1][0] if self._pending else (self._steps[-1] if self._steps else None)
         if last is not None and step <= last:
             raise ValueError(f"step {step} is not after the last recorded step; steps must increase")
-        self._pending.append((int(step), {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf,
-                                          "scale": scale}))
+        values = {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf, "scale": scale}
+        self._pending.append((int(step), {k: _plain(v) for k, v in values.items()}))
 
     def stats_due(self, step: int) -> bool:
         """Whether `step` is one whose per-layer statistics the caller should collect."""
@@ -257,10 +261,12 @@ class StabilityMonitor:
         pending_stats = [{"step": step, "kind": kind, "fmt": st.fmt, "names": list(st.names),
                           "values": values.reshape(-1).tolist()}
                          for (step, kind, st), values in zip(self._pending_stats, stat_values)]
-        return {"version": 1, "pending": pending, "pending_stats": pending_stats, "steps": list(self._steps), "columns": {c: list(v) for c, v in self._cols.items()},
+        # Detectors compute from numpy columns: their states and events may hold numpy scalars, which
+        # torch.load(weights_only=True) refuses. A checkpoint holds builtins only.
+        return _builtin({"version": 1, "pending": pending, "pending_stats": pending_stats, "steps": list(self._steps), "columns": {c: list(v) for c, v in self._cols.items()},
                 "layer_stats": [ls.to_dict() for ls in self.layer_stats],
                 "events": [e.to_dict() for e in self.events],
-                "detectors": {d.kind: d.state_dict() for d in self.detectors}}
+                "detectors": {d.kind: d.state_dict() for d in self.detectors}})
 
     def load_state_dict(self, state: dict) -> None:
         if not isinstance(state, dict) or state.get("version") != 1:
@@ -298,6 +304,25 @@ def _native_cpu():
     from . import _native
 
     return _native.CPU
+
+
+def _builtin(obj):
+    """`obj` with numpy scalars turned into Python ones (through dicts, lists and tuples)."""
+    if isinstance(obj, dict):
+        return {k: _builtin(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_builtin(v) for v in obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _plain(value):
+    """A plain tensor for a DTensor: its global value, so that every rank records the same number
+    (full_tensor: a replicated one's local tensor, without communication)."""
+    if type(value).__name__ == "DTensor":
+        return value.full_tensor()
+    return value
 
 
 def _to_host(pending, pending_stats):

@@ -332,7 +332,13 @@ class GradScaler(torch.amp.GradScaler):
         self._plans: "weakref.WeakKeyDictionary[Any, _Plan]" = weakref.WeakKeyDictionary()
         self._inv_of = None  # (scale tensor, its _version) that _inv_scale is 1/of
         self._native_checked = None  # (scale, growth_tracker) last validated for the native update
-        self._grad_stats: Dict[int, _GradStats] = {}
+        self._grad_stats: Dict[int, _GradStats] = {}  # reusable by a clip while they describe the gradients
+        # Each optimizer's statistics for this step as measured before this
+        # scaler clipped its gradients (the record above is dropped by a clip
+        # that rewrites them): what update() keeps for last_grad_norm and
+        # predictive mode's amax (a clipped amax would understate the headroom).
+        self._step_stats: Dict[int, List[tuple]] = {}
+        self._clipped: set = set()
         self._clip_coef: Dict[int, torch.Tensor] = {}
         self._snapshot_grads = False  # set once a clip found no provably fresh statistics
         self._step_taken: Optional[bool] = None
@@ -577,11 +583,13 @@ class GradScaler(torch.amp.GradScaler):
             found = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
             state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale, found, False)
             self._grad_stats.pop(id(optimizer), None)
+            self._step_stats.pop(id(optimizer), None)
         else:
             state["found_inf_per_device"], stats = self._unscale_and_measure(
                 optimizer, inv_scale, allow_fp16=False, check_only=False)
             snapshot = _grad_snapshot(self._plan(optimizer)) if self._snapshot_grads else None
             self._grad_stats[id(optimizer)] = _GradStats(optimizer, stats, snapshot)
+            self._step_stats[id(optimizer)] = stats
         state["stage"] = OptState.UNSCALED
 
     def _check_inf_per_device(self, optimizer):
@@ -593,12 +601,14 @@ class GradScaler(torch.amp.GradScaler):
             found = torch.full((), 0.0, dtype=torch.float32, device=_scale.device)
             state["found_inf_per_device"] = self._unscale_grads_(optimizer, dummy_inv_scale, found, True)
             self._grad_stats.pop(id(optimizer), None)
+            self._step_stats.pop(id(optimizer), None)
             return state["found_inf_per_device"]
         # The real inv_scale (not torch's 1.0): nothing is written, and the
         # statistics come out unscaled.
         state["found_inf_per_device"], stats = self._unscale_and_measure(
             optimizer, self._current_inv_scale(), allow_fp16=True, check_only=True)
         self._grad_stats[id(optimizer)] = _GradStats(optimizer, stats)
+        self._step_stats[id(optimizer)] = stats
         return state["found_inf_per_device"]
 
     def _found_inf_per_device(self, optimizer):
@@ -653,6 +663,7 @@ class GradScaler(torch.amp.GradScaler):
                     self._mul_grads(optimizer, pending)
             params = [p for g in optimizer.param_groups for p in g["params"]]
             self._grad_stats.pop(key, None)
+            self._clipped.add(key)
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
         record = self._grad_stats.get(key)
         if record is not None and (fresh or record.holds(optimizer)):
@@ -668,6 +679,7 @@ class GradScaler(torch.amp.GradScaler):
                                "clipped. To disable this error and scale the gradients by the non-finite norm "
                                "anyway, set `error_if_nonfinite=False`")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self._clipped.add(key)
         if folded:
             self._clip_coef[key] = coef if pending is None else pending * coef  # folded into grad_scale by step()
         else:
@@ -686,7 +698,10 @@ class GradScaler(torch.amp.GradScaler):
         """Statistics of the current gradients (a read-only pass); records them for this step."""
         inv = torch.ones_like(self._scale) if unscaled else self._current_inv_scale()
         _, stats = self._unscale_and_measure(optimizer, inv, allow_fp16=True, check_only=True, agree=False)
-        self._grad_stats[id(optimizer)] = _GradStats(optimizer, stats)
+        key = id(optimizer)
+        self._grad_stats[key] = _GradStats(optimizer, stats)
+        if key not in self._clipped:  # the gradients changed after unscale_, not by a clip: the step's own
+            self._step_stats[key] = stats
         return stats
 
     def _total_norm(self, stats, norm_type):
@@ -828,7 +843,7 @@ class GradScaler(torch.amp.GradScaler):
             if len(found_infs) == 0:
                 raise AssertionError("No inf checks were recorded prior to update.")
             found = self._combine(found_infs, _scale.device)
-            stats = [st for rec in self._grad_stats.values() for st in rec.stats]
+            stats = [st for per_opt in self._step_stats.values() for st in per_opt]
             step_amax = None
             if self._mode == "predictive":
                 amaxes = [amax.max().to(_scale.device) for _, amax in stats if amax.numel()]
@@ -839,6 +854,8 @@ class GradScaler(torch.amp.GradScaler):
             self._last_stats = stats
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._grad_stats = {}
+        self._step_stats = {}
+        self._clipped = set()
         self._clip_coef = {}
 
     def _native_update(self, found: torch.Tensor, step_amax: Optional[torch.Tensor]):
@@ -893,8 +910,10 @@ class GradScaler(torch.amp.GradScaler):
     def last_grad_norm(self) -> Optional[torch.Tensor]:
         """The L2 norm of the unscaled gradients of the last updated step, as a device tensor (no sync).
 
-        Taken from the unscale pass, before clipping; None before the first
-        update. With sharded gradients it is this rank's part (no collective
+        Taken from the unscale pass (or, when the gradients were changed after
+        it, from the clip's re-measurement), before this scaler clipped; None
+        before the first update and when a ``_unscale_grads_`` override did
+        the unscaling (it takes no statistics). With sharded gradients it is this rank's part (no collective
         runs here); clip_grad_norm_ returns the global norm.
         """
         if not self._last_stats:
@@ -1163,7 +1182,8 @@ class GradScaler(torch.amp.GradScaler):
                         "_last_found_inf"):
                 state[key] = None
             state["_last_stats"] = []
-            for key in ("_plans", "_inv_of", "_native_checked", "_grad_stats", "_clip_coef", "_step_taken"):
+            for key in ("_plans", "_inv_of", "_native_checked", "_grad_stats", "_step_stats", "_clipped",
+                        "_clip_coef", "_step_taken"):
                 state.pop(key, None)  # rebuilt by __setstate__ (the plans hold a WeakKeyDictionary)
             state["_process_group"] = None
         return state

@@ -49,3 +49,60 @@ def test_collective_controller_gives_its_scalers_the_group(one_rank_group):
                                            process_group=one_rank_group, progress=False)
     assert amp.process_group is one_rank_group
     assert amp._scaler_kwargs["process_group"] is one_rank_group  # kept for the scalers made after a switch
+
+
+def _nan_loss_on_one_rank(rank, store, out, steps):
+    """FSDP2 over two gloo ranks. Rank 1's loss (and so every gradient) is NaN at steps 2-4; no layer's
+    output overflows. After the switch torch clips (no scaler): its total norm is a DTensor."""
+    import datetime
+    import json
+
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        amp = CollectiveAdaptiveMixedPrecision(model, opt, "params=float32,compute=float16,loss_scale=dynamic",
+                                               read_every=50, progress=False)
+        gen = torch.Generator().manual_seed(rank)
+        norms = {}
+        for i in range(steps):
+            with amp.autocast():
+                loss = model(torch.randn(4, 8, generator=gen)).float().pow(2).mean()
+            if rank == 1 and 2 <= i <= 4:
+                loss = loss * float("nan")
+            amp.backward(loss)
+            if not amp.scaler.is_enabled():  # the global norm, gathered by hand
+                norms[i] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor().item()
+            amp.step(max_grad_norm=100.0)
+            amp.zero_grad()
+        amp.monitor.read()
+        history = amp.monitor.history()
+        recorded = dict(zip(history["step"], history["grad_norm"]))
+        policies = [(s, str(p)) for s, p in amp.policy_history]
+        decisions = [(e.step, e.kind) for e in amp.events if e.kind in ("promote", "switch_compute")]
+        with open(out / f"rank{rank}.json", "w") as f:
+            json.dump({"history": policies, "decisions": decisions, "norms": norms,
+                       "recorded": {str(s): recorded[s] for s in norms}}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_nan_loss_on_one_rank_is_decided_on_by_every_rank(tmp_path):
+    """The per-step diagnosis asks whether the loss was finite when no layer is to blame: a per-rank value.
+    Collectively, every rank must switch at the same step (alone, rank 1 switched and rank 0 then hung in
+    the scaler's all-reduce). Then, under FSDP2 without a scaler, the monitor records torch's clip norm (a
+    DTensor) as the global norm on every rank (it raised mixing DTensors with tensors)."""
+    import json
+
+    torch.multiprocessing.spawn(_nan_loss_on_one_rank, args=(tmp_path / "store", tmp_path, 8), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert [kind for _, kind in ranks[0]["decisions"]] == ["switch_compute"], ranks[0]
+    assert ranks[0]["norms"], "no step ran without the scaler"
+    for step, norm in ranks[0]["norms"].items():
+        assert ranks[0]["recorded"][step] == pytest.approx(norm, rel=1e-5)

@@ -232,8 +232,11 @@ def test_gradient_accumulation_matches_lightning_amp_bitwise():
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
     kw = {"trainer_kw": {"accumulate_grad_batches": 2}, "inject_inf_at": [1]}
     _, m_theirs = _fit(MixedPrecision("16-mixed", "cpu", scaler=scaler), steps=3, **kw)
-    plugin = AdaptivePrecision(FP16, read_every=2)
+    # One injected overflow in a two-step read window is a 50% skip rate: above the default storm_rate
+    # the controller would rightly switch to bf16, which Lightning's AMP has no counterpart for.
+    plugin = AdaptivePrecision(FP16, read_every=2, storm_rate=0.5)
     trainer, m_ours = _fit(plugin, steps=3, **kw)
+    assert len(plugin.amp.policy_history) == 1, plugin.amp.events
     _same_params(m_theirs, m_ours)
     assert len(m_ours.losses) == 6 and m_ours.losses == m_theirs.losses
     assert plugin.amp.step_count == 3 and plugin.amp.scaler.skipped_steps == 1

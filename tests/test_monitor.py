@@ -286,3 +286,21 @@ def test_detectors_are_small_objects_that_can_be_tuned_or_replaced():
     assert "factor=1.5" in repr(mon.detectors[1])
     with pytest.raises(ValueError, match="each kind"):
         StabilityMonitor(detectors=[NanLoss(), NanLoss()])
+
+
+def test_state_dict_loads_with_weights_only_after_detectors_fired():
+    """Detectors compute from numpy columns; their states and events must reach a checkpoint as builtins
+    (torch.load(weights_only=True) refused a numpy bool from the scale-collapse detector)."""
+    import io
+
+    mon = StabilityMonitor(read_every=4, scale_floor=2.0)
+    feed(mon, [1.0, 1.5, 2.0, 3.0], found=[0, 1, 1, 0], scale=[8, 4, 1, 0.5], norm=[1, 2, 3, 4])
+    assert "scale_collapse" in kinds(mon.events)
+    buf = io.BytesIO()
+    torch.save(mon.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    assert state == mon.state_dict()
+    again = StabilityMonitor(read_every=4, scale_floor=2.0)
+    again.load_state_dict(state)
+    assert again.state_dict() == mon.state_dict()

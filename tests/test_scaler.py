@@ -1984,6 +1984,29 @@ def test_missing_gradients_leave_no_stale_pointer_and_no_replan(slow_path_calls)
     assert slow_path_calls == []
 
 
+@pytest.mark.parametrize("kind,edit", [("sgd", False), ("sgd", True), ("adamw_fused", False)])
+def test_last_grad_norm_after_a_clip_is_the_steps_norm_before_clipping(kind, edit):
+    """A clip that rewrites the gradients drops its reusable record; last_grad_norm (and predictive mode's
+    amax) must still come from the step's measurement before the clip, not vanish (it was None after
+    clip_grad_norm_ with a non-fused optimizer). An edit after unscale_ is measured again and counts."""
+    model = make_mlp(6)
+    opt = make_opt(kind, model.parameters())
+    s = GradScaler("cpu", init_scale=2.0**10)
+    s.scale(F.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 4)) * 50).backward()
+    if edit:
+        s.unscale_(opt)
+        list(model.parameters())[0].grad.mul_(3.0)
+        before = _torch_norm(model)
+    else:
+        before = _torch_norm(model) / s.get_scale()  # exact: the scale is a power of 2
+    torch.testing.assert_close(s.clip_grad_norm_(opt, 0.5), before, rtol=1e-5, atol=0)
+    s.clip_grad_norm_(opt, 0.1)  # measures the clipped gradients: not the step's norm
+    s.step(opt)
+    s.update()
+    assert s.last_grad_norm is not None
+    torch.testing.assert_close(s.last_grad_norm, before, rtol=1e-5, atol=0)
+
+
 def test_clip_and_last_norm_skip_missing_gradients():
     model, twin = _FineTuneNet(), _FineTuneNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
