@@ -47,7 +47,6 @@ import math
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -57,7 +56,7 @@ from .collect import STATS_DTYPES as _STATS_DTYPES, ActivationCollector
 from .layers import Selector, find_layers, unwrap_model
 from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
-from .monitor import Event, StabilityMonitor
+from .monitor import Event, StabilityMonitor, builtin_values
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
 from .scaler import GradScaler
 
@@ -647,7 +646,7 @@ class AdaptiveMixedPrecision:
     def state_dict(self) -> Dict[str, Any]:
         """Scaler, policy, monitor and adaptation state: a resumed run continues bitwise. Plain Python values
         and tensors only, so that ``torch.load(..., weights_only=True)`` (Lightning's, Accelerate's) takes it."""
-        return _plain({"version": 1, "step": self._step, "policy": self.policy.to_dict(),
+        return builtin_values({"version": 1, "step": self._step, "policy": self.policy.to_dict(),
                 "policy_history": [list(p) for p in self.policy_history],
                 "scaler_enabled": self.scaler.is_enabled(), "scaler": self.scaler.state_dict(),
                 "monitor": self.monitor.state_dict(), "events": [e.to_dict() for e in self.events],
@@ -717,13 +716,3 @@ class AdaptiveMixedPrecision:
         return (f"AdaptiveMixedPrecision(policy={str(self.policy)!r}, device={self.device}, step={self._step}, "
                 f"events={len(self.events)})")
 
-
-def _plain(value):
-    """`value` with numpy scalars (the monitor's host-side numbers) turned into Python ones, recursively."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_plain(v) for v in value)
-    if isinstance(value, np.generic):
-        return value.item()
-    return value

@@ -263,7 +263,7 @@ class StabilityMonitor:
                          for (step, kind, st), values in zip(self._pending_stats, stat_values)]
         # Detectors compute from numpy columns: their states and events may hold numpy scalars, which
         # torch.load(weights_only=True) refuses. A checkpoint holds builtins only.
-        return _builtin({"version": 1, "pending": pending, "pending_stats": pending_stats, "steps": list(self._steps), "columns": {c: list(v) for c, v in self._cols.items()},
+        return builtin_values({"version": 1, "pending": pending, "pending_stats": pending_stats, "steps": list(self._steps), "columns": {c: list(v) for c, v in self._cols.items()},
                 "layer_stats": [ls.to_dict() for ls in self.layer_stats],
                 "events": [e.to_dict() for e in self.events],
                 "detectors": {d.kind: d.state_dict() for d in self.detectors}})
@@ -306,12 +306,12 @@ def _native_cpu():
     return _native.CPU
 
 
-def _builtin(obj):
+def builtin_values(obj):
     """`obj` with numpy scalars turned into Python ones (through dicts, lists and tuples)."""
     if isinstance(obj, dict):
-        return {k: _builtin(v) for k, v in obj.items()}
+        return {k: builtin_values(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_builtin(v) for v in obj)
+        return type(obj)(builtin_values(v) for v in obj)
     if isinstance(obj, np.generic):
         return obj.item()
     return obj
