@@ -8,6 +8,8 @@
 #   zoo       the model zoo at real sizes under AdaptiveMixedPrecision, eager and compiled
 #   e2e       python -m adaptive_amp bench --suites e2e
 #   tune      the measured policy selection on the zoo
+#   examples  examples/ and the README's example on the GPU
+#   scaler    GradScaler's per-step overhead against torch's, with 0% and 30% of the parameters frozen
 #   multi     (2 GPUs) the scaler's and the integrations' NCCL scripts
 # ZOO_ARGS, E2E_ARGS and TUNE_ARGS pass options to those stages (a stage must fit a 10-minute call).
 # The logs are packed into $OUT/logs.tgz (the device tool brings back at most 8 files), with
@@ -39,6 +41,8 @@ for stage in "$@"; do
     multi) run multi_gpu torchrun --standalone --nproc_per_node=2 "$repo/bench/multi_gpu.py" --out "$out/mg"
            run multi_gpu_integrations torchrun --standalone --nproc_per_node=2 "$repo/bench/multi_gpu_integrations.py" \
                --backend nccl --device cuda --out "$out/mgi" --timeout 120 ;;
+    examples) run examples python3 -m pytest "$repo/tests/test_examples.py" "$repo/tests/test_readme.py" -q -p no:cacheprovider ;;
+    scaler) run scaler python3 -m adaptive_amp bench --no-unscale --scaler --scaler-frozen 0 0.3 --json "$out/scaler.json" ;;
     tune) run tune python3 "$repo/bench/tune_evidence.py" --out "$out/tune" ${TUNE_ARGS:-} ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
