@@ -88,6 +88,7 @@ def _nan_loss_on_one_rank(rank, store, out, steps):
         with open(out / f"rank{rank}.json", "w") as f:
             json.dump({"history": policies, "decisions": decisions, "norms": norms,
                        "recorded": {str(s): recorded[s] for s in norms}}, f)
+        dist.barrier()  # neither rank tears gloo down while the other still talks (it aborts: SIGABRT)
     finally:
         dist.destroy_process_group()
 
