@@ -3,6 +3,7 @@
 # (default ./gpu_out). Usage: bash bench/gpu_session.sh STAGE... where a stage is
 #   build     install this tree (sm_90 only, for speed) into the machine's python3
 #   tests     every test marked cuda
+#   tests2    (2 GPUs) the scaler's, unscale's and the Trainer's cuda tests, their two-GPU cases included
 #   sanitize  compute-sanitizer's four tools over bench/sanitize_driver.py
 #   unscale   eager unscale_and_check_ (plain and planned) against torch's kernel
 #   zoo       the model zoo at real sizes under AdaptiveMixedPrecision, eager and compiled
@@ -34,6 +35,8 @@ for stage in "$@"; do
     build) run build python3 -m pip install --no-build-isolation --no-deps "$repo"
            run info python3 -m adaptive_amp info ;;
     tests) run tests python3 -m pytest "$repo/tests" -m cuda -q -p no:cacheprovider ;;
+    tests2) run tests2 python3 -m pytest "$repo/tests/test_scaler.py" "$repo/tests/test_torch_scaler_scenarios.py" \
+                "$repo/tests/test_unscale.py" "$repo/tests/test_integration_transformers.py" -m cuda -q -p no:cacheprovider ;;
     sanitize) run sanitize bash "$repo/bench/sanitize.sh" "$out" ;;
     unscale) run unscale python3 "$repo/bench/bench_unscale.py" --eager --json "$out/unscale_eager.json" ;;
     zoo) run zoo python3 "$repo/bench/zoo_gpu.py" --out "$out/zoo" ${ZOO_ARGS:-} ;;
