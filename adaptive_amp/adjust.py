@@ -28,7 +28,12 @@ others (``view_replay_for_aliased_outputs``; the autograd/as_strided replay
 remains): in torch 2.13 it rebuilt such an output with a garbage shape
 ("shape '[94358125396928, ...]' is invalid") for GPT-2 under fp16 autocast
 with inductor, where the controller's statistics hooks return a detached
-alias of the logits.
+alias of the logits. And it compiles without AOT autograd's on-disk cache
+(``enable_autograd_cache``): in torch 2.11 and 2.13, saving the entry of a
+graph compiled with the controller's hooks crashed the process (a segfault
+in the cache's pickling, during the first compiled backward: GPT-2 medium
+on an H200, and the CPU test suite), while with the cache off every zoo
+model compiled and trained.
 """
 
 from __future__ import annotations
@@ -63,8 +68,9 @@ def _to_fp32(value):
 
 
 class PolicyAutocast(torch.autocast):
-    """torch.autocast, under which compiled backward passes are compiled without autocast and aliased outputs
-    are rebuilt without functionalization's view replay (see the module docstring); restored on exit."""
+    """torch.autocast, under which compiled backward passes are compiled without autocast, aliased outputs
+    are rebuilt without functionalization's view replay and AOT autograd's on-disk cache is not used (see the
+    module docstring); restored on exit."""
 
     def __enter__(self):
         self._backward = contextlib.ExitStack()
@@ -72,6 +78,8 @@ class PolicyAutocast(torch.autocast):
             self._backward.enter_context(_functorch_config.patch(backward_pass_autocast="off"))
         if hasattr(_functorch_config, "view_replay_for_aliased_outputs"):
             self._backward.enter_context(_functorch_config.patch(view_replay_for_aliased_outputs=False))
+        if hasattr(_functorch_config, "enable_autograd_cache"):
+            self._backward.enter_context(_functorch_config.patch(enable_autograd_cache=False))
         return super().__enter__()
 
     def __exit__(self, *exc):

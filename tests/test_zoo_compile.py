@@ -279,3 +279,15 @@ def test_inductor_statistics_match_eager(family):
     assert overflows == [e.layer for e in eager.events if e.kind == "activation_overflow"]
     assert overflows == ([PLANTED] if family == "gpt2" else [])
     assert graph_breaks() == {} and compiled == [1]
+
+
+def test_policy_autocast_compiles_without_the_autograd_cache():
+    """Saving an AOT autograd cache entry of a graph compiled with the controller's hooks segfaulted (GPT-2
+    medium on an H200; once in this suite): the policy's autocast compiles without that cache, and restores it."""
+    before = torch._functorch.config.enable_autograd_cache
+    zm = zoo.build("gpt2", seed=0)
+    adjuster = DynamicPrecisionAdjuster(zm.model, PrecisionPolicy(compute_dtype="bfloat16"))
+    with adjuster.autocast():
+        assert torch._functorch.config.enable_autograd_cache is False
+        assert torch._functorch.config.backward_pass_autocast == "off"
+    assert torch._functorch.config.enable_autograd_cache == before
