@@ -661,7 +661,11 @@ class OptimPlan {
       if (!dtype || dtype.ptr() != PyList_GET_ITEM(dtypes_.ptr(), i)) return clear();
       py::object contiguous = call_method(grad.ptr(), contiguous_name);
       if (!contiguous) return clear();  // sparse layouts raise
-      if (contiguous.ptr() != Py_True && !same_strides(grad.ptr(), watched_[i])) return clear();  // param's layout
+      // The grad must have its param's memory layout (the core pairs elements by memory order): a contiguous
+      // param takes a contiguous grad, a channels_last one a grad of the same strides (a contiguous grad of a
+      // channels_last param goes through the functional path, which copies it into the param's layout).
+      const bool layout = watched_[i].contiguous ? contiguous.ptr() == Py_True : same_strides(grad.ptr(), watched_[i]);
+      if (!layout) return clear();
       static PyObject* neg_name = PyUnicode_InternFromString("is_neg");
       py::object neg = call_method(grad.ptr(), neg_name);  // lazily negated: the functional path resolves it
       if (!neg || neg.ptr() != Py_False) return clear();

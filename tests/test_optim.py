@@ -822,6 +822,25 @@ def test_channels_last_params_and_strided_grads_step_like_contiguous_ones(cls, k
     assert len(opts[1]._plans) == 1
 
 
+@pytest.mark.parametrize("cls, kw", [("AdamW", {}), ("SGD", {"momentum": 0.9})])
+def test_contiguous_grad_of_a_channels_last_param_is_read_in_the_params_layout(cls, kw):
+    """A grad assigned by hand in the contiguous layout to a channels_last param: the plan must not pair its
+    elements with the param's by memory order (it did: a silently wrong update)."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 3, 3, 3).bfloat16()
+    ps = [w.clone().contiguous(memory_format=torch.channels_last).requires_grad_(),
+          w.clone().contiguous(memory_format=torch.channels_last).requires_grad_()]
+    opts = [getattr(optim, cls)([p], lr=1e-2, **kw) for p in ps]
+    for s in range(3):
+        g = torch.randn(8, 3, 3, 3).bfloat16()
+        ps[0].grad = g.contiguous(memory_format=torch.channels_last)  # the param's layout
+        ps[1].grad = g.contiguous()  # contiguous: another memory order
+        for opt in opts:
+            torch.manual_seed(s)
+            opt.step()
+        assert_bitwise_equal(ps[1].detach(), ps[0].detach())
+
+
 def test_transposed_grad_is_read_like_its_contiguous_copy():
     ps, gs, ms, vs, steps = _lists([(5, 9)], torch.float32, torch.float32)
     a, b = _clone([ps, ms, vs, steps]), _clone([ps, ms, vs, steps])
