@@ -208,6 +208,7 @@ class AdaptiveMixedPrecision:
         self._step = 0
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
+        self._loss_known = True
         self._collected_activations = False
         # Adaptation state (all of it in state_dict).
         self._last_change = 0  # step from which the current policy has been judged
@@ -424,6 +425,7 @@ class AdaptiveMixedPrecision:
                                  found_inf=self.scaler.found_inf if scaling else None,
                                  scale=self.scaler._get_scale_async().clone() if scaling else None)
         watched = self._watched == step
+        self._loss_known = loss is not None  # losses scaled outside backward() are not recorded
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
         self._watch_next, self._watched = False, None
         self._step += 1
@@ -538,8 +540,9 @@ class AdaptiveMixedPrecision:
 
     def _loss_finite(self, step: int) -> bool:
         """Whether `step`'s loss was finite; what the diagnosis decides from when no layer is to blame.
-        A subclass whose decisions must agree over several processes makes it collective."""
-        return math.isfinite(self.monitor.value_at("loss", step))
+        An unrecorded loss (scaled outside :meth:`backward`) is no evidence of a non-finite one. A subclass
+        whose decisions must agree over several processes makes it collective."""
+        return not self._loss_known or math.isfinite(self.monitor.value_at("loss", step))
 
     def _adapt(self) -> None:
         """At a read window: an overflow storm the per-step diagnosis did not cure."""

@@ -605,3 +605,22 @@ def test_state_dict_loads_with_weights_only_after_overflows():
     torch.save(amp.state_dict(), buf)
     buf.seek(0)
     amp.load_state_dict(torch.load(buf, weights_only=True))
+
+
+def test_gradient_overflows_with_the_loss_scaled_outside_backward_do_not_switch_compute():
+    """A loss scaled with amp.scaler.scale(loss).backward() is not recorded: an unknown loss is no evidence of a
+    non-finite one, so overflows in the gradients alone (the scaler backs off) must not switch compute."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    amp = AdaptiveMixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                                 policy="params=float32,compute=float16,loss_scale=dynamic", read_every=50)
+    for i in range(6):
+        with amp.autocast():
+            loss = m(torch.randn(4, 8)).float().pow(2).mean()
+        amp.scaler.scale(loss).backward()
+        if i < 4:
+            m[0].weight.grad.view(-1)[0] = float("inf")  # a gradient overflow no layer's output shows
+        assert amp.step() is (i >= 4)
+        amp.zero_grad()
+    assert str(amp.policy.compute_dtype).endswith("float16") and "bfloat16" not in str(amp.policy)
+    assert not [e for e in amp.events if e.kind in ("switch_compute", "promote")]
