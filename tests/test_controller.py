@@ -586,15 +586,19 @@ def test_bf16_pure_runs_without_autocast_and_casts_float_inputs():
     assert seen[-1] == torch.float32  # the cast was the controller's: removed with it
 
 
+def _small_fp16_run(read_every):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    return m, AdaptiveMixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1),
+                                     policy="params=float32,compute=float16,loss_scale=dynamic", read_every=read_every)
+
+
 def test_state_dict_loads_with_weights_only_after_overflows():
     """Lightning and Accelerate load checkpoints with weights_only=True: no numpy scalar may hide in the state
     (the scale-collapse detector kept a numpy bool after an overflow)."""
     import io
 
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    amp = AdaptiveMixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1),
-                                 policy="params=float32,compute=float16,loss_scale=dynamic", read_every=2)
+    m, amp = _small_fp16_run(read_every=2)
     for i in range(6):
         with amp.autocast():
             loss = m(torch.randn(4, 8)).float().pow(2).mean()
@@ -610,10 +614,7 @@ def test_state_dict_loads_with_weights_only_after_overflows():
 def test_gradient_overflows_with_the_loss_scaled_outside_backward_do_not_switch_compute():
     """A loss scaled with amp.scaler.scale(loss).backward() is not recorded: an unknown loss is no evidence of a
     non-finite one, so overflows in the gradients alone (the scaler backs off) must not switch compute."""
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    amp = AdaptiveMixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1),
-                                 policy="params=float32,compute=float16,loss_scale=dynamic", read_every=50)
+    m, amp = _small_fp16_run(read_every=50)
     for i in range(6):
         with amp.autocast():
             loss = m(torch.randn(4, 8)).float().pow(2).mean()
