@@ -1200,7 +1200,6 @@ _HALF_AFTER_FIRST_STEP = textwrap.dedent("""
 """)
 
 
-
 def _one_sgd_step_then():
     torch.manual_seed(0)
     m = torch.nn.Linear(4, 3)
@@ -1863,18 +1862,24 @@ def test_gradient_dtype_no_scaler_takes_is_refused_naming_the_parameter():
         assert torch.equal(p.grad, g), "nothing unscaled before refusing"
 
 
-def test_kernel_errors_name_the_parameter_not_a_list_index():
-    """Two parameters sharing one gradient tensor: the overlap is refused with the parameters' names."""
-    a = torch.nn.Parameter(torch.ones(4))
-    b = torch.nn.Parameter(torch.ones(4))
-    opt = torch.optim.SGD([a, b], lr=0.1)
+@pytest.mark.parametrize("frozen", [False, True], ids=["adjacent", "after_a_skipped_one"])
+def test_kernel_errors_name_the_parameter_not_a_list_index(frozen):
+    """Two parameters sharing one gradient tensor: the overlap is refused with the parameters' names. The
+    kernel's list positions count only the gradients found, so a parameter without one between them (frozen)
+    must not shift the name."""
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(3 if frozen else 2)]
+    a, b = params[0], params[-1]
+    opt = torch.optim.SGD(params, lr=0.1)
     s = GradScaler("cpu", init_scale=4.0)
     s.scale((a * 3).sum()).backward()
     b.grad = a.grad
     with pytest.raises(ValueError) as info:
         s.unscale_(opt)
     msg = str(info.value)
-    assert "param_groups[0]['params'][1].grad" in msg and "tensors[" not in msg, msg
+    if frozen:
+        assert "param_groups[0]['params'][2].grad" in msg and "['params'][1]" not in msg, msg
+    else:
+        assert "param_groups[0]['params'][1].grad" in msg and "tensors[" not in msg, msg
     assert torch.equal(a.grad, torch.full((4,), 12.0)), "nothing written"
 
 
@@ -2022,20 +2027,6 @@ def test_clip_and_last_norm_skip_missing_gradients():
         assert (p.grad is None) == (q.grad is None)
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
-
-
-def test_errors_name_the_parameter_after_skipped_ones():
-    """The kernel's list positions count only gradients found; the error still names the right parameter."""
-    a, frozen, b = (torch.nn.Parameter(torch.ones(4)) for _ in range(3))
-    opt = torch.optim.SGD([a, frozen, b], lr=0.1)
-    s = GradScaler("cpu", init_scale=4.0)
-    s.scale((a * 3).sum()).backward()
-    b.grad = a.grad
-    with pytest.raises(ValueError) as info:
-        s.unscale_(opt)
-    msg = str(info.value)
-    assert "param_groups[0]['params'][2].grad" in msg and "['params'][1]" not in msg, msg
-    assert torch.equal(a.grad, torch.full((4,), 12.0)), "nothing written"
 
 
 def test_no_gradient_at_all_is_refused_like_torch():

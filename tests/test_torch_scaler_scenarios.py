@@ -353,6 +353,16 @@ def test_scale_will_not_overflow_to_inf(device):
 SKIP_ITER = 2
 
 
+def _control_step(loss, model, optimizer, scaler, i, max_norm=None):
+    """The unscaled control run's step: backward, torch's clip if asked, and the step the scaled run skips
+    (SKIP_ITER, when scaling is on) left out."""
+    loss.backward()
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if not scaler.is_enabled() or i != SKIP_ITER:
+        optimizer.step()
+
+
 def _scaling_case(device, optimizer_ctor=torch.optim.SGD, optimizer_kwargs=None, seed=0):
     """Two identical two-layer models with optimizers, 4 batches, and the loss."""
     optimizer_kwargs = optimizer_kwargs or {}
@@ -410,9 +420,7 @@ def _plain_run(try_pickle=False, autocast_dtype=None):
                 if try_pickle:
                     scaler = pickle.loads(pickle.dumps(scaler))
             else:
-                loss.backward()
-                if not scaler.is_enabled() or i != SKIP_ITER:
-                    optimizer.step()
+                _control_step(loss, model, optimizer, scaler, i)
         return scaler
     return run
 
@@ -455,10 +463,7 @@ def test_clipping_before_unscale_recipe(device):
                 scaler.step(optimizer)
                 scaler.update()
             else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if not scaler.is_enabled() or i != SKIP_ITER:
-                    optimizer.step()
+                _control_step(loss, model, optimizer, scaler, i, max_norm)
 
     _run_scaling_case(device, run, unskipped=3, skipped=1, atol=1e-5)
 
@@ -484,10 +489,7 @@ def test_clipping_after_separate_unscale_recipe(device, clip):
                 scaler.step(optimizer)
                 scaler.update()
             else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-                if not scaler.is_enabled() or i != SKIP_ITER:
-                    optimizer.step()
+                _control_step(loss, model, optimizer, scaler, i, max_norm)
 
     _run_scaling_case(device, run, unskipped=3, skipped=1, atol=1e-5)
 
@@ -513,9 +515,7 @@ def test_gradient_penalty_recipe(device):
                 scaler.step(optimizer)
                 scaler.update()
             else:
-                loss.backward()
-                if not scaler.is_enabled() or i != SKIP_ITER:
-                    optimizer.step()
+                _control_step(loss, model, optimizer, scaler, i)
 
     _run_scaling_case(device, run, unskipped=3, skipped=1, atol=1e-6)
 
