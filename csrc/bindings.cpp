@@ -129,15 +129,17 @@ py::object describe_tensors(py::object seq, py::dict codes, bool writable) {
   static PyObject* device_name = PyUnicode_InternFromString("get_device");
   static PyObject* numel_name = PyUnicode_InternFromString("numel");
   static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
-  // A list or tuple as it is (the caller holds it until the native call: see _native.describe_many).
-  py::object xs = py::reinterpret_steal<py::object>(PySequence_Fast(seq.ptr(), "xs: expected a list or tuple"));
+  // A tuple (a list is copied into one): torch's methods called below may release the GIL, and another
+  // thread could then shrink a list under the loop; a tuple cannot change.
+  if (!PyList_Check(seq.ptr()) && !PyTuple_Check(seq.ptr())) throw py::type_error("xs: expected a list or tuple");
+  py::object xs = py::reinterpret_steal<py::object>(PySequence_Tuple(seq.ptr()));
   if (!xs) throw py::error_already_set();
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(xs.ptr());
+  const Py_ssize_t n = PyTuple_GET_SIZE(xs.ptr());
   py::list ptrs(n), numels(n), out_codes(n);
   long device = 0;
   for (Py_ssize_t i = 0; i < n; ++i) {
     // Owned: torch's methods may release the GIL, and another thread may then change a list.
-    py::object xo = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(xs.ptr(), i));
+    py::object xo = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(xs.ptr(), i));
     PyObject* x = xo.ptr();
     py::object dtype = get_attr(x, dtype_name);
     if (!dtype) {
