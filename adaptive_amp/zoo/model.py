@@ -85,9 +85,9 @@ def next_token_loss(output, batch) -> torch.Tensor:
 
 def progressions(batch_size: int, length: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
     """`batch_size` sequences ``(start + stride * t) mod vocab``, int64 of shape (batch_size, length)."""
-    start = torch.randint(0, vocab, (batch_size, 1), generator=gen)
-    stride = torch.randint(1, _STRIDES + 1, (batch_size, 1), generator=gen)
-    return (start + stride * torch.arange(length)) % vocab
+    start = torch.randint(0, vocab, (batch_size, 1), generator=gen, device="cpu")
+    stride = torch.randint(1, _STRIDES + 1, (batch_size, 1), generator=gen, device="cpu")
+    return (start + stride * torch.arange(length, device="cpu")) % vocab
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -117,8 +117,9 @@ def masked_lm_batches(vocab: int, mask_id: int, default_len: int, fraction: floa
         _check_batch(batch_size, n)
         gen = _generator(seed)
         ids = progressions(batch_size, n, mask_id, gen)
-        masked = torch.rand(batch_size, n, generator=gen) < fraction
-        masked[torch.arange(batch_size), torch.randint(0, n, (batch_size,), generator=gen)] = True
+        masked = torch.rand(batch_size, n, generator=gen, device="cpu") < fraction
+        masked[torch.arange(batch_size, device="cpu"), torch.randint(0, n, (batch_size,), generator=gen,
+                                                                     device="cpu")] = True
         labels = torch.where(masked, ids, torch.full_like(ids, _IGNORE))
         ids = torch.where(masked, torch.full_like(ids, mask_id), ids)
         return {"input_ids": ids.to(device), "labels": labels.to(device)}
@@ -141,15 +142,17 @@ def seq2seq_batches(vocab: int, start_id: int, default_len: int):
 def image_batches(num_classes: int, channels: int, side: int, channels_last: bool = False, noise: float = 0.5,
                   prototype_seed: int = 1234):
     """Images: a fixed random prototype per class (the same for every batch) plus Gaussian noise."""
-    prototypes = torch.randn(num_classes, channels, side, side, generator=_generator(prototype_seed))
+    # On the CPU (the generators are CPU ones) whatever default device the model was built under.
+    prototypes = torch.randn(num_classes, channels, side, side, generator=_generator(prototype_seed), device="cpu")
 
     def make_batch(batch_size: int, seed: int = 0, device="cpu", seq_len: Optional[int] = None):
         if seq_len is not None and seq_len != side:
             raise ValueError(f"seq_len is {seq_len}; this image model takes {side}x{side} images (leave it None)")
         _check_batch(batch_size, 2)
         gen = _generator(seed)
-        labels = torch.randint(0, num_classes, (batch_size,), generator=gen)
-        pixels = prototypes[labels] + noise * torch.randn(batch_size, channels, side, side, generator=gen)
+        labels = torch.randint(0, num_classes, (batch_size,), generator=gen, device="cpu")
+        pixels = prototypes[labels] + noise * torch.randn(batch_size, channels, side, side, generator=gen,
+                                                          device="cpu")
         if channels_last:
             pixels = pixels.contiguous(memory_format=torch.channels_last)
         return {"pixel_values": pixels.to(device), "labels": labels.to(device)}
