@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("transformers")
 
@@ -385,3 +386,34 @@ def test_tune_on_cuda_measures_peak_memory_and_restores_bitwise():
     amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16", progress=False,
                                  memory_guard=guard)
     assert guard.headroom(amp) > 0
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_float8_candidate_trains_through_torchao_and_undo_restores_the_model():
+    # torchao is an optional dependency: this runs where it is installed and the GPU has fp8 matmuls.
+    from adaptive_amp.recipes import float8_available
+
+    why = float8_available()
+    if why is not None:
+        pytest.skip(why)
+    torch.manual_seed(0)
+    width = 4096  # float8 pays only on large matmuls; smaller layers stay as they are
+    model = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1024), nn.GELU(),
+                          nn.Linear(1024, width)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = [torch.randn(256, width, device="cuda") for _ in range(3)]
+    batches = [(a, a.roll(1, dims=1)) for a in x]
+
+    def loss_fn(m, batch):
+        return torch.nn.functional.mse_loss(m(batch[0]).float(), batch[1])
+
+    modules = [type(m) for m in model]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = tune(model, opt, batches, loss_fn, candidates=["bf16", "float8"], **FAST)
+    by = {t.name: t for t in result.trials}
+    assert "float8" in by and by["float8"].error is None, [r for r in result.policy.reasons]
+    assert all(math.isfinite(v) for v in by["float8"].losses)
+    assert [type(m) for m in model] == modules  # torchao's modules were put back
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
