@@ -240,6 +240,8 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
                 p.data = p.data.to(dtype)
                 if p.grad is not None:
                     p.grad = p.grad.to(dtype)
+    if before:
+        forget_compiled_graphs()
 
     def undo():
         with torch.no_grad():
@@ -247,7 +249,23 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
                 p.data = p.data.to(old)
                 if p.grad is not None:
                     p.grad = p.grad.to(old)
+        if before:
+            forget_compiled_graphs()
     return undo
+
+
+def forget_compiled_graphs() -> None:
+    """Drop every dynamo graph (``torch.compiler.reset()``) once parameters changed dtype in place.
+
+    ``p.data = p.data.to(bf16)`` keeps the Parameter objects and the modules' dictionaries, and dynamo may
+    skip the guards of tensors reached through dictionaries that did not change: a graph traced for fp32
+    parameters then runs on their bf16 memory. Measured: tuning a compiled GPT-2 on an H200 (torch 2.11)
+    stopped with an illegal memory access in such a graph (its fp32 read of a bf16 weight). With no graph
+    left there is none to reuse wrongly; compiled models recompile at their next call."""
+    from torch._dynamo.utils import counters
+
+    if counters["stats"]["unique_graphs"]:  # something was compiled in this process
+        torch.compiler.reset()
 
 
 # ---------------------------------------------------------------------------- checkpointing

@@ -137,6 +137,29 @@ def test_converted_optimizer_trains_and_follows_the_users_groups():
     assert "moment_dtype" not in opt.param_groups[0]
 
 
+def test_casting_parameters_in_place_leaves_no_compiled_graph_to_reuse():
+    # A graph traced for fp32 parameters must never run on their bf16 memory (p.data changes dtype, the
+    # Parameter objects and module dictionaries stay): on an H200 with torch 2.11 such a graph read past a
+    # bf16 weight (illegal memory access) while tuning a compiled GPT-2. Both the cast and its undo drop
+    # dynamo's graphs, so a graph traced before is traced again, never reused.
+    traced = []
+
+    def backend(gm, example_inputs):
+        traced.append([t.dtype for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 8)
+    compiled(x)
+    undo = cast_parameters(model, torch.bfloat16)
+    assert compiled(x.bfloat16()).dtype == torch.bfloat16
+    undo()
+    assert compiled(x).dtype == torch.float32
+    assert len(traced) == 3 and torch.bfloat16 in traced[1] and torch.bfloat16 not in traced[2], traced
+
+
 def test_checkpoint_blocks_same_gradients_and_undo():
     zm, _, batches = _setup("llama")
     assert [n for n, _ in find_blocks(zm.model)] == ["model.layers.0", "model.layers.1"]
