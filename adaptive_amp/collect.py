@@ -18,10 +18,16 @@ hooks leave no trace. No graph break. In an eager model a step without
 statistics costs one Python call per layer (module calls with a hook take
 ``nn.Module``'s general path).
 
-Create the collector (the controller does it in its constructor) before the
-compiled model's first call; a model compiled and run before has a graph
-without the hooks (``records`` stays empty at statistics steps; the
-controller warns).
+Dynamo keeps its graphs on the forward's code object, shared by every
+instance of a model class (and, for transformers' decorated forwards, by
+many classes): without guards on hooks, a model with our hooks reuses a graph
+traced from another instance without them (a plain copy, a teacher, an EMA
+model compiled first) and records nothing. So the first collector turns on
+dynamo's hook guards for the process (``skip_nnmodule_hook_guards = False``:
+graphs traced from then on check the hooks they traced, a few dictionary
+checks per module and call) and, if graphs were traced before without them,
+clears dynamo's caches once (``torch.compiler.reset()``: other compiled
+models recompile at their next call).
 """
 
 from __future__ import annotations
@@ -52,6 +58,18 @@ def first_tensor(value) -> Optional[torch.Tensor]:
     return None
 
 
+def guard_hooks_under_compile() -> None:
+    """Make dynamo check module hooks in its guards from now on (see the module's docstring)."""
+    from torch._dynamo import config
+    from torch._dynamo.utils import counters
+
+    if not config.skip_nnmodule_hook_guards:
+        return
+    config.skip_nnmodule_hook_guards = False
+    if counters["stats"]["unique_graphs"]:  # graphs traced before have no hook guards
+        torch.compiler.reset()
+
+
 class ActivationCollector:
     """Hooks on `layers` ((name, module) pairs) that record ``(name, input or None, output)`` while active.
 
@@ -69,6 +87,8 @@ class ActivationCollector:
         self.active = False
         self.records: List[tuple] = []
         self.names = tuple(name for name, _ in layers)
+        if layers:
+            guard_hooks_under_compile()
         self._handles = [module.register_forward_hook(self._hook(name), with_kwargs=True) for name, module in layers]
 
     def _hook(self, name: str):

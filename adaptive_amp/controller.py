@@ -361,9 +361,10 @@ class AdaptiveMixedPrecision:
             if self.layers and not self._warned_no_records:
                 self._warned_no_records = True
                 warnings.warn(f"AdaptiveMixedPrecision: no layer statistics at step {self._step}: the model did "
-                              "not run inside amp.autocast(), or it is a compiled model that ran before this "
-                              "controller was created (its graph has no statistics hooks: create the controller "
-                              "before the first compiled call, or call torch._dynamo.reset())", stacklevel=3)
+                              "not run inside amp.autocast(), or it is a compiled model whose graph skipped the "
+                              "statistics hooks (torch._dynamo.config.skip_nnmodule_hook_guards was set back to "
+                              "True after this controller was created: leave it False, then call "
+                              "torch._dynamo.reset())", stacklevel=3)
             return
         from .ops import tensor_stats
 
