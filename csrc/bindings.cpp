@@ -112,6 +112,14 @@ py::object get_attr(PyObject* obj, PyObject* name) {
 py::object call_method(PyObject* obj, PyObject* name) {
   return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(obj, name));
 }
+// An unbound method (a method descriptor) called on `obj`, and a data descriptor's value for `obj`.
+py::object call_descr(PyObject* method, PyObject* obj) {
+  return py::reinterpret_steal<py::object>(PyObject_Vectorcall(method, &obj, 1, nullptr));
+}
+py::object get_descr(PyObject* descr, PyObject* obj) {
+  return py::reinterpret_steal<py::object>(
+      Py_TYPE(descr)->tp_descr_get(descr, obj, reinterpret_cast<PyObject*>(Py_TYPE(obj))));
+}
 
 // The fast path of _native.describe_many for lists of torch tensors: one C++
 // loop asks each object for .dtype, .is_contiguous(), .requires_grad,
@@ -324,6 +332,17 @@ class TensorsPlan {
       throw aamp::ArgumentError("tensors: the plan's lists differ in length");
     }
     workspace_bytes_ = aamp::unscale_workspace_bytes(refs_, true);
+    if (n > 0) {  // the first tensor's exact type: torch.Tensor or torch.nn.Parameter, usually
+      PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(PyTuple_GET_ITEM(tensors_.ptr(), 0)));
+      data_ptr_fn_ = get_attr(type, PyUnicode_InternFromString("data_ptr"));
+      numel_fn_ = get_attr(type, PyUnicode_InternFromString("numel"));
+      dtype_get_ = get_attr(type, PyUnicode_InternFromString("dtype"));
+      if (!data_ptr_fn_ || !numel_fn_ || !dtype_get_ || Py_TYPE(dtype_get_.ptr())->tp_descr_get == nullptr) {
+        PyErr_Clear();
+      } else {
+        type_ = Py_TYPE(PyTuple_GET_ITEM(tensors_.ptr(), 0));
+      }
+    }
     if (!check()) throw aamp::ArgumentError("tensors: not the tensors described (pointer, size or dtype)");
   }
 
@@ -331,17 +350,20 @@ class TensorsPlan {
   std::size_t workspace_bytes() const { return workspace_bytes_; }
 
   bool check() const {
+    // The three reads go straight to torch.Tensor's own descriptors, found once (a method lookup per read
+    // costs about as much as the read); a tensor of another type (a subclass) takes the general lookup.
     static PyObject* dtype_name = PyUnicode_InternFromString("dtype");
     static PyObject* numel_name = PyUnicode_InternFromString("numel");
     static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
     for (std::size_t i = 0; i < refs_.size(); ++i) {
       PyObject* x = PyTuple_GET_ITEM(tensors_.ptr(), i);
-      py::object ptr = call_method(x, data_ptr_name);
+      const bool fast = Py_TYPE(x) == type_;
+      py::object ptr = fast ? call_descr(data_ptr_fn_.ptr(), x) : call_method(x, data_ptr_name);
       if (!ptr) return clear();
       if (PyLong_AsUnsignedLongLong(ptr.ptr()) != reinterpret_cast<std::uintptr_t>(refs_[i].data)) return clear();
-      py::object numel = call_method(x, numel_name);
+      py::object numel = fast ? call_descr(numel_fn_.ptr(), x) : call_method(x, numel_name);
       if (!numel || PyLong_AsLongLong(numel.ptr()) != refs_[i].numel) return clear();
-      py::object dtype = get_attr(x, dtype_name);
+      py::object dtype = fast ? get_descr(dtype_get_.ptr(), x) : get_attr(x, dtype_name);
       if (!dtype || dtype.ptr() != PyTuple_GET_ITEM(dtypes_.ptr(), i)) return clear();
     }
     return true;
@@ -361,6 +383,8 @@ class TensorsPlan {
   }
 
   py::tuple tensors_, storages_, dtypes_;
+  PyTypeObject* type_ = nullptr;  // held alive by tensors_[0]
+  py::object data_ptr_fn_, numel_fn_, dtype_get_;
   int device_;
   std::vector<aamp::TensorRef> refs_;
   std::size_t workspace_bytes_ = 0;
