@@ -2,7 +2,8 @@
 # One GPU-machine session: build, then the named stages, each logged under $OUT
 # (default ./gpu_out). Usage: bash bench/gpu_session.sh STAGE... where a stage is
 #   build     install this tree (sm_90 only, for speed) into the machine's python3
-#   tests     every test marked cuda
+#   wheels    install the wheels carried in .whl/ (optional dependencies the machine lacks, e.g. torchao)
+#   tests     every test marked cuda (TEST_PATHS: only these test files)
 #   tests2    (2 GPUs) the scaler's, unscale's and the Trainer's cuda tests, their two-GPU cases included
 #   sanitize  compute-sanitizer's four tools over bench/sanitize_driver.py
 #   unscale   eager unscale_and_check_ (plain and planned) against torch's kernel
@@ -22,10 +23,22 @@ out=$(mktemp -d)
 mkdir -p "$dest"
 export PYTHONUNBUFFERED=1 ADAPTIVE_AMP_CUDA_ARCHS=${ADAPTIVE_AMP_CUDA_ARCHS:-90} ADAPTIVE_AMP_CUDA=1
 status=0
+pack() {  # the logs so far into $dest (also when the call's time limit stops this script)
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
+  date -u >> "$out/gpu.txt"
+  tar czf "$dest/logs.tgz" -C "$out" .
+}
+child=
+trap 'echo "stopped (time limit?) during the stage above" >> "$dest/summary.txt"; [ -n "$child" ] && kill $child
+      pack; exit 124' TERM INT
 run() {  # run NAME CMD...: time a stage, keep its log, go on after a failure
   local name=$1; shift
   local t0=$SECONDS
-  (cd /tmp && "$@") > "$out/$name.log" 2>&1
+  # In the background and waited for, so that a TERM reaches the trap at once (bash runs traps only
+  # between foreground commands).
+  (cd /tmp && exec "$@") > "$out/$name.log" 2>&1 &
+  child=$!
+  wait $child
   local rc=$?
   echo "$name: exit $rc in $((SECONDS - t0)) s; $(tail -n 1 "$out/$name.log")" | tee -a "$dest/summary.txt"
   [ $rc -eq 0 ] || status=1
@@ -34,13 +47,15 @@ for stage in "$@"; do
   case $stage in
     build) run build python3 -m pip install --no-build-isolation --no-deps "$repo"
            run info python3 -m adaptive_amp info ;;
-    tests) run tests python3 -m pytest "$repo/tests" -m cuda -q -p no:cacheprovider ;;
+    wheels) run wheels python3 -m pip install --no-deps "$repo"/.whl/*.whl ;;
+    tests) paths=(); for t in ${TEST_PATHS:-tests}; do paths+=("$repo/$t"); done
+           run tests python3 -m pytest "${paths[@]}" -m cuda -q -p no:cacheprovider -rfEs ;;
     tests2) run tests2 python3 -m pytest "$repo/tests/test_scaler.py" "$repo/tests/test_torch_scaler_scenarios.py" \
                 "$repo/tests/test_unscale.py" "$repo/tests/test_integration_transformers.py" -m cuda -q -p no:cacheprovider ;;
     sanitize) run sanitize bash "$repo/bench/sanitize.sh" "$out" ;;
     unscale) run unscale python3 "$repo/bench/bench_unscale.py" --eager --json "$out/unscale_eager.json" ;;
     zoo) run zoo python3 "$repo/bench/zoo_gpu.py" --out "$out/zoo" ${ZOO_ARGS:-} ;;
-    e2e) run e2e python3 -m adaptive_amp bench --suites e2e --json "$out/e2e.json" ${E2E_ARGS:-} ;;
+    e2e) run e2e python3 -m adaptive_amp bench --suites e2e --no-unscale --json "$out/e2e.json" ${E2E_ARGS:-} ;;
     multi) run multi_gpu torchrun --standalone --nproc_per_node=2 "$repo/bench/multi_gpu.py" --out "$out/mg"
            run multi_gpu_integrations torchrun --standalone --nproc_per_node=2 "$repo/bench/multi_gpu_integrations.py" \
                --backend nccl --device cuda --out "$out/mgi" --timeout 120 ;;
@@ -50,8 +65,6 @@ for stage in "$@"; do
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
-date -u >> "$out/gpu.txt"
+pack
 cat "$out/gpu.txt" >> "$dest/summary.txt"
-tar czf "$dest/logs.tgz" -C "$out" .
 exit $status
