@@ -394,6 +394,9 @@ def new_accelerator(ctx, fsdp):
     # distributed type whatever plugin it is given (the 2-GPU run's FSDP section got MULTI_GPU that way).
     # Forget it (as Accelerate's own tests do between cases); the process group stays.
     AcceleratorState._reset_state(reset_partial_state=True)
+    # An Accelerator given an fsdp_plugin sets ACCELERATE_USE_FSDP=true for the process, which would turn
+    # every later plugin-less Accelerator into FSDP too.
+    os.environ.pop("ACCELERATE_USE_FSDP", None)
     plugin = None
     if fsdp:
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
