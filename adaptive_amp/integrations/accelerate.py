@@ -127,7 +127,7 @@ class AcceleratorBridge:
         self._optimizer = None  # the raw optimizer the controller steps
         self._pending_state: Optional[dict] = None
         self._backward_since_step = False
-        self._saving: Optional[dict] = None  # every rank's state, for the save_state under way
+        self._saving: Optional[tuple] = None  # (step, every rank's state) for the save_state under way
         accelerator.scaler = self
         accelerator.register_save_state_pre_hook(self._gather_for_save_state)
         # Accelerate clips with torch's clip_grad_norm_ after an unscale that, with mixed_precision="no",
@@ -253,12 +253,12 @@ class AcceleratorBridge:
             return
         states = [None] * torch.distributed.get_world_size(group)
         torch.distributed.all_gather_object(states, self.amp.state_dict(), group=group)
-        self._saving = {"adaptive_amp": states[0], "adaptive_amp_ranks": states}
+        self._saving = (self.amp.step_count, {"adaptive_amp": states[0], "adaptive_amp_ranks": states})
 
     def state_dict(self) -> Dict[str, Any]:
-        if self._saving is not None:
-            state, self._saving = self._saving, None
-            return state
+        saving, self._saving = self._saving, None
+        if saving is not None and self.amp is not None and saving[0] == self.amp.step_count:
+            return saving[1]  # (not one left over from a save_state that failed at an earlier step)
         if self.amp is None:
             return {} if self._pending_state is None else {"adaptive_amp": self._pending_state}
         return {"adaptive_amp": self.amp.state_dict()}
