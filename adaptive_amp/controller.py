@@ -208,6 +208,7 @@ class AdaptiveMixedPrecision:
         self._step = 0
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
+        self._clip_total: Optional[torch.Tensor] = None  # the norm clip_grad_norm_ returned this step
         self._loss_known = True
         self._collected_activations = False
         # Adaptation state (all of it in state_dict).
@@ -396,17 +397,11 @@ class AdaptiveMixedPrecision:
         synchronization per step (the controller needs it to see overflows).
         With several optimizers: True only if every one stepped.
         """
-        if self._stats_due():
-            self._record_gradient_stats()
-        grad_norm = None
         if max_grad_norm is not None:
-            if len(self.optimizers) == 1:
-                grad_norm = self.scaler.clip_grad_norm_(self.optimizers[0], max_grad_norm, norm_type)
-            else:
-                for opt in self.optimizers:
-                    self.scaler.unscale_(opt)
-                params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, norm_type)
+            self.clip_grad_norm_(max_grad_norm, norm_type)
+        elif self._clip_total is None and self._stats_due():
+            self._record_gradient_stats()
+        grad_norm, self._clip_total = self._clip_total, None
         results = [self.scaler.step(opt) for opt in self.optimizers]
         scaling = self.scaler.is_enabled()
         if scaling:
@@ -438,6 +433,27 @@ class AdaptiveMixedPrecision:
         if self.memory_guard is not None:
             self.memory_guard.after_step(self)
         return stepped
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients now, as ``step(max_grad_norm=...)`` would inside; returns the total norm of the
+        unscaled gradients (a device tensor), which the next :meth:`step` records.
+
+        For loops whose framework clips between backward and step (Accelerate's
+        ``clip_grad_norm_``). With sharded gradients (FSDP2) the norm is the
+        global one, all-reduced over the ranks, as the step's own clip records;
+        :attr:`GradScaler.last_grad_norm` would be this rank's part only.
+        """
+        if self._clip_total is None and self._stats_due():
+            self._record_gradient_stats()  # before the clip unscales them (once a step)
+        if len(self.optimizers) == 1:
+            total = self.scaler.clip_grad_norm_(self.optimizers[0], max_norm, norm_type)
+        else:
+            for opt in self.optimizers:
+                self.scaler.unscale_(opt)
+            params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+            total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        self._clip_total = total
+        return total
 
     def _stepped(self, result) -> bool:
         """Whether a scaler step stepped, as a host bool (see :meth:`step`)."""
@@ -715,6 +731,7 @@ class AdaptiveMixedPrecision:
         self._first_overflow, self._unexplained = parsed["first_overflow"], parsed["unexplained"]
         self._scale_before_storm = parsed["scale_before_storm"]
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
+        self._clip_total = None
 
     def __repr__(self):
         return (f"AdaptiveMixedPrecision(policy={str(self.policy)!r}, device={self.device}, step={self._step}, "

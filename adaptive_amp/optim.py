@@ -403,6 +403,11 @@ class _Fused(torch.optim.Optimizer):
         """Validates the group's lists as the functional ops do (raising before anything is written),
         creates missing state and returns a plan, or None when a plan cannot describe the group."""
         name = type(self).__name__
+        for p in group["params"]:
+            if type(p).__name__ == "DTensor":
+                raise TypeError(f"{self._param_name(group, p)} is a DTensor (FSDP2's fully_shard, or tensor "
+                                f"parallelism): {name}'s fused step takes plain tensors; use a torch.optim "
+                                "optimizer (e.g. torch.optim.AdamW) for sharded parameters")
         with_grad = self._params_with_grad(group, name)
         first = self._init_state(group, with_grad)
         index = {id(p): i for i, p in enumerate(group["params"])}

@@ -32,8 +32,14 @@ and prints PASS/FAIL per check; exit status 1 if a section raised or a check fai
   lightning   Trainer(strategy="ddp", plugins=[AdaptivePrecision(...)]).
   lightning_fsdp2  Trainer(strategy=ModelParallelStrategy(...)) (FSDP2 through
               configure_model), the same plugin.
-  accelerate  Accelerator() + adaptive_amp.integrations.accelerate.attach.
-  accelerate_fsdp2  the same with FullyShardedDataParallelPlugin(fsdp_version=2).
+  accelerate  Accelerator() (DDP) + adaptive_amp.integrations.accelerate.attach, adaptive_amp's fused
+              AdamW; saved with accelerator.save_state at step 4 and resumed with load_state
+              into a fresh Accelerator, model and optimizer: parameters bitwise equal.
+  accelerate_fsdp2  the same through Accelerate's FSDP strategy: Accelerator(fsdp_plugin=
+              FullyShardedDataParallelPlugin(fsdp_version=2)), torch's AdamW. On GPUs Accelerate
+              picks FSDP from the plugin itself (checked); on the CPU it never does (FSDP
+              only on accelerators), so the CPU run sets the distributed type to FSDP
+              and says so; everything after that is Accelerate's own FSDP2 code.
 
 On two GPUs (NCCL) it takes well under a minute; on the CPU (gloo) about as long.
 """
@@ -48,6 +54,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuB
 import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
 import warnings  # noqa: E402
@@ -376,69 +383,147 @@ def section_lightning_fsdp2(ctx, report):
     promoted_lm_head(per_rank, "lightning_fsdp2", report, "model.lm_head")
 
 
-def section_accelerate(ctx, report, fsdp2=False):
-    from accelerate import Accelerator
+def new_accelerator(ctx, fsdp):
+    """An Accelerator with FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``) or Accelerate's default
+    (DDP). Returns (accelerator, forced): `forced` when Accelerate would not pick FSDP itself (on the CPU)."""
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
 
+    # Accelerate keeps one state per process: an Accelerator made after another one keeps the first one's
+    # distributed type whatever plugin it is given (the 2-GPU run's FSDP section got MULTI_GPU that way).
+    # Forget it (as Accelerate's own tests do between cases); the process group stays.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    # An Accelerator given an fsdp_plugin sets ACCELERATE_USE_FSDP=true for the process, which would turn
+    # every later plugin-less Accelerator into FSDP too.
+    os.environ.pop("ACCELERATE_USE_FSDP", None)
+    plugin = None
+    if fsdp:
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                                transformer_cls_names_to_wrap=["GPT2Block"])
+    accelerator = Accelerator(cpu=ctx["device"].type == "cpu", mixed_precision="no", fsdp_plugin=plugin)
+    forced = False
+    if fsdp and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        # Accelerate turns a multi-process run into FSDP only on accelerators (AcceleratorState switches
+        # MULTI_GPU/NPU/XPU/... to FSDP; MULTI_CPU is not in that list, and its own FSDP tests require a
+        # non-CPU device). fully_shard itself runs on the CPU with gloo, so the CPU run sets the distributed
+        # type where Accelerate's FSDP branch would have (PartialState's too: every AcceleratorState()
+        # copies it) and then goes through Accelerate's own FSDP2 prepare, save_state and load_state.
+        PartialState().distributed_type = DistributedType.FSDP
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+        forced = True
+    return accelerator, forced
+
+
+def train_accelerate(ctx, fsdp, steps, start=0, save_dir=None, save_at=None):
+    """The plain Accelerate loop on the GPT-2 with adaptive_amp attached; resumes from `save_dir` when
+    `start` > 0, saves there after step `save_at`. Returns (accelerator, forced, amp, params, record)."""
     from adaptive_amp.integrations.accelerate import attach
 
     rank = dist.get_rank()
-    kwargs = {}
-    if fsdp2:
-        from accelerate import FullyShardedDataParallelPlugin
-
-        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(fsdp_version=2)
-    accelerator = Accelerator(cpu=ctx["device"].type == "cpu", mixed_precision="no", **kwargs)
-    if fsdp2 and accelerator.distributed_type.name != "FSDP":
-        # Accelerate keeps FSDP for accelerators: on the CPU it falls back to plain multi-process DDP.
-        report.facts["accelerate_fsdp2"] = f"not run: Accelerate chose {accelerator.distributed_type.name}, not FSDP"
-        if rank == 0:
-            print(f"[accelerate_fsdp2] {report.facts['accelerate_fsdp2']}", flush=True)
-        return
+    accelerator, forced = new_accelerator(ctx, fsdp)
     model = tiny_gpt2("cpu")
     injector = Injector(model, rank)
-    opt = adaptive_amp.optim.AdamW(model.parameters(), lr=1e-3)  # fused: skips on the device
+    if fsdp:  # adaptive_amp.optim takes plain tensors, not FSDP2's DTensor parameters
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    else:
+        opt = adaptive_amp.optim.AdamW(model.parameters(), lr=1e-3)  # fused: skips on the device
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     model, opt, sched = accelerator.prepare(model, opt, sched)
     amp = attach(accelerator, model, opt, POLICY, **CONTROLLER)
+    if start:
+        accelerator.load_state(save_dir)
     skipped = []
-    for i, batch in enumerate(batches(ctx["steps"], rank, accelerator.device)):
+    data = batches(steps, rank, accelerator.device)
+    for i in range(start, steps):
         injector.step = i
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = model(input_ids=data[i], labels=data[i]).loss
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         skipped.append(bool(accelerator.optimizer_step_was_skipped))
         opt.zero_grad()
-    name = "accelerate_fsdp2" if fsdp2 else "accelerate"
-    norms = amp.report(plots=False).history["grad_norm"]
+        if save_at == i + 1:
+            accelerator.save_state(save_dir)
     params = list(accelerator.unwrap_model(model).parameters())
+    record = {"skipped_flags": skipped, "injected": injector.injected, "sched_steps": sched.scheduler.last_epoch}
+    return accelerator, forced, amp, params, record
+
+
+def _local(p):
+    return p.detach().to_local() if type(p).__name__ == "DTensor" else p.detach()
+
+
+def section_accelerate(ctx, report, fsdp=False):
+    name = "accelerate_fsdp2" if fsdp else "accelerate"
+    steps, save_at = ctx["steps"], 4
+    save_dir = os.path.join(ctx["out"], f"{name}_checkpoint")
+    accelerator, forced, amp, params, record = train_accelerate(ctx, fsdp, steps, save_dir=save_dir,
+                                                                save_at=save_at)
+    straight = [_local(p).clone() for p in params]
+    norms = amp.report(plots=False).history["grad_norm"]
     full_sum = float(sum((p.detach().full_tensor() if type(p).__name__ == "DTensor" else p.detach()).double().sum()
                          for p in params))
-    per_rank = gather(summary(amp, torch.nn.Module(), {"skipped_flags": skipped, "params_sum": full_sum,
-                                                       "sched_steps": sched.scheduler.last_epoch, "norms": norms,
-                                                       "injected": injector.injected}))
+    per_rank = gather(summary(amp, torch.nn.Module(), {**record, "params_sum": full_sum, "norms": norms,
+                                                       "distributed_type": accelerator.distributed_type.name}))
     report.facts[name] = per_rank
-    agree(report, name, per_rank, "policy_history", "the same policies at the same steps on all ranks")
-    agree(report, name, per_rank, "skipped_flags", "step_was_skipped identical on all ranks")
-    agree(report, name, per_rank, "params_sum", "parameters identical on all ranks")
-    if fsdp2:  # replicated (DDP) gradients: each rank's norm is its own copy's; sharded: the all-reduced one
-        agree(report, name, per_rank, "norms", "clip norms identical on all ranks")
+    report.facts[f"{name}_forced_fsdp"] = forced
+    if fsdp:
+        if rank0():
+            print(f"[{name}] Accelerate's distributed type: {per_rank[0]['distributed_type']}"
+                  + (" (set by this script: Accelerate picks FSDP on accelerators only)" if forced else ""),
+                  flush=True)
+        report.check(name, "Accelerate trains with its FSDP strategy (FSDP2) on every rank",
+                     all(r["distributed_type"] == "FSDP" for r in per_rank) and accelerator.is_fsdp2)
+        if ctx["device"].type == "cuda":
+            report.check(name, "Accelerate chose FSDP itself (fsdp_plugin, no configuration file)", not forced)
         report.check(name, "Accelerate sharded the parameters (DTensors)",
                      all(type(p).__name__ == "DTensor" for p in params))
+    agree(report, name, per_rank, "policy_history", "the same policies at the same steps on all ranks")
+    agree(report, name, per_rank, "skipped_flags", "step_was_skipped (found_inf) identical on all ranks")
+    agree(report, name, per_rank, "scale")
+    agree(report, name, per_rank, "norms", "clip norms identical on all ranks")
+    agree(report, name, per_rank, "params_sum", "parameters identical on all ranks")
     r0 = per_rank[0]
     # (Accelerate's scheduler wrapper steps once per process for each optimizer step)
-    stepped = (ctx["steps"] - sum(r0["skipped_flags"])) * dist.get_world_size()
-    report.check(name, "the scheduler stepped only on steps that were not skipped",
+    stepped = (steps - sum(r0["skipped_flags"])) * dist.get_world_size()
+    report.check(name, "the injected steps were skipped on every rank and the scheduler stepped only on the others",
                  r0["sched_steps"] == stepped and sum(r0["skipped_flags"]) >= max(1, injected(per_rank)),
-                 f"{r0['sched_steps']} scheduler steps, flags {r0['skipped_flags']}")
+                 f"{r0['sched_steps']} scheduler steps, flags {r0['skipped_flags']}, {injected(per_rank)} injected")
     promoted_lm_head(per_rank, name, report)
+
+    # Resume: a fresh Accelerator, model and optimizer, accelerator.load_state of the step-4 checkpoint.
+    accelerator, _, amp2, params, record2 = train_accelerate(ctx, fsdp, steps, start=save_at, save_dir=save_dir)
+    same = all(torch.equal(_local(p), q) for p, q in zip(params, straight))
+    report.check(name, "resumed through save_state/load_state: parameters bitwise equal to the straight run "
+                 "(every rank)", all(gather(same)))
+    # The losses before the checkpoint are each rank's own (different batches): they show whose state it is.
+    losses = amp.report(plots=False).history["loss"]
+    losses2 = amp2.report(plots=False).history["loss"]
+    resumed = gather({"policy_history": [list(p) for p in amp2.policy_history], "step": amp2.step_count,
+                      "skipped": amp2.scaler.skipped_steps, "flags": record2["skipped_flags"],
+                      "own": amp2.policy_history == amp.policy_history and amp2.step_count == amp.step_count
+                      and amp2.scaler.skipped_steps == amp.scaler.skipped_steps
+                      and record2["skipped_flags"] == record["skipped_flags"][save_at:]
+                      and json.dumps(losses2) == json.dumps(losses)})
+    report.facts[f"{name}_resumed"] = resumed
+    report.check(name, "resumed controller: each rank continues its own state (step count, skips, policies, "
+                 "its own loss history)", all(r["own"] for r in resumed), str(resumed))
+    dist.barrier()
+    if rank0():
+        shutil.rmtree(save_dir, ignore_errors=True)
+
+
+def rank0():
+    return dist.get_rank() == 0
 
 
 SECTIONS = {"controller": section_controller, "resume": section_resume, "fsdp2": section_fsdp2,
             "lightning": section_lightning, "lightning_fsdp2": section_lightning_fsdp2,
             "accelerate": section_accelerate,
-            "accelerate_fsdp2": lambda ctx, report: section_accelerate(ctx, report, fsdp2=True)}
+            "accelerate_fsdp2": lambda ctx, report: section_accelerate(ctx, report, fsdp=True)}
 
 
 def main():
@@ -457,7 +542,7 @@ def main():
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     torch.use_deterministic_algorithms(True, warn_only=True)
-    ctx = {"device": device, "steps": args.steps}
+    ctx = {"device": device, "steps": args.steps, "out": args.out}
     report = Report(args.out)
     for name in args.sections.split(","):
         try:

@@ -261,6 +261,38 @@ def test_gradient_norm_is_tracked_without_scaling_or_clipping():
     assert amp.monitor.history()["grad_norm"] == pytest.approx(expected, rel=1e-5)
 
 
+def test_clipping_before_step_equals_clipping_in_step():
+    """amp.clip_grad_norm_ then amp.step() (a framework that clips between backward and step) is
+    amp.step(max_grad_norm=...): the same parameters, the same recorded norms (the clip's, the global one
+    under FSDP2) and the gradient statistics of the scaled gradients, taken before the clip unscaled them."""
+    runs = []
+    for early in (False, True):
+        torch.manual_seed(0)
+        model = Planted(amplify=1.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        amp = AdaptiveMixedPrecision(model, opt, policy="params=float32,compute=float16,loss_scale=dynamic:256",
+                                     capabilities=CPU_NO_BF16, read_every=2)
+        x, y = regression(64)
+        returned = []
+        for _ in range(4):
+            with amp.autocast():
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            amp.backward(loss * 50)  # large gradients: the clip at 0.5 acts
+            if early:
+                returned.append(float(amp.clip_grad_norm_(0.5)))
+                amp.step()
+            else:
+                amp.step(max_grad_norm=0.5)
+            amp.zero_grad()
+        grad_stats = [(s.step, s.kind, s.rows) for s in amp.monitor.layer_stats if s.kind == "gradient"]
+        runs.append(([p.detach().clone() for p in model.parameters()], amp.monitor.history()["grad_norm"],
+                     grad_stats, returned))
+    (params, norms, stats, _), (params2, norms2, stats2, returned) = runs
+    assert all(torch.equal(a, b) for a, b in zip(params, params2))
+    assert norms2 == norms and norms2 == pytest.approx(returned, rel=0) and max(norms) > 0.5
+    assert stats and repr(stats2) == repr(stats)
+
+
 def test_gradient_accumulation_and_several_optimizers():
     torch.manual_seed(0)
     model = Planted(amplify=1.0)

@@ -107,3 +107,24 @@ def test_a_nan_loss_on_one_rank_is_decided_on_by_every_rank(tmp_path):
     assert ranks[0]["norms"], "no step ran without the scaler"
     for step, norm in ranks[0]["norms"].items():
         assert ranks[0]["recorded"][step] == pytest.approx(norm, rel=1e-5)
+
+
+@pytest.mark.parametrize("cls", ["AdamW", "SGD"])
+def test_fused_optimizers_refuse_dtensor_parameters_by_name(one_rank_group, cls):
+    """FSDP2 (and Accelerate's FSDP2, which swaps the optimizer's parameters for the sharded ones) hands the
+    optimizer DTensors, which the fused step cannot take: a clear error naming the parameter (it was
+    'exp_avgs[0]: is not one of the state values the plan watches'), and nothing changed."""
+    from torch.distributed.fsdp import fully_shard
+
+    from adaptive_amp import optim
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    fully_shard(model)
+    opt = getattr(optim, cls)(model.parameters(), lr=0.1, **({"momentum": 0.9} if cls == "SGD" else {}))
+    model(torch.ones(2, 4)).sum().backward()
+    before = [p.detach().to_local().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=r"params\[0\] is a DTensor .*use a torch.optim optimizer"):
+        opt.step()
+    assert all(torch.equal(p.detach().to_local(), b) for p, b in zip(model.parameters(), before))
+    assert not opt.state

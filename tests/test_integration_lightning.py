@@ -20,48 +20,28 @@ import adaptive_amp  # noqa: E402
 from adaptive_amp.integrations.lightning import AdaptiveFabricPrecision, AdaptivePrecision  # noqa: E402
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
 
-from _integ_models import tiny_gpt2, token_batches  # noqa: E402
+from _integ_models import lit_gpt2_class, tiny_gpt2, token_batches  # noqa: E402
 from conftest import cuda_param  # noqa: E402
 
 FP16 = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval=3"
 
 
-class LitGPT2(pl.LightningModule):
-    def __init__(self, optimizer="torch", inject_inf_at=(), lr=1e-3):
-        super().__init__()
-        self.model = tiny_gpt2()
-        self.optimizer_kind = optimizer
-        self.inject_inf_at = set(inject_inf_at)
-        self.lr = lr
-        self.losses = []
-
-    def training_step(self, batch, batch_idx):
-        loss = self.model(input_ids=batch, labels=batch).loss
-        self.losses.append(loss.detach().float().item())
-        if self.global_step in self.inject_inf_at:
-            loss = loss * float("inf")  # every gradient becomes inf/NaN: the step must be skipped
-        return loss
-
-    def configure_optimizers(self):
-        if self.optimizer_kind == "sr":
-            opt = adaptive_amp.optim.AdamW(self.parameters(), lr=self.lr, stochastic_rounding=True)
-        else:
-            opt = torch.optim.AdamW(self.parameters(), lr=self.lr, foreach=False)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+LitGPT2 = lit_gpt2_class(pl.LightningModule)
 
 
-def _trainer(plugin, max_steps=5, device="cpu", **kw):
-    return pl.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=max_steps,
+def _trainer(plugin, max_steps=5, device="cpu", ns=pl, **kw):
+    return ns.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=max_steps,
                       plugins=[plugin], logger=False, enable_progress_bar=False, enable_model_summary=False,
                       enable_checkpointing=kw.pop("enable_checkpointing", False), deterministic=True,
                       num_sanity_val_steps=0, **kw)
 
 
-def _fit(plugin, steps=5, module=None, ckpt_path=None, trainer_kw=None, data=None, device="cpu", **module_kw):
-    pl.seed_everything(0, verbose=False)
-    module = module or LitGPT2(**module_kw)
-    trainer = _trainer(plugin, max_steps=steps, device=device, **(trainer_kw or {}))
+def _fit(plugin, steps=5, module=None, ckpt_path=None, trainer_kw=None, data=None, device="cpu", ns=pl,
+         **module_kw):
+    """`ns`: the Lightning package whose Trainer runs it (pytorch_lightning, or lightning.pytorch)."""
+    ns.seed_everything(0, verbose=False)
+    module = module or (LitGPT2 if ns is pl else lit_gpt2_class(ns.LightningModule))(**module_kw)
+    trainer = _trainer(plugin, max_steps=steps, device=device, ns=ns, **(trainer_kw or {}))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*The number of training batches.*")
@@ -181,8 +161,11 @@ def test_validate_without_fit_uses_the_policy_autocast():
     assert module.seen == torch.bfloat16
 
 
-def test_fabric_twin_trains_like_the_controller():
-    from lightning_fabric import Fabric
+@pytest.mark.parametrize("fabric_package", ["lightning_fabric", "lightning.fabric"])
+def test_fabric_twin_trains_like_the_controller(fabric_package):
+    """The twin in Fabric (lightning_fabric's, or the unified package's lightning.fabric): bitwise the
+    controller's own loop (an overflow injected, Fabric's clip_gradients)."""
+    Fabric = pytest.importorskip(fabric_package).Fabric
 
     def run(use_fabric):
         torch.manual_seed(0)
@@ -249,3 +232,64 @@ def test_fabric_twin_takes_one_optimizer():
     b = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="pass one optimizer"):
         AdaptiveFabricPrecision(FP16).connect(model, a, b)
+
+
+# ------------------------------------------------ the unified package: lightning.pytorch, lightning.fabric
+
+def _unified():
+    return pytest.importorskip("lightning.pytorch")
+
+
+def test_one_plugin_class_for_both_lightning_packages():
+    """pytorch_lightning and lightning.pytorch hold separate copies of Precision; each Trainer takes only
+    its own package's, so the plugins derive from both (with both installed, as the test extra pins)."""
+    L = _unified()
+    import lightning.fabric
+    import lightning_fabric
+
+    assert isinstance(AdaptivePrecision(FP16), (pl.plugins.precision.Precision))
+    assert isinstance(AdaptivePrecision(FP16), L.plugins.precision.Precision)
+    assert isinstance(AdaptiveFabricPrecision(FP16), lightning_fabric.plugins.Precision)
+    assert isinstance(AdaptiveFabricPrecision(FP16), lightning.fabric.plugins.Precision)
+
+
+def test_unified_trainer_matches_its_own_amp_bitwise():
+    """lightning.pytorch.Trainer: AdaptivePrecision (and the plain path, its MixedPrecision with our scaler)
+    train exactly as its MixedPrecision with torch's scaler, an overflow included."""
+    L = _unified()
+    from lightning.pytorch.plugins.precision import MixedPrecision as UnifiedMixedPrecision
+
+    theirs = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    ours = adaptive_amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    _, m_theirs = _fit(UnifiedMixedPrecision("16-mixed", "cpu", scaler=theirs), inject_inf_at=[2], ns=L)
+    _, m_plain = _fit(UnifiedMixedPrecision("16-mixed", "cpu", scaler=ours), inject_inf_at=[2], ns=L)
+    plugin = AdaptivePrecision(FP16, read_every=2)
+    trainer, m_ours = _fit(plugin, inject_inf_at=[2], ns=L)
+    assert isinstance(m_ours, L.LightningModule) and not isinstance(m_ours, pl.LightningModule)
+    _same_params(m_theirs, m_plain)
+    _same_params(m_theirs, m_ours)
+    assert m_theirs.losses == m_plain.losses == m_ours.losses
+    assert plugin.amp.step_count == 5 and trainer.global_step == 5
+    assert ours.skipped_steps == plugin.amp.scaler.skipped_steps == 1
+    assert theirs.get_scale() == ours.get_scale() == plugin.amp.scaler.get_scale()
+
+
+def test_unified_trainer_checkpoint_resume_continues_bitwise(tmp_path):
+    """The controller's state in lightning.pytorch's checkpoints: resuming at step 3 ends where 6 straight
+    steps end (an overflow at step 4, after the resume)."""
+    L = _unified()
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = token_batches(3)
+    every3 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    straight = AdaptivePrecision(FP16, read_every=2)
+    _, m_straight = _fit(straight, steps=6, inject_inf_at=[4], data=data, ns=L,
+                         trainer_kw={"enable_checkpointing": True, "callbacks": [every3]})
+    ckpt = tmp_path / "epoch=0-step=3.ckpt"
+    assert torch.load(ckpt, weights_only=True)["AdaptivePrecision"]["adaptive_amp"]["step"] == 3
+    resumed = AdaptivePrecision(FP16, read_every=2)
+    _, m_resumed = _fit(resumed, steps=6, ckpt_path=str(ckpt), inject_inf_at=[4], data=data, ns=L)
+    _same_params(m_straight, m_resumed)
+    assert m_resumed.losses == m_straight.losses[3:]
+    assert resumed.amp.step_count == 6 and resumed.amp.scaler.skipped_steps == 1
+    assert json.dumps(resumed.amp.state_dict()["monitor"]) == json.dumps(straight.amp.state_dict()["monitor"])

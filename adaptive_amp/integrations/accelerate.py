@@ -30,7 +30,18 @@ What each Accelerate call becomes:
   optimizers, which step on the device even when they skip;
 * ``accelerator.save_state`` / ``load_state`` (and the transformers Trainer's
   checkpoints) keep the controller's state where they keep the scaler's
-  (``scaler.pt``): ``accelerator.scaler`` is this bridge.
+  (``scaler.pt``): ``accelerator.scaler`` is this bridge. Under several
+  processes every rank's controller state goes into that one file (each
+  rank resumes its own), and with FSDP2 the step that
+  ``torch.distributed.checkpoint`` runs to create the optimizer's state
+  before loading it is the optimizer's alone, not a training step.
+
+Accelerate's FSDP (``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
+fsdp_version=2))``) and DDP strategies both work: the scaler all-reduces
+found_inf and, for sharded gradients, the clip norm; the controller's
+decisions are collective. Give FSDP2 a ``torch.optim`` optimizer
+(adaptive_amp.optim's fused optimizers take plain tensors, not FSDP2's
+sharded DTensor parameters).
 
 The Accelerator must be created with ``mixed_precision="no"``: its own
 autocast and scaler would fight the policy's.
@@ -77,13 +88,14 @@ class SkipFlag:
 class _ScaledLoss:
     """What ``accelerator.scaler.scale(loss)`` returns: its ``backward`` is the controller's."""
 
-    __slots__ = ("_amp", "_loss")
+    __slots__ = ("_bridge", "_loss")
 
-    def __init__(self, amp: AdaptiveMixedPrecision, loss: torch.Tensor):
-        self._amp, self._loss = amp, loss
+    def __init__(self, bridge: "AcceleratorBridge", loss: torch.Tensor):
+        self._bridge, self._loss = bridge, loss
 
     def backward(self, **kwargs: Any) -> None:
-        self._amp.backward(self._loss, **kwargs)
+        self._bridge._require_amp().backward(self._loss, **kwargs)
+        self._bridge._backward_since_step = True
 
 
 def _raw_optimizer(optimizer):
@@ -114,7 +126,10 @@ class AcceleratorBridge:
         self.amp: Optional[AdaptiveMixedPrecision] = None
         self._optimizer = None  # the raw optimizer the controller steps
         self._pending_state: Optional[dict] = None
+        self._backward_since_step = False
+        self._saving: Optional[tuple] = None  # (step, every rank's state) for the save_state under way
         accelerator.scaler = self
+        accelerator.register_save_state_pre_hook(self._gather_for_save_state)
         # Accelerate clips with torch's clip_grad_norm_ after an unscale that, with mixed_precision="no",
         # does nothing: the scaler's clip knows the scale (and fused optimizers' deferred unscaling).
         accelerator.clip_grad_norm_ = self.clip_grad_norm_
@@ -174,10 +189,25 @@ class AcceleratorBridge:
             raise RuntimeError("optimizer.step(closure) is not supported with loss scaling")
         if not accelerated.gradient_state.sync_gradients:
             return  # accumulating: Accelerate's own step does nothing either
+        if self._is_state_initialization():
+            # torch.distributed.checkpoint (Accelerate's FSDP2 load_state) creates the optimizer's state with a
+            # step on zero gradients at lr 0 before loading the saved state into it. No loss is behind it: it
+            # is the optimizer's, not a training step, and the controller (restored already) must not count it.
+            self._optimizer.step()
+            return
+        self._backward_since_step = False
         amp = self._require_amp()
         amp.step()
         scaler = amp.scaler
         accelerated._is_overflow = SkipFlag(scaler.found_inf if scaler.is_enabled() else None)
+
+    def _is_state_initialization(self) -> bool:
+        """A step with no backward through Accelerate since the last one, on an optimizer that has no state
+        yet, at lr 0 everywhere: it changes nothing and there is nothing to unscale, check or record."""
+        raw = self._optimizer
+        if self._backward_since_step or raw is None or raw.state:
+            return False
+        return all(float(g["lr"]) == 0.0 for g in raw.param_groups if "lr" in g)
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the controller's optimizer's gradients (unscaled) to `max_norm`; the norm as a device tensor."""
@@ -187,11 +217,13 @@ class AcceleratorBridge:
         if stray:
             raise ValueError(f"clip_grad_norm_: {len(stray)} parameters with gradients are not in the optimizer "
                              "adaptive_amp steps; clip the optimizer's parameters")
-        return amp.scaler.clip_grad_norm_(self._optimizer, float(max_norm), norm_type)
+        # The controller's clip: the norm it returns (all-reduced over FSDP2's shards) is the one its step records.
+        return amp.clip_grad_norm_(float(max_norm), norm_type)
 
     # ------------------------------------------------ the scaler Accelerate sees
     def scale(self, loss: torch.Tensor) -> _ScaledLoss:
-        return _ScaledLoss(self._require_amp(), loss)
+        self._require_amp()
+        return _ScaledLoss(self, loss)
 
     def unscale_(self, optimizer) -> None:
         self._require_amp().scaler.unscale_(_raw_optimizer(optimizer))
@@ -202,7 +234,31 @@ class AcceleratorBridge:
     def is_enabled(self) -> bool:
         return self.amp is not None and self.amp.scaler.is_enabled()
 
+    @property
+    def _device(self) -> torch.device:
+        return self.amp.device if self.amp is not None else self.accelerator.device
+
+    def _lazy_init_scale_growth_tracker(self, device) -> None:
+        """Accelerate's FSDP2 load_state calls this after load_state_dict (torch's scaler creates its scale
+        tensor lazily); the controller's scaler has its state from load_state_dict already."""
+
+    def _gather_for_save_state(self, models, weights, output_dir) -> None:
+        # accelerator.save_state runs on every rank, and every rank writes scaler.pt, to the same path. The
+        # ranks' controller states differ (each keeps its own losses and layer statistics), so each rank
+        # writes all of them (the same bytes): each resumes its own, and the writes cannot interleave into a
+        # corrupt file. (The transformers Trainer saves scaler.pt from the main process alone, without this
+        # hook: its checkpoints hold rank 0's state, which every rank resumes.)
+        group = world_group()
+        if group is None or self.amp is None:
+            return
+        states = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(states, self.amp.state_dict(), group=group)
+        self._saving = (self.amp.step_count, {"adaptive_amp": states[0], "adaptive_amp_ranks": states})
+
     def state_dict(self) -> Dict[str, Any]:
+        saving, self._saving = self._saving, None
+        if saving is not None and self.amp is not None and saving[0] == self.amp.step_count:
+            return saving[1]  # (not one left over from a save_state that failed at an earlier step)
         if self.amp is None:
             return {} if self._pending_state is None else {"adaptive_amp": self._pending_state}
         return {"adaptive_amp": self.amp.state_dict()}
@@ -211,10 +267,15 @@ class AcceleratorBridge:
         if "adaptive_amp" not in state_dict:
             raise ValueError("scaler state: no 'adaptive_amp' entry; this checkpoint was not saved with "
                              f"adaptive_amp's Accelerate bridge (keys: {sorted(state_dict)})")
+        state = state_dict["adaptive_amp"]
+        ranks = state_dict.get("adaptive_amp_ranks")
+        group = world_group()
+        if ranks is not None and group is not None and len(ranks) == torch.distributed.get_world_size(group):
+            state = ranks[torch.distributed.get_rank(group)]
         if self.amp is None:
-            self._pending_state = state_dict["adaptive_amp"]  # loaded by connect()
+            self._pending_state = state  # loaded by connect()
         else:
-            self.amp.load_state_dict(state_dict["adaptive_amp"])
+            self.amp.load_state_dict(state)
 
 
 def attach(accelerator: Accelerator, model: nn.Module, optimizer, policy: Union[str, PrecisionPolicy] = "auto",

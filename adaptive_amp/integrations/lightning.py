@@ -11,8 +11,14 @@ The plain path needs no plugin of ours: Lightning's own
 ``MixedPrecision("16-mixed", device, scaler=adaptive_amp.GradScaler(device))``
 takes our scaler as it takes torch's.
 
-Imports ``pytorch_lightning`` (the package this was tested with) or, where only
-the unified ``lightning`` package is installed, ``lightning.pytorch``.
+Works with both of Lightning's packages: ``pytorch_lightning`` (with
+``lightning_fabric``) and the unified ``lightning`` (``lightning.pytorch``,
+``lightning.fabric``). They hold separate copies of the same classes, and a
+Trainer accepts only plugins derived from its own package's ``Precision``; so
+the two plugins here derive from the ``Precision`` of every package that is
+installed, and one ``AdaptivePrecision`` goes into either Trainer (one
+``AdaptiveFabricPrecision`` into either Fabric). Importing this module needs
+at least one of the two packages.
 """
 
 from __future__ import annotations
@@ -24,16 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import torch
 from torch import nn
 
-try:
-    import pytorch_lightning as pl
-    from lightning_fabric.plugins import Precision as _FabricPrecisionBase
-    from pytorch_lightning.plugins.precision import Precision as _TrainerPrecisionBase
-    from pytorch_lightning.utilities import GradClipAlgorithmType
-except ImportError:  # the unified package
-    import lightning.pytorch as pl
-    from lightning.fabric.plugins import Precision as _FabricPrecisionBase
-    from lightning.pytorch.plugins.precision import Precision as _TrainerPrecisionBase
-    from lightning.pytorch.utilities import GradClipAlgorithmType
+from ._lightning_packages import (FABRIC_PRECISION_BASES, GradClipAlgorithmType, LIGHTNING_MODULES,
+                                  TRAINER_PRECISION_BASES)
 
 from ..controller import AdaptiveMixedPrecision
 from ..distributed import CollectiveAdaptiveMixedPrecision, world_group
@@ -139,20 +137,25 @@ class _ControllerHost:
 
 def _lightning_module(model: nn.Module) -> nn.Module:
     """The LightningModule inside what the strategy wrapped (DDP and Lightning's own wrapper)."""
-    if isinstance(model, pl.LightningModule):
+    if isinstance(model, LIGHTNING_MODULES):
         return model
     for module in model.modules():
-        if isinstance(module, pl.LightningModule):
+        if isinstance(module, LIGHTNING_MODULES):
             return module
     return model
 
 
-class AdaptivePrecision(_ControllerHost, _TrainerPrecisionBase):
+def _overrides_backward(model) -> bool:
+    """Whether a LightningModule subclass defines its own backward (which the plugin cannot call)."""
+    return any(isinstance(model, base) and type(model).backward is not base.backward for base in LIGHTNING_MODULES)
+
+
+class AdaptivePrecision(_ControllerHost, *TRAINER_PRECISION_BASES):
     """Lightning ``Precision`` plugin that trains under :class:`adaptive_amp.AdaptiveMixedPrecision`.
 
     Usage::
 
-        trainer = Trainer(plugins=[AdaptivePrecision("auto")])
+        trainer = Trainer(plugins=[AdaptivePrecision("auto")])   # pytorch_lightning's or lightning.pytorch's
 
     Args:
         policy: ``"auto"`` (select from the hardware and the model), a
@@ -234,8 +237,7 @@ class AdaptivePrecision(_ControllerHost, _TrainerPrecisionBase):
         if args:
             raise TypeError("AdaptivePrecision: positional backward arguments are not supported; pass them "
                             "by keyword (gradient=..., retain_graph=...)")
-        if (not self._warned_backward and isinstance(model, pl.LightningModule)
-                and type(model).backward is not pl.LightningModule.backward):
+        if not self._warned_backward and _overrides_backward(model):
             warnings.warn(f"{type(model).__name__}.backward is overridden, but AdaptivePrecision runs the "
                           "backward itself (it scales the loss and records it); the override is not called",
                           stacklevel=2)
@@ -264,7 +266,7 @@ class AdaptivePrecision(_ControllerHost, _TrainerPrecisionBase):
             torch.nn.utils.clip_grad_value_(list(self.main_params(optimizer)), clip_value=clip_val)
 
 
-class AdaptiveFabricPrecision(_ControllerHost, _FabricPrecisionBase):
+class AdaptiveFabricPrecision(_ControllerHost, *FABRIC_PRECISION_BASES):
     """The Fabric twin of :class:`AdaptivePrecision`.
 
     Fabric never shows a precision plugin the optimizers, so connect them
