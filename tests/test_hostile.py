@@ -225,6 +225,43 @@ def test_stochastic_round_out_leaf_requiring_grad_refused():
     assert bool((out.detach() == 0).all())
 
 
+def _strided_leaf_calls():
+    """(op, argument name, the strided leaf it writes, the call, other arrays it must leave as they were). Each
+    leaf is a parameter made from a strided view (a transposed weight, every other element)."""
+    f, inv = scalar(0.0), scalar(0.5)
+    weight_t = torch.nn.Parameter(data(12, seed=5).reshape(4, 3).t())
+    yield ("unscale_and_check_", "tensors[1]", weight_t,
+           lambda: adaptive_amp.unscale_and_check_([data(8), weight_t], f, inv), (f,))
+    yield ("UnscalePlan", "tensors[1]", weight_t,
+           lambda: adaptive_amp.UnscalePlan([data(8), weight_t]).unscale_and_check_(f, inv), (f,))
+    scale, gt = scalar(8.0), torch.zeros(1, dtype=torch.int32)
+    counters = torch.tensor([1, 0, 0, 0], dtype=torch.int32)
+    history = torch.nn.Parameter(torch.zeros(8)[::2])
+    yield ("update_scale_", "amax_history", history,
+           lambda: adaptive_amp.update_scale_(scale, gt, scalar(0.0), 2.0, 0.5, 10, counters=counters,
+                                              step_amax=scalar(3.0), amax_history=history),
+           (scale, gt, counters))
+    out = torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16).t())
+    yield ("stochastic_round", "out", out,
+           lambda: adaptive_amp.stochastic_round(data(12, seed=6).reshape(4, 3), torch.bfloat16, seed=1, out=out), ())
+
+
+@pytest.mark.parametrize("case", list(_strided_leaf_calls()), ids=lambda c: c[0])
+def test_strided_leaf_requiring_grad_is_refused_as_a_leaf_not_as_strided(case):
+    """A written argument that is a strided leaf requiring grad was told "pass x.contiguous()": a copy, a new
+    non-leaf tensor, so the write would never reach x. It is refused as torch refuses an in-place op on a leaf
+    that requires grad, naming the argument, and nothing is written."""
+    _, name, leaf, call, others = case
+    assert leaf.is_leaf and leaf.requires_grad and not leaf.is_contiguous()
+    before = snapshot(leaf, *others)
+    with pytest.raises(ValueError) as info:
+        call()
+    message = str(info.value)
+    assert message.startswith(name) and "requires grad" in message, message
+    assert "contiguous" not in message, message
+    unchanged(before, leaf, *others)
+
+
 def test_stochastic_round_numpy_read_only_out_refused():
     pytest.importorskip("ml_dtypes")
     out = np.zeros(4, np.float16)
@@ -780,3 +817,18 @@ def test_every_plan_notices_a_buffer_resized_in_place(plan):
         opt.step()
     for q, b in zip(model.parameters(), before):
         assert torch.equal(q, b)
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_fused_optimizer_on_a_strided_parameter_is_not_told_to_pass_a_copy(kind):
+    """A transposed parameter (a strided leaf that requires grad) was told "pass x.contiguous()": a copy, not
+    the parameter the model uses. The error names it and says how to give the parameter contiguous memory;
+    the parameter and its gradient are left as they were."""
+    w = torch.nn.Parameter(data(12, seed=7).reshape(4, 3).t())
+    w.grad = data(12, seed=8).reshape(3, 4)
+    opt = aoptim.AdamW([w], lr=0.1) if kind == "AdamW" else aoptim.SGD([w], lr=0.1, momentum=0.9)
+    before = snapshot(w, w.grad)
+    with pytest.raises(ValueError, match=re.escape("params[0] is not contiguous")) as info:
+        opt.step()
+    assert "leaf that requires grad" in str(info.value) and "x.contiguous()" not in str(info.value)
+    unchanged(before, w, w.grad)
