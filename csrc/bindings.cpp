@@ -40,6 +40,15 @@ T* as_ptr(std::uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
+// The GIL stays held during native work (CPU kernels, CUDA enqueues). A
+// reference to a tensor or its storage does not keep its memory: another
+// Python thread's x.resize_(), x.untyped_storage().resize_(0) or set_()
+// frees it (FSDP frees parameters that way), and with the GIL released a CPU
+// kernel then reads and writes freed memory (a segfault on a 64 MiB tensor,
+// tests/test_hostile.py), or a CUDA launch not yet enqueued is ordered after
+// work on a new allocation that reused the block. CUDA enqueues take
+// microseconds; CPU kernels keep other Python threads waiting while they run.
+
 // One unscale pass over tensors already described.
 void run_unscale(std::vector<aamp::TensorRef> tensors, std::uintptr_t found_inf, std::uintptr_t inv_scale,
                  bool check_only, std::uintptr_t sumsq, std::uintptr_t amax, std::uintptr_t workspace,
@@ -55,11 +64,10 @@ void run_unscale(std::vector<aamp::TensorRef> tensors, std::uintptr_t found_inf,
   a.workspace_bytes = workspace_bytes;
   a.place.device = device;
   a.place.stream = stream;
-  // CPU work runs without the GIL so other Python threads go on; CUDA work
-  // only enqueues, which is quick either way. Every caller holds references
-  // to the arrays behind these pointers until this returns (ops keep their
-  // _native.Batch, plans their lists), and `a` is this call's own copy.
-  py::gil_scoped_release release;
+  // With the GIL (see "The GIL stays held"): every caller holds
+  // references to the arrays behind these pointers until this returns (ops
+  // keep their _native.Batch, plans their lists), and `a` is this call's own
+  // copy.
   aamp::unscale_and_check(a);
 }
 
@@ -278,8 +286,8 @@ class GradPlan {
 
   // One native pass over the gradients that the last collect() found. The
   // gradients stay referenced (a local list, which another thread's collect()
-  // cannot replace) while the core runs without the GIL, so p.grad = None or
-  // zero_grad() on another thread cannot free them under the kernel.
+  // cannot replace) between collect() and the launch, so p.grad = None or
+  // zero_grad() on another thread cannot free them before the kernel.
   void launch(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
     if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
@@ -425,8 +433,7 @@ void stochastic_round(std::uintptr_t x, std::int64_t numel, int x_dtype, std::ui
   a.amax = as_ptr<float>(amax);
   a.place.device = device;
   a.place.stream = stream;
-  py::gil_scoped_release release;
-  aamp::stochastic_round(a);
+  aamp::stochastic_round(a);  // with the GIL (see "The GIL stays held")
 }
 
 // Per-tensor statistics (csrc/stats.h). format < 0: none; scale == 0 and
@@ -448,8 +455,7 @@ void tensor_stats(const std::vector<std::uintptr_t>& ptrs, const std::vector<std
   a.workspace_bytes = workspace_bytes;
   a.place.device = device;
   a.place.stream = stream;
-  py::gil_scoped_release release;
-  aamp::tensor_stats(a);
+  aamp::tensor_stats(a);  // with the GIL (see "The GIL stays held")
 }
 
 // Fused optimizer step (csrc/optim.h). Each list comes as pointers, element
@@ -514,8 +520,7 @@ void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::
   set_step_scalars(a, lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize,
                    stochastic_rounding, grad_scale, found_inf, seed, offset, seed_offset, stream);
   a.place.device = device;
-  py::gil_scoped_release release;
-  aamp::optim_step(a);
+  aamp::optim_step(a);  // with the GIL (see "The GIL stays held")
 }
 
 // One optimizer param group's tensors on one device, described once and kept
@@ -542,8 +547,8 @@ void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::
 //
 // The tensors of a launch (params and state values held by the plan, the
 // gradients that collect() found, held in a list it replaces each time) stay
-// referenced while the core runs without the GIL, so another thread that sets
-// p.grad = None or drops a state entry cannot free memory under the kernel.
+// referenced from collect() to the launch, so another thread that sets
+// p.grad = None or drops a state entry cannot free memory the kernel uses.
 class OptimPlan {
  public:
   OptimPlan(int kind, py::list group_params, std::vector<std::size_t> planned, std::vector<std::size_t> absent,
@@ -702,14 +707,10 @@ class OptimPlan {
     collected_ = false;  // the gradients found are used once: the next step collects again
     set_step_scalars(a_, lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize,
                      stochastic_rounding, grad_scale, found_inf, seed, offset, seed_offset, stream);
-    // Local copies: what this launch touches stays referenced (and its pointers unchanged) even if another
-    // thread collects or drops tensors while the core runs without the GIL.
+    // Local copies: what this launch touches stays referenced (and its pointers unchanged).
     const aamp::OptimArgs args = a_;
     const py::list grads = grads_, params = params_, values = values_;
-    {
-      py::gil_scoped_release release;
-      aamp::optim_step(args);
-    }
+    aamp::optim_step(args);  // with the GIL (see "The GIL stays held")
     // A new momentum buffer is new for one step only (a skipped step leaves it
     // at zero, which the next step reads as history: see optim.SGD).
     std::fill(a_.first.begin(), a_.first.end(), std::uint8_t{0});

@@ -10,7 +10,10 @@ bitwise on every array the call could have touched.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import textwrap
 
 import numpy as np
 import pytest
@@ -485,8 +488,8 @@ def test_cuda_ops_on_a_non_current_device():
 
 # --------------------------------------------------------------------------- another thread frees what a call uses
 #
-# Native calls release the GIL while the kernels run, and Python code runs
-# between describing arrays and launching. Every call must hold its own
+# Python code runs between describing arrays and launching (and torch's own
+# methods may release the GIL there). Every call must hold its own
 # references to what it touches. The deterministic tests free the caller's
 # references at the worst moment (right before the launch, through a hook on
 # the stream lookup every op does last) and put a same-sized sentinel where
@@ -662,6 +665,84 @@ def test_thread_clearing_the_list_during_unscale_and_stats():
 
     _clear_errors(_race(call, mutate))
     assert float(f) == 0.0
+
+
+# --------------------------------------------------------------------------- another thread frees memory a call uses
+#
+# A reference to a tensor or to its storage does not keep its memory: x.resize_(), set_() and
+# x.untyped_storage().resize_(0) free it (FSDP frees parameters that way). So native work runs with the GIL
+# held (no Python thread can free anything until it returns).
+
+_FREED_DURING_THE_CALL = textwrap.dedent("""
+    import sys, threading, torch, adaptive_amp
+    from adaptive_amp import _native, optim, scaler as scaler_mod, sround_torch
+    sys.setswitchinterval(1.0)  # the other thread runs where a call releases the GIL, not at a timer's whim
+    N = 1 << 24  # 64 MiB of float32: freed with munmap, so a kernel still on it faults
+
+    def run(name, x, call, module, attr):
+        go = threading.Event()
+
+        def free_it():
+            go.wait()
+            x.untyped_storage().resize_(0)
+        thread = threading.Thread(target=free_it)
+        thread.start()
+        original = getattr(module, attr)
+
+        def hooked(*args, **kwargs):  # the stream lookup every native path does right before the launch
+            go.set()
+            return original(*args, **kwargs)
+        setattr(module, attr, hooked)
+        try:
+            print(name, flush=True)
+            call()
+        finally:
+            setattr(module, attr, original)
+            thread.join()
+
+    f, inv = torch.zeros(1), torch.full((1,), 0.5)
+    x = torch.full((N,), 2.0)
+    run("unscale_and_check_", x, lambda: adaptive_amp.unscale_and_check_([x], f, inv), _native, "current_stream")
+    x = torch.full((N,), 2.0)
+    plan = adaptive_amp.UnscalePlan([x])
+    run("UnscalePlan", x, lambda: plan.unscale_and_check_(f, inv), _native, "current_stream")
+    x = torch.full((N,), 2.0)
+    run("tensor_stats", x, lambda: adaptive_amp.tensor_stats([x]), _native, "current_stream")
+    x = torch.full((N,), 2.0)
+    run("stochastic_round", x, lambda: adaptive_amp.stochastic_round(x, torch.bfloat16, seed=1), sround_torch,
+        "_stream")
+    p, g, m = torch.zeros(N), torch.full((N,), 1.0), torch.zeros(N)
+    run("sgd_step_", g, lambda: optim.sgd_step_([p], [g], [m], [True], lr=1.0, momentum=0.9,
+                                                 stochastic_rounding=False), optim, "_stream")
+    w = torch.nn.Parameter(torch.zeros(N))
+    opt = optim.AdamW([w], lr=0.1, stochastic_rounding=False)
+    w.grad = torch.ones(N)
+    opt.step()  # builds the plan
+    w.grad = torch.ones(N)
+    run("AdamW (planned)", w.grad, opt.step, optim, "_stream")
+    w.grad = torch.full((N,), 4.0)
+    sgd = torch.optim.SGD([w], lr=0.1)
+    scaler = adaptive_amp.GradScaler("cpu", init_scale=2.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(sgd)  # builds the plan
+    scaler.update()
+    w.grad = torch.full((N,), 4.0)
+    scaler.scale(torch.ones(()))
+    run("GradScaler.unscale_", w.grad, lambda: scaler.unscale_(sgd), scaler_mod._DeviceGroup, "stream")
+    print("ok")
+""")
+
+
+def test_memory_freed_by_another_thread_during_a_native_call_is_not_touched():
+    """Every native path, with a thread that frees (storage resize_(0)) the 64 MiB tensor it works on as soon as
+    it can, from the stream lookup right before the launch on: with the GIL released during the kernel the
+    process died (SIGSEGV) at the first path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(adaptive_amp.__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _FREED_DURING_THE_CALL], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.endswith("ok\n"), (
+        f"exit code {proc.returncode} in {proc.stdout.split()[-1:]}: {proc.stderr[-2000:]}")
 
 
 # No threaded test sets p.grad: with torch 2.13 on the CPU, one thread reading p.grad while another assigns
