@@ -355,11 +355,15 @@ class TensorsPlan {
     return true;
   }
 
-  // One unscale pass; the caller ran check() (the tensors and storages stay held by the plan).
-  void unscale(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
+  // check(), then one unscale pass; false (nothing run) when the tensors no longer hold. One call, with
+  // the GIL held from the check to the end of the launch: a check the caller made before its own Python
+  // code (a thread switch point) could be undone by another thread's resize_ before the launch.
+  bool unscale(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
                std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
+    if (!check()) return false;
     const py::tuple keep = tensors_, keep_storages = storages_;
     run_unscale(refs_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
+    return true;
   }
 
  private:

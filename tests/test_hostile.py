@@ -671,7 +671,8 @@ def test_thread_clearing_the_list_during_unscale_and_stats():
 #
 # A reference to a tensor or to its storage does not keep its memory: x.resize_(), set_() and
 # x.untyped_storage().resize_(0) free it (FSDP frees parameters that way). So native work runs with the GIL
-# held (no Python thread can free anything until it returns).
+# held (no Python thread can free anything until it returns), and a plan checks its tensors in the same
+# native call that launches.
 
 _FREED_DURING_THE_CALL = textwrap.dedent("""
     import sys, threading, torch, adaptive_amp
@@ -743,6 +744,35 @@ def test_memory_freed_by_another_thread_during_a_native_call_is_not_touched():
                           timeout=300, env=env)
     assert proc.returncode == 0 and proc.stdout.endswith("ok\n"), (
         f"exit code {proc.returncode} in {proc.stdout.split()[-1:]}: {proc.stderr[-2000:]}")
+
+
+@pytest.mark.parametrize("how", ["set_", "resize_"])
+def test_unscale_plan_tensor_replaced_after_the_python_side_before_the_launch(monkeypatch, how):
+    """The plan checked its tensors, then ran Python code (describing found_inf, the stream lookup: thread switch
+    points) before launching: a tensor another thread gave new memory there was unscaled at its old address
+    (set_: memory the plan's storage still held; resize_: freed memory, where sentinels now lie)."""
+    ts = [torch.full((_BIG,), 4.0) for _ in range(2)]
+    plan = adaptive_amp.UnscalePlan(ts)
+    kept = []
+
+    def replace():
+        if kept:
+            return
+        if how == "set_":
+            ts[0].set_(torch.full((_BIG,), 4.0))
+        else:
+            ts[0].resize_(2 * _BIG)  # new memory; the planned block is freed
+            ts[0][_BIG:] = 4.0
+        kept.extend(_sentinels(2))
+    _hook(monkeypatch, _native, "current_stream", replace)
+    f = scalar(0.0)
+    plan.unscale_and_check_(f, scalar(0.5))
+    monkeypatch.undo()
+    for s in kept:
+        assert torch.all(s == 7.0), "the kernel wrote through a pointer of freed memory"
+    for t in ts:
+        assert torch.all(t == 2.0), "a tensor was not unscaled where it is now"
+    assert float(f) == 0.0
 
 
 # No threaded test sets p.grad: with torch 2.13 on the CPU, one thread reading p.grad while another assigns
