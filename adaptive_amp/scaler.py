@@ -498,7 +498,7 @@ class GradScaler(torch.amp.GradScaler):
                 if grads is None:
                     try:
                         stats.append(self._launch_plan(group, found, inv, check_only))
-                    except (ValueError, TypeError) as exc:
+                    except (ValueError, TypeError, RuntimeError) as exc:
                         raise _name_params(exc, [group.names[i] for i in group.native.collected]) from None
                 else:
                     stats.extend(self._launch_general(grads, found, inv, check_only))

@@ -290,8 +290,21 @@ class GradPlan {
   // zero_grad() on another thread cannot free them before the kernel.
   void launch(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
+    static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
     if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
     const py::list grads = grads_;
+    // The caller's allocations since collect() release the GIL: a gradient another thread gave new memory
+    // there (resize_, set_, its storage resized) would have its old, maybe freed, memory touched. Its pointer
+    // is read again here, with the GIL held to the end of the launch.
+    for (std::size_t k = 0; k < live_.size(); ++k) {
+      py::object ptr = call_method(PyList_GET_ITEM(grads.ptr(), live_at_[k]), data_ptr_name);
+      if (!ptr) throw py::error_already_set();
+      if (PyLong_AsUnsignedLongLong(ptr.ptr()) != reinterpret_cast<std::uintptr_t>(live_[k].data)) {
+        throw std::runtime_error(aamp::item_name("tensors", k) + " was given new memory (resize_, set_ or a "
+                                 "storage resize) while this call ran, by another thread; nothing was unscaled "
+                                 "on this device. Do not change gradients while the scaler unscales them");
+      }
+    }
     run_unscale(live_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
   }
 

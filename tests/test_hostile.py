@@ -775,6 +775,45 @@ def test_unscale_plan_tensor_replaced_after_the_python_side_before_the_launch(mo
     assert float(f) == 0.0
 
 
+@pytest.mark.parametrize("how", ["set_", "resize_"])
+def test_grad_scaler_gradient_given_new_memory_after_collect_is_refused(monkeypatch, how):
+    """Between the plan's collect() (which read the gradients' pointers) and its launch, the scaler allocates
+    the statistics with torch, which releases the GIL: another thread that gives a gradient new memory there
+    had its old (freed) memory unscaled. The launch reads the pointers again and refuses, naming the gradient,
+    with nothing written."""
+    from adaptive_amp import scaler as scaler_mod
+
+    model = _model_with_grads(4.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = adaptive_amp.GradScaler("cpu", init_scale=2.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)  # builds the plan
+    scaler.update()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 4.0)
+    scaler.scale(torch.ones(()))
+    weight = model[0].weight
+    kept = []
+    original = scaler_mod.GradScaler._launch_plan
+
+    def launch(group, found, inv, check_only):
+        if not kept:
+            if how == "set_":
+                weight.grad.set_(torch.full_like(weight, 4.0))
+            else:
+                weight.grad.resize_(2 * weight.numel())  # new memory first: the planned block is freed after
+                weight.grad.fill_(4.0)
+            kept.extend(_sentinels(2))
+        return original(group, found, inv, check_only)
+    monkeypatch.setattr(scaler_mod.GradScaler, "_launch_plan", staticmethod(launch))
+    with pytest.raises(RuntimeError, match=re.escape("param_groups[0]['params'][0].grad was given new memory")):
+        scaler.unscale_(opt)
+    for s in kept:
+        assert torch.all(s == 7.0), "unscale_ wrote through a pointer of freed memory"
+    for p in model.parameters():
+        assert torch.all(p.grad == 4.0), "a gradient was written"
+
+
 # No threaded test sets p.grad: with torch 2.13 on the CPU, one thread reading p.grad while another assigns
 # it (p.grad = None, then a new tensor) segfaults inside torch with no adaptive_amp code involved (a loop of
 # torch.optim.SGD.step, or of `p.grad.is_sparse`, against such a thread). The deterministic tests above
