@@ -722,6 +722,7 @@ class OptimPlan {
               std::uintptr_t stream) {
     if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
     collected_ = false;  // the gradients found are used once: the next step collects again
+    unchanged_since_collect();
     set_step_scalars(a_, lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize,
                      stochastic_rounding, grad_scale, found_inf, seed, offset, seed_offset, stream);
     // Local copies: what this launch touches stays referenced (and its pointers unchanged).
@@ -775,6 +776,35 @@ class OptimPlan {
   static PyObject* stride_name() {
     static PyObject* name = PyUnicode_InternFromString("stride");
     return name;
+  }
+
+  // collect() and the caller's work since (torch calls that release the GIL) let other threads run: a tensor
+  // given new memory meanwhile (resize_, set_, its storage resized) would have its old, maybe freed, memory
+  // touched. Every pointer the step uses is read again here, with the GIL held to the end of the launch.
+  void unchanged_since_collect() const {
+    static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    const std::size_t n = planned_.size();
+    auto same = [](PyObject* x, std::uintptr_t want) {
+      py::object ptr = call_method(x, data_ptr_name);
+      if (!ptr) throw py::error_already_set();
+      return PyLong_AsUnsignedLongLong(ptr.ptr()) == want;
+    };
+    auto refuse = [&](const char* what, std::size_t i) {
+      throw std::runtime_error(aamp::item_name(what, planned_[i]) + " was given new memory (resize_, set_ or a "
+                               "storage resize) while the step ran, by another thread; nothing was written. Do "
+                               "not change parameters, gradients or optimizer state while the optimizer steps");
+    };
+    const std::size_t nk = static_cast<std::size_t>(PyList_GET_SIZE(keys_.ptr()));
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!same(PyList_GET_ITEM(params_.ptr(), i), watched_[i].ptr)) refuse("params", i);
+      if (!same(PyList_GET_ITEM(grads_.ptr(), i), reinterpret_cast<std::uintptr_t>(a_.grads[i].data))) {
+        refuse("grads", i);
+      }
+      for (std::size_t k = 0; k < nk; ++k) {
+        const Watched& w = watched_[n + i * nk + k];
+        if (w.ptr != 0 && !same(PyList_GET_ITEM(values_.ptr(), i * nk + k), w.ptr)) refuse("state of params", i);
+      }
+    }
   }
 
   // Whether x has the strides of w, a non-contiguous watched tensor.

@@ -814,6 +814,38 @@ def test_grad_scaler_gradient_given_new_memory_after_collect_is_refused(monkeypa
         assert torch.all(p.grad == 4.0), "a gradient was written"
 
 
+@pytest.mark.parametrize("what", ["params", "grads", "exp_avg"])
+def test_planned_optimizer_tensor_given_new_memory_after_collect_is_refused(monkeypatch, what):
+    """The optimizer plan reads the pointers in collect(); torch calls before its launch (grad_scale's move,
+    the random draws) release the GIL, and another thread that gave a tensor new memory there had its old
+    (freed) memory stepped. The launch reads every pointer again and refuses, naming it, with nothing written."""
+    model = _model_with_grads()
+    opt = aoptim.AdamW(model.parameters(), lr=0.1, stochastic_rounding=False)
+    opt.step()  # builds the plan
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1.0)
+    weight = model[0].weight
+    tensor = {"params": weight, "grads": weight.grad, "exp_avg": opt.state[weight]["exp_avg"]}[what]
+    kept = []
+
+    def replace():
+        if not kept:
+            with torch.no_grad():
+                tensor.set_(tensor.clone())  # new memory; the planned block is freed
+            kept.extend(torch.full_like(p, 7.0) for p in model.parameters())
+    _hook(monkeypatch, aoptim, "_stream", replace)
+    before = snapshot(*model.parameters(), *(p.grad for p in model.parameters()),
+                      *(v for p in model.parameters() for v in opt.state[p].values()))
+    with pytest.raises(RuntimeError, match=re.escape(f"{'state of params' if what == 'exp_avg' else what}[0] was "
+                                                     "given new memory")):
+        opt.step()
+    monkeypatch.undo()
+    for s in kept:
+        assert torch.all(s == 7.0), "the step wrote through a pointer of freed memory"
+    unchanged(before, *model.parameters(), *(p.grad for p in model.parameters()),
+              *(v for p in model.parameters() for v in opt.state[p].values()))
+
+
 # No threaded test sets p.grad: with torch 2.13 on the CPU, one thread reading p.grad while another assigns
 # it (p.grad = None, then a new tensor) segfaults inside torch with no adaptive_amp code involved (a loop of
 # torch.optim.SGD.step, or of `p.grad.is_sparse`, against such a thread). The deterministic tests above
