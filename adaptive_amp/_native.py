@@ -125,13 +125,20 @@ def _describe_torch(x, name, writable, dtypes, dense=False) -> Array:
     if _lazy_flag(x):
         raise ValueError(f"{name} has torch's lazy negation/conjugation flag (a view such as x.conj().imag); pass "
                          f"{name}.resolve_neg() (and copy the result back if needed)")
-    if not (x.is_contiguous() or (dense and _dense_layout(x))):
-        raise ValueError(f"{name} is not contiguous; pass x.contiguous() (and copy the result back if needed)")
+    # Before the layout: a strided leaf told to pass x.contiguous() would pass a copy that the write never
+    # leaves (and torch refuses in-place ops on such a leaf whatever its layout).
     if writable and x.requires_grad and x.is_leaf:
         raise ValueError(
             f"{name} is a leaf tensor that requires grad; an in-place op on it would break autograd. "
             "Pass its gradient (p.grad) or p.detach()"
         )
+    if not (x.is_contiguous() or (dense and _dense_layout(x))):
+        if x.requires_grad and x.is_leaf:  # a parameter (the optimizers write it): its .contiguous() is a copy
+            raise ValueError(f"{name} is not contiguous (a transposed or sliced view) and is a leaf that requires "
+                             f"grad, such as a parameter: {name}.contiguous() would be a copy, not the parameter. "
+                             "Give the parameter contiguous (or channels_last) memory where the model is built "
+                             "(nn.Parameter(w.contiguous()))")
+        raise ValueError(f"{name} is not contiguous; pass x.contiguous() (and copy the result back if needed)")
     return Array(x.data_ptr(), x.numel(), code, device, "torch", x)
 
 

@@ -192,14 +192,18 @@ class AdaptiveMixedPrecision:
         self._tune_options = tune
         # A MemoryGuard (adaptive_amp.pressure): lighter recipes under memory pressure or out of memory.
         self.memory_guard = memory_guard
+        self.adjuster = None
         try:
             self.policy = self._resolve_policy(policy, sample_inputs, loss_fn, overrides, progress)
+            # Everything that can refuse the arguments runs before the model is changed (the bf16 cast of
+            # the parameters cannot be undone bitwise); the hooks and islands come off again on any error.
             self._check_param_dtype(self.policy)
+            self.scaler = self._make_scaler(self.policy)
+            self.adjuster = DynamicPrecisionAdjuster(model, self.policy)
+            self._cast_params(self.policy)
         except BaseException:
-            self._collector.remove()  # a refused policy leaves the model as it was
+            self._undo_setup()  # a refused construction leaves the model as it was
             raise
-        self.adjuster = DynamicPrecisionAdjuster(model, self.policy)
-        self.scaler = self._make_scaler(self.policy)
         self._tf32_before = self._apply_tf32(self.policy.tf32)
         self._warned_no_records = False
 
@@ -264,7 +268,7 @@ class AdaptiveMixedPrecision:
         return self.tuning.policy
 
     def _check_param_dtype(self, policy: PrecisionPolicy) -> None:
-        """bf16 parameters ("bf16-pure"): cast the model, and insist on optimizers that round stochastically."""
+        """bf16 parameters ("bf16-pure"): insist on optimizers that round stochastically (nothing is changed)."""
         if policy.param_dtype == torch.float32:
             return
         if policy.param_dtype != torch.bfloat16:
@@ -283,6 +287,11 @@ class AdaptiveMixedPrecision:
                                 f"got {type(opt).__module__}.{type(opt).__name__}. Use adaptive_amp.optim.AdamW "
                                 "or adaptive_amp.optim.SGD (stochastic_rounding=True), created on the model's "
                                 "parameters")
+
+    def _cast_params(self, policy: PrecisionPolicy) -> None:
+        """bf16 parameters (checked by _check_param_dtype): the model cast in place, its inputs cast too."""
+        if policy.param_dtype == torch.float32:
+            return
         self.model.to(torch.bfloat16)  # in place: the optimizers keep the same Parameter objects
         # Without autocast (see the module docstring) fp32 inputs would meet bf16 weights: cast them as a
         # plain bf16 loop would.
@@ -312,13 +321,18 @@ class AdaptiveMixedPrecision:
     def remove(self) -> None:
         """Take the policy off the model (islands unwrapped, TF32 settings restored). A "bf16-pure" model
         keeps its bf16 parameters: they are the only copy."""
-        self.adjuster.remove()
+        self._undo_setup()
+        if self._tf32_before is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32_before
+
+    def _undo_setup(self) -> None:
+        """Islands, statistics hooks and the input cast off the model (each idempotent)."""
+        if self.adjuster is not None:
+            self.adjuster.remove()
         self._collector.remove()
         if self._input_cast is not None:
             self._input_cast.remove()
             self._input_cast = None
-        if self._tf32_before is not None:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32_before
 
     # ------------------------------------------------------------ the step
     @property

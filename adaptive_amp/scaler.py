@@ -498,7 +498,7 @@ class GradScaler(torch.amp.GradScaler):
                 if grads is None:
                     try:
                         stats.append(self._launch_plan(group, found, inv, check_only))
-                    except (ValueError, TypeError) as exc:
+                    except (ValueError, TypeError, RuntimeError) as exc:
                         raise _name_params(exc, [group.names[i] for i in group.native.collected]) from None
                 else:
                     stats.extend(self._launch_general(grads, found, inv, check_only))
@@ -590,6 +590,10 @@ class GradScaler(torch.amp.GradScaler):
             snapshot = _grad_snapshot(self._plan(optimizer)) if self._snapshot_grads else None
             self._grad_stats[id(optimizer)] = _GradStats(optimizer, stats, snapshot)
             self._step_stats[id(optimizer)] = stats
+        coef = self._clip_coef.pop(id(optimizer), None)
+        if coef is not None:  # a clip folded for a fused step: the gradients unscaled here take it instead
+            self._mul_grads(optimizer, coef)
+            self._grad_stats.pop(id(optimizer), None)  # they changed: a later clip measures again
         state["stage"] = OptState.UNSCALED
 
     def _check_inf_per_device(self, optimizer):
@@ -628,7 +632,9 @@ class GradScaler(torch.amp.GradScaler):
         gradients, as torch's. For optimizers that unscale in their own step
         (``fused=True``) the clip coefficient is folded into the
         ``grad_scale`` they receive, so the gradients are not rewritten at all
-        (a second call multiplies the coefficients). Norm types 2 and inf use
+        (a second call multiplies the coefficients; an ``unscale_`` before the
+        step applies the coefficient to the gradients it unscales, as torch's
+        recipe leaves them clipped). Norm types 2 and inf use
         the statistics; others fall back to torch's clip on the unscaled
         gradients. The norm is accumulated per chunk and in fp64 across
         chunks, so it can differ from torch's in the last bits.
@@ -657,10 +663,7 @@ class GradScaler(torch.amp.GradScaler):
         norm_type = float(norm_type)
         if norm_type not in (2.0, float("inf")):
             if state["stage"] is not OptState.UNSCALED:
-                self.unscale_(optimizer)
-                if pending is not None:  # a coefficient folded by an earlier call applies first
-                    self._clip_coef.pop(key)
-                    self._mul_grads(optimizer, pending)
+                self.unscale_(optimizer)  # (which applies a coefficient folded by an earlier call first)
             params = [p for g in optimizer.param_groups for p in g["params"]]
             self._grad_stats.pop(key, None)
             self._clipped.add(key)

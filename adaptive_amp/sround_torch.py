@@ -184,6 +184,8 @@ def _check_tensor_arg(t, name, x, dtype, shape=True):
     if shape and t.shape != x.shape:
         raise ValueError(f"{name} has shape {tuple(t.shape)}; x has shape {tuple(x.shape)}")
     if not t.is_contiguous():
+        if name == "out":  # out.contiguous() would be a copy, which the result never leaves
+            raise ValueError("out is not contiguous; pass a contiguous out (and copy it into yours) or no out")
         raise ValueError(f"{name} is not contiguous; pass {name}.contiguous()")
     if not _is_compiling() and (t.is_neg() or t.is_conj()):
         raise ValueError(f"{name} has torch's lazy negation/conjugation flag; pass {name}.resolve_neg()")
@@ -222,11 +224,11 @@ def stochastic_round(x: Tensor, dtype, *, generator=None, seed=None, offset=None
     if out is not None:  # checked before the generator is drawn from: a refused call changes nothing
         if ste:
             raise ValueError("out is not supported by stochastic_round_ste (autograd needs a fresh output)")
-        _check_tensor_arg(out, "out", x, target)
-        if out.requires_grad:
+        if isinstance(out, Tensor) and out.requires_grad:  # (before its layout: out.contiguous() of a strided out would be a copy)
             raise ValueError("out requires grad; stochastic_round has no gradient into out, so writing into it "
                              "would break autograd. Pass out.detach() or a fresh tensor (or use "
                              "stochastic_round_ste without out)")
+        _check_tensor_arg(out, "out", x, target)
     seed_offset = None
     if seed is not None:
         seed = _as_i64(_sround.u64(seed, "seed"))

@@ -40,6 +40,15 @@ T* as_ptr(std::uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
+// The GIL stays held during native work (CPU kernels, CUDA enqueues). A
+// reference to a tensor or its storage does not keep its memory: another
+// Python thread's x.resize_(), x.untyped_storage().resize_(0) or set_()
+// frees it (FSDP frees parameters that way), and with the GIL released a CPU
+// kernel then reads and writes freed memory (a segfault on a 64 MiB tensor,
+// tests/test_hostile.py), or a CUDA launch not yet enqueued is ordered after
+// work on a new allocation that reused the block. CUDA enqueues take
+// microseconds; CPU kernels keep other Python threads waiting while they run.
+
 // One unscale pass over tensors already described.
 void run_unscale(std::vector<aamp::TensorRef> tensors, std::uintptr_t found_inf, std::uintptr_t inv_scale,
                  bool check_only, std::uintptr_t sumsq, std::uintptr_t amax, std::uintptr_t workspace,
@@ -55,11 +64,10 @@ void run_unscale(std::vector<aamp::TensorRef> tensors, std::uintptr_t found_inf,
   a.workspace_bytes = workspace_bytes;
   a.place.device = device;
   a.place.stream = stream;
-  // CPU work runs without the GIL so other Python threads go on; CUDA work
-  // only enqueues, which is quick either way. Every caller holds references
-  // to the arrays behind these pointers until this returns (ops keep their
-  // _native.Batch, plans their lists), and `a` is this call's own copy.
-  py::gil_scoped_release release;
+  // With the GIL (see "The GIL stays held"): every caller holds
+  // references to the arrays behind these pointers until this returns (ops
+  // keep their _native.Batch, plans their lists), and `a` is this call's own
+  // copy.
   aamp::unscale_and_check(a);
 }
 
@@ -286,12 +294,25 @@ class GradPlan {
 
   // One native pass over the gradients that the last collect() found. The
   // gradients stay referenced (a local list, which another thread's collect()
-  // cannot replace) while the core runs without the GIL, so p.grad = None or
-  // zero_grad() on another thread cannot free them under the kernel.
+  // cannot replace) between collect() and the launch, so p.grad = None or
+  // zero_grad() on another thread cannot free them before the kernel.
   void launch(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
+    static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
     if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
     const py::list grads = grads_;
+    // The caller's allocations since collect() release the GIL: a gradient another thread gave new memory
+    // there (resize_, set_, its storage resized) would have its old, maybe freed, memory touched. Its pointer
+    // is read again here, with the GIL held to the end of the launch.
+    for (std::size_t k = 0; k < live_.size(); ++k) {
+      py::object ptr = call_method(PyList_GET_ITEM(grads.ptr(), live_at_[k]), data_ptr_name);
+      if (!ptr) throw py::error_already_set();
+      if (PyLong_AsUnsignedLongLong(ptr.ptr()) != reinterpret_cast<std::uintptr_t>(live_[k].data)) {
+        throw std::runtime_error(aamp::item_name("tensors", k) + " was given new memory (resize_, set_ or a "
+                                 "storage resize) while this call ran, by another thread; nothing was unscaled "
+                                 "on this device. Do not change gradients while the scaler unscales them");
+      }
+    }
     run_unscale(live_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
   }
 
@@ -369,11 +390,15 @@ class TensorsPlan {
     return true;
   }
 
-  // One unscale pass; the caller ran check() (the tensors and storages stay held by the plan).
-  void unscale(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
+  // check(), then one unscale pass; false (nothing run) when the tensors no longer hold. One call, with
+  // the GIL held from the check to the end of the launch: a check the caller made before its own Python
+  // code (a thread switch point) could be undone by another thread's resize_ before the launch.
+  bool unscale(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
                std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
+    if (!check()) return false;
     const py::tuple keep = tensors_, keep_storages = storages_;
     run_unscale(refs_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
+    return true;
   }
 
  private:
@@ -449,8 +474,7 @@ void stochastic_round(std::uintptr_t x, std::int64_t numel, int x_dtype, std::ui
   a.amax = as_ptr<float>(amax);
   a.place.device = device;
   a.place.stream = stream;
-  py::gil_scoped_release release;
-  aamp::stochastic_round(a);
+  aamp::stochastic_round(a);  // with the GIL (see "The GIL stays held")
 }
 
 // Per-tensor statistics (csrc/stats.h). format < 0: none; scale == 0 and
@@ -472,8 +496,7 @@ void tensor_stats(const std::vector<std::uintptr_t>& ptrs, const std::vector<std
   a.workspace_bytes = workspace_bytes;
   a.place.device = device;
   a.place.stream = stream;
-  py::gil_scoped_release release;
-  aamp::tensor_stats(a);
+  aamp::tensor_stats(a);  // with the GIL (see "The GIL stays held")
 }
 
 // Fused optimizer step (csrc/optim.h). Each list comes as pointers, element
@@ -538,8 +561,7 @@ void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::
   set_step_scalars(a, lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize,
                    stochastic_rounding, grad_scale, found_inf, seed, offset, seed_offset, stream);
   a.place.device = device;
-  py::gil_scoped_release release;
-  aamp::optim_step(a);
+  aamp::optim_step(a);  // with the GIL (see "The GIL stays held")
 }
 
 // One optimizer param group's tensors on one device, described once and kept
@@ -566,8 +588,8 @@ void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::
 //
 // The tensors of a launch (params and state values held by the plan, the
 // gradients that collect() found, held in a list it replaces each time) stay
-// referenced while the core runs without the GIL, so another thread that sets
-// p.grad = None or drops a state entry cannot free memory under the kernel.
+// referenced from collect() to the launch, so another thread that sets
+// p.grad = None or drops a state entry cannot free memory the kernel uses.
 class OptimPlan {
  public:
   OptimPlan(int kind, py::list group_params, std::vector<std::size_t> planned, std::vector<std::size_t> absent,
@@ -724,16 +746,13 @@ class OptimPlan {
               std::uintptr_t stream) {
     if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
     collected_ = false;  // the gradients found are used once: the next step collects again
+    unchanged_since_collect();
     set_step_scalars(a_, lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize,
                      stochastic_rounding, grad_scale, found_inf, seed, offset, seed_offset, stream);
-    // Local copies: what this launch touches stays referenced (and its pointers unchanged) even if another
-    // thread collects or drops tensors while the core runs without the GIL.
+    // Local copies: what this launch touches stays referenced (and its pointers unchanged).
     const aamp::OptimArgs args = a_;
     const py::list grads = grads_, params = params_, values = values_;
-    {
-      py::gil_scoped_release release;
-      aamp::optim_step(args);
-    }
+    aamp::optim_step(args);  // with the GIL (see "The GIL stays held")
     // A new momentum buffer is new for one step only (a skipped step leaves it
     // at zero, which the next step reads as history: see optim.SGD).
     std::fill(a_.first.begin(), a_.first.end(), std::uint8_t{0});
@@ -781,6 +800,35 @@ class OptimPlan {
   static PyObject* stride_name() {
     static PyObject* name = PyUnicode_InternFromString("stride");
     return name;
+  }
+
+  // collect() and the caller's work since (torch calls that release the GIL) let other threads run: a tensor
+  // given new memory meanwhile (resize_, set_, its storage resized) would have its old, maybe freed, memory
+  // touched. Every pointer the step uses is read again here, with the GIL held to the end of the launch.
+  void unchanged_since_collect() const {
+    static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    const std::size_t n = planned_.size();
+    auto same = [](PyObject* x, std::uintptr_t want) {
+      py::object ptr = call_method(x, data_ptr_name);
+      if (!ptr) throw py::error_already_set();
+      return PyLong_AsUnsignedLongLong(ptr.ptr()) == want;
+    };
+    auto refuse = [&](const char* what, std::size_t i) {
+      throw std::runtime_error(aamp::item_name(what, planned_[i]) + " was given new memory (resize_, set_ or a "
+                               "storage resize) while the step ran, by another thread; nothing was written. Do "
+                               "not change parameters, gradients or optimizer state while the optimizer steps");
+    };
+    const std::size_t nk = static_cast<std::size_t>(PyList_GET_SIZE(keys_.ptr()));
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!same(PyList_GET_ITEM(params_.ptr(), i), watched_[i].ptr)) refuse("params", i);
+      if (!same(PyList_GET_ITEM(grads_.ptr(), i), reinterpret_cast<std::uintptr_t>(a_.grads[i].data))) {
+        refuse("grads", i);
+      }
+      for (std::size_t k = 0; k < nk; ++k) {
+        const Watched& w = watched_[n + i * nk + k];
+        if (w.ptr != 0 && !same(PyList_GET_ITEM(values_.ptr(), i * nk + k), w.ptr)) refuse("state of params", i);
+      }
+    }
   }
 
   // Whether x has the strides of w, a non-contiguous watched tensor.

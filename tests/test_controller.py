@@ -657,3 +657,45 @@ def test_gradient_overflows_with_the_loss_scaled_outside_backward_do_not_switch_
         amp.zero_grad()
     assert str(amp.policy.compute_dtype).endswith("float16") and "bfloat16" not in str(amp.policy)
     assert not [e for e in amp.events if e.kind in ("switch_compute", "promote")]
+
+
+def _model_state(model):
+    """Everything construction could change: parameters and buffers (values and dtypes), every module's
+    hooks, and forwards set on instances (islands)."""
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+             "_backward_hooks", "_backward_pre_hooks")
+    return ({k: (v.dtype, v.detach().clone()) for k, v in model.state_dict().items()},
+            {name: ([list(getattr(m, h).items()) for h in hooks], m.__dict__.get("forward"))
+             for name, m in model.named_modules()})
+
+
+@pytest.mark.parametrize("policy, optimizer", [
+    ("params=float32,compute=float16,islands=transformer.h.0.mlp.c_fc,loss_scale=dynamic", "torch"),
+    ("params=bfloat16,compute=bfloat16,loss_scale=dynamic", "sr"),
+])
+@pytest.mark.parametrize("scaler_kwargs", [{"no_such_option": 1}, {"min_scale": float("nan")}])
+def test_refused_construction_leaves_the_zoo_model_as_it_was(policy, optimizer, scaler_kwargs):
+    # The scaler's arguments are refused after the policy was resolved: before, the collector's hooks, the
+    # islands and the bf16 cast of the parameters stayed on the model.
+    from adaptive_amp import optim
+
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    model = zm.model
+    opt = (torch.optim.AdamW(model.parameters()) if optimizer == "torch"
+           else optim.AdamW(model.parameters(), stochastic_rounding=True))
+    before = _model_state(model)
+    with pytest.raises((TypeError, ValueError)):
+        AdaptiveMixedPrecision(model, opt, policy=policy, capabilities=CPU_BF16, scaler_kwargs=scaler_kwargs)
+    after = _model_state(model)
+    assert after[1] == before[1]  # hooks and forwards
+    assert after[0].keys() == before[0].keys()
+    for k, (dtype, value) in before[0].items():
+        assert after[0][k][0] == dtype, k
+        assert torch.equal(after[0][k][1], value), k
+    # The same model and optimizer still make a controller, which trains as usual.
+    amp = AdaptiveMixedPrecision(model, opt, policy=policy, capabilities=CPU_BF16)
+    batch = zm.make_batch(2)
+    with amp.autocast():
+        loss = zm.loss(model, batch)
+    amp.backward(loss)
+    assert amp.step() and len(amp.adjuster.islands) == ("islands" in policy)

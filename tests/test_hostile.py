@@ -10,7 +10,10 @@ bitwise on every array the call could have touched.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import textwrap
 
 import numpy as np
 import pytest
@@ -223,6 +226,43 @@ def test_stochastic_round_out_leaf_requiring_grad_refused():
     with pytest.raises(ValueError, match="out"):
         adaptive_amp.stochastic_round(x, torch.bfloat16, seed=1, out=out)
     assert bool((out.detach() == 0).all())
+
+
+def _strided_leaf_calls():
+    """(op, argument name, the strided leaf it writes, the call, other arrays it must leave as they were). Each
+    leaf is a parameter made from a strided view (a transposed weight, every other element)."""
+    f, inv = scalar(0.0), scalar(0.5)
+    weight_t = torch.nn.Parameter(data(12, seed=5).reshape(4, 3).t())
+    yield ("unscale_and_check_", "tensors[1]", weight_t,
+           lambda: adaptive_amp.unscale_and_check_([data(8), weight_t], f, inv), (f,))
+    yield ("UnscalePlan", "tensors[1]", weight_t,
+           lambda: adaptive_amp.UnscalePlan([data(8), weight_t]).unscale_and_check_(f, inv), (f,))
+    scale, gt = scalar(8.0), torch.zeros(1, dtype=torch.int32)
+    counters = torch.tensor([1, 0, 0, 0], dtype=torch.int32)
+    history = torch.nn.Parameter(torch.zeros(8)[::2])
+    yield ("update_scale_", "amax_history", history,
+           lambda: adaptive_amp.update_scale_(scale, gt, scalar(0.0), 2.0, 0.5, 10, counters=counters,
+                                              step_amax=scalar(3.0), amax_history=history),
+           (scale, gt, counters))
+    out = torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16).t())
+    yield ("stochastic_round", "out", out,
+           lambda: adaptive_amp.stochastic_round(data(12, seed=6).reshape(4, 3), torch.bfloat16, seed=1, out=out), ())
+
+
+@pytest.mark.parametrize("case", list(_strided_leaf_calls()), ids=lambda c: c[0])
+def test_strided_leaf_requiring_grad_is_refused_as_a_leaf_not_as_strided(case):
+    """A written argument that is a strided leaf requiring grad was told "pass x.contiguous()": a copy, a new
+    non-leaf tensor, so the write would never reach x. It is refused as torch refuses an in-place op on a leaf
+    that requires grad, naming the argument, and nothing is written."""
+    _, name, leaf, call, others = case
+    assert leaf.is_leaf and leaf.requires_grad and not leaf.is_contiguous()
+    before = snapshot(leaf, *others)
+    with pytest.raises(ValueError) as info:
+        call()
+    message = str(info.value)
+    assert message.startswith(name) and "requires grad" in message, message
+    assert "contiguous" not in message, message
+    unchanged(before, leaf, *others)
 
 
 def test_stochastic_round_numpy_read_only_out_refused():
@@ -448,8 +488,8 @@ def test_cuda_ops_on_a_non_current_device():
 
 # --------------------------------------------------------------------------- another thread frees what a call uses
 #
-# Native calls release the GIL while the kernels run, and Python code runs
-# between describing arrays and launching. Every call must hold its own
+# Python code runs between describing arrays and launching (and torch's own
+# methods may release the GIL there). Every call must hold its own
 # references to what it touches. The deterministic tests free the caller's
 # references at the worst moment (right before the launch, through a hook on
 # the stream lookup every op does last) and put a same-sized sentinel where
@@ -627,6 +667,185 @@ def test_thread_clearing_the_list_during_unscale_and_stats():
     assert float(f) == 0.0
 
 
+# --------------------------------------------------------------------------- another thread frees memory a call uses
+#
+# A reference to a tensor or to its storage does not keep its memory: x.resize_(), set_() and
+# x.untyped_storage().resize_(0) free it (FSDP frees parameters that way). So native work runs with the GIL
+# held (no Python thread can free anything until it returns), and a plan checks its tensors in the same
+# native call that launches.
+
+_FREED_DURING_THE_CALL = textwrap.dedent("""
+    import sys, threading, torch, adaptive_amp
+    from adaptive_amp import _native, optim, scaler as scaler_mod, sround_torch
+    sys.setswitchinterval(1.0)  # the other thread runs where a call releases the GIL, not at a timer's whim
+    N = 1 << 24  # 64 MiB of float32: freed with munmap, so a kernel still on it faults
+
+    def run(name, x, call, module, attr):
+        go = threading.Event()
+
+        def free_it():
+            go.wait()
+            x.untyped_storage().resize_(0)
+        thread = threading.Thread(target=free_it)
+        thread.start()
+        original = getattr(module, attr)
+
+        def hooked(*args, **kwargs):  # the stream lookup every native path does right before the launch
+            go.set()
+            return original(*args, **kwargs)
+        setattr(module, attr, hooked)
+        try:
+            print(name, flush=True)
+            call()
+        finally:
+            setattr(module, attr, original)
+            thread.join()
+
+    f, inv = torch.zeros(1), torch.full((1,), 0.5)
+    x = torch.full((N,), 2.0)
+    run("unscale_and_check_", x, lambda: adaptive_amp.unscale_and_check_([x], f, inv), _native, "current_stream")
+    x = torch.full((N,), 2.0)
+    plan = adaptive_amp.UnscalePlan([x])
+    run("UnscalePlan", x, lambda: plan.unscale_and_check_(f, inv), _native, "current_stream")
+    x = torch.full((N,), 2.0)
+    run("tensor_stats", x, lambda: adaptive_amp.tensor_stats([x]), _native, "current_stream")
+    x = torch.full((N,), 2.0)
+    run("stochastic_round", x, lambda: adaptive_amp.stochastic_round(x, torch.bfloat16, seed=1), sround_torch,
+        "_stream")
+    p, g, m = torch.zeros(N), torch.full((N,), 1.0), torch.zeros(N)
+    run("sgd_step_", g, lambda: optim.sgd_step_([p], [g], [m], [True], lr=1.0, momentum=0.9,
+                                                 stochastic_rounding=False), optim, "_stream")
+    w = torch.nn.Parameter(torch.zeros(N))
+    opt = optim.AdamW([w], lr=0.1, stochastic_rounding=False)
+    w.grad = torch.ones(N)
+    opt.step()  # builds the plan
+    w.grad = torch.ones(N)
+    run("AdamW (planned)", w.grad, opt.step, optim, "_stream")
+    w.grad = torch.full((N,), 4.0)
+    sgd = torch.optim.SGD([w], lr=0.1)
+    scaler = adaptive_amp.GradScaler("cpu", init_scale=2.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(sgd)  # builds the plan
+    scaler.update()
+    w.grad = torch.full((N,), 4.0)
+    scaler.scale(torch.ones(()))
+    run("GradScaler.unscale_", w.grad, lambda: scaler.unscale_(sgd), scaler_mod._DeviceGroup, "stream")
+    print("ok")
+""")
+
+
+def test_memory_freed_by_another_thread_during_a_native_call_is_not_touched():
+    """Every native path, with a thread that frees (storage resize_(0)) the 64 MiB tensor it works on as soon as
+    it can, from the stream lookup right before the launch on: with the GIL released during the kernel the
+    process died (SIGSEGV) at the first path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(adaptive_amp.__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _FREED_DURING_THE_CALL], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0 and proc.stdout.endswith("ok\n"), (
+        f"exit code {proc.returncode} in {proc.stdout.split()[-1:]}: {proc.stderr[-2000:]}")
+
+
+@pytest.mark.parametrize("how", ["set_", "resize_"])
+def test_unscale_plan_tensor_replaced_after_the_python_side_before_the_launch(monkeypatch, how):
+    """The plan checked its tensors, then ran Python code (describing found_inf, the stream lookup: thread switch
+    points) before launching: a tensor another thread gave new memory there was unscaled at its old address
+    (set_: memory the plan's storage still held; resize_: freed memory, where sentinels now lie)."""
+    ts = [torch.full((_BIG,), 4.0) for _ in range(2)]
+    plan = adaptive_amp.UnscalePlan(ts)
+    kept = []
+
+    def replace():
+        if kept:
+            return
+        if how == "set_":
+            ts[0].set_(torch.full((_BIG,), 4.0))
+        else:
+            ts[0].resize_(2 * _BIG)  # new memory; the planned block is freed
+            ts[0][_BIG:] = 4.0
+        kept.extend(_sentinels(2))
+    _hook(monkeypatch, _native, "current_stream", replace)
+    f = scalar(0.0)
+    plan.unscale_and_check_(f, scalar(0.5))
+    monkeypatch.undo()
+    for s in kept:
+        assert torch.all(s == 7.0), "the kernel wrote through a pointer of freed memory"
+    for t in ts:
+        assert torch.all(t == 2.0), "a tensor was not unscaled where it is now"
+    assert float(f) == 0.0
+
+
+@pytest.mark.parametrize("how", ["set_", "resize_"])
+def test_grad_scaler_gradient_given_new_memory_after_collect_is_refused(monkeypatch, how):
+    """Between the plan's collect() (which read the gradients' pointers) and its launch, the scaler allocates
+    the statistics with torch, which releases the GIL: another thread that gives a gradient new memory there
+    had its old (freed) memory unscaled. The launch reads the pointers again and refuses, naming the gradient,
+    with nothing written."""
+    from adaptive_amp import scaler as scaler_mod
+
+    model = _model_with_grads(4.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = adaptive_amp.GradScaler("cpu", init_scale=2.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)  # builds the plan
+    scaler.update()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 4.0)
+    scaler.scale(torch.ones(()))
+    weight = model[0].weight
+    kept = []
+    original = scaler_mod.GradScaler._launch_plan
+
+    def launch(group, found, inv, check_only):
+        if not kept:
+            if how == "set_":
+                weight.grad.set_(torch.full_like(weight, 4.0))
+            else:
+                weight.grad.resize_(2 * weight.numel())  # new memory first: the planned block is freed after
+                weight.grad.fill_(4.0)
+            kept.extend(_sentinels(2))
+        return original(group, found, inv, check_only)
+    monkeypatch.setattr(scaler_mod.GradScaler, "_launch_plan", staticmethod(launch))
+    with pytest.raises(RuntimeError, match=re.escape("param_groups[0]['params'][0].grad was given new memory")):
+        scaler.unscale_(opt)
+    for s in kept:
+        assert torch.all(s == 7.0), "unscale_ wrote through a pointer of freed memory"
+    for p in model.parameters():
+        assert torch.all(p.grad == 4.0), "a gradient was written"
+
+
+@pytest.mark.parametrize("what", ["params", "grads", "exp_avg"])
+def test_planned_optimizer_tensor_given_new_memory_after_collect_is_refused(monkeypatch, what):
+    """The optimizer plan reads the pointers in collect(); torch calls before its launch (grad_scale's move,
+    the random draws) release the GIL, and another thread that gave a tensor new memory there had its old
+    (freed) memory stepped. The launch reads every pointer again and refuses, naming it, with nothing written."""
+    model = _model_with_grads()
+    opt = aoptim.AdamW(model.parameters(), lr=0.1, stochastic_rounding=False)
+    opt.step()  # builds the plan
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1.0)
+    weight = model[0].weight
+    tensor = {"params": weight, "grads": weight.grad, "exp_avg": opt.state[weight]["exp_avg"]}[what]
+    kept = []
+
+    def replace():
+        if not kept:
+            with torch.no_grad():
+                tensor.set_(tensor.clone())  # new memory; the planned block is freed
+            kept.extend(torch.full_like(p, 7.0) for p in model.parameters())
+    _hook(monkeypatch, aoptim, "_stream", replace)
+    before = snapshot(*model.parameters(), *(p.grad for p in model.parameters()),
+                      *(v for p in model.parameters() for v in opt.state[p].values()))
+    with pytest.raises(RuntimeError, match=re.escape(f"{'state of params' if what == 'exp_avg' else what}[0] was "
+                                                     "given new memory")):
+        opt.step()
+    monkeypatch.undo()
+    for s in kept:
+        assert torch.all(s == 7.0), "the step wrote through a pointer of freed memory"
+    unchanged(before, *model.parameters(), *(p.grad for p in model.parameters()),
+              *(v for p in model.parameters() for v in opt.state[p].values()))
+
+
 # No threaded test sets p.grad: with torch 2.13 on the CPU, one thread reading p.grad while another assigns
 # it (p.grad = None, then a new tensor) segfaults inside torch with no adaptive_amp code involved (a loop of
 # torch.optim.SGD.step, or of `p.grad.is_sparse`, against such a thread). The deterministic tests above
@@ -780,3 +999,18 @@ def test_every_plan_notices_a_buffer_resized_in_place(plan):
         opt.step()
     for q, b in zip(model.parameters(), before):
         assert torch.equal(q, b)
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_fused_optimizer_on_a_strided_parameter_is_not_told_to_pass_a_copy(kind):
+    """A transposed parameter (a strided leaf that requires grad) was told "pass x.contiguous()": a copy, not
+    the parameter the model uses. The error names it and says how to give the parameter contiguous memory;
+    the parameter and its gradient are left as they were."""
+    w = torch.nn.Parameter(data(12, seed=7).reshape(4, 3).t())
+    w.grad = data(12, seed=8).reshape(3, 4)
+    opt = aoptim.AdamW([w], lr=0.1) if kind == "AdamW" else aoptim.SGD([w], lr=0.1, momentum=0.9)
+    before = snapshot(w, w.grad)
+    with pytest.raises(ValueError, match=re.escape("params[0] is not contiguous")) as info:
+        opt.step()
+    assert "leaf that requires grad" in str(info.value) and "x.contiguous()" not in str(info.value)
+    unchanged(before, w, w.grad)

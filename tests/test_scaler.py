@@ -1665,6 +1665,51 @@ def test_clip_twice_with_a_fused_optimizer_matches_torchs_recipe():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
 
 
+class _HookedScaler(GradScaler):
+    """A subclass overriding torch's private unscale hook (unscale_ then goes through it)."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+
+@pytest.mark.parametrize("then", ["unscale_", "clip_l1"])
+@pytest.mark.parametrize("scaler_type", [GradScaler, _HookedScaler])
+def test_unscale_after_a_folded_clip_applies_the_clip_like_torchs_recipe(scaler_type, then):
+    """With a fused optimizer the clip coefficient waits for the step; an unscale_ between the clip and the
+    step (the user's, or a clip by a norm the statistics do not give) must apply it to the gradients it
+    unscales (it was dropped: the step ran unclipped). torch's recipe for the same steps: unscale_,
+    clip_grad_norm_ (twice for clip_l1), step."""
+    (m1, o1), (m2, o2) = pair("adamw_fused", opt_extra={"eps": 1e-2})  # a large eps makes Adam feel the clip
+    x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(3)), torch.randn(8, 4)
+    ours, theirs = scaler_type("cpu", init_scale=2.0**10), TorchScaler("cpu", init_scale=2.0**10)
+    ours.scale(F.mse_loss(m1(x), y) * 50).backward()
+    theirs.scale(F.mse_loss(m2(x), y) * 50).backward()
+    a = ours.clip_grad_norm_(o1, 0.05)
+    theirs.unscale_(o2)
+    b = torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.05)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    assert float(b) > 4 * 0.05, "the test must actually clip"
+    if then == "unscale_":
+        ours.unscale_(o1)
+    else:
+        a = ours.clip_grad_norm_(o1, 0.01, norm_type=1.0)
+        b = torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.01, norm_type=1.0)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+    for p, q in zip(m1.parameters(), m2.parameters()):  # the gradients the user sees are torch's
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-9)
+    ours.step(o1)
+    theirs.step(o2)
+    ours.update()
+    theirs.update()
+    assert ours.get_scale() == theirs.get_scale()
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    with pytest.raises(RuntimeError, match="already been called"):  # as torch: one unscale_ per step
+        ours.clip_grad_norm_(o1, 0.05)
+        ours.unscale_(o1)
+        ours.unscale_(o1)
+
+
 # ---- item 10: fmt_max and the native update cannot hang
 
 
