@@ -56,13 +56,14 @@ def eager_main(reps: int, warmup: int, json_path=None):
             "adaptive_amp.unscale_and_check_": lambda inv: adaptive_amp.unscale_and_check_(tensors, found, inv),
             "adaptive_amp.UnscalePlan": lambda inv: plan.unscale_and_check_(found, inv),
         }
-        # Where the plan's time goes (diagnostics, not targets): its per-tensor re-check alone, its launch
-        # alone, and one data_ptr() read per tensor through Python (the least any re-check can read).
+        # Where the plan's time goes (diagnostics, not targets): its per-tensor re-check alone, its native call
+        # (re-check, then launch: the launch is the difference), and one data_ptr() read per tensor through
+        # Python (the least any re-check can read).
         found_ptr, inv_ptrs = found.data_ptr(), [x.data_ptr() for x in invs]
         stream = torch.cuda.current_stream(device).cuda_stream
         diagnostics = {
             "  (plan: per-tensor re-check only)": lambda inv: plan._native.check(),
-            "  (plan: launch only, no re-check)": lambda inv: plan._native.unscale(
+            "  (plan: native call, re-check + launch)": lambda inv: plan._native.unscale(
                 found_ptr, inv_ptrs[0] if inv is invs[0] else inv_ptrs[1], False, 0, 0, 0, 0, stream),
             "  (one data_ptr() read a tensor)": lambda inv: list(map(torch.Tensor.data_ptr, tensors)),
         }
