@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 from adaptive_amp import optim, zoo  # noqa: E402
 from adaptive_amp.bench import e2e  # noqa: E402
 from adaptive_amp.scaler import GradScaler  # noqa: E402
+from adaptive_amp.stats import FIELDS  # noqa: E402
 
 # What a statistics step may add, whatever the model's size: the statistics rows of its layers (15 float64
 # fields each, output and input), the kernels' workspaces and the monitor's pending step values.
@@ -52,6 +53,45 @@ def test_controller_statistics_step_peak_is_the_plain_loops(recipe):
         f"{recipe}: a statistics step of the controller peaks {live.peak('controller') - live.peak('plain')} "
         f"bytes above the plain loop's step ({live.peak('plain')} bytes)")
     assert live.left("controller") - live.left("plain") <= STATS_BYTES
+
+
+@pytest.mark.parametrize("family", ["gpt2", "resnet"])
+def test_layers_measured_in_their_hooks_give_the_statistics_of_the_whole_forward(family):
+    # What the collector now measures layer by layer, as each layer runs, is bitwise what one tensor_stats call
+    # over every layer's kept output (and input) gives after the forward, as it did before.
+    from adaptive_amp.collect import ActivationCollector, first_tensor
+    from adaptive_amp.layers import find_layers
+    from adaptive_amp.ops import tensor_stats
+
+    zm = zoo.build(family, "tiny", seed=0)
+    batch = zm.make_batch(4, seed=1)
+    layers = find_layers(zm.model)
+    kept = []
+
+    def keep(name):
+        return lambda module, args, kwargs, out: kept.append((name, first_tensor(args), first_tensor(out)))
+    handles = [m.register_forward_hook(keep(n), with_kwargs=True) for n, m in layers]
+    collector = ActivationCollector(layers)
+    skip = layers[1][0]
+    collector.start(fmt="float16", skip=[skip])
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        zm.loss(zm.model, batch)
+    collector.active = False
+    outputs, inputs = collector.stats()
+    for h in handles:
+        h.remove()
+    collector.remove()
+    kept = [(n, x, out) for n, x, out in kept if n != skip and out is not None]
+    with_input = [(n, x) for n, x, _ in kept if x is not None and x.is_floating_point()]
+    expected_out = tensor_stats([out for _, _, out in kept], fmt="float16", names=[n for n, _, _ in kept])
+    expected_in = tensor_stats([x for _, x in with_input], names=[n for n, _ in with_input])
+    assert outputs.names == expected_out.names and skip not in outputs.names
+    assert inputs.names == expected_in.names
+    assert torch.equal(outputs.raw.view(torch.int64), expected_out.raw.view(torch.int64))  # bitwise, NaN too
+    # The inputs' format counts are computed with the outputs' launch and not shown (no format): compare the rest.
+    shown = [i for i, f in enumerate(FIELDS) if f in inputs.fields]
+    assert torch.equal(inputs.raw[:, shown].view(torch.int64), expected_in.raw[:, shown].view(torch.int64))
+    assert inputs.fmt is None and inputs.fields == expected_in.fields
 
 
 def _fp16_step(model, batch, zm, opt, scaler):
