@@ -131,7 +131,10 @@ class AdaptiveMixedPrecision:
             name patterns and/or module types (see adaptive_amp.layers).
         layer_stats: collect per-layer statistics every ``read_every`` steps
             (False: only at the step after an overflow or a policy change,
-            to diagnose it).
+            to diagnose it). In an eager model each layer is measured as it
+            runs (one launch per layer), so a statistics step keeps no
+            activation alive and peaks where an ordinary step does; a
+            compiled graph returns the layers' tensors to be measured after it.
         track_grad_norm: without loss scaling or clipping, measure the
             gradient norm every step anyway (a few small launches, no sync),
             for the monitor's gradient-norm detector.
