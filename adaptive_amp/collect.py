@@ -18,6 +18,17 @@ hooks leave no trace. No graph break. In an eager model a step without
 statistics costs one Python call per layer (module calls with a hook take
 ``nn.Module``'s general path).
 
+In an eager model a hook measures its layer at once (one ``tensor_stats``
+launch for the layer's output and input) and keeps only that statistics
+row: keeping the tensors until the forward ends would keep alive, through
+the whole forward and the loss, every layer output that autograd does not
+save (under CUDA autocast: the fp32 outputs of layer norms, the fp32 GELU
+outputs that feed an MLP's down projection, the projections' outputs
+added to the residual), more memory than the parameters at GPT-2's size,
+and a statistics step would raise the run's peak by that much. A compiled
+graph cannot call the kernel from a traced hook without a graph break, so
+there the recorded tensors are graph outputs, measured after the graph ran.
+
 Dynamo keeps its graphs on the forward's code object, shared by every
 instance of a model class (and, for transformers' decorated forwards, by
 many classes): without guards on hooks, a model with our hooks reuses a graph
@@ -70,26 +81,51 @@ def guard_hooks_under_compile() -> None:
         torch.compiler.reset()
 
 
+def _compiling() -> bool:
+    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if check is None:  # torch < 2.3
+        check = getattr(torch._dynamo, "is_compiling", lambda: False)
+    return bool(check())
+
+
+class _Measured:
+    """An eager layer's record: its statistics rows (output, then input when it has one), not its tensors."""
+
+    __slots__ = ("name", "stats", "has_input")
+
+    def __init__(self, name: str, stats, has_input: bool):
+        self.name, self.stats, self.has_input = name, stats, has_input
+
+
 class ActivationCollector:
-    """Hooks on `layers` ((name, module) pairs) that record ``(name, input or None, output)`` while active.
+    """Hooks on `layers` ((name, module) pairs) that record each layer's input and output statistics while
+    active.
 
     Usage::
 
         collector = ActivationCollector(find_layers(model))
-        collector.active = True
+        collector.start(fmt="float16")        # the format the output statistics count against
         model(x)
         collector.active = False
-        for name, x, out in collector.take(): ...
-        collector.remove()   # the model's hooks are as before
+        outputs, inputs = collector.stats()   # TensorStats (rows named by layer, forward order), or None
+        collector.remove()                    # the model's hooks are as before
     """
 
     def __init__(self, layers: Sequence[Tuple[str, nn.Module]]):
         self.active = False
-        self.records: List[tuple] = []
+        self.fmt: Optional[str] = None
+        self.skip: frozenset = frozenset()
+        self.records: List[object] = []
         self.names = tuple(name for name, _ in layers)
         if layers:
             guard_hooks_under_compile()
         self._handles = [module.register_forward_hook(self._hook(name), with_kwargs=True) for name, module in layers]
+
+    def start(self, fmt: Optional[str] = None, skip=()) -> None:
+        """Record from the next forward: outputs counted against `fmt`; layers named in `skip` (islands) not."""
+        self.records.clear()
+        self.fmt, self.skip = fmt, frozenset(skip)
+        self.active = True
 
     def _hook(self, name: str):
         def record(module, args, kwargs, output):
@@ -101,18 +137,75 @@ class ActivationCollector:
             x = first_tensor(args)
             x = first_tensor(kwargs) if x is None else x
             ok = x is not None and x.dtype in STATS_DTYPES and x.numel() > 0
-            # As they are: tensor_stats reads strided tensors (channels_last natively, other views through
-            # its own copy), so a statistics step adds no copy to the graph.
+            if not _compiling():
+                if name in self.skip:
+                    return None
+                from .ops import tensor_stats
+
+                # Measured now, so the forward keeps no tensor for us (see the module docstring). One launch:
+                # the input's format counts are computed too and not shown (its TensorStats has no format).
+                tensors = [out.detach(), x.detach()] if ok else [out.detach()]
+                self.records.append(_Measured(name, tensor_stats(tensors, fmt=self.fmt), ok))
+                return None
+            # Traced: the tensors as they are (tensor_stats reads strided tensors, channels_last natively, other
+            # views through its own copy), so a statistics step adds no copy to the graph.
             self.records.append((name, x.detach() if ok else None, out.detach()))
             return None
         return record
 
-    def take(self) -> List[tuple]:
+    def take(self) -> List[object]:
         """The records since the last take, in forward order; the collector starts empty again."""
         # The same list object, emptied: a compiled graph that appends to it must find the list it traced.
         records = list(self.records)
         self.records.clear()
         return records
+
+    def stats(self):
+        """(output statistics, input statistics) of the layers recorded since :meth:`start`, each a
+        TensorStats with one row per layer in forward order (None when no layer was recorded). Nothing is read
+        to the host."""
+        from .ops import tensor_stats
+        from .stats import TensorStats
+
+        records = [r for r in self.take() if isinstance(r, _Measured) or r[0] not in self.skip]
+        traced = [r for r in records if not isinstance(r, _Measured)]
+        if not records:
+            return None, None
+        if len(traced) == len(records):  # a compiled forward: one launch for the outputs, one for the inputs
+            outputs = tensor_stats([out for _, _, out in traced], fmt=self.fmt, names=[n for n, _, _ in traced])
+            with_input = [(n, x) for n, x, _ in traced if x is not None]
+            inputs = tensor_stats([x for _, x in with_input], names=[n for n, _ in with_input]) if with_input \
+                else None
+            return outputs, inputs
+        # Rows of the eager records (and of traced ones, where a graph break ran some hooks eagerly), gathered
+        # on the device in forward order.
+        traced_out = tensor_stats([out for _, _, out in traced], fmt=self.fmt).raw if traced else None
+        traced_in = [x for _, x, _ in traced if x is not None]
+        traced_in = tensor_stats(traced_in).raw if traced_in else None
+        out_rows, out_names, in_rows, in_names = [], [], [], []
+        t_out = t_in = 0
+        for r in records:
+            if isinstance(r, _Measured):
+                raw = r.stats.raw
+                out_rows.append(raw[0:1])
+                out_names.append(r.name)
+                if r.has_input:
+                    in_rows.append(raw[1:2])
+                    in_names.append(r.name)
+                continue
+            name, x, _ = r
+            out_rows.append(traced_out[t_out:t_out + 1])
+            out_names.append(name)
+            t_out += 1
+            if x is not None:
+                in_rows.append(traced_in[t_in:t_in + 1])
+                in_names.append(name)
+                t_in += 1
+        device = _device_of(out_rows[0])
+
+        def joined(rows, names, fmt):
+            return TensorStats(torch.cat(rows), len(rows), fmt=fmt, names=names, framework="torch", device=device)
+        return joined(out_rows, out_names, self.fmt), (joined(in_rows, in_names, None) if in_rows else None)
 
     def remove(self) -> None:
         """Remove the hooks (idempotent)."""
@@ -121,3 +214,12 @@ class ActivationCollector:
         self._handles = []
         self.active = False
         self.records.clear()
+
+
+def _device_of(t: torch.Tensor) -> int:
+    """The native layer's device number of a torch tensor (-1: the CPU)."""
+    from . import _native
+
+    if t.device.type == "cpu":
+        return _native.CPU
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()

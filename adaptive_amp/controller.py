@@ -131,7 +131,10 @@ class AdaptiveMixedPrecision:
             name patterns and/or module types (see adaptive_amp.layers).
         layer_stats: collect per-layer statistics every ``read_every`` steps
             (False: only at the step after an overflow or a policy change,
-            to diagnose it).
+            to diagnose it). In an eager model each layer is measured as it
+            runs (one launch per layer), so a statistics step keeps no
+            activation alive and peaks where an ordinary step does; a
+            compiled graph returns the layers' tensors to be measured after it.
         track_grad_norm: without loss scaling or clipping, measure the
             gradient norm every step anyway (a few small launches, no sync),
             for the monitor's gradient-norm detector.
@@ -362,7 +365,9 @@ class AdaptiveMixedPrecision:
         collect = self._activations_due() and not self._collected_activations
         collector = self._collector
         collector.take()  # nothing from forwards run outside this context
-        collector.active = collect
+        if collect:
+            # Islands are not measured: they compute in fp32 and cannot be blamed for a compute-dtype overflow.
+            collector.start(fmt=self.compute_fmt, skip=self.adjuster.islands)
         try:
             with contextlib.nullcontext() if self._pure else self.adjuster.autocast():
                 yield
@@ -370,9 +375,8 @@ class AdaptiveMixedPrecision:
             collector.active = False
         if not collect:
             return
-        islands = set(self.adjuster.islands)
-        seen = [r for r in collector.take() if r[0] not in islands]  # (name, input, output) in forward order
-        if not seen:
+        outputs, inputs = collector.stats()  # rows in forward order; eager layers were measured as they ran
+        if outputs is None:
             if self.layers and not self._warned_no_records:
                 self._warned_no_records = True
                 warnings.warn(f"AdaptiveMixedPrecision: no layer statistics at step {self._step}: the model did "
@@ -381,15 +385,9 @@ class AdaptiveMixedPrecision:
                               "True after this controller was created: leave it False, then call "
                               "torch._dynamo.reset())", stacklevel=3)
             return
-        from .ops import tensor_stats
-
-        names = [name for name, _, _ in seen]
-        self.monitor.record_layer_stats(self._step, "activation", tensor_stats(
-            [out for _, _, out in seen], fmt=self.compute_fmt, names=names))
-        with_input = [(name, x) for name, x, _ in seen if x is not None]
-        if with_input:
-            self.monitor.record_layer_stats(self._step, "input", tensor_stats(
-                [x for _, x in with_input], names=[name for name, _ in with_input]))
+        self.monitor.record_layer_stats(self._step, "activation", outputs)
+        if inputs is not None:
+            self.monitor.record_layer_stats(self._step, "input", inputs)
         self._collected_activations = True
         self._watched = self._step
 

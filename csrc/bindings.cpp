@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core.h"
@@ -295,12 +296,17 @@ class GradPlan {
   // One native pass over the gradients that the last collect() found. The
   // gradients stay referenced (a local list, which another thread's collect()
   // cannot replace) between collect() and the launch, so p.grad = None or
-  // zero_grad() on another thread cannot free them before the kernel.
+  // zero_grad() on another thread cannot free them before the kernel. The plan
+  // lets go of them when the launch returns: held until the next step's
+  // collect(), they outlived zero_grad(set_to_none=True) and kept a second set
+  // of gradients allocated through every forward and backward (the size of the
+  // parameters, over torch's GradScaler). A launch uses its collect() once.
   void launch(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
     static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
     if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
-    const py::list grads = grads_;
+    collected_ = false;  // live_'s pointers are valid only while grads holds their gradients
+    const py::list grads = std::exchange(grads_, py::list());
     // The caller's allocations since collect() release the GIL: a gradient another thread gave new memory
     // there (resize_, set_, its storage resized) would have its old, maybe freed, memory touched. Its pointer
     // is read again here, with the GIL held to the end of the launch.
@@ -325,7 +331,7 @@ class GradPlan {
   std::vector<aamp::TensorRef> live_;  // the gradients found by the last collect(), with their pointers
   std::vector<std::size_t> live_at_;   // their positions in the plan
   std::size_t workspace_bytes_ = 0;    // for every planned gradient: enough for any subset
-  py::list grads_;  // the gradients whose pointers live_ holds (None where a parameter has none)
+  py::list grads_;  // from collect() to launch(): the gradients whose pointers live_ holds (None where none)
   bool collected_ = false;
 };
 
@@ -747,11 +753,14 @@ class OptimPlan {
     if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
     collected_ = false;  // the gradients found are used once: the next step collects again
     unchanged_since_collect();
+    // ... and are not held past this launch (see GradPlan::launch: kept until the next collect(), they
+    // outlived zero_grad(set_to_none=True), a second set of gradients through every forward and backward).
+    const py::list grads = std::exchange(grads_, py::list());
     set_step_scalars(a_, lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize,
                      stochastic_rounding, grad_scale, found_inf, seed, offset, seed_offset, stream);
     // Local copies: what this launch touches stays referenced (and its pointers unchanged).
     const aamp::OptimArgs args = a_;
-    const py::list grads = grads_, params = params_, values = values_;
+    const py::list params = params_, values = values_;
     aamp::optim_step(args);  // with the GIL (see "The GIL stays held")
     // A new momentum buffer is new for one step only (a skipped step leaves it
     // at zero, which the next step reads as history: see optim.SGD).
@@ -874,7 +883,7 @@ class OptimPlan {
   py::dict state_;
   py::list states_, keys_, values_;
   std::vector<Watched> watched_;  // params, then values (index n + i * nk + k)
-  py::list grads_;
+  py::list grads_;  // from collect() to launch(): the gradients found
   bool collected_ = false;
   aamp::OptimArgs a_;
 };

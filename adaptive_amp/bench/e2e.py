@@ -18,7 +18,10 @@ own choice, with the analysis), ``fp16`` (ours, fp16 with loss scaling),
 Peak memory of a loop is its static memory (parameters, optimizer state,
 what its first steps left allocated) plus the largest transient of its
 rounds, so that the two loops of a pair, alive together, are each charged
-only for their own.
+only for their own. The analysis of ``auto`` runs before the warm-up and
+is in neither part. On the GPU the timed steps include the controller's
+statistics step 50 (per-layer statistics every 50 steps), so its peak is
+that of a statistics step when that is the higher.
 
 On the CPU (tiny models, a few steps) it checks that everything runs; the
 numbers mean something on a GPU.
