@@ -74,7 +74,8 @@ def train(zm: ZooModel, recipe: str, steps: int, *, batch: int = 8, seq_len: Opt
     constant; clipping at `max_grad_norm` when given) under `recipe` (one of RECIPES; "adaptive" runs
     AdaptiveMixedPrecision(policy=`policy`, **amp_kwargs)). Batches are ``make_batch(batch, seed=step,
     seq_len=seq_len)`` on the model's device; the final loss is the fp32 loss of ``make_batch(eval_batch,
-    seed=eval_seed)``. ``progress(step, loss)`` is called after every `progress_every`-th step (0: never)."""
+    seed=eval_seed)``. ``progress(step, loss)`` is called after the first step and every `progress_every`-th
+    (0: never)."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r} is not one of {', '.join(RECIPES)}")
     if steps < 1:
@@ -128,7 +129,7 @@ def train(zm: ZooModel, recipe: str, steps: int, *, batch: int = 8, seq_len: Opt
         if i == 0:
             _sync(device)
             first_step_s = time.perf_counter() - t0
-        if progress is not None and progress_every and (i + 1) % progress_every == 0:
+        if progress is not None and progress_every and (i == 0 or (i + 1) % progress_every == 0):
             progress(i, float(losses[-1]))
     _sync(device)
     step_ms = 1e3 * (time.perf_counter() - t0 - first_step_s) / max(1, steps - 1)
