@@ -64,12 +64,10 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
 import traceback
-import warnings
 
 import torch
 
@@ -347,8 +345,6 @@ def main(argv=None):
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 reference is "fp32 (TF32)"
         torch.backends.cudnn.allow_tf32 = True
-    # Schedulers step after steps the scaler skipped: torch warns about the order, once; it is expected here.
-    warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()` before"))
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     report = {"suite": args.suite, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
