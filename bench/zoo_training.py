@@ -178,7 +178,7 @@ def run_recovery(name, mode, recipe, args, device, start):
            "skipped_at": [i for i, s in enumerate(run.stepped) if not s][:30],
            "final_loss": run.final_loss, "first_loss": run.losses[0],
            "losses_every_10": run.losses[::10] + [run.losses[-1]],
-           "first_step_s": round(run.first_step_s, 2), "step_ms": round(run.step_ms, 2)}
+           "first_step_s": round(run.first_step_s, 4), "step_ms": round(run.step_ms, 2)}
     if run.amp is not None:
         amp = run.amp
         amp.report(plots=False)  # reads the last, partial window
@@ -273,7 +273,7 @@ def run_alarms(family, mode, dtype, args, device, start):
            "skipped_steps": run.lost_steps, "first_loss": run.losses[0],
            "loss_first_10": statistics.fmean(run.losses[:10]), f"loss_last_{k}": statistics.fmean(run.losses[-k:]),
            "losses_every_50": run.losses[::50] + [run.losses[-1]], "final_loss": run.final_loss,
-           "first_step_s": round(run.first_step_s, 2), "step_ms": round(run.step_ms, 2)}
+           "first_step_s": round(run.first_step_s, 4), "step_ms": round(run.step_ms, 2)}
     row["ok"] = not anomalies and not actions and math.isfinite(run.final_loss)
     amp.remove()
     row["peak_mem_GiB"] = _peak(device)
