@@ -142,7 +142,11 @@ class LossSpike(Detector):
 
     Robust statistics, so that spikes do not widen the yardstick that detects them; the relative size, so
     that a plateau's tiny noise does not make a 1% wobble a spike; the window's maximum, so that early
-    training (a steep fall that bumps back up a little) is not one. Warm-up: `min_history` finite losses.
+    training (a steep fall that bumps back up a little) is not one. Positive losses (cross-entropy, MSE)
+    are compared as logarithms, as gradient norms are: their batch-to-batch noise grows with their level
+    and, near zero, is skewed (a nearly converged classifier's batch with one hard example costs a hundred
+    times the median); a real spike is many times the loss's own relative noise. Warm-up: `min_history`
+    finite losses.
     """
 
     kind = "loss_spike"
@@ -156,15 +160,20 @@ class LossSpike(Detector):
             ref = view.loss[max(0, i - self.window):i]
             ref = ref[np.isfinite(ref)]
             value = view.loss[i]
-            z = robust_z(ref, value, self.min_history)
+            log = value > 0 and ref.size and ref.min() > 0
+            if log:
+                z = robust_z(np.log(ref), math.log(value), self.min_history)
+            else:  # a loss that can be zero or negative: its noise need not scale with it
+                z = robust_z(ref, value, self.min_history)
             if z <= self.z:
                 continue
             med = float(np.median(ref))
             if value - med < self.rel * max(abs(med), 1e-12) or value <= float(ref.max()):
                 continue
             events.append(Event(int(view.steps[i]), self.kind,
-                                f"loss {value:.4g} is {z:.1f} robust standard deviations above the median "
-                                f"{med:.4g} of the previous {ref.size} steps", data={"z": z, "loss": value}))
+                                f"loss {value:.4g} is {z:.1f} robust standard deviations"
+                                f"{' of the log-losses' if log else ''} above the median {med:.4g} of the "
+                                f"previous {ref.size} steps", data={"z": z, "loss": value}))
         return events
 
 

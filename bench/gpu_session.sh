@@ -8,12 +8,18 @@
 #   sanitize  compute-sanitizer's four tools over bench/sanitize_driver.py
 #   unscale   eager unscale_and_check_ (plain and planned) against torch's kernel
 #   zoo       the model zoo at real sizes under AdaptiveMixedPrecision, eager and compiled
+#   train     issue 17's targets 5 and 6, bench/zoo_training.py: TRAIN_ARGS="--suite recovery" (the default:
+#             planted overflows in GPT-2 small and Llama, fp32 / torch AMP / ours, eager and compiled) or
+#             TRAIN_ARGS="--suite alarms" (ordinary training of every zoo family, fp16 and bf16, 2000 steps);
+#             one suite per 10-minute call (each stops starting runs after --budget-s, default 540 s: lower it
+#             by the build's time when build runs in the same call). Its JSON and table go straight to
+#             $OUT/train/, rewritten after every run, so a call cut off at its time limit keeps them.
 #   e2e       python -m adaptive_amp bench --suites e2e
 #   tune      the measured policy selection on the zoo
 #   examples  examples/ and the README's example on the GPU
 #   scaler    GradScaler's per-step overhead against torch's, with 0% and 30% of the parameters frozen
 #   multi     (2 GPUs) the scaler's and the integrations' NCCL scripts
-# ZOO_ARGS, E2E_ARGS and TUNE_ARGS pass options to those stages (a stage must fit a 10-minute call).
+# ZOO_ARGS, TRAIN_ARGS, E2E_ARGS and TUNE_ARGS pass options to those stages (a stage must fit a 10-minute call).
 # The logs are packed into $OUT/logs.tgz (the device tool brings back at most 8 files), with
 # the summary in $OUT/summary.txt. Python runs from /tmp, never from the checkout (the source folder would shadow the install).
 set -u
@@ -55,6 +61,7 @@ for stage in "$@"; do
     sanitize) run sanitize bash "$repo/bench/sanitize.sh" "$out" ;;
     unscale) run unscale python3 "$repo/bench/bench_unscale.py" --eager --json "$out/unscale_eager.json" ;;
     zoo) run zoo python3 "$repo/bench/zoo_gpu.py" --out "$out/zoo" ${ZOO_ARGS:-} ;;
+    train) run train python3 "$repo/bench/zoo_training.py" --out "$dest/train" ${TRAIN_ARGS:---suite recovery} ;;
     e2e) run e2e python3 -m adaptive_amp bench --suites e2e --no-unscale --json "$out/e2e.json" ${E2E_ARGS:-} ;;
     multi) run multi_gpu torchrun --standalone --nproc_per_node=2 "$repo/bench/multi_gpu.py" --out "$out/mg"
            run multi_gpu_integrations torchrun --standalone --nproc_per_node=2 "$repo/bench/multi_gpu_integrations.py" \

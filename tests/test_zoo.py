@@ -118,3 +118,33 @@ def test_batches_come_from_cpu_generators_under_a_default_device(family):
     assert all(v.device.type == "cpu" for v in batch.values())
     assert all(torch.equal(v, w) for v, w in zip(batch.values(), zoo.build(family, "tiny", seed=0).make_batch(
         2, seed=0).values()))
+
+
+def test_train_makes_the_same_batches_ahead_on_a_thread():
+    # GPU runs of adaptive_amp.zoo.train make the next batch on a thread while a step runs; they must be the
+    # very batches (make_batch(batch, seed=step)) the CPU runs train on, channels_last kept.
+    from adaptive_amp.zoo.train import _batches
+
+    for family in ("gpt2", "resnet"):
+        zm = zoo.build(family, "tiny", seed=0)
+        cpu = torch.device("cpu")
+        ahead = list(_batches(zm, 3, None, 5, cpu, ahead=True))
+        for i, b in enumerate(_batches(zm, 3, None, 5, cpu, ahead=False)):
+            assert b.keys() == ahead[i].keys()
+            assert all(torch.equal(b[k], ahead[i][k]) and b[k].stride() == ahead[i][k].stride() for k in b)
+            assert all(torch.equal(b[k], v) for k, v in zm.make_batch(3, seed=i).items())
+        assert len(ahead) == 5
+
+
+def test_train_reports_lost_and_recovery_steps():
+    from adaptive_amp.zoo.train import TrainRun, recovery_steps, train
+
+    assert recovery_steps([True, True]) == 0
+    assert recovery_steps([True, False, False, True, False]) == 2
+    assert recovery_steps([True, False, False]) == 2  # never stepped again: the steps run since the first skip
+    run = TrainRun("adaptive", 1.0, [True, False, False], [1.0, 1.0, 1.0])
+    assert run.lost_steps == 2 and run.recovery_steps == 2 and not run.recovered
+    assert TrainRun("fp32", 1.0, [True], [1.0]).recovered
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    with pytest.raises(ValueError, match="recipe 'bf16' is not one of fp32, torch-fp16, adaptive"):
+        train(zm, "bf16", 1)

@@ -16,6 +16,8 @@ Usage::
     amp = AdaptiveMixedPrecision(zm.model, opt, sample_inputs=zm.inputs(batch), loss_fn=zm.output_loss(batch))
 
 The transformers families need the transformers package; the resnet needs only torch.
+``adaptive_amp.zoo.train`` trains a zoo model under fp32, torch AMP or AdaptiveMixedPrecision (the loop of
+the CPU tests and of bench/zoo_training.py).
 """
 
 from __future__ import annotations
