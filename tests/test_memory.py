@@ -95,8 +95,8 @@ def test_layers_measured_in_their_hooks_give_the_statistics_of_the_whole_forward
     assert inputs.fmt is None and inputs.fields == expected_in.fields
 
 
-def _fp16_step(model, batch, zm, opt, scaler):
-    with torch.autocast("cpu", dtype=torch.float16):
+def _fp16_step(model, batch, zm, opt, scaler, device="cpu"):
+    with torch.autocast(device, dtype=torch.float16):
         loss = zm.loss(model, batch)
     scaler.scale(loss).backward()
     scaler.unscale_(opt)
@@ -215,14 +215,7 @@ def test_our_grad_scaler_static_memory_cuda():
         torch.cuda.synchronize()
         start = torch.cuda.memory_allocated()
         for b in batches:
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = zm.loss(model, b)
-            scaler.scale(loss).backward()
-            scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
+            _fp16_step(model, b, zm, opt, scaler, "cuda")
         torch.cuda.synchronize()
         static[name] = torch.cuda.memory_allocated() - start
         del model, opt, loss
