@@ -216,6 +216,7 @@ class AdaptiveMixedPrecision:
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
         self._clip_total: Optional[torch.Tensor] = None  # the norm clip_grad_norm_ returned this step
+        self._clip_max: Optional[float] = None  # the norm it clipped to: the monitor judges clipped spikes apart
         self._loss_known = True
         self._collected_activations = False
         # Adaptation state (all of it in state_dict).
@@ -413,7 +414,7 @@ class AdaptiveMixedPrecision:
             self.clip_grad_norm_(max_grad_norm, norm_type)
         elif self._clip_total is None and self._stats_due():
             self._record_gradient_stats()
-        grad_norm, self._clip_total = self._clip_total, None
+        grad_norm, clip_max, self._clip_total, self._clip_max = self._clip_total, self._clip_max, None, None
         results = [self.scaler.step(opt) for opt in self.optimizers]
         scaling = self.scaler.is_enabled()
         if scaling:
@@ -431,7 +432,8 @@ class AdaptiveMixedPrecision:
         step = self._step
         self.monitor.record_step(step, loss=loss, grad_norm=grad_norm,
                                  found_inf=self.scaler.found_inf if scaling else None,
-                                 scale=self.scaler._get_scale_async().clone() if scaling else None)
+                                 scale=self.scaler._get_scale_async().clone() if scaling else None,
+                                 max_grad_norm=clip_max)
         watched = self._watched == step
         self._loss_known = loss is not None  # losses scaled outside backward() are not recorded
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
@@ -464,7 +466,7 @@ class AdaptiveMixedPrecision:
                 self.scaler.unscale_(opt)
             params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
             total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        self._clip_total = total
+        self._clip_total, self._clip_max = total, float(max_norm)
         return total
 
     def _stepped(self, result) -> bool:
@@ -743,7 +745,7 @@ class AdaptiveMixedPrecision:
         self._first_overflow, self._unexplained = parsed["first_overflow"], parsed["unexplained"]
         self._scale_before_storm = parsed["scale_before_storm"]
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
-        self._clip_total = None
+        self._clip_total, self._clip_max = None, None
 
     def __repr__(self):
         return (f"AdaptiveMixedPrecision(policy={str(self.policy)!r}, device={self.device}, step={self._step}, "

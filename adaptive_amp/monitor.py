@@ -18,7 +18,9 @@ producing :class:`Event` records (step, kind, layer, message):
 * ``scale_collapse``: the loss scale fell below ``scale_floor`` (once per fall).
 * ``grad_norm_anomaly``: on a step that was not skipped, a non-finite
   gradient norm, or one 5x the recent median and above all recent norms,
-  with a robust z-score of the log-norms above ``grad_norm_z``.
+  with a robust z-score of the log-norms above ``grad_norm_z``; on clipped
+  steps (``record_step(max_grad_norm=...)``) only once it has lasted 5 steps,
+  since the clip bounds what one spike does to the weights.
 * ``underflow_rising``: the fraction of gradient elements that underflow in
   the compute format has at least doubled since the first statistics and is
   above 1%; the layer with the most underflow is named.
@@ -52,7 +54,7 @@ KINDS = ("nan_loss", "loss_spike", "overflow_rate", "scale_collapse", "grad_norm
          "activation_overflow")
 #: What per-layer statistics describe: layer outputs, layer inputs, parameter gradients.
 LAYER_STATS_KINDS = ("activation", "input", "gradient")
-_COLUMNS = ("loss", "grad_norm", "found_inf", "scale")
+_COLUMNS = ("loss", "grad_norm", "found_inf", "scale", "max_grad_norm")
 
 
 class StabilityMonitor:
@@ -107,8 +109,13 @@ class StabilityMonitor:
             raise ValueError(f"detectors: each kind may appear once (their state is saved by kind), got {kinds}")
 
     # ------------------------------------------------------------ recording
-    def record_step(self, step: int, *, loss=None, grad_norm=None, found_inf=None, scale=None) -> None:
+    def record_step(self, step: int, *, loss=None, grad_norm=None, found_inf=None, scale=None,
+                    max_grad_norm=None) -> None:
         """Keep this step's values (device tensors or numbers; None: unknown). No synchronization.
+
+        `max_grad_norm` is the norm the gradients were clipped to at this step
+        (None: not clipped); the gradient-norm detector judges clipped steps'
+        spikes by whether they last.
 
         Tensors are kept by reference until the next read: pass ones that are
         not modified in place afterwards (clone the scaler's scale). A DTensor
@@ -120,7 +127,8 @@ class StabilityMonitor:
         last = self._pending[-1][0] if self._pending else (self._steps[-1] if self._steps else None)
         if last is not None and step <= last:
             raise ValueError(f"step {step} is not after the last recorded step; steps must increase")
-        values = {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf, "scale": scale}
+        values = {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf, "scale": scale,
+                  "max_grad_norm": max_grad_norm}
         self._pending.append((int(step), {k: _plain(v) for k, v in values.items()}))
 
     def stats_due(self, step: int) -> bool:
@@ -192,8 +200,8 @@ class StabilityMonitor:
         return len(self._steps) - bisect.bisect_left(self._steps, step)
 
     def value_at(self, column: str, step: int) -> float:
-        """A read step's value of a history column (loss, grad_norm, found_inf, scale); NaN if unknown or not
-        read (yet)."""
+        """A read step's value of a history column (loss, grad_norm, found_inf, scale, max_grad_norm); NaN if
+        unknown or not read (yet)."""
         i = bisect.bisect_left(self._steps, step)
         if i == len(self._steps) or self._steps[i] != step:
             return math.nan
@@ -245,7 +253,8 @@ class StabilityMonitor:
                           loss=self._column("loss", base),
                           found=np.nan_to_num(self._column("found_inf", base)) > 0,
                           grad_norm=self._column("grad_norm", base), scale=self._column("scale", base),
-                          first_new=first - base, layer_stats=new_stats)
+                          first_new=first - base, layer_stats=new_stats,
+                          max_grad_norm=self._column("max_grad_norm", base))
         events: List[Event] = []
         for detector in self.detectors:
             events.extend(detector.detect(view))
@@ -272,14 +281,19 @@ class StabilityMonitor:
         if not isinstance(state, dict) or state.get("version") != 1:
             raise ValueError("monitor state: not a StabilityMonitor state_dict (version 1)")
         try:
-            cols = {c: [None if v is None else float(v) for v in state["columns"][c]] for c in _COLUMNS}
+            columns = dict(state["columns"])
+            if "max_grad_norm" not in columns:  # a state saved before the clip was recorded
+                columns["max_grad_norm"] = [None] * len(state["steps"])
+            cols = {c: [None if v is None else float(v) for v in columns[c]] for c in _COLUMNS}
             steps = [int(s) for s in state["steps"]]
             if any(len(v) != len(steps) for v in cols.values()):
                 raise ValueError("monitor state: the columns and steps have different lengths")
             layer_stats = [LayerStats(int(d["step"]), d["kind"], d["fmt"], list(d["rows"]))
                            for d in state["layer_stats"]]
             events = [Event.from_dict(e) for e in state["events"]]
-            pending = [(int(step), {c: values[c] for c in _COLUMNS}) for step, values in state["pending"]]
+            # The clip is optional: states saved before it was recorded lack it.
+            pending = [(int(step), {c: dict(values).get(c) if c == "max_grad_norm" else values[c] for c in _COLUMNS})
+                       for step, values in state["pending"]]
             pending_stats = [(int(d["step"]), d["kind"], _stats.TensorStats(
                 np.asarray(d["values"], dtype=np.float64), len(d["names"]), fmt=d["fmt"], names=d["names"],
                 framework="numpy", device=_native_cpu())) for d in state["pending_stats"]]

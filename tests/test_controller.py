@@ -291,6 +291,8 @@ def test_clipping_before_step_equals_clipping_in_step():
     assert all(torch.equal(a, b) for a, b in zip(params, params2))
     assert norms2 == norms and norms2 == pytest.approx(returned, rel=0) and max(norms) > 0.5
     assert stats and repr(stats2) == repr(stats)
+    # Both paths tell the monitor the clip, which judges clipped gradient-norm spikes by whether they last.
+    assert [amp.monitor.value_at("max_grad_norm", s) for s in range(4)] == [0.5] * 4
 
 
 def test_gradient_accumulation_and_several_optimizers():
