@@ -151,7 +151,7 @@ def _needs_bits(batches, stochastic_rounding):
     return stochastic_rounding and any(b is not None and BFLOAT16 in b.dtypes for b in batches)
 
 
-def _call(kind, batches, *, steps=(), first=(), lr, beta1=0.9, beta2=0.999, eps=1e-8, momentum=0.0, dampening=0.0,
+def _call(kind, batches, *, steps=(), steps_watch=(), first=(), lr, beta1=0.9, beta2=0.999, eps=1e-8, momentum=0.0, dampening=0.0,
           nesterov=False, weight_decay=0.0, maximize=False, stochastic_rounding=True, grad_scale=None,
           found_inf=None, generator=None, seed=None, offset=None, device):
     pb, gb, mb, vb = batches
@@ -168,7 +168,10 @@ def _call(kind, batches, *, steps=(), first=(), lr, beta1=0.9, beta2=0.999, eps=
         list(steps), [bool(f) for f in first], float(lr), float(beta1), float(beta2), float(eps), float(momentum),
         float(dampening), bool(nesterov), float(weight_decay), bool(maximize), bool(stochastic_rounding),
         grad_scale.data_ptr() if grad_scale is not None else 0, found_inf.data_ptr() if found_inf is not None else 0,
-        _u64(s), _u64(o), so.data_ptr() if so is not None else 0, device, _stream(device))
+        _u64(s), _u64(o), so.data_ptr() if so is not None else 0, device, _stream(device),
+        # The launch reads these tensors' pointers again (another thread may have given one new memory).
+        (pb.watch, gb.watch, mb.watch if mb else (), vb.watch if vb else (), steps_watch, grad_scale, found_inf,
+         so))
     return so  # kept alive by the caller until the launch is enqueued (it is, on return)
 
 
@@ -200,7 +203,7 @@ def adamw_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
     for i, t in enumerate(steps):
         if t.numel() != 1:
             raise ValueError(f"steps[{i}] has {t.numel()} elements; pass a 1-element float32 tensor")
-    _call(_ADAMW, batches[:4], steps=batches[4].ptrs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+    _call(_ADAMW, batches[:4], steps=batches[4].ptrs, steps_watch=batches[4].watch, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
           weight_decay=weight_decay, maximize=maximize, stochastic_rounding=stochastic_rounding,
           grad_scale=grad_scale, found_inf=found_inf, generator=generator, seed=seed, offset=offset, device=device)
 

@@ -873,7 +873,9 @@ class GradScaler(torch.amp.GradScaler):
                         float(self._max_scale or 0.0), hist is not None,
                         step_amax.data_ptr() if step_amax is not None else 0,
                         hist.data_ptr() if hist is not None else 0, hist.numel() if hist is not None else 0,
-                        self._margin, self._fmt_max, self._inv_scale.data_ptr(), index, stream)
+                        self._margin, self._fmt_max, self._inv_scale.data_ptr(), index, stream,
+                        (self._scale, self._growth_tracker, found, self._counters, step_amax, hist,
+                         self._inv_scale))
 
     def _check_native_state(self) -> None:
         """The native update writes through raw pointers: tensors replaced by hand must still fit."""
