@@ -169,7 +169,8 @@ class UnscalePlan:
                 ws_owner, ws_ptr = _native.workspace("torch", device, ws_bytes)
             # Checks the tensors and launches in one native call (no thread can run in between).
             if self._native.unscale(found.ptr, inv.ptr, check_only, sumsq_ptr, amax_ptr, ws_ptr, ws_bytes,
-                                    _native.current_stream("torch", device)):
+                                    _native.current_stream("torch", device),
+                                    (_native.watched(found), _native.watched(inv))):
                 del ws_owner  # torch's allocator keeps stream order (see _keep_until_done)
                 return (sumsq, amax) if return_stats else None
             self._build()

@@ -151,8 +151,8 @@ def _needs_bits(batches, stochastic_rounding):
     return stochastic_rounding and any(b is not None and BFLOAT16 in b.dtypes for b in batches)
 
 
-def _call(kind, batches, *, steps=(), steps_watch=(), first=(), lr, beta1=0.9, beta2=0.999, eps=1e-8, momentum=0.0, dampening=0.0,
-          nesterov=False, weight_decay=0.0, maximize=False, stochastic_rounding=True, grad_scale=None,
+def _call(kind, batches, *, steps=(), steps_watch=(), first=(), lr, beta1=0.9, beta2=0.999, eps=1e-8, momentum=0.0,
+          dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False, stochastic_rounding=True, grad_scale=None,
           found_inf=None, generator=None, seed=None, offset=None, device):
     pb, gb, mb, vb = batches
     grad_scale = _device_scalar(grad_scale, "grad_scale", device)
@@ -491,7 +491,7 @@ class _Fused(torch.optim.Optimizer):
             fi = _device_scalar(found_inf, "found_inf", device)
             so = _seed_offset(self.generator, None, None, device)[2] if dp.bits else None
             dp.native.launch(*hyper, gs.data_ptr() if gs is not None else 0, fi.data_ptr() if fi is not None else 0,
-                             0, 0, so.data_ptr() if so is not None else 0, _stream(device))
+                             0, 0, so.data_ptr() if so is not None else 0, _stream(device), (gs, fi, so))
             if dp.steps is not None:
                 # torch's convention: the count moves on unless the step was skipped (on the device).
                 dp.steps.add_(1)

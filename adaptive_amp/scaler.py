@@ -541,7 +541,8 @@ class GradScaler(torch.amp.GradScaler):
         ws_bytes = group.native.workspace_bytes
         workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=device) if ws_bytes else None
         group.native.launch(found.data_ptr(), inv.data_ptr(), check_only, sumsq.data_ptr(), amax.data_ptr(),
-                            workspace.data_ptr() if workspace is not None else 0, ws_bytes, group.stream())
+                            workspace.data_ptr() if workspace is not None else 0, ws_bytes, group.stream(),
+                            (found, inv))
         return sumsq, amax
 
     @staticmethod

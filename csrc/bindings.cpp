@@ -401,7 +401,8 @@ class GradPlan {
   // of gradients allocated through every forward and backward (the size of the
   // parameters, over torch's GradScaler). A launch uses its collect() once.
   void launch(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
-              std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
+              std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream,
+              py::object watch) {
     if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
     collected_ = false;  // live_'s pointers are valid only while grads holds their gradients
     const py::list grads = std::exchange(grads_, py::list());
@@ -414,6 +415,9 @@ class GradPlan {
                           "Do not change gradients while the scaler unscales them");
       }
     }
+    Watch w(std::move(watch), 2, "found_inf, inv_scale");
+    w.one(0, found_inf, "found_inf");
+    w.one(1, inv_scale, "inv_scale");
     run_unscale(live_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
   }
 
@@ -495,8 +499,12 @@ class TensorsPlan {
   // the GIL held from the check to the end of the launch: a check the caller made before its own Python
   // code (a thread switch point) could be undone by another thread's resize_ before the launch.
   bool unscale(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
-               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
+               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream,
+               py::object watch) {
     if (!check()) return false;
+    Watch w(std::move(watch), 2, "found_inf, inv_scale");
+    w.one(0, found_inf, "found_inf");
+    w.one(1, inv_scale, "inv_scale");
     const py::tuple keep = tensors_, keep_storages = storages_;
     run_unscale(refs_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
     return true;
@@ -865,10 +873,14 @@ class OptimPlan {
   void launch(double lr, double beta1, double beta2, double eps, double momentum, double dampening, bool nesterov,
               double weight_decay, bool maximize, bool stochastic_rounding, std::uintptr_t grad_scale,
               std::uintptr_t found_inf, std::uint64_t seed, std::uint64_t offset, std::uintptr_t seed_offset,
-              std::uintptr_t stream) {
+              std::uintptr_t stream, py::object watch) {
     if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
     collected_ = false;  // the gradients found are used once: the next step collects again
     unchanged_since_collect();
+    Watch w(std::move(watch), 3, "grad_scale, found_inf, seed_offset");
+    w.one(0, grad_scale, "grad_scale");
+    w.one(1, found_inf, "found_inf");
+    w.one(2, seed_offset, "seed_offset");
     // ... and are not held past this launch (see GradPlan::launch: kept until the next collect(), they
     // outlived zero_grad(set_to_none=True), a second set of gradients through every forward and backward).
     const py::list grads = std::exchange(grads_, py::list());
@@ -1053,7 +1065,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("collected_count", &GradPlan::collected_count)
       .def("collect", [](GradPlan& p) { return static_cast<int>(p.collect()); })
       .def("launch", &GradPlan::launch, py::arg("found_inf"), py::arg("inv_scale"), py::arg("check_only"),
-           py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"));
+           py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
+           py::arg("watch"));
   m.attr("PLAN_DONE") = static_cast<int>(GradPlan::kDone);
   m.attr("PLAN_GENERAL") = static_cast<int>(GradPlan::kGeneral);
   m.attr("PLAN_STALE") = static_cast<int>(GradPlan::kStale);
@@ -1067,7 +1080,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("workspace_bytes", &TensorsPlan::workspace_bytes)
       .def("check", &TensorsPlan::check)
       .def("unscale", &TensorsPlan::unscale, py::arg("found_inf"), py::arg("inv_scale"), py::arg("check_only"),
-           py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"));
+           py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
+           py::arg("watch"));
 
   m.attr("SROUND_GROUP") = aamp::kSroundGroup;
   m.def("stochastic_round", &stochastic_round, py::arg("x"), py::arg("numel"), py::arg("x_dtype"), py::arg("out"),
@@ -1103,7 +1117,7 @@ PYBIND11_MODULE(_C, m) {
       .def("launch", &OptimPlan::launch, py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
            py::arg("momentum"), py::arg("dampening"), py::arg("nesterov"), py::arg("weight_decay"),
            py::arg("maximize"), py::arg("stochastic_rounding"), py::arg("grad_scale"), py::arg("found_inf"),
-           py::arg("seed"), py::arg("offset"), py::arg("seed_offset"), py::arg("stream"));
+           py::arg("seed"), py::arg("offset"), py::arg("seed_offset"), py::arg("stream"), py::arg("watch"));
 
   m.attr("STATS_CHUNK") = aamp::kStatsChunk;
   {

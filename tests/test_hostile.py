@@ -890,6 +890,19 @@ def _window_case(op, name):
                 [*ps, *gs, *ms, *vs, *steps],
                 {"params[0]": ps[0], "exp_avgs[1]": ms[1], "exp_avg_sqs[0]": vs[0], "steps[1]": steps[1]},
                 (aoptim, "_stream"))
+    if op == "UnscalePlan":  # the plan re-checks its tensors itself; the scalars come with each call
+        ts, f, inv = [full(4.0), full(4.0)], scalar(0.0), scalar(0.5)
+        plan = adaptive_amp.UnscalePlan(ts)
+        return (lambda: plan.unscale_and_check_(f, inv, return_stats=True), [*ts, f, inv],
+                {"found_inf": f, "inv_scale": inv}, (_native, "current_stream"))
+    if op == "AdamW (planned)":  # grad_scale and found_inf as torch's GradScaler hands them to the optimizer
+        model = _model_with_grads()
+        opt = aoptim.AdamW(model.parameters(), lr=0.1, stochastic_rounding=False)
+        opt.step()  # builds the plan
+        opt.grad_scale, opt.found_inf = scalar(1.0), scalar(0.0)
+        tensors = [*model.parameters(), *(p.grad for p in model.parameters()),
+                   *(v for p in model.parameters() for v in opt.state[p].values()), opt.grad_scale, opt.found_inf]
+        return (opt.step, tensors, {"grad_scale": opt.grad_scale, "found_inf": opt.found_inf}, (aoptim, "_stream"))
     assert op == "update_scale_"
     sc, gt, found = scalar(1024.0), torch.zeros(1, dtype=torch.int32), scalar(1.0)
     counters, inv = torch.tensor([1, 0, 0, 0], dtype=torch.int32), scalar(0.0)
@@ -900,12 +913,12 @@ def _window_case(op, name):
 
 
 _WINDOW_CASES = [(op, name) for op in ("unscale_and_check_", "tensor_stats", "stochastic_round", "sgd_step_",
-                                       "adamw_step_", "update_scale_")
+                                       "adamw_step_", "update_scale_", "UnscalePlan", "AdamW (planned)")
                  for name in _window_case(op, None)[2]]
 
 
 @pytest.mark.parametrize("op, name", _WINDOW_CASES, ids=[f"{op}-{name}" for op, name in _WINDOW_CASES])
-def test_one_shot_op_tensor_given_new_memory_before_the_launch_is_refused(monkeypatch, op, name):
+def test_op_tensor_given_new_memory_before_the_launch_is_refused(monkeypatch, op, name):
     """Before the launch re-read the pointers, the kernel used the victim's old memory, here kept alive by
     another view of it (freed, the process crashed: the subprocess test below), and raised nothing."""
     call, tensors, victims, (module, attr) = _window_case(op, name)
