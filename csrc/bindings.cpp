@@ -100,8 +100,9 @@ class DataPtrReader {
                            "by another thread; " + outcome + ". " + advice);
 }
 
-// A one-shot launch's `watch` argument: per pointer argument (a layout each launch states), the torch tensor
-// its pointer was read from (a tuple of them for a list argument), or None where nothing is to be re-read.
+// A launch's `watch` argument: per pointer argument (in the order each launch states), the torch tensor its
+// pointer was read from (a tuple of them for a list argument), or None where nothing is to be re-read. (The
+// plans re-read the tensors they hold themselves; their launches watch only the per-call scalars.)
 class Watch {
  public:
   Watch(py::object watch, std::size_t count, const char* what) : watch_(std::move(watch)) {
@@ -169,8 +170,9 @@ void run_unscale(std::vector<aamp::TensorRef> tensors, std::uintptr_t found_inf,
   a.place.stream = stream;
   // With the GIL (see "The GIL stays held"): every caller holds
   // references to the arrays behind these pointers until this returns (ops
-  // keep their _native.Batch, plans their lists), and `a` is this call's own
-  // copy.
+  // keep their _native.Batch, plans their lists), has just read the torch
+  // tensors' pointers again (see "Pointers read before the launching call"),
+  // and `a` is this call's own copy.
   aamp::unscale_and_check(a);
 }
 
