@@ -855,12 +855,13 @@ def test_planned_optimizer_tensor_given_new_memory_after_collect_is_refused(monk
 # torch tensor's pointer again, with the GIL held to the end of the launch, and refuses by name. The hook on
 # the last Python call before the launch stands in for the other thread.
 
-def _window_case(op, name):
+def _window_case(op, device):
     """(call, every tensor the op may touch, {argument name: tensor}, (module, the last Python call before the
-    launch)) for one one-shot op."""
+    launch)) for one op."""
     from adaptive_amp import sround_torch
 
-    full = lambda v, n=_BIG, dtype=torch.float32: torch.full((n,), v, dtype=dtype)  # noqa: E731
+    full = lambda v, n=_BIG, dtype=torch.float32: torch.full((n,), v, dtype=dtype, device=device)  # noqa: E731
+    scalar = lambda v: torch.tensor([v], dtype=torch.float32, device=device)  # noqa: E731
     if op == "unscale_and_check_":
         ts, f, inv = [full(4.0), full(4.0)], scalar(0.0), scalar(0.5)
         return (lambda: adaptive_amp.unscale_and_check_(ts, f, inv, return_stats=True), [*ts, f, inv],
@@ -870,8 +871,8 @@ def _window_case(op, name):
         return (lambda: adaptive_amp.tensor_stats(ts, fmt="float16", scale=s), [*ts, s],
                 {"tensors[1]": ts[1], "scale": s}, (_native, "current_stream"))
     if op == "stochastic_round":
-        x, out, s = data(_BIG), torch.zeros(_BIG, dtype=torch.bfloat16), scalar(2.0)
-        bits = torch.randint(0, 1 << 30, (_BIG,), dtype=torch.int32)
+        x, out, s = data(_BIG, device=device), full(0.0, dtype=torch.bfloat16), scalar(2.0)
+        bits = torch.randint(0, 1 << 30, (_BIG,), dtype=torch.int32, device=device)
         return (lambda: adaptive_amp.stochastic_round(x, torch.bfloat16, out=out, random_bits=bits, scale=s),
                 [x, out, bits, s], {"x": x, "out": out, "random_bits": bits, "scale": s},
                 (sround_torch, "_stream"))
@@ -899,7 +900,7 @@ def _window_case(op, name):
         return (lambda: plan.unscale_and_check_(f, inv, return_stats=True), [*ts, f, inv],
                 {"found_inf": f, "inv_scale": inv}, (_native, "current_stream"))
     if op == "AdamW (planned)":  # grad_scale and found_inf as torch's GradScaler hands them to the optimizer
-        model = _model_with_grads()
+        model = _model_with_grads().to(device)
         opt = aoptim.AdamW(model.parameters(), lr=0.1, stochastic_rounding=False)
         opt.step()  # builds the plan
         opt.grad_scale, opt.found_inf = scalar(1.0), scalar(0.0)
@@ -907,24 +908,32 @@ def _window_case(op, name):
                    *(v for p in model.parameters() for v in opt.state[p].values()), opt.grad_scale, opt.found_inf]
         return (opt.step, tensors, {"grad_scale": opt.grad_scale, "found_inf": opt.found_inf}, (aoptim, "_stream"))
     assert op == "update_scale_"
-    sc, gt, found = scalar(1024.0), torch.zeros(1, dtype=torch.int32), scalar(1.0)
-    counters, inv = torch.tensor([1, 0, 0, 0], dtype=torch.int32), scalar(0.0)
+    sc, gt, found = scalar(1024.0), torch.zeros(1, dtype=torch.int32, device=device), scalar(1.0)
+    counters, inv = torch.tensor([1, 0, 0, 0], dtype=torch.int32, device=device), scalar(0.0)
     return (lambda: adaptive_amp.update_scale_(sc, gt, found, 2.0, 0.5, 2000, counters=counters, inv_scale=inv),
             [sc, gt, found, counters, inv],
             {"scale": sc, "growth_tracker": gt, "found_inf": found, "counters": counters, "inv_scale": inv},
             (_native, "current_stream"))
 
 
-_WINDOW_CASES = [(op, name) for op in ("unscale_and_check_", "tensor_stats", "stochastic_round", "sgd_step_",
-                                       "adamw_step_", "update_scale_", "UnscalePlan", "AdamW (planned)")
-                 for name in _window_case(op, None)[2]]
+_WINDOW_CASES = [(op, name) for op, names in {
+    "unscale_and_check_": ["tensors[1]", "found_inf", "inv_scale"],
+    "tensor_stats": ["tensors[1]", "scale"],
+    "stochastic_round": ["x", "out", "random_bits", "scale"],
+    "sgd_step_": ["params[1]", "grads[0]", "momentum_buffers[1]", "grad_scale", "found_inf"],
+    "adamw_step_": ["params[0]", "exp_avgs[1]", "exp_avg_sqs[0]", "steps[1]"],
+    "update_scale_": ["scale", "growth_tracker", "found_inf", "counters", "inv_scale"],
+    "UnscalePlan": ["found_inf", "inv_scale"],
+    "AdamW (planned)": ["grad_scale", "found_inf"],
+}.items() for name in names]
 
 
 @pytest.mark.parametrize("op, name", _WINDOW_CASES, ids=[f"{op}-{name}" for op, name in _WINDOW_CASES])
-def test_op_tensor_given_new_memory_before_the_launch_is_refused(monkeypatch, op, name):
+def test_op_tensor_given_new_memory_before_the_launch_is_refused(monkeypatch, op, name, device):
     """Before the launch re-read the pointers, the kernel used the victim's old memory, here kept alive by
     another view of it (freed, the process crashed: the subprocess test below), and raised nothing."""
-    call, tensors, victims, (module, attr) = _window_case(op, name)
+    call, tensors, victims, (module, attr) = _window_case(op, device)
+    assert sorted(victims) == sorted(n for o, n in _WINDOW_CASES if o == op)
     victim = victims[name]
     before = snapshot(*tensors)
     old = []
