@@ -224,6 +224,15 @@ class Batch(NamedTuple):
     arrays: list  # Array per item when described one by one, else None
     objs: tuple  # what the pointers point into: held by the caller until the native call returns
     copies: tuple = ()  # (caller's array, contiguous copy the core sees) for strided inputs; see write_back
+    watch: tuple = ()  # per item, the torch tensor whose pointer the native launch reads again (None: not torch)
+
+
+def watched(a: Array):
+    """What a launch's ``watch`` argument holds for one described array: the torch tensor, whose pointer the
+    native call reads again right before it launches (another thread may have given it new memory since it
+    was described; see csrc/bindings.cpp, "Pointers read before the launching call"), else None (numpy arrays
+    and DLPack capsules keep their memory while referenced)."""
+    return a.obj if a.framework == "torch" else None
 
 
 _allowed_code_maps: dict = {}
@@ -246,7 +255,7 @@ def _torch_fast_batch(xs, writable, dtypes) -> Batch | None:
     if found is None:
         return None
     ptrs, numels, codes, device = found
-    return Batch(ptrs, numels, codes, device, "torch", None, xs)
+    return Batch(ptrs, numels, codes, device, "torch", None, xs, (), xs)
 
 
 def _strided_copies(xs: tuple, name: str, writable: bool):
@@ -377,7 +386,7 @@ def describe_many(xs: Sequence, name: str, *, writable: bool, dtypes: Sequence[i
                 "pass the tensors of one device per call"
             )
     return Batch([a.ptr for a in arrays], [a.numel for a in arrays], [a.dtype for a in arrays], first.device,
-                 first.framework, arrays, xs, copies)
+                 first.framework, arrays, xs, copies, tuple(watched(a) for a in arrays))
 
 
 def write_back(batch: Batch):

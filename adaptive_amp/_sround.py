@@ -91,14 +91,18 @@ def scale_number(scale) -> Optional[float]:
 
 
 def call_native(*, x, out_ptr, out_numel, out_code, bits=None, seed=0, offset=0, seed_offset_ptr=0, scale_ptr=0,
-                scale_value=None, saturate=False, amax_ptr=0, device, stream):
-    """One call of the core (it validates everything again and writes nothing on error)."""
+                scale_value=None, saturate=False, amax_ptr=0, device, stream, watch):
+    """One call of the core (it validates everything again and writes nothing on error).
+
+    watch: the torch tensors behind (out, seed_offset, scale, amax) or None each (see _native.watched):
+    the core reads their pointers, and x's and random_bits', again right before it launches."""
     _C.stochastic_round(
         x.ptr, x.numel, x.dtype, out_ptr, out_numel, out_code,
         bits.ptr if bits is not None else 0, bits.numel if bits is not None else -1,
         bits.dtype if bits is not None else INT32,
         seed, offset, seed_offset_ptr, scale_ptr, scale_value is not None,
-        scale_value if scale_value is not None else 1.0, bool(saturate), amax_ptr, device, stream)
+        scale_value if scale_value is not None else 1.0, bool(saturate), amax_ptr, device, stream,
+        (_native.watched(x), watch[0], _native.watched(bits) if bits is not None else None) + tuple(watch[1:]))
 
 
 # --------------------------------------------------------------------------- numpy / DLPack
@@ -163,6 +167,7 @@ def stochastic_round_array(x, dtype, *, generator, seed, offset, scale, saturate
                              "(one int32 word per element)")
     scale_value = scale_number(scale) if scale is not None else None
     scale_ptr = 0
+    sa = oa = None
     if scale is not None and scale_value is None:
         sa = _native.describe(scale, "scale", writable=False, dtypes=(FLOAT32,))
         _native.check_scalar(sa, "scale", xa.device)
@@ -203,7 +208,9 @@ def stochastic_round_array(x, dtype, *, generator, seed, offset, scale, saturate
     stream = _native.current_stream(xa.framework, xa.device, x)
     call_native(x=xa, out_ptr=out_ptr, out_numel=xa.numel, out_code=code, bits=bits, seed=seed, offset=offset,
                 scale_ptr=scale_ptr, scale_value=scale_value, saturate=saturate, amax_ptr=amax_ptr,
-                device=xa.device, stream=stream)
+                device=xa.device, stream=stream,
+                watch=(_native.watched(oa) if oa is not None else None, None,
+                       _native.watched(sa) if sa is not None else None, None))
     return (result, amax) if return_amax else result
 
 

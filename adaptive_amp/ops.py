@@ -88,8 +88,10 @@ def unscale_and_check_(
         ws_owner, ws_ptr = _native.workspace(batch.framework, batch.device, ws_bytes)
 
     stream = _native.current_stream(batch.framework, batch.device, batch.objs[0])
+    # The launch reads the tensors' pointers again (another thread may have given one new memory since).
     _C.unscale_and_check(batch.ptrs, batch.numels, batch.dtypes, found.ptr, inv.ptr, check_only, sumsq_ptr,
-                         amax_ptr, ws_ptr, ws_bytes, batch.device, stream)
+                         amax_ptr, ws_ptr, ws_bytes, batch.device, stream,
+                         (batch.watch, _native.watched(found), _native.watched(inv)))
     if not check_only:
         _native.write_back(batch)
         _native.mark_written(batch)
@@ -167,7 +169,8 @@ class UnscalePlan:
                 ws_owner, ws_ptr = _native.workspace("torch", device, ws_bytes)
             # Checks the tensors and launches in one native call (no thread can run in between).
             if self._native.unscale(found.ptr, inv.ptr, check_only, sumsq_ptr, amax_ptr, ws_ptr, ws_bytes,
-                                    _native.current_stream("torch", device)):
+                                    _native.current_stream("torch", device),
+                                    (_native.watched(found), _native.watched(inv))):
                 del ws_owner  # torch's allocator keeps stream order (see _keep_until_done)
                 return (sumsq, amax) if return_stats else None
             self._build()
@@ -222,7 +225,7 @@ def update_scale_(
     fi = _native.describe(found_inf, "found_inf", writable=False, dtypes=(FLOAT32,))
     for arr, name in ((sc, "scale"), (gt, "growth_tracker"), (fi, "found_inf")):
         _native.check_scalar(arr, name, sc.device)
-    owner = None
+    owner = ct = am = hist = inv = None
     if counters is None:
         if hysteresis != 1 or amax_history is not None:
             raise ValueError("counters is needed with hysteresis > 1 or amax_history (it carries their state)")
@@ -252,7 +255,8 @@ def update_scale_(
     _C.update_scale(sc.ptr, gt.ptr, fi.ptr, counters_ptr, float(growth_factor), float(backoff_factor),
                     int(growth_interval), int(hysteresis), float(min_scale), float(max_scale or 0.0),
                     amax_history is not None, amax_ptr, hist_ptr, history, int(margin), float(fmt_max),
-                    inv_ptr, sc.device, stream)
+                    inv_ptr, sc.device, stream,
+                    tuple(_native.watched(a) if a is not None else None for a in (sc, gt, fi, ct, am, hist, inv)))
     del owner  # torch's allocator keeps stream order; see _keep_until_done
     return scale
 

@@ -151,8 +151,8 @@ def _needs_bits(batches, stochastic_rounding):
     return stochastic_rounding and any(b is not None and BFLOAT16 in b.dtypes for b in batches)
 
 
-def _call(kind, batches, *, steps=(), first=(), lr, beta1=0.9, beta2=0.999, eps=1e-8, momentum=0.0, dampening=0.0,
-          nesterov=False, weight_decay=0.0, maximize=False, stochastic_rounding=True, grad_scale=None,
+def _call(kind, batches, *, steps=(), steps_watch=(), first=(), lr, beta1=0.9, beta2=0.999, eps=1e-8, momentum=0.0,
+          dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False, stochastic_rounding=True, grad_scale=None,
           found_inf=None, generator=None, seed=None, offset=None, device):
     pb, gb, mb, vb = batches
     grad_scale = _device_scalar(grad_scale, "grad_scale", device)
@@ -168,7 +168,10 @@ def _call(kind, batches, *, steps=(), first=(), lr, beta1=0.9, beta2=0.999, eps=
         list(steps), [bool(f) for f in first], float(lr), float(beta1), float(beta2), float(eps), float(momentum),
         float(dampening), bool(nesterov), float(weight_decay), bool(maximize), bool(stochastic_rounding),
         grad_scale.data_ptr() if grad_scale is not None else 0, found_inf.data_ptr() if found_inf is not None else 0,
-        _u64(s), _u64(o), so.data_ptr() if so is not None else 0, device, _stream(device))
+        _u64(s), _u64(o), so.data_ptr() if so is not None else 0, device, _stream(device),
+        # The launch reads these tensors' pointers again (another thread may have given one new memory).
+        (pb.watch, gb.watch, mb.watch if mb else (), vb.watch if vb else (), steps_watch, grad_scale, found_inf,
+         so))
     return so  # kept alive by the caller until the launch is enqueued (it is, on return)
 
 
@@ -200,7 +203,7 @@ def adamw_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
     for i, t in enumerate(steps):
         if t.numel() != 1:
             raise ValueError(f"steps[{i}] has {t.numel()} elements; pass a 1-element float32 tensor")
-    _call(_ADAMW, batches[:4], steps=batches[4].ptrs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+    _call(_ADAMW, batches[:4], steps=batches[4].ptrs, steps_watch=batches[4].watch, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
           weight_decay=weight_decay, maximize=maximize, stochastic_rounding=stochastic_rounding,
           grad_scale=grad_scale, found_inf=found_inf, generator=generator, seed=seed, offset=offset, device=device)
 
@@ -488,7 +491,7 @@ class _Fused(torch.optim.Optimizer):
             fi = _device_scalar(found_inf, "found_inf", device)
             so = _seed_offset(self.generator, None, None, device)[2] if dp.bits else None
             dp.native.launch(*hyper, gs.data_ptr() if gs is not None else 0, fi.data_ptr() if fi is not None else 0,
-                             0, 0, so.data_ptr() if so is not None else 0, _stream(device))
+                             0, 0, so.data_ptr() if so is not None else 0, _stream(device), (gs, fi, so))
             if dp.steps is not None:
                 # torch's convention: the count moves on unless the step was skipped (on the device).
                 dp.steps.add_(1)

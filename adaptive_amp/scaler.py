@@ -541,7 +541,8 @@ class GradScaler(torch.amp.GradScaler):
         ws_bytes = group.native.workspace_bytes
         workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=device) if ws_bytes else None
         group.native.launch(found.data_ptr(), inv.data_ptr(), check_only, sumsq.data_ptr(), amax.data_ptr(),
-                            workspace.data_ptr() if workspace is not None else 0, ws_bytes, group.stream())
+                            workspace.data_ptr() if workspace is not None else 0, ws_bytes, group.stream(),
+                            (found, inv))
         return sumsq, amax
 
     @staticmethod
@@ -873,7 +874,9 @@ class GradScaler(torch.amp.GradScaler):
                         float(self._max_scale or 0.0), hist is not None,
                         step_amax.data_ptr() if step_amax is not None else 0,
                         hist.data_ptr() if hist is not None else 0, hist.numel() if hist is not None else 0,
-                        self._margin, self._fmt_max, self._inv_scale.data_ptr(), index, stream)
+                        self._margin, self._fmt_max, self._inv_scale.data_ptr(), index, stream,
+                        (self._scale, self._growth_tracker, found, self._counters, step_amax, hist,
+                         self._inv_scale))
 
     def _check_native_state(self) -> None:
         """The native update writes through raw pointers: tensors replaced by hand must still fit."""

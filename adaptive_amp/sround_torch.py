@@ -90,7 +90,7 @@ def _run(x, dtype, seed, offset, seed_offset, scale, scale_value, saturate, rand
         scale_ptr=scale.data_ptr() if scale is not None else 0,
         scale_value=_fp32(scale_value) if scale_value is not None else None,
         saturate=saturate, amax_ptr=amax.data_ptr() if amax is not None else 0,
-        device=xa.device, stream=_stream(xa.device))
+        device=xa.device, stream=_stream(xa.device), watch=(out, seed_offset, scale, amax))
 
 
 def _amax_for_op(x: Tensor, return_amax: bool) -> Tensor:

@@ -74,6 +74,7 @@ def compute(tensors, *, fmt=None, scale=None, names=None) -> "TensorStats":
         return TensorStats(None, 0, fmt=fmt, names=names or [], framework="numpy", device=_native.CPU)
     batch = _native.describe_many(tensors, "tensors", writable=False, dtypes=INPUTS, strided=True)
     scale_ptr, per_tensor, has_value, value = 0, False, False, 1.0
+    arr = None
     if scale is not None:
         if isinstance(scale, bool):
             raise TypeError("scale is a bool; pass a number, or a float32 array of 1 or one per tensor")
@@ -94,7 +95,8 @@ def compute(tensors, *, fmt=None, scale=None, names=None) -> "TensorStats":
     ws_owner, ws_ptr = _native.workspace(batch.framework, batch.device, ws_bytes)
     stream = _native.current_stream(batch.framework, batch.device, batch.objs[0])
     _C.tensor_stats(batch.ptrs, batch.numels, batch.dtypes, FORMATS[fmt] if fmt else -1, scale_ptr, per_tensor,
-                    has_value, value, out_ptr, ws_ptr, ws_bytes, batch.device, stream)
+                    has_value, value, out_ptr, ws_ptr, ws_bytes, batch.device, stream,
+                    (batch.watch, _native.watched(arr) if arr is not None else None))
     _native.keep_until_done(ws_owner, batch.device)
     return TensorStats(out, len(tensors), fmt=fmt, names=names, framework=batch.framework, device=batch.device)
 

@@ -64,7 +64,7 @@ def eager_main(reps: int, warmup: int, json_path=None):
         diagnostics = {
             "  (plan: per-tensor re-check only)": lambda inv: plan._native.check(),
             "  (plan: native call, re-check + launch)": lambda inv: plan._native.unscale(
-                found_ptr, inv_ptrs[0] if inv is invs[0] else inv_ptrs[1], False, 0, 0, 0, 0, stream),
+                found_ptr, inv_ptrs[0] if inv is invs[0] else inv_ptrs[1], False, 0, 0, 0, 0, stream, (found, inv)),
             "  (one data_ptr() read a tensor)": lambda inv: list(map(torch.Tensor.data_ptr, tensors)),
         }
         candidates.update(diagnostics)

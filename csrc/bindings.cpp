@@ -41,6 +41,109 @@ T* as_ptr(std::uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
 
+// obj.name and obj.name() as owned objects (null, with the Python error set, on failure).
+py::object get_attr(PyObject* obj, PyObject* name) {
+  return py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, name));
+}
+py::object call_method(PyObject* obj, PyObject* name) {
+  return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(obj, name));
+}
+// An unbound method (a method descriptor) called on `obj`, and a data descriptor's value for `obj`.
+py::object call_descr(PyObject* method, PyObject* obj) {
+  return py::reinterpret_steal<py::object>(PyObject_Vectorcall(method, &obj, 1, nullptr));
+}
+py::object get_descr(PyObject* descr, PyObject* obj) {
+  return py::reinterpret_steal<py::object>(
+      Py_TYPE(descr)->tp_descr_get(descr, obj, reinterpret_cast<PyObject*>(Py_TYPE(obj))));
+}
+
+// ---- Pointers read before the launching call
+// The Python side reads each tensor's data_ptr() when it describes the arguments, then runs more Python
+// (output and workspace allocations, the stream lookup, checks): thread switch points, where another
+// thread's x.resize_(), x.set_() or x.untyped_storage().resize_(0) gives a tensor new memory and frees the
+// old. So every launching call reads the pointer of each torch tensor it was handed again, with the GIL held
+// from there to the end of the launch (see "The GIL stays held"), and refuses, with nothing written, if one
+// moved. Numpy arrays keep their buffer while referenced (ndarray.resize refuses while another reference
+// exists, except with refcheck=False, which numpy documents as unsafe), and a DLPack capsule, held by the
+// caller until the call returns, keeps its producer's memory by the DLPack contract: the Python side passes
+// None for those, and outputs and workspaces it allocated for this call, which no other thread can reach.
+// (A tensor subclass whose data_ptr() runs Python code could let a thread run between two of these reads.)
+
+// x.data_ptr() through the method of x's exact type, looked up once per type (a lookup per read costs about
+// as much as the read itself).
+class DataPtrReader {
+ public:
+  std::uintptr_t operator()(PyObject* x) {
+    static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+    if (Py_TYPE(x) != type_) {
+      py::object type = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(Py_TYPE(x)));
+      py::object fn = get_attr(type.ptr(), data_ptr_name);
+      if (!fn) throw py::error_already_set();
+      type_object_ = std::move(type);
+      fn_ = std::move(fn);
+      type_ = Py_TYPE(x);
+    }
+    py::object ptr = call_descr(fn_.ptr(), x);
+    if (!ptr) throw py::error_already_set();
+    const std::uintptr_t p = PyLong_AsUnsignedLongLong(ptr.ptr());
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return p;
+  }
+
+ private:
+  PyTypeObject* type_ = nullptr;  // held by type_object_
+  py::object type_object_, fn_;
+};
+
+[[noreturn]] void refuse_new_memory(const std::string& item, const char* outcome, const char* advice) {
+  throw std::runtime_error(item + " was given new memory (resize_, set_ or a storage resize) while this call ran, "
+                           "by another thread; " + outcome + ". " + advice);
+}
+
+// A launch's `watch` argument: per pointer argument (in the order each launch states), the torch tensor its
+// pointer was read from (a tuple of them for a list argument), or None where nothing is to be re-read. (The
+// plans re-read the tensors they hold themselves; their launches watch only the per-call scalars.)
+class Watch {
+ public:
+  Watch(py::object watch, std::size_t count, const char* what) : watch_(std::move(watch)) {
+    if (!PyTuple_Check(watch_.ptr()) || static_cast<std::size_t>(PyTuple_GET_SIZE(watch_.ptr())) != count) {
+      throw aamp::ArgumentError(std::string("watch: expected a tuple of ") + std::to_string(count) + " (" + what +
+                                ")");
+    }
+  }
+
+  // The k-th argument, one tensor that the launch uses at `ptr` (0: none).
+  void one(std::size_t k, std::uintptr_t ptr, const char* name) {
+    PyObject* x = PyTuple_GET_ITEM(watch_.ptr(), k);
+    if (x != Py_None && ptr != 0 && read_(x) != ptr) refuse(name);
+  }
+
+  // The k-th argument, a list whose tensors the launch uses as `refs` (empty ones are not touched).
+  void list(std::size_t k, const std::vector<aamp::TensorRef>& refs, const char* name) {
+    PyObject* xs = PyTuple_GET_ITEM(watch_.ptr(), k);
+    if (xs == Py_None) return;
+    // A tuple: its items stay referenced, whatever a data_ptr() call does.
+    if (!PyTuple_Check(xs) || static_cast<std::size_t>(PyTuple_GET_SIZE(xs)) != refs.size()) {
+      throw aamp::ArgumentError(std::string("watch: ") + name + " must come as a tuple as long as its pointers");
+    }
+    for (std::size_t i = 0; i < refs.size(); ++i) {
+      PyObject* x = PyTuple_GET_ITEM(xs, i);
+      if (x != Py_None && refs[i].numel > 0 && read_(x) != reinterpret_cast<std::uintptr_t>(refs[i].data)) {
+        refuse(aamp::item_name(name, i));
+      }
+    }
+  }
+
+ private:
+  [[noreturn]] static void refuse(const std::string& item) {
+    refuse_new_memory(item, "nothing was written",
+                      "Do not resize, set_ or free a tensor on another thread while an op uses it");
+  }
+
+  py::object watch_;
+  DataPtrReader read_;
+};
+
 // The GIL stays held during native work (CPU kernels, CUDA enqueues). A
 // reference to a tensor or its storage does not keep its memory: another
 // Python thread's x.resize_(), x.untyped_storage().resize_(0) or set_()
@@ -67,17 +170,23 @@ void run_unscale(std::vector<aamp::TensorRef> tensors, std::uintptr_t found_inf,
   a.place.stream = stream;
   // With the GIL (see "The GIL stays held"): every caller holds
   // references to the arrays behind these pointers until this returns (ops
-  // keep their _native.Batch, plans their lists), and `a` is this call's own
-  // copy.
+  // keep their _native.Batch, plans their lists), has just read the torch
+  // tensors' pointers again (see "Pointers read before the launching call"),
+  // and `a` is this call's own copy.
   aamp::unscale_and_check(a);
 }
 
 void unscale_and_check(const std::vector<std::uintptr_t>& ptrs, const std::vector<std::int64_t>& numels,
                        const std::vector<int>& dtypes, std::uintptr_t found_inf, std::uintptr_t inv_scale,
                        bool check_only, std::uintptr_t sumsq, std::uintptr_t amax, std::uintptr_t workspace,
-                       std::size_t workspace_bytes, int device, std::uintptr_t stream) {
-  run_unscale(tensor_refs(ptrs, numels, dtypes), found_inf, inv_scale, check_only, sumsq, amax, workspace,
-              workspace_bytes, device, stream);
+                       std::size_t workspace_bytes, int device, std::uintptr_t stream, py::object watch) {
+  std::vector<aamp::TensorRef> refs = tensor_refs(ptrs, numels, dtypes);
+  Watch w(std::move(watch), 3, "tensors, found_inf, inv_scale");
+  w.list(0, refs, "tensors");
+  w.one(1, found_inf, "found_inf");
+  w.one(2, inv_scale, "inv_scale");
+  run_unscale(std::move(refs), found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device,
+              stream);
 }
 
 std::size_t unscale_workspace_bytes(const std::vector<std::int64_t>& numels, bool stats) {
@@ -90,7 +199,15 @@ void update_scale(std::uintptr_t scale, std::uintptr_t growth_tracker, std::uint
                   std::uintptr_t counters, double growth_factor, double backoff_factor, int growth_interval,
                   int hysteresis, float min_scale, float max_scale, bool predictive, std::uintptr_t step_amax,
                   std::uintptr_t amax_history, int history, int margin, float fmt_max, std::uintptr_t inv_scale,
-                  int device, std::uintptr_t stream) {
+                  int device, std::uintptr_t stream, py::object watch) {
+  Watch w(std::move(watch), 7, "scale, growth_tracker, found_inf, counters, step_amax, amax_history, inv_scale");
+  w.one(0, scale, "scale");
+  w.one(1, growth_tracker, "growth_tracker");
+  w.one(2, found_inf, "found_inf");
+  w.one(3, counters, "counters");
+  w.one(4, step_amax, "step_amax");
+  w.one(5, amax_history, "amax_history");
+  w.one(6, inv_scale, "inv_scale");
   aamp::ScaleUpdateArgs a;
   a.scale = as_ptr<float>(scale);
   a.growth_tracker = as_ptr<std::int32_t>(growth_tracker);
@@ -112,22 +229,6 @@ void update_scale(std::uintptr_t scale, std::uintptr_t growth_tracker, std::uint
   a.place.device = device;
   a.place.stream = stream;
   aamp::update_scale(a);
-}
-
-// obj.name and obj.name() as owned objects (null, with the Python error set, on failure).
-py::object get_attr(PyObject* obj, PyObject* name) {
-  return py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, name));
-}
-py::object call_method(PyObject* obj, PyObject* name) {
-  return py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(obj, name));
-}
-// An unbound method (a method descriptor) called on `obj`, and a data descriptor's value for `obj`.
-py::object call_descr(PyObject* method, PyObject* obj) {
-  return py::reinterpret_steal<py::object>(PyObject_Vectorcall(method, &obj, 1, nullptr));
-}
-py::object get_descr(PyObject* descr, PyObject* obj) {
-  return py::reinterpret_steal<py::object>(
-      Py_TYPE(descr)->tp_descr_get(descr, obj, reinterpret_cast<PyObject*>(Py_TYPE(obj))));
 }
 
 // The fast path of _native.describe_many for lists of torch tensors: one C++
@@ -302,23 +403,23 @@ class GradPlan {
   // of gradients allocated through every forward and backward (the size of the
   // parameters, over torch's GradScaler). A launch uses its collect() once.
   void launch(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
-              std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
-    static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
+              std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream,
+              py::object watch) {
     if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
     collected_ = false;  // live_'s pointers are valid only while grads holds their gradients
     const py::list grads = std::exchange(grads_, py::list());
     // The caller's allocations since collect() release the GIL: a gradient another thread gave new memory
-    // there (resize_, set_, its storage resized) would have its old, maybe freed, memory touched. Its pointer
-    // is read again here, with the GIL held to the end of the launch.
+    // there would have its old, maybe freed, memory touched (see "Pointers read before the launching call").
+    DataPtrReader read;
     for (std::size_t k = 0; k < live_.size(); ++k) {
-      py::object ptr = call_method(PyList_GET_ITEM(grads.ptr(), live_at_[k]), data_ptr_name);
-      if (!ptr) throw py::error_already_set();
-      if (PyLong_AsUnsignedLongLong(ptr.ptr()) != reinterpret_cast<std::uintptr_t>(live_[k].data)) {
-        throw std::runtime_error(aamp::item_name("tensors", k) + " was given new memory (resize_, set_ or a "
-                                 "storage resize) while this call ran, by another thread; nothing was unscaled "
-                                 "on this device. Do not change gradients while the scaler unscales them");
+      if (read(PyList_GET_ITEM(grads.ptr(), live_at_[k])) != reinterpret_cast<std::uintptr_t>(live_[k].data)) {
+        refuse_new_memory(aamp::item_name("tensors", k), "nothing was unscaled on this device",
+                          "Do not change gradients while the scaler unscales them");
       }
     }
+    Watch w(std::move(watch), 2, "found_inf, inv_scale");
+    w.one(0, found_inf, "found_inf");
+    w.one(1, inv_scale, "inv_scale");
     run_unscale(live_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
   }
 
@@ -400,8 +501,12 @@ class TensorsPlan {
   // the GIL held from the check to the end of the launch: a check the caller made before its own Python
   // code (a thread switch point) could be undone by another thread's resize_ before the launch.
   bool unscale(std::uintptr_t found_inf, std::uintptr_t inv_scale, bool check_only, std::uintptr_t sumsq,
-               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream) {
+               std::uintptr_t amax, std::uintptr_t workspace, std::size_t workspace_bytes, std::uintptr_t stream,
+               py::object watch) {
     if (!check()) return false;
+    Watch w(std::move(watch), 2, "found_inf, inv_scale");
+    w.one(0, found_inf, "found_inf");
+    w.one(1, inv_scale, "inv_scale");
     const py::tuple keep = tensors_, keep_storages = storages_;
     run_unscale(refs_, found_inf, inv_scale, check_only, sumsq, amax, workspace, workspace_bytes, device_, stream);
     return true;
@@ -464,7 +569,7 @@ void stochastic_round(std::uintptr_t x, std::int64_t numel, int x_dtype, std::ui
                       int out_dtype, std::uintptr_t bits, std::int64_t bits_numel, int bits_dtype,
                       std::uint64_t seed, std::uint64_t offset, std::uintptr_t seed_offset, std::uintptr_t scale,
                       bool has_scale_value, float scale_value, bool saturate, std::uintptr_t amax, int device,
-                      std::uintptr_t stream) {
+                      std::uintptr_t stream, py::object watch) {
   aamp::SroundArgs a;
   a.x = {as_ptr<void>(x), numel, aamp::dtype_from_code(x_dtype, "x")};
   a.out = {as_ptr<void>(out), out_numel, aamp::dtype_from_code(out_dtype, "out")};
@@ -480,6 +585,13 @@ void stochastic_round(std::uintptr_t x, std::int64_t numel, int x_dtype, std::ui
   a.amax = as_ptr<float>(amax);
   a.place.device = device;
   a.place.stream = stream;
+  Watch w(std::move(watch), 6, "x, out, random_bits, seed_offset, scale, amax");
+  w.one(0, x, "x");
+  w.one(1, out, "out");
+  w.one(2, bits, "random_bits");
+  w.one(3, seed_offset, "seed_offset");
+  w.one(4, scale, "scale");
+  w.one(5, amax, "amax");
   aamp::stochastic_round(a);  // with the GIL (see "The GIL stays held")
 }
 
@@ -488,7 +600,7 @@ void stochastic_round(std::uintptr_t x, std::int64_t numel, int x_dtype, std::ui
 void tensor_stats(const std::vector<std::uintptr_t>& ptrs, const std::vector<std::int64_t>& numels,
                   const std::vector<int>& dtypes, int format, std::uintptr_t scale, bool scale_per_tensor,
                   bool has_scale_value, float scale_value, std::uintptr_t out, std::uintptr_t workspace,
-                  std::size_t workspace_bytes, int device, std::uintptr_t stream) {
+                  std::size_t workspace_bytes, int device, std::uintptr_t stream, py::object watch) {
   aamp::StatsArgs a;
   a.tensors = tensor_refs(ptrs, numels, dtypes);
   a.has_format = format >= 0;
@@ -502,6 +614,9 @@ void tensor_stats(const std::vector<std::uintptr_t>& ptrs, const std::vector<std
   a.workspace_bytes = workspace_bytes;
   a.place.device = device;
   a.place.stream = stream;
+  Watch w(std::move(watch), 2, "tensors, scale");
+  w.list(0, a.tensors, "tensors");
+  w.one(1, scale, "scale");
   aamp::tensor_stats(a);  // with the GIL (see "The GIL stays held")
 }
 
@@ -553,7 +668,7 @@ void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::
                 const std::vector<bool>& first, double lr, double beta1, double beta2, double eps, double momentum,
                 double dampening, bool nesterov, double weight_decay, bool maximize, bool stochastic_rounding,
                 std::uintptr_t grad_scale, std::uintptr_t found_inf, std::uint64_t seed, std::uint64_t offset,
-                std::uintptr_t seed_offset, int device, std::uintptr_t stream) {
+                std::uintptr_t seed_offset, int device, std::uintptr_t stream, py::object watch) {
   aamp::OptimArgs a;
   if (kind != 0 && kind != 1) throw aamp::ArgumentError("kind: expected 0 (AdamW) or 1 (SGD)");
   a.kind = static_cast<aamp::OptimKind>(kind);
@@ -567,6 +682,17 @@ void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::
   set_step_scalars(a, lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize,
                    stochastic_rounding, grad_scale, found_inf, seed, offset, seed_offset, stream);
   a.place.device = device;
+  Watch w(std::move(watch), 8, "params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, found_inf, seed_offset");
+  w.list(0, a.params, "params");
+  w.list(1, a.grads, "grads");
+  w.list(2, a.exp_avgs, buf_name);
+  w.list(3, a.exp_avg_sqs, "exp_avg_sqs");
+  std::vector<aamp::TensorRef> step_refs(steps.size());
+  for (std::size_t i = 0; i < steps.size(); ++i) step_refs[i] = {as_ptr<void>(steps[i]), 1, aamp::DType::kFloat32};
+  w.list(4, step_refs, "steps");
+  w.one(5, grad_scale, "grad_scale");
+  w.one(6, found_inf, "found_inf");
+  w.one(7, seed_offset, "seed_offset");
   aamp::optim_step(a);  // with the GIL (see "The GIL stays held")
 }
 
@@ -749,10 +875,14 @@ class OptimPlan {
   void launch(double lr, double beta1, double beta2, double eps, double momentum, double dampening, bool nesterov,
               double weight_decay, bool maximize, bool stochastic_rounding, std::uintptr_t grad_scale,
               std::uintptr_t found_inf, std::uint64_t seed, std::uint64_t offset, std::uintptr_t seed_offset,
-              std::uintptr_t stream) {
+              std::uintptr_t stream, py::object watch) {
     if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
     collected_ = false;  // the gradients found are used once: the next step collects again
     unchanged_since_collect();
+    Watch w(std::move(watch), 3, "grad_scale, found_inf, seed_offset");
+    w.one(0, grad_scale, "grad_scale");
+    w.one(1, found_inf, "found_inf");
+    w.one(2, seed_offset, "seed_offset");
     // ... and are not held past this launch (see GradPlan::launch: kept until the next collect(), they
     // outlived zero_grad(set_to_none=True), a second set of gradients through every forward and backward).
     const py::list grads = std::exchange(grads_, py::list());
@@ -815,17 +945,12 @@ class OptimPlan {
   // given new memory meanwhile (resize_, set_, its storage resized) would have its old, maybe freed, memory
   // touched. Every pointer the step uses is read again here, with the GIL held to the end of the launch.
   void unchanged_since_collect() const {
-    static PyObject* data_ptr_name = PyUnicode_InternFromString("data_ptr");
     const std::size_t n = planned_.size();
-    auto same = [](PyObject* x, std::uintptr_t want) {
-      py::object ptr = call_method(x, data_ptr_name);
-      if (!ptr) throw py::error_already_set();
-      return PyLong_AsUnsignedLongLong(ptr.ptr()) == want;
-    };
+    DataPtrReader read;
+    auto same = [&](PyObject* x, std::uintptr_t want) { return read(x) == want; };
     auto refuse = [&](const char* what, std::size_t i) {
-      throw std::runtime_error(aamp::item_name(what, planned_[i]) + " was given new memory (resize_, set_ or a "
-                               "storage resize) while the step ran, by another thread; nothing was written. Do "
-                               "not change parameters, gradients or optimizer state while the optimizer steps");
+      refuse_new_memory(aamp::item_name(what, planned_[i]), "nothing was written",
+                        "Do not change parameters, gradients or optimizer state while the optimizer steps");
     };
     const std::size_t nk = static_cast<std::size_t>(PyList_GET_SIZE(keys_.ptr()));
     for (std::size_t i = 0; i < n; ++i) {
@@ -923,13 +1048,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("unscale_workspace_bytes", &unscale_workspace_bytes, py::arg("numels"), py::arg("stats"));
   m.def("unscale_and_check", &unscale_and_check, py::arg("ptrs"), py::arg("numels"), py::arg("dtypes"),
         py::arg("found_inf"), py::arg("inv_scale"), py::arg("check_only"), py::arg("sumsq"), py::arg("amax"),
-        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("device"), py::arg("stream"));
+        py::arg("workspace"), py::arg("workspace_bytes"), py::arg("device"), py::arg("stream"), py::arg("watch"));
 
   m.def("update_scale", &update_scale, py::arg("scale"), py::arg("growth_tracker"), py::arg("found_inf"),
         py::arg("counters"), py::arg("growth_factor"), py::arg("backoff_factor"), py::arg("growth_interval"),
         py::arg("hysteresis"), py::arg("min_scale"), py::arg("max_scale"), py::arg("predictive"),
         py::arg("step_amax"), py::arg("amax_history"), py::arg("history"), py::arg("margin"), py::arg("fmt_max"),
-        py::arg("inv_scale"), py::arg("device"), py::arg("stream"));
+        py::arg("inv_scale"), py::arg("device"), py::arg("stream"), py::arg("watch"));
   m.def("describe_tensors", &describe_tensors, py::arg("xs"), py::arg("codes"), py::arg("writable"));
   py::class_<GradPlan>(m, "GradPlan")
       .def(py::init<const std::vector<std::pair<py::list, std::size_t>>&, py::list,
@@ -942,7 +1067,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("collected_count", &GradPlan::collected_count)
       .def("collect", [](GradPlan& p) { return static_cast<int>(p.collect()); })
       .def("launch", &GradPlan::launch, py::arg("found_inf"), py::arg("inv_scale"), py::arg("check_only"),
-           py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"));
+           py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
+           py::arg("watch"));
   m.attr("PLAN_DONE") = static_cast<int>(GradPlan::kDone);
   m.attr("PLAN_GENERAL") = static_cast<int>(GradPlan::kGeneral);
   m.attr("PLAN_STALE") = static_cast<int>(GradPlan::kStale);
@@ -956,13 +1082,15 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("workspace_bytes", &TensorsPlan::workspace_bytes)
       .def("check", &TensorsPlan::check)
       .def("unscale", &TensorsPlan::unscale, py::arg("found_inf"), py::arg("inv_scale"), py::arg("check_only"),
-           py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"));
+           py::arg("sumsq"), py::arg("amax"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("stream"),
+           py::arg("watch"));
 
   m.attr("SROUND_GROUP") = aamp::kSroundGroup;
   m.def("stochastic_round", &stochastic_round, py::arg("x"), py::arg("numel"), py::arg("x_dtype"), py::arg("out"),
         py::arg("out_numel"), py::arg("out_dtype"), py::arg("bits"), py::arg("bits_numel"), py::arg("bits_dtype"),
         py::arg("seed"), py::arg("offset"), py::arg("seed_offset"), py::arg("scale"), py::arg("has_scale_value"),
-        py::arg("scale_value"), py::arg("saturate"), py::arg("amax"), py::arg("device"), py::arg("stream"));
+        py::arg("scale_value"), py::arg("saturate"), py::arg("amax"), py::arg("device"), py::arg("stream"),
+        py::arg("watch"));
 
   m.def("optim_step", &optim_step, py::arg("kind"), py::arg("params"), py::arg("numels"), py::arg("param_dtypes"),
         py::arg("grads"), py::arg("grad_numels"), py::arg("grad_dtypes"), py::arg("exp_avgs"),
@@ -971,7 +1099,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("momentum"), py::arg("dampening"),
         py::arg("nesterov"), py::arg("weight_decay"), py::arg("maximize"), py::arg("stochastic_rounding"),
         py::arg("grad_scale"), py::arg("found_inf"), py::arg("seed"), py::arg("offset"), py::arg("seed_offset"),
-        py::arg("device"), py::arg("stream"));
+        py::arg("device"), py::arg("stream"), py::arg("watch"));
 
   py::class_<OptimPlan>(m, "OptimPlan")
       .def(py::init<int, py::list, std::vector<std::size_t>, std::vector<std::size_t>, py::list,
@@ -991,7 +1119,7 @@ PYBIND11_MODULE(_C, m) {
       .def("launch", &OptimPlan::launch, py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
            py::arg("momentum"), py::arg("dampening"), py::arg("nesterov"), py::arg("weight_decay"),
            py::arg("maximize"), py::arg("stochastic_rounding"), py::arg("grad_scale"), py::arg("found_inf"),
-           py::arg("seed"), py::arg("offset"), py::arg("seed_offset"), py::arg("stream"));
+           py::arg("seed"), py::arg("offset"), py::arg("seed_offset"), py::arg("stream"), py::arg("watch"));
 
   m.attr("STATS_CHUNK") = aamp::kStatsChunk;
   {
@@ -1002,5 +1130,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("stats_workspace_bytes", &stats_workspace_bytes, py::arg("numels"));
   m.def("tensor_stats", &tensor_stats, py::arg("ptrs"), py::arg("numels"), py::arg("dtypes"), py::arg("format"),
         py::arg("scale"), py::arg("scale_per_tensor"), py::arg("has_scale_value"), py::arg("scale_value"),
-        py::arg("out"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("device"), py::arg("stream"));
+        py::arg("out"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("device"), py::arg("stream"),
+        py::arg("watch"));
 }

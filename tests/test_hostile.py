@@ -697,6 +697,9 @@ _FREED_DURING_THE_CALL = textwrap.dedent("""
         try:
             print(name, flush=True)
             call()
+        except RuntimeError as e:  # the thread ran before the launch: refused, nothing touched
+            if "was given new memory" not in str(e):
+                raise
         finally:
             setattr(module, attr, original)
             thread.join()
@@ -844,6 +847,161 @@ def test_planned_optimizer_tensor_given_new_memory_after_collect_is_refused(monk
         assert torch.all(s == 7.0), "the step wrote through a pointer of freed memory"
     unchanged(before, *model.parameters(), *(p.grad for p in model.parameters()),
               *(v for p in model.parameters() for v in opt.state[p].values()))
+
+
+# A one-shot op reads its tensors' pointers when it describes them, then runs Python (output and workspace
+# allocations, the stream lookup): thread switch points, where another thread may give a tensor new memory
+# (set_, resize_, untyped_storage().resize_(0)) and free the old. The launching native call reads every
+# torch tensor's pointer again, with the GIL held to the end of the launch, and refuses by name. The hook on
+# the last Python call before the launch stands in for the other thread.
+
+def _window_case(op, device):
+    """(call, every tensor the op may touch, {argument name: tensor}, (module, the last Python call before the
+    launch)) for one op."""
+    from adaptive_amp import sround_torch
+
+    full = lambda v, n=_BIG, dtype=torch.float32: torch.full((n,), v, dtype=dtype, device=device)  # noqa: E731
+    scalar = lambda v: torch.tensor([v], dtype=torch.float32, device=device)  # noqa: E731
+    if op == "unscale_and_check_":
+        ts, f, inv = [full(4.0), full(4.0)], scalar(0.0), scalar(0.5)
+        return (lambda: adaptive_amp.unscale_and_check_(ts, f, inv, return_stats=True), [*ts, f, inv],
+                {"tensors[1]": ts[1], "found_inf": f, "inv_scale": inv}, (_native, "current_stream"))
+    if op == "tensor_stats":
+        ts, s = [full(4.0), full(4.0)], scalar(2.0)
+        return (lambda: adaptive_amp.tensor_stats(ts, fmt="float16", scale=s), [*ts, s],
+                {"tensors[1]": ts[1], "scale": s}, (_native, "current_stream"))
+    if op == "stochastic_round":
+        x, out, s = data(_BIG, device=device), full(0.0, dtype=torch.bfloat16), scalar(2.0)
+        bits = torch.randint(0, 1 << 30, (_BIG,), dtype=torch.int32, device=device)
+        return (lambda: adaptive_amp.stochastic_round(x, torch.bfloat16, out=out, random_bits=bits, scale=s),
+                [x, out, bits, s], {"x": x, "out": out, "random_bits": bits, "scale": s},
+                (sround_torch, "_stream"))
+    if op == "sgd_step_":
+        ps, gs, ms = [full(1.0), full(1.0)], [full(0.5), full(0.5)], [full(0.0), full(0.0)]
+        gscale, found = scalar(1.0), scalar(0.0)
+        return (lambda: aoptim.sgd_step_(ps, gs, ms, [True, True], lr=0.1, momentum=0.9, stochastic_rounding=False,
+                                          grad_scale=gscale, found_inf=found),
+                [*ps, *gs, *ms, gscale, found],
+                {"params[1]": ps[1], "grads[0]": gs[0], "momentum_buffers[1]": ms[1], "grad_scale": gscale,
+                 "found_inf": found}, (aoptim, "_stream"))
+    if op == "adamw_step_":
+        ps = [full(1.0, dtype=torch.bfloat16), full(1.0, dtype=torch.bfloat16)]
+        gs = [full(0.5, dtype=torch.bfloat16), full(0.5, dtype=torch.bfloat16)]
+        ms, vs = [full(0.0), full(0.0)], [full(0.0), full(0.0)]
+        steps = [scalar(0.0), scalar(0.0)]
+        return (lambda: aoptim.adamw_step_(ps, gs, ms, vs, steps, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+                                            weight_decay=0.0, seed=1),
+                [*ps, *gs, *ms, *vs, *steps],
+                {"params[0]": ps[0], "exp_avgs[1]": ms[1], "exp_avg_sqs[0]": vs[0], "steps[1]": steps[1]},
+                (aoptim, "_stream"))
+    if op == "UnscalePlan":  # the plan re-checks its tensors itself; the scalars come with each call
+        ts, f, inv = [full(4.0), full(4.0)], scalar(0.0), scalar(0.5)
+        plan = adaptive_amp.UnscalePlan(ts)
+        return (lambda: plan.unscale_and_check_(f, inv, return_stats=True), [*ts, f, inv],
+                {"found_inf": f, "inv_scale": inv}, (_native, "current_stream"))
+    if op == "AdamW (planned)":  # grad_scale and found_inf as torch's GradScaler hands them to the optimizer
+        model = _model_with_grads().to(device)
+        opt = aoptim.AdamW(model.parameters(), lr=0.1, stochastic_rounding=False)
+        opt.step()  # builds the plan
+        opt.grad_scale, opt.found_inf = scalar(1.0), scalar(0.0)
+        tensors = [*model.parameters(), *(p.grad for p in model.parameters()),
+                   *(v for p in model.parameters() for v in opt.state[p].values()), opt.grad_scale, opt.found_inf]
+        return (opt.step, tensors, {"grad_scale": opt.grad_scale, "found_inf": opt.found_inf}, (aoptim, "_stream"))
+    assert op == "update_scale_"
+    sc, gt, found = scalar(1024.0), torch.zeros(1, dtype=torch.int32, device=device), scalar(1.0)
+    counters, inv = torch.tensor([1, 0, 0, 0], dtype=torch.int32, device=device), scalar(0.0)
+    return (lambda: adaptive_amp.update_scale_(sc, gt, found, 2.0, 0.5, 2000, counters=counters, inv_scale=inv),
+            [sc, gt, found, counters, inv],
+            {"scale": sc, "growth_tracker": gt, "found_inf": found, "counters": counters, "inv_scale": inv},
+            (_native, "current_stream"))
+
+
+_WINDOW_CASES = [(op, name) for op, names in {
+    "unscale_and_check_": ["tensors[1]", "found_inf", "inv_scale"],
+    "tensor_stats": ["tensors[1]", "scale"],
+    "stochastic_round": ["x", "out", "random_bits", "scale"],
+    "sgd_step_": ["params[1]", "grads[0]", "momentum_buffers[1]", "grad_scale", "found_inf"],
+    "adamw_step_": ["params[0]", "exp_avgs[1]", "exp_avg_sqs[0]", "steps[1]"],
+    "update_scale_": ["scale", "growth_tracker", "found_inf", "counters", "inv_scale"],
+    "UnscalePlan": ["found_inf", "inv_scale"],
+    "AdamW (planned)": ["grad_scale", "found_inf"],
+}.items() for name in names]
+
+
+@pytest.mark.parametrize("op, name", _WINDOW_CASES, ids=[f"{op}-{name}" for op, name in _WINDOW_CASES])
+def test_op_tensor_given_new_memory_before_the_launch_is_refused(monkeypatch, op, name, device):
+    """Before the launch re-read the pointers, the kernel used the victim's old memory, here kept alive by
+    another view of it (freed, the process crashed: the subprocess test below), and raised nothing."""
+    call, tensors, victims, (module, attr) = _window_case(op, device)
+    assert sorted(victims) == sorted(n for o, n in _WINDOW_CASES if o == op)
+    victim = victims[name]
+    before = snapshot(*tensors)
+    old = []
+
+    def replace():
+        if not old:
+            old.append(victim.detach())  # the described memory, still referenced by this view
+            with torch.no_grad():
+                victim.set_(victim.clone())  # new memory with the same values
+    _hook(monkeypatch, module, attr, replace)
+    with pytest.raises(RuntimeError, match=re.escape(f"{name} was given new memory") + ".*nothing was written"):
+        call()
+    monkeypatch.undo()
+    unchanged(before, *tensors)
+    unchanged([before[next(i for i, t in enumerate(tensors) if t is victim)]], old[0])
+    call()  # the next call, with nothing changing under it, runs
+
+
+_FREED_BEFORE_THE_LAUNCH = textwrap.dedent("""
+    import torch, adaptive_amp
+    from adaptive_amp import _native, optim, sround_torch
+    N = 1 << 24  # 64 MiB of float32: freed with munmap, so a kernel still on it faults
+
+    def run(op, victim, call, module, attr):
+        original = getattr(module, attr)
+
+        def hooked(*args, **kwargs):  # as another thread could, between the description and the launch
+            victim.untyped_storage().resize_(0)
+            return original(*args, **kwargs)
+        setattr(module, attr, hooked)
+        try:
+            print(op, end=": ", flush=True)
+            call()
+            print("not refused", flush=True)
+        except RuntimeError as e:
+            print(str(e).split(" was given new memory")[0], flush=True)
+        finally:
+            setattr(module, attr, original)
+
+    big = lambda v=2.0: torch.full((N,), v)
+    f, inv = torch.zeros(1), torch.full((1,), 0.5)
+    ts = [big(), big()]
+    run("unscale_and_check_", ts[1], lambda: adaptive_amp.unscale_and_check_(ts, f, inv), _native, "current_stream")
+    ts = [big(), big()]
+    run("tensor_stats", ts[0], lambda: adaptive_amp.tensor_stats(ts), _native, "current_stream")
+    x = big()
+    run("stochastic_round", x, lambda: adaptive_amp.stochastic_round(x, torch.bfloat16, seed=1), sround_torch,
+        "_stream")
+    p, g, m = big(0.0), big(1.0), big(0.0)
+    run("sgd_step_", m, lambda: optim.sgd_step_([p], [g], [m], [True], lr=1.0, momentum=0.9,
+                                                stochastic_rounding=False), optim, "_stream")
+    p, g, m, v = big(0.0), big(1.0), big(0.0), big(0.0)
+    run("adamw_step_", g, lambda: optim.adamw_step_([p], [g], [m], [v], [torch.zeros(1)], lr=0.1, beta1=0.9,
+                                                    beta2=0.999, eps=1e-8, weight_decay=0.0), optim, "_stream")
+""")
+
+
+def test_one_shot_op_memory_freed_before_the_launch_is_refused_not_touched():
+    """The same window with the memory unmapped (untyped_storage().resize_(0) of 64 MiB): before the launch
+    re-read the pointers, the subprocess died (SIGSEGV) at the first op."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(adaptive_amp.__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _FREED_BEFORE_THE_LAUNCH], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, f"exit code {proc.returncode} after {proc.stdout!r}: {proc.stderr[-2000:]}"
+    assert proc.stdout.splitlines() == ["unscale_and_check_: tensors[1]", "tensor_stats: tensors[0]",
+                                        "stochastic_round: x", "sgd_step_: momentum_buffers[0]",
+                                        "adamw_step_: grads[0]"], proc.stdout
 
 
 # No threaded test sets p.grad: with torch 2.13 on the CPU, one thread reading p.grad while another assigns

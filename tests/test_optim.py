@@ -757,7 +757,7 @@ def test_native_plan_refuses_moment_sizes_it_was_not_given():
     good = plan(3)
     assert good.collect()
     with pytest.raises(ValueError, match=r"exp_avgs\[0\]: has 3 elements; params\[0\] has 8"):
-        good.launch(1e-3, 0.9, 0.999, 1e-8, 0.0, 0.0, False, 0.0, False, False, 0, 0, 0, 0, 0, 0)
+        good.launch(1e-3, 0.9, 0.999, 1e-8, 0.0, 0.0, False, 0.0, False, False, 0, 0, 0, 0, 0, 0, (None,) * 3)
     # Told a wrong size, or handed a moment it cannot watch, the plan is not built.
     with pytest.raises(ValueError, match=r"exp_avgs\[0\]: has 3 elements, not the 8 given"):
         plan(8)
