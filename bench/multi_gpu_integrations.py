@@ -288,51 +288,11 @@ def section_fsdp2(ctx, report):
     promoted_lm_head(per_rank, "fsdp2", report)
 
 
-def section_lightning(ctx, report):
+def fit_lightning(ctx, strategy, shard=False):
+    """Lightning's Trainer.fit of the tiny GPT-2 (an overflow injected on this rank) under our plugin and
+    `strategy`; shard: FSDP2 (``fully_shard`` per block, then the root) in configure_model. Returns
+    (plugin, module)."""
     import pytorch_lightning as pl
-
-    from adaptive_amp.integrations.lightning import AdaptivePrecision
-
-    device = ctx["device"]
-    rank = dist.get_rank()
-
-    class Lit(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = tiny_gpt2("cpu")
-            self.injector = Injector(self.model, rank)
-
-        def training_step(self, batch, batch_idx):
-            self.injector.step = self.global_step
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=False)
-
-    plugin = AdaptivePrecision(POLICY, **CONTROLLER)
-    module = Lit()
-    data = [b.cpu() for b in batches(ctx["steps"], rank, "cpu")]
-    trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=dist.get_world_size(),
-                         strategy="ddp", max_steps=ctx["steps"], plugins=[plugin], logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         gradient_clip_val=1.0, use_distributed_sampler=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
-    per_rank = gather(summary(plugin.amp, module, {"injected": module.injector.injected}))
-    report.facts["lightning"] = per_rank
-    agree(report, "lightning", per_rank, "policy_history", "the same policies at the same steps on all ranks")
-    agree(report, "lightning", per_rank, "skipped", "the same skipped-step count on all ranks")
-    agree(report, "lightning", per_rank, "params_sum", "parameters identical on all ranks")
-    report.check("lightning", "the collective controller was used",
-                 isinstance(plugin.amp, CollectiveAdaptiveMixedPrecision))
-    promoted_lm_head(per_rank, "lightning", report, "model.lm_head")
-
-
-def section_lightning_fsdp2(ctx, report):
-    import pytorch_lightning as pl
-    from pytorch_lightning.strategies import ModelParallelStrategy
-    from torch.distributed.fsdp import fully_shard
 
     from adaptive_amp.integrations.lightning import AdaptivePrecision
 
@@ -346,6 +306,10 @@ def section_lightning_fsdp2(ctx, report):
             self.injector = Injector(self.model, rank)
 
         def configure_model(self):
+            if not shard:
+                return
+            from torch.distributed.fsdp import fully_shard
+
             mesh = self.device_mesh["data_parallel"]
             for block in self.model.transformer.h:
                 fully_shard(block, mesh=mesh)
@@ -356,12 +320,11 @@ def section_lightning_fsdp2(ctx, report):
             return self.model(input_ids=batch, labels=batch).loss
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=True)
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=shard)
 
     plugin = AdaptivePrecision(POLICY, **CONTROLLER)
     module = Lit()
     data = [b.cpu() for b in batches(ctx["steps"], rank, "cpu")]
-    strategy = ModelParallelStrategy(data_parallel_size=dist.get_world_size(), tensor_parallel_size=1)
     trainer = pl.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=dist.get_world_size(),
                          strategy=strategy, max_steps=ctx["steps"], plugins=[plugin], logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -369,6 +332,26 @@ def section_lightning_fsdp2(ctx, report):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+    return plugin, module
+
+
+def section_lightning(ctx, report):
+    plugin, module = fit_lightning(ctx, "ddp")
+    per_rank = gather(summary(plugin.amp, module, {"injected": module.injector.injected}))
+    report.facts["lightning"] = per_rank
+    agree(report, "lightning", per_rank, "policy_history", "the same policies at the same steps on all ranks")
+    agree(report, "lightning", per_rank, "skipped", "the same skipped-step count on all ranks")
+    agree(report, "lightning", per_rank, "params_sum", "parameters identical on all ranks")
+    report.check("lightning", "the collective controller was used",
+                 isinstance(plugin.amp, CollectiveAdaptiveMixedPrecision))
+    promoted_lm_head(per_rank, "lightning", report, "model.lm_head")
+
+
+def section_lightning_fsdp2(ctx, report):
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size=dist.get_world_size(), tensor_parallel_size=1)
+    plugin, module = fit_lightning(ctx, strategy, shard=True)
     norms = plugin.amp.report(plots=False).history["grad_norm"]
     full_sum = float(sum(p.detach().full_tensor().double().sum() for p in module.parameters()))
     per_rank = gather(summary(plugin.amp, torch.nn.Module(), {"norms": norms, "params_sum": full_sum,
