@@ -584,8 +584,8 @@ def test_functional_optimizer_lists_cleared_before_launch(monkeypatch):
         assert torch.all(s == 7.0)
 
 
-def test_grad_scaler_grads_dropped_before_launch_are_kept(monkeypatch):
-    from adaptive_amp import scaler as scaler_mod
+def _scaler_planned_with_new_grads():
+    """A CPU GradScaler whose plan was built by an earlier step, and new gradients (4.0) for the next one."""
     model = _model_with_grads(4.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = adaptive_amp.GradScaler("cpu", init_scale=2.0)
@@ -595,6 +595,12 @@ def test_grad_scaler_grads_dropped_before_launch_are_kept(monkeypatch):
     for p in model.parameters():
         p.grad = torch.full_like(p, 4.0)
     scaler.scale(torch.ones(()))
+    return model, opt, scaler
+
+
+def test_grad_scaler_grads_dropped_before_launch_are_kept(monkeypatch):
+    from adaptive_amp import scaler as scaler_mod
+    model, opt, scaler = _scaler_planned_with_new_grads()
     kept = []
 
     def drop():
@@ -786,15 +792,7 @@ def test_grad_scaler_gradient_given_new_memory_after_collect_is_refused(monkeypa
     with nothing written."""
     from adaptive_amp import scaler as scaler_mod
 
-    model = _model_with_grads(4.0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = adaptive_amp.GradScaler("cpu", init_scale=2.0)
-    scaler.scale(torch.ones(()))
-    scaler.unscale_(opt)  # builds the plan
-    scaler.update()
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 4.0)
-    scaler.scale(torch.ones(()))
+    model, opt, scaler = _scaler_planned_with_new_grads()
     weight = model[0].weight
     kept = []
     original = scaler_mod.GradScaler._launch_plan
