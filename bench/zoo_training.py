@@ -216,14 +216,20 @@ def fill_verdicts(rows):
             r["checks"], r["ok"] = checks, all(checks.values())
 
 
+def _unfinished_line(head, r):
+    """A table line for a run that did not start (budget) or stopped with an error."""
+    if r.get("not_run"):
+        return f"{head} {'-':7} not run: {r['not_run']}"
+    return f"{head} {'FAIL':7} error: {r['error']}"
+
+
 def recovery_table(rows):
     lines = [f"{'config':12} {'mode':8} {'recipe':10} {'verdict':7} {'lost':>4} {'recov':>5} {'final':>8} "
              f"{'fp32':>8} {'ratio':>6} {'1st s':>6} {'ms/st':>6}  decisions / failed checks"]
     for r in rows:
         head = f"{r['config']:12} {r['mode']:8} {r['recipe']:10}"
         if r.get("not_run") or "error" in r:
-            lines.append(f"{head} {'-' if r.get('not_run') else 'FAIL':7} "
-                         f"{'not run: ' + r['not_run'] if r.get('not_run') else 'error: ' + r['error']}")
+            lines.append(_unfinished_line(head, r))
             continue
         verdict = ("PASS" if r["ok"] else "FAIL") if "ok" in r else ""
         ref = r.get("fp32_final_loss")
@@ -289,8 +295,7 @@ def alarms_table(rows):
     for r in rows:
         head = f"{r['family']:7} {r['dtype']:5} {r['mode']:8}"
         if r.get("not_run") or "error" in r:
-            lines.append(f"{head} {'-' if r.get('not_run') else 'FAIL':7} "
-                         f"{'not run: ' + r['not_run'] if r.get('not_run') else 'error: ' + r['error']}")
+            lines.append(_unfinished_line(head, r))
             continue
         last = next(v for key, v in r.items() if key.startswith("loss_last_"))
         lines.append(f"{head} {'PASS' if r['ok'] else 'FAIL':7} {r['anomalies']:6d} {r['per_1000_steps']:6.2f} "
