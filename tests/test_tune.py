@@ -160,6 +160,24 @@ def test_casting_parameters_in_place_leaves_no_compiled_graph_to_reuse():
     assert len(traced) == 3 and torch.bfloat16 in traced[1] and torch.bfloat16 not in traced[2], traced
 
 
+def test_casting_a_compiled_zoo_gpt2_in_place_gives_eagers_bf16_loss():
+    # The same on real model code (transformers GPT-2, its Conv1D): after the cast the compiled model computes
+    # what the eager bf16 model does (to bf16's precision: the graph may order some ops differently), after
+    # the undo what the fp32 one does. (The regression test is the one above: torch 2.13's guards catch this
+    # case on the CPU by themselves; torch 2.11's did not on the GPU.)
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    batch = zm.make_batch(2, seed=0)
+    torch._dynamo.reset()
+    compiled = torch.compile(zm.model, backend="eager")  # dynamo's graphs and guards, eager kernels
+    with torch.no_grad():
+        fp32 = zm.loss(zm.model, batch)
+        torch.testing.assert_close(zm.loss(compiled, batch), fp32, rtol=1e-5, atol=0)
+        undo = cast_parameters(zm.model, torch.bfloat16)
+        torch.testing.assert_close(zm.loss(compiled, batch), zm.loss(zm.model, batch), rtol=1e-2, atol=0)
+        undo()
+        torch.testing.assert_close(zm.loss(compiled, batch), fp32, rtol=1e-5, atol=0)
+
+
 def test_checkpoint_blocks_same_gradients_and_undo():
     zm, _, batches = _setup("llama")
     assert [n for n, _ in find_blocks(zm.model)] == ["model.layers.0", "model.layers.1"]
