@@ -67,19 +67,26 @@ def _to_fp32(value):
     return value
 
 
+def compile_settings() -> contextlib.ExitStack:
+    """AOT autograd's settings for the policy's compiled passes (see the module docstring): backward passes
+    compiled without autocast, aliased outputs rebuilt without view replay, no on-disk cache (decided when
+    the forward compiles; a lazily compiled backward then saves the entry, where the segfault happened).
+    Entered by the policy's autocast and, with no autocast, by bf16-pure's forward. Restored on exit."""
+    stack = contextlib.ExitStack()
+    if hasattr(_functorch_config, "backward_pass_autocast"):  # torch >= 2.8
+        stack.enter_context(_functorch_config.patch(backward_pass_autocast="off"))
+    if hasattr(_functorch_config, "view_replay_for_aliased_outputs"):
+        stack.enter_context(_functorch_config.patch(view_replay_for_aliased_outputs=False))
+    if hasattr(_functorch_config, "enable_autograd_cache"):
+        stack.enter_context(_functorch_config.patch(enable_autograd_cache=False))
+    return stack
+
+
 class PolicyAutocast(torch.autocast):
-    """torch.autocast, under which compiled backward passes are compiled without autocast, aliased outputs
-    are rebuilt without functionalization's view replay and AOT autograd's on-disk cache is not used (see the
-    module docstring); restored on exit."""
+    """torch.autocast under :func:`compile_settings`; restored on exit."""
 
     def __enter__(self):
-        self._backward = contextlib.ExitStack()
-        if hasattr(_functorch_config, "backward_pass_autocast"):  # torch >= 2.8
-            self._backward.enter_context(_functorch_config.patch(backward_pass_autocast="off"))
-        if hasattr(_functorch_config, "view_replay_for_aliased_outputs"):
-            self._backward.enter_context(_functorch_config.patch(view_replay_for_aliased_outputs=False))
-        if hasattr(_functorch_config, "enable_autograd_cache"):
-            self._backward.enter_context(_functorch_config.patch(enable_autograd_cache=False))
+        self._backward = compile_settings()
         return super().__enter__()
 
     def __exit__(self, *exc):

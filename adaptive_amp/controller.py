@@ -50,7 +50,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .adjust import DynamicPrecisionAdjuster
+from .adjust import DynamicPrecisionAdjuster, compile_settings
 from .analysis import PrecisionAnalyzer
 from .collect import STATS_DTYPES as _STATS_DTYPES, ActivationCollector
 from .layers import Selector, find_layers, unwrap_model
@@ -370,7 +370,8 @@ class AdaptiveMixedPrecision:
             # Islands are not measured: they compute in fp32 and cannot be blamed for a compute-dtype overflow.
             collector.start(fmt=self.compute_fmt, skip=self.adjuster.islands)
         try:
-            with contextlib.nullcontext() if self._pure else self.adjuster.autocast():
+            # bf16-pure has no autocast, but its compiled passes need the same AOT autograd settings.
+            with compile_settings() if self._pure else self.adjuster.autocast():
                 yield
         finally:
             collector.active = False
