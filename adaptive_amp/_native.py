@@ -410,6 +410,20 @@ def check_scalar(a: Array, name: str, device: int):
         raise ValueError(f"{name} is on {device_name(a.device)} but the tensors are on {device_name(device)}")
 
 
+def describe_scalar(x, name: str, *, writable: bool, device: int) -> Array:
+    """describe() and check_scalar() of a 1-element float32 argument (found_inf, inv_scale). A plain torch
+    tensor goes through the native batch reader (_C.describe_tensors: the same checks, a fraction of the
+    time; it matters to the plans, whose per-call host work is little else); anything else, or anything it
+    refuses, through describe(), which names what is wrong."""
+    if is_torch_tensor(x):
+        batch = _torch_fast_batch((x,), writable, (FLOAT32,))
+        if batch is not None and batch.numels[0] == 1 and batch.device == device:
+            return Array(batch.ptrs[0], 1, FLOAT32, device, "torch", x)
+    a = describe(x, name, writable=writable, dtypes=(FLOAT32,))
+    check_scalar(a, name, device)
+    return a
+
+
 def dlpack_stream(x) -> int:
     if _is_cupy(x):
         import cupy
@@ -423,7 +437,11 @@ def current_stream(framework: str, device: int, sample=None) -> int:
     if device == CPU:
         return 0
     if framework == "torch":
-        return _torch().cuda.current_stream(device).cuda_stream
+        torch = _torch()
+        # The raw handle without building a torch.cuda.Stream object (a few microseconds a call); the private
+        # function is what inductor's generated code calls for the same purpose.
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
     if framework == "cupy":
         return dlpack_stream(sample) if sample is not None else 0
     return 0  # other producers were asked (through __dlpack__) to be ready on the legacy default stream

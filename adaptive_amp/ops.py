@@ -156,10 +156,8 @@ class UnscalePlan:
             if self._native is None:
                 break
             device = self._device
-            found = _native.describe(found_inf, "found_inf", writable=True, dtypes=(FLOAT32,))
-            inv = _native.describe(inv_scale, "inv_scale", writable=False, dtypes=(FLOAT32,))
-            _native.check_scalar(found, "found_inf", device)
-            _native.check_scalar(inv, "inv_scale", device)
+            found = _native.describe_scalar(found_inf, "found_inf", writable=True, device=device)
+            inv = _native.describe_scalar(inv_scale, "inv_scale", writable=False, device=device)
             sumsq = amax = ws_owner = None
             sumsq_ptr = amax_ptr = ws_ptr = ws_bytes = 0
             if return_stats:

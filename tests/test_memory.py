@@ -218,5 +218,5 @@ def test_our_grad_scaler_static_memory_cuda():
             _fp16_step(model, b, zm, opt, scaler, "cuda")
         torch.cuda.synchronize()
         static[name] = torch.cuda.memory_allocated() - start
-        del model, opt, loss
+        del model, opt
     assert abs(static["ours"] - static["torch"]) <= 2**20, static
