@@ -216,7 +216,15 @@ def main(argv=None):
             run["budget_trained"] = train(zm, model, opt, batches, args.train_steps, device, b.recipe)
         if oom_fraction and device.type == "cuda" and mode == "eager":
             snap.restore()
-            run["oom"] = oom_run(zm, batches, device, oom_fraction, 30)
+            oom = run["oom"] = oom_run(zm, batches, device, oom_fraction, 30)
+            if "error" in oom:
+                print(f"== {name} {mode}: out of memory at {oom_fraction:.0%} of the GPU not survived: "
+                      f"{oom['error']}", flush=True)
+            else:
+                moves = ", ".join(e["data"].get("move", "?") for e in oom["events"]) or "none (it fit)"
+                print(f"== {name} {mode}: out of memory at {oom_fraction:.0%} of the GPU: moves {moves}; "
+                      f"{len(oom['losses'])} steps, loss {oom['losses'][0]:.3f} -> {oom['losses'][-1]:.3f}, "
+                      f"policy {oom['policy']}", flush=True)
         run["seconds"] = time.perf_counter() - t0
         tuned, ref = run["tuned"], run["torch_bf16_autocast"]
         agreeing = [t.name for t in res.trials if t.agrees and t.fits and t.name in alone]
