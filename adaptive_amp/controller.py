@@ -422,11 +422,8 @@ class AdaptiveMixedPrecision:
             self.scaler.update()
             if grad_norm is None:
                 grad_norm = self.scaler.last_grad_norm
-            stepped = all(self._stepped(r) for r in results)
-        else:
-            stepped = True
-            if grad_norm is None and self.track_grad_norm:
-                grad_norm = self._grad_norm()
+        elif grad_norm is None and self.track_grad_norm:
+            grad_norm = self._grad_norm()
         loss = None
         if self._loss_sum is not None:
             loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
@@ -440,6 +437,10 @@ class AdaptiveMixedPrecision:
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
         self._watch_next, self._watched = False, None
         self._step += 1
+        # Whether the step was skipped, read after everything this step launches (the scale update, the
+        # monitor's copy of the scale): for an optimizer that skips on the device this is the step's one host
+        # synchronization, and the device then idles only for the host work that follows it.
+        stepped = all(self._stepped(r) for r in results) if scaling else True
         self._add_events(self.monitor.poll(step))
         if self.adapt and self._adapts():
             self._after_step(step, overflowed=not stepped, watched=watched)
