@@ -64,19 +64,29 @@ _COMPUTE_FORMATS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def _cast_floats(value, dtype: torch.dtype):
+    """`value` with its floating-point tensors (also in tuples, lists and dicts) in `dtype`: the same object
+    when nothing needed a cast."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, (tuple, list)):
         items = [_cast_floats(v, dtype) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):
-        return type(value)((k, _cast_floats(v, dtype)) for k, v in value.items())
+        items = [(k, _cast_floats(v, dtype)) for k, v in value.items()]
+        if all(cast is value[k] for k, cast in items):
+            return value
+        return type(value)(items)
     return value
 
 
 def _cast_floats_hook(dtype: torch.dtype):
     def hook(module, args, kwargs):
-        return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+        cast_args, cast_kwargs = _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+        if cast_args is args and cast_kwargs is kwargs:
+            return None  # (token ids, say: the call goes on as it was, without torch rebuilding its arguments)
+        return cast_args, cast_kwargs
     return hook
 
 

@@ -159,3 +159,20 @@ def test_the_host_read_of_a_device_skip_comes_after_the_steps_launches(gpt2):
         assert rec.reads() == 1 and names[-1] in _READS, names[-8:]
     finally:
         amp.remove()
+
+
+def test_the_input_cast_of_bf16_pure_leaves_a_call_without_float_inputs_alone():
+    """bf16-pure casts floating-point inputs to bf16 in a forward pre-hook; a call with none (token ids) goes on
+    untouched (the hook returns None: torch does not rebuild the call's arguments)."""
+    from collections import namedtuple
+
+    from adaptive_amp.controller import _cast_floats_hook
+
+    hook = _cast_floats_hook(torch.bfloat16)
+    ids = torch.arange(4)
+    assert hook(None, (ids,), {"input_ids": ids, "mask": [ids], "flag": True}) is None
+    Pair = namedtuple("Pair", "a b")
+    x = torch.ones(2)
+    args, kwargs = hook(None, (ids, Pair(x, ids)), {"pixels": {"left": x}, "ids": ids})
+    assert type(args[1]) is Pair and args[1].a.dtype == torch.bfloat16 and args[1].b is ids and args[0] is ids
+    assert kwargs["pixels"]["left"].dtype == torch.bfloat16 and kwargs["ids"] is ids
