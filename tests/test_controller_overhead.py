@@ -26,6 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 from adaptive_amp import ops, zoo  # noqa: E402
 from adaptive_amp.bench.e2e import build_loops  # noqa: E402
