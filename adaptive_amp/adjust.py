@@ -38,7 +38,6 @@ model compiled and trained.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Dict, Optional
 
@@ -67,33 +66,75 @@ def _to_fp32(value):
     return value
 
 
-def compile_settings() -> contextlib.ExitStack:
+#: (name, value) of each AOT autograd setting the policy's compiled passes need, where this torch has it.
+_COMPILE_SETTINGS = tuple((name, value) for name, value in (
+    ("backward_pass_autocast", "off"),  # torch >= 2.8
+    ("view_replay_for_aliased_outputs", False),
+    ("enable_autograd_cache", False),
+) if _functorch_config is not None and hasattr(_functorch_config, name))
+
+
+class _CompileSettings:
+    """The settings of :func:`compile_settings` while entered; the values before them restored on exit.
+
+    Set and restored as plain config attributes: ``config.patch(...)`` builds a
+    context class per call, 50 us a step for the three of them on a 2-core CPU, which
+    every step of the controller paid (eager models too). Only settings that differ
+    are written, so an entry inside another (or under the user's own patch)
+    writes nothing."""
+
+    __slots__ = ("_prior",)
+
+    def __enter__(self):
+        prior = []
+        try:
+            for name, value in _COMPILE_SETTINGS:
+                old = getattr(_functorch_config, name)
+                if old != value:
+                    setattr(_functorch_config, name, value)
+                    prior.append((name, old))
+        except BaseException:
+            self._restore(prior)
+            raise
+        self._prior = prior
+        return self
+
+    def __exit__(self, *exc):
+        prior, self._prior = self._prior, []
+        self._restore(prior)
+        return False
+
+    @staticmethod
+    def _restore(prior):
+        for name, old in reversed(prior):
+            setattr(_functorch_config, name, old)
+
+
+def compile_settings() -> _CompileSettings:
     """AOT autograd's settings for the policy's compiled passes (see the module docstring): backward passes
     compiled without autocast, aliased outputs rebuilt without view replay, no on-disk cache (decided when
     the forward compiles; a lazily compiled backward then saves the entry, where the segfault happened).
-    Entered by the policy's autocast and, with no autocast, by bf16-pure's forward. Restored on exit."""
-    stack = contextlib.ExitStack()
-    if hasattr(_functorch_config, "backward_pass_autocast"):  # torch >= 2.8
-        stack.enter_context(_functorch_config.patch(backward_pass_autocast="off"))
-    if hasattr(_functorch_config, "view_replay_for_aliased_outputs"):
-        stack.enter_context(_functorch_config.patch(view_replay_for_aliased_outputs=False))
-    if hasattr(_functorch_config, "enable_autograd_cache"):
-        stack.enter_context(_functorch_config.patch(enable_autograd_cache=False))
-    return stack
+    A context: entered by the policy's autocast and, with no autocast, by bf16-pure's forward. Restored on
+    exit."""
+    return _CompileSettings()
 
 
 class PolicyAutocast(torch.autocast):
     """torch.autocast under :func:`compile_settings`; restored on exit."""
 
     def __enter__(self):
-        self._backward = compile_settings()
-        return super().__enter__()
+        self._backward = compile_settings().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._backward.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            self._backward.close()
+            self._backward.__exit__(None, None, None)
 
 
 def _device_type(model: nn.Module) -> str:

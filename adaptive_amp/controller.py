@@ -64,19 +64,29 @@ _COMPUTE_FORMATS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def _cast_floats(value, dtype: torch.dtype):
+    """`value` with its floating-point tensors (also in tuples, lists and dicts) in `dtype`: the same object
+    when nothing needed a cast."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, (tuple, list)):
         items = [_cast_floats(v, dtype) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, dict):
-        return type(value)((k, _cast_floats(v, dtype)) for k, v in value.items())
+        items = [(k, _cast_floats(v, dtype)) for k, v in value.items()]
+        if all(cast is value[k] for k, cast in items):
+            return value
+        return type(value)(items)
     return value
 
 
 def _cast_floats_hook(dtype: torch.dtype):
     def hook(module, args, kwargs):
-        return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+        cast_args, cast_kwargs = _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+        if cast_args is args and cast_kwargs is kwargs:
+            return None  # (token ids, say: the call goes on as it was, without torch rebuilding its arguments)
+        return cast_args, cast_kwargs
     return hook
 
 
@@ -422,11 +432,8 @@ class AdaptiveMixedPrecision:
             self.scaler.update()
             if grad_norm is None:
                 grad_norm = self.scaler.last_grad_norm
-            stepped = all(self._stepped(r) for r in results)
-        else:
-            stepped = True
-            if grad_norm is None and self.track_grad_norm:
-                grad_norm = self._grad_norm()
+        elif grad_norm is None and self.track_grad_norm:
+            grad_norm = self._grad_norm()
         loss = None
         if self._loss_sum is not None:
             loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
@@ -440,6 +447,10 @@ class AdaptiveMixedPrecision:
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
         self._watch_next, self._watched = False, None
         self._step += 1
+        # Whether the step was skipped, read after everything this step launches (the scale update, the
+        # monitor's copy of the scale): for an optimizer that skips on the device this is the step's one host
+        # synchronization, and the device then idles only for the host work that follows it.
+        stepped = all(self._stepped(r) for r in results) if scaling else True
         self._add_events(self.monitor.poll(step))
         if self.adapt and self._adapts():
             self._after_step(step, overflowed=not stepped, watched=watched)

@@ -90,6 +90,7 @@ ALARM_FAMILIES = ("gpt2", "llama", "bert", "t5", "vit", "resnet")
 #: alarms: family -> batch size at the small workload (token models: --seq-len tokens per sequence)
 ALARM_BATCH = {"gpt2": 8, "llama": 8, "bert": 8, "t5": 8, "vit": 8, "resnet": 32}
 ALARM_SEQ_LEN = 128
+ALARM_MAX_GRAD_NORM = 1.0  # alarms: ordinary training clips
 DTYPES = {"fp16": "params=float32,compute=float16", "bf16": "params=float32,compute=bfloat16"}
 _TOKEN_FAMILIES = ("gpt2", "llama", "bert", "t5")
 
@@ -167,12 +168,12 @@ def run_recovery(name, mode, recipe, args, device, start):
     chain_amax = _fp32_amax(zm, chain, plant_batch)
     report, every = _progress(start, f"recovery {name} {mode} {recipe}", args.steps)
     run = zoo_train.train(zm, recipe, args.steps, batch=args.batch or 8, seq_len=seq_len, lr=args.lr,
-                          warmup=args.warmup, max_grad_norm=args.max_grad_norm or None,
+                          warmup=args.warmup, max_grad_norm=args.max_grad_norm,
                           compile_model=mode == "compiled", policy=zoo_train.FP16, eval_batch=args.eval_batch,
                           progress=report, progress_every=every)
     row = {"suite": "recovery", "config": name, "size": size, "mode": mode, "recipe": recipe, "steps": args.steps,
            "batch": args.batch or 8, "seq_len": seq_len or zm.seq_len, "lr": args.lr, "warmup": args.warmup,
-           "planted": chain[0], "chain_fp32_amax": chain_amax, "lost_steps": run.lost_steps,
+           "max_grad_norm": args.max_grad_norm, "planted": chain[0], "chain_fp32_amax": chain_amax, "lost_steps": run.lost_steps,
            "recovery_steps": run.recovery_steps, "recovered": run.recovered,
            "first_skipped": run.stepped.index(False) if run.lost_steps else None,
            "skipped_at": [i for i, s in enumerate(run.stepped) if not s][:30],
@@ -258,9 +259,9 @@ def run_alarms(family, mode, dtype, args, device, start):
         seq_len = args.seq_len or None  # the tiny configuration's own length
     batch = args.batch or (4 if args.tiny_cpu else ALARM_BATCH[family])
     report, every = _progress(start, f"alarms {family} {dtype} {mode}", args.steps)
-    warmup = max(1, round(0.05 * args.steps))
+    warmup = args.warmup
     run = zoo_train.train(zm, "adaptive", args.steps, batch=batch, seq_len=seq_len, lr=args.lr, warmup=warmup,
-                          max_grad_norm=1.0, compile_model=mode == "compiled", policy=DTYPES[dtype],
+                          max_grad_norm=args.max_grad_norm, compile_model=mode == "compiled", policy=DTYPES[dtype],
                           eval_batch=args.eval_batch, progress=report, progress_every=every)
     amp = run.amp
     amp.report(plots=False)  # reads the last, partial window
@@ -272,6 +273,7 @@ def run_alarms(family, mode, dtype, args, device, start):
     k = min(50, len(run.losses))
     row = {"suite": "alarms", "family": family, "size": zm.size, "mode": mode, "dtype": dtype,
            "steps": args.steps, "batch": batch, "seq_len": seq_len or zm.seq_len, "lr": args.lr, "warmup": warmup,
+           "max_grad_norm": args.max_grad_norm,
            "read_every": amp.monitor.read_every, "policy_start": amp.policy_history[0][1],
            "policy_end": str(amp.policy), "anomalies": len(anomalies),
            "per_1000_steps": round(1000 * len(anomalies) / args.steps, 2), "by_kind": by_kind,
@@ -321,8 +323,10 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (recovery 512; alarms 128)")
     p.add_argument("--lr", type=float, default=None, help="AdamW's learning rate (recovery 6e-4, alarms 3e-4; "
                    "tiny CPU 3e-3)")
-    p.add_argument("--warmup", type=int, default=10, help="recovery: linear warm-up steps (alarms: 5%% of --steps)")
-    p.add_argument("--max-grad-norm", type=float, default=0.0, help="recovery: clip at this norm (0: no clipping)")
+    p.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (recovery 10, alarms 5%% of "
+                   "--steps)")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip at this norm (0: no clipping; recovery "
+                   f"default: none, alarms: {ALARM_MAX_GRAD_NORM:g})")
     p.add_argument("--eval-batch", type=int, default=None, help="held-out batch size (16; tiny CPU 64)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no run after this many seconds, nor one "
                    "that would end after them judging by the runs done")
@@ -335,6 +339,12 @@ def main(argv=None):
     args.steps = args.steps or ((8 if recovery else 30) if args.tiny_cpu else (150 if recovery else 2000))
     args.lr = args.lr or (3e-3 if args.tiny_cpu else (6e-4 if recovery else 3e-4))
     args.eval_batch = args.eval_batch or (64 if args.tiny_cpu else 16)
+    # Resolved here, so that the report's settings say what the runs did (None: no clipping).
+    if args.warmup is None:
+        args.warmup = 10 if recovery else max(1, round(0.05 * args.steps))
+    if args.max_grad_norm is None:
+        args.max_grad_norm = None if recovery else ALARM_MAX_GRAD_NORM
+    args.max_grad_norm = args.max_grad_norm or None
     if recovery and not args.tiny_cpu:
         args.seq_len = args.seq_len or 512
     known = RECOVERY if recovery else ALARM_FAMILIES

@@ -142,6 +142,40 @@ def test_tinylm_islands_under_autocast():
     assert seen["ff"] == torch.bfloat16
 
 
+def test_compile_settings_nest_and_restore(monkeypatch):
+    """The policy's AOT autograd settings (set and restored as plain config values, once a step): inside a
+    user's own patch, nested, and when the autocast they come with raises on entry, what was there before
+    comes back."""
+    from torch._functorch import config
+
+    from adaptive_amp.adjust import PolicyAutocast, compile_settings
+
+    names = ("backward_pass_autocast", "view_replay_for_aliased_outputs", "enable_autograd_cache")
+    names = [n for n in names if hasattr(config, n)]
+    if not names:
+        pytest.skip("this torch has none of the settings")
+    want = {"backward_pass_autocast": "off", "view_replay_for_aliased_outputs": False,
+            "enable_autograd_cache": False}
+    before = {n: getattr(config, n) for n in names}
+    with compile_settings():
+        assert {n: getattr(config, n) for n in names} == {n: want[n] for n in names}
+        with config.patch({n: before[n] for n in names}):  # the user's own values inside ours
+            with compile_settings():
+                assert {n: getattr(config, n) for n in names} == {n: want[n] for n in names}
+            assert {n: getattr(config, n) for n in names} == before
+        assert {n: getattr(config, n) for n in names} == {n: want[n] for n in names}
+    assert {n: getattr(config, n) for n in names} == before
+
+    def refuse(self):
+        raise RuntimeError("autocast refused")
+
+    monkeypatch.setattr(torch.autocast, "__enter__", refuse)
+    with pytest.raises(RuntimeError, match="autocast refused"):
+        with PolicyAutocast("cpu", dtype=torch.bfloat16):
+            pass
+    assert {n: getattr(config, n) for n in names} == before
+
+
 def test_works_under_torch_compile():
     torch.manual_seed(0)
     torch._dynamo.reset()

@@ -27,6 +27,8 @@ def test_recovery_suite_finds_the_planted_layers_and_reports_against_fp32(tmp_pa
     assert not [r for r in report["results"] if "error" in r]
     assert set(rows) == {(c, r) for c in ("gpt2-small", "llama-small") for r in ("fp32", "adaptive", "torch-fp16")}
     steps = report["settings"]["steps"]
+    assert report["settings"]["max_grad_norm"] is None and report["settings"]["warmup"] == 10  # what the runs did
+    assert all(r["max_grad_norm"] is None and r["warmup"] == 10 for r in report["results"])
     for config, chain in [("gpt2-small", ["transformer.h.1.attn.c_proj"]),
                           ("llama-small", ["model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"])]:
         fp32, ours, torch_amp = (rows[(config, r)] for r in ("fp32", "adaptive", "torch-fp16"))
@@ -65,6 +67,10 @@ def test_alarms_suite_counts_anomalies_per_model_and_dtype(tmp_path):
         assert r["false_actions"] == [] and r["policy_end"] == r["policy_start"]
         assert r["first_step_s"] > 0 and r["final_loss"] == r["final_loss"] and len(r["losses_every_50"]) == 2
     assert report["summary"] == {"runs": 12, "anomalies": 0, "steps": 12 * 25, "false_actions": 0}
+    # The settings say what the runs did: they clip at 1.0 and warm up over 5% of the steps (the recovery
+    # suite's no-clipping default and 10-step warm-up were written here before).
+    assert report["settings"]["max_grad_norm"] == 1.0 and report["settings"]["warmup"] == 1
+    assert all(r["max_grad_norm"] == 1.0 and r["warmup"] == 1 for r in report["results"])
     assert status == 0
     assert (tmp_path / "zoo_training_alarms.txt").read_text().count("PASS") == 12
 

@@ -52,6 +52,9 @@ def main(argv=None):
                         help="e2e: comma-separated of fp32,torch-fp16,torch-bf16,auto,fp16,bf16-pure (default: all)")
     parser.add_argument("--e2e-modes", default="eager,compiled", help="e2e: eager, compiled or both")
     parser.add_argument("--e2e-steps", type=int, default=None, help="e2e: timed steps per loop (GPU 60, CPU 4)")
+    parser.add_argument("--e2e-rounds", type=int, default=None,
+                        help="e2e: rounds the timed steps are split into, controller and plain loop alternating "
+                             "(GPU 6, CPU 2); the ratio is of the rounds' medians")
     parser.add_argument("--reps", type=int, default=None,
                         help="timed repetitions per row after warm-up, reported as the median "
                              "(default 50 on a GPU; on the CPU 7 for unscale, 5 for sround and stats)")
@@ -142,7 +145,8 @@ def main(argv=None):
 
         split = lambda text: [t for t in text.split(",") if t] if text else None  # noqa: E731
         result = run_e2e(models=split(args.e2e_models), recipes=split(args.e2e_recipes) or RECIPES,
-                         modes=split(args.e2e_modes), steps=args.e2e_steps, device=args.device.split(":")[0])
+                         modes=split(args.e2e_modes), steps=args.e2e_steps, rounds=args.e2e_rounds,
+                         device=args.device.split(":")[0])
         print(format_e2e(result))
         report["e2e"] = to_json(result)
     if args.json:

@@ -23,6 +23,12 @@ is in neither part. On the GPU the timed steps include the controller's
 statistics step 50 (per-layer statistics every 50 steps), so its peak is
 that of a statistics step when that is the higher.
 
+Each row keeps its rounds' times (``round_ms``); a controller row also keeps
+the ratio of each round pair (``pair_ratios``: the two rounds ran one after
+the other) and which rounds held a statistics step or a read of the monitor
+(``stats_rounds``), so that a ratio can be told from the spread of its
+rounds. ``--e2e-rounds`` sets how many rounds the timed steps are split into.
+
 On the CPU (tiny models, a few steps) it checks that everything runs; the
 numbers mean something on a GPU.
 """
@@ -34,7 +40,7 @@ import copy
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -59,8 +65,13 @@ class E2ERow:
     peak_mem_gib: float
     final_loss: float
     skipped_steps: int
-    overhead: Optional[float] = None  # controller / plain step time (controller rows)
+    overhead: Optional[float] = None  # controller / plain step time (controller rows): ratio of the medians
     anomalies: Optional[int] = None  # the monitor's events in the controller's run (ordinary training: 0)
+    round_ms: List[float] = field(default_factory=list)  # ms per step of each round, in order
+    # Controller rows: controller / plain of each round pair (run one after the other), and the rounds in which
+    # the controller took a statistics step or read its monitor (one host sync): where a slow round comes from.
+    pair_ratios: List[float] = field(default_factory=list)
+    stats_rounds: List[int] = field(default_factory=list)
 
 
 class _Loop:
@@ -198,7 +209,11 @@ def _round(loop: _Loop, batches, start: int, k: int, device: str):
 
 def run_e2e(models=None, recipes=RECIPES, modes=("eager", "compiled"), steps=None, warmup=None, rounds=None,
             batch=None, seq_len=None, device=None, progress=print) -> Dict[str, list]:
-    """Train every (model, mode, recipe); return {"rows": [E2ERow...], "dropin": [...]}."""
+    """Train every (model, mode, recipe); return {"rows": [E2ERow...], "dropin": [...]}.
+
+    `steps` timed steps per loop in `rounds` rounds (GPU: 60 in 6); more rounds of the same length narrow
+    the spread of the controller/plain ratio (each row keeps its rounds' times and, for the controller, the
+    ratio of each round pair)."""
     from .. import zoo
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -206,8 +221,8 @@ def run_e2e(models=None, recipes=RECIPES, modes=("eager", "compiled"), steps=Non
     models = list(models or (MODELS if cuda else ["gpt2-small"]))
     steps = steps or (60 if cuda else 4)  # timed steps per loop, split into rounds
     warmup = warmup if warmup is not None else (5 if cuda else 1)
-    rounds = rounds or (6 if cuda else 2)
-    k = max(1, steps // rounds)
+    rounds = max(1, min(rounds or (6 if cuda else 2), steps))
+    k = steps // rounds
     batch = batch or (8 if cuda else 2)
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -235,11 +250,15 @@ def run_e2e(models=None, recipes=RECIPES, modes=("eager", "compiled"), steps=Non
                     static[loop.name] = (torch.cuda.memory_allocated() - start) if cuda else 0
                 times = {loop.name: [] for loop in loops}
                 peaks = {loop.name: 0 for loop in loops}
+                stats_rounds = []
                 for r in range(rounds):  # interleaved: plain, controller, plain, controller, ...
                     for loop in (loops if r % 2 == 0 else loops[::-1]):
+                        first = loop.amp.step_count if loop.amp is not None else None
                         sec, peak = _round(loop, batches, warmup + r * k, k, device)
                         times[loop.name].append(sec)
                         peaks[loop.name] = max(peaks[loop.name], peak)
+                        if first is not None and _monitor_steps(loop.amp, first, loop.amp.step_count):
+                            stats_rounds.append(r)
                 med = {name_: statistics.median(ts) for name_, ts in times.items()}
                 for loop in loops:
                     final = float(torch.stack(loop.losses[-k:]).float().mean())
@@ -247,9 +266,14 @@ def run_e2e(models=None, recipes=RECIPES, modes=("eager", "compiled"), steps=Non
                     # to the loop that owns it (static) and the transient peak of its own rounds.
                     mem = (static[loop.name] + peaks[loop.name] + _param_bytes(loop.model)) / 2**30 if cuda else 0.0
                     skipped = loop.skipped
+                    ctl = loop.name == "controller"
                     rows.append(E2ERow(name, mode, recipe, loop.name, loop.policy, med[loop.name] * 1e3,
                                        tokens / med[loop.name], mem, final, skipped,
-                                       med[loop.name] / med["plain"] if loop.name == "controller" else None))
+                                       med[loop.name] / med["plain"] if ctl else None,
+                                       round_ms=[t * 1e3 for t in times[loop.name]],
+                                       pair_ratios=[c / p for c, p in zip(times[loop.name], times["plain"])]
+                                       if ctl else [],
+                                       stats_rounds=list(stats_rounds) if ctl else []))
                 for loop in loops:
                     if loop.amp is not None:
                         from ..monitor import KINDS
@@ -261,6 +285,12 @@ def run_e2e(models=None, recipes=RECIPES, modes=("eager", "compiled"), steps=Non
                 if cuda:
                     torch.cuda.empty_cache()
     return {"rows": rows, "dropin": [dropin_check(device=device)]}
+
+
+def _monitor_steps(amp, first: int, end: int) -> bool:
+    """Whether the controller's steps first..end-1 include a statistics step or a read of its monitor."""
+    mon = amp.monitor
+    return any(amp.layer_stats and mon.stats_due(s) or mon.read_due(s) for s in range(first, end))
 
 
 def _param_bytes(model) -> int:
@@ -306,13 +336,14 @@ def dropin_check(steps: int = 20, device=None, family: str = "gpt2") -> dict:
 
 def format_e2e(result: Dict[str, list]) -> str:
     lines = [f"{'model':<12} {'mode':<8} {'recipe':<11} {'loop':<10} {'ms/step':>8} {'tokens/s':>10} "
-             f"{'peak GiB':>8} {'loss':>7} {'skip':>4} {'ctl/plain':>9} {'events':>6}  policy"]
+             f"{'peak GiB':>8} {'loss':>7} {'skip':>4} {'ctl/plain':>9} {'pairs min-max':>13} {'events':>6}  policy"]
     for r in result["rows"]:
         over = f"{r.overhead:.3f}" if r.overhead is not None else ""
+        pairs = f"{min(r.pair_ratios):.3f}-{max(r.pair_ratios):.3f}" if r.pair_ratios else ""
         events = str(r.anomalies) if r.anomalies is not None else ""
         lines.append(f"{r.model:<12} {r.mode:<8} {r.recipe:<11} {r.loop:<10} {r.ms_per_step:8.2f} "
                      f"{r.tokens_per_s:10.0f} {r.peak_mem_gib:8.2f} {r.final_loss:7.3f} {r.skipped_steps:4d} "
-                     f"{over:>9} {events:>6}  {r.policy}")
+                     f"{over:>9} {pairs:>13} {events:>6}  {r.policy}")
     for d in result["dropin"]:
         lines.append(f"drop-in check ({d['model']}, {d['steps']} fp16 steps, deterministic): torch GradScaler vs "
                      f"ours bitwise equal: {d['bitwise_equal']} (max |diff| {d['max_abs_diff']:.3g}; scales "
