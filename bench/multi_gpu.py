@@ -63,9 +63,9 @@ from torch import nn  # noqa: E402
 
 import adaptive_amp  # noqa: E402
 from adaptive_amp import GradScaler  # noqa: E402
+from adaptive_amp.bench._dist_exit import finish  # noqa: E402
 from adaptive_amp.bench.kernels import gpt2_small_shapes  # noqa: E402
 from adaptive_amp.demo import MarkovCorpus, TinyLM  # noqa: E402
-from _dist_exit import finish  # noqa: E402  (bench/, the script's own folder)
 
 LR = 3e-3
 MAX_NORM = 1.0

@@ -64,8 +64,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import adaptive_amp  # noqa: E402
+from adaptive_amp.bench._dist_exit import finish  # noqa: E402
 from adaptive_amp.distributed import CollectiveAdaptiveMixedPrecision  # noqa: E402
-from _dist_exit import finish  # noqa: E402  (bench/, the script's own folder)
 
 POLICY = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval=1000"
 CONTROLLER = dict(read_every=2, storm_rate=0.25, progress=False)
