@@ -64,6 +64,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import adaptive_amp  # noqa: E402
+from adaptive_amp.bench._dist_exit import finish  # noqa: E402
 from adaptive_amp.distributed import CollectiveAdaptiveMixedPrecision  # noqa: E402
 
 POLICY = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval=1000"
@@ -539,8 +540,7 @@ def main():
         print(f"{len(report.checks) - len(failed)}/{len(report.checks)} checks passed, "
               f"{len(report.errors)} section errors", flush=True)
     ok = not failed and not report.errors
-    dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    finish(0 if ok else 1)  # not through the interpreter's shutdown: gloo's workers abort it (see _dist_exit)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@ def _nan_loss_on_one_rank(rank, store, out, steps):
 
     from torch.distributed.fsdp import fully_shard
 
+    from adaptive_amp.bench._dist_exit import finish
+
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=30))
     try:
@@ -88,9 +90,12 @@ def _nan_loss_on_one_rank(rank, store, out, steps):
         with open(out / f"rank{rank}.json", "w") as f:
             json.dump({"history": policies, "decisions": decisions, "norms": norms,
                        "recorded": {str(s): recorded[s] for s in norms}}, f)
-        dist.barrier()  # neither rank tears gloo down while the other still talks (it aborts: SIGABRT)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Both ranks leave together, and not through the interpreter's shutdown: a gloo worker still releasing
+    # a collective's tensors then aborts the process (SIGABRT; adaptive_amp/bench/_dist_exit.py says why).
+    finish(0)
 
 
 def test_a_nan_loss_on_one_rank_is_decided_on_by_every_rank(tmp_path):

@@ -1323,6 +1323,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from datetime import timedelta
 from adaptive_amp import GradScaler
+from adaptive_amp.bench._dist_exit import finish
 
 rank, init_file, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)
@@ -1375,12 +1376,11 @@ try:
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2,
                             timeout=timedelta(seconds=45))
     result = {"skip_sync": skip_sync(), "ddp": ddp_run()}
-    dist.barrier()
-    dist.destroy_process_group()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 except BaseException:
     traceback.print_exc()
     sys.exit(1)
+finish(0)  # barrier, destroy_process_group, no interpreter shutdown: gloo's workers can abort it (see there)
 '''
 
 
