@@ -3,22 +3,17 @@ CPU mode: the tiny GPT-2, aten ops in place of kernels."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
+from conftest import load_bench_script
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _script():
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "e2e_ops.py")
-    spec = importlib.util.spec_from_file_location("e2e_ops", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_bench_script("e2e_ops")
 
 
 def test_bf16_pure_ordinary_step_differs_from_the_plain_loop_only_by_the_loss_it_keeps(tmp_path, capsys):

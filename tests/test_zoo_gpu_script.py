@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
+from conftest import load_bench_script
 
 pytest.importorskip("transformers")
 
 
 def test_zoo_gpu_script_smoke(tmp_path):
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "zoo_gpu.py")
-    spec = importlib.util.spec_from_file_location("zoo_gpu", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_bench_script("zoo_gpu")
     status = script.main(["--tiny-cpu", "--no-hook-cost", "--only", "gpt2-small,resnet-small", "--modes", "eager",
                           "--steps", "6", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "zoo_gpu.json").read_text())

@@ -3,21 +3,16 @@ a few steps; the rows must say what the GPU run will report."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
+from conftest import load_bench_script
 
 pytest.importorskip("transformers")
 
 
 def _script():
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", "zoo_training.py")
-    spec = importlib.util.spec_from_file_location("zoo_training", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_bench_script("zoo_training")
 
 
 def test_recovery_suite_finds_the_planted_layers_and_reports_against_fp32(tmp_path):
