@@ -13,7 +13,7 @@ Nothing here writes to an array: ops validate everything first.
 from __future__ import annotations
 
 import sys
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -111,17 +111,21 @@ def _lazy_flag(x) -> bool:
     return x.is_neg() or x.is_conj()
 
 
+def device_of(x) -> int:
+    """This layer's device number of a torch tensor on the CPU or a CUDA GPU (CPU: the host)."""
+    if x.device.type == "cpu":
+        return CPU
+    return x.device.index if x.device.index is not None else _torch().cuda.current_device()
+
+
 def _describe_torch(x, name, writable, dtypes, dense=False) -> Array:
     code = torch_dtype_code(x.dtype)
     _check_dtype(code, x.dtype, name, dtypes)
     if x.layout != _torch().strided:
         raise ValueError(f"{name} is a {x.layout} tensor; pass a dense tensor (for sparse ones, their _values())")
-    if x.device.type == "cuda":
-        device = x.device.index if x.device.index is not None else _torch().cuda.current_device()
-    elif x.device.type == "cpu":
-        device = CPU
-    else:
+    if x.device.type not in ("cuda", "cpu"):
         raise ValueError(f"{name} is on device '{x.device}'; adaptive_amp runs on the CPU and on CUDA GPUs")
+    device = device_of(x)
     if _lazy_flag(x):
         raise ValueError(f"{name} has torch's lazy negation/conjugation flag (a view such as x.conj().imag); pass "
                          f"{name}.resolve_neg() (and copy the result back if needed)")
@@ -227,12 +231,12 @@ class Batch(NamedTuple):
     watch: tuple = ()  # per item, the torch tensor whose pointer the native launch reads again (None: not torch)
 
 
-def watched(a: Array):
+def watched(a: Optional[Array]):
     """What a launch's ``watch`` argument holds for one described array: the torch tensor, whose pointer the
     native call reads again right before it launches (another thread may have given it new memory since it
     was described; see csrc/bindings.cpp, "Pointers read before the launching call"), else None (numpy arrays
-    and DLPack capsules keep their memory while referenced)."""
-    return a.obj if a.framework == "torch" else None
+    and DLPack capsules keep their memory while referenced; an argument not given)."""
+    return a.obj if a is not None and a.framework == "torch" else None
 
 
 _allowed_code_maps: dict = {}

@@ -102,7 +102,7 @@ def call_native(*, x, out_ptr, out_numel, out_code, bits=None, seed=0, offset=0,
         bits.dtype if bits is not None else INT32,
         seed, offset, seed_offset_ptr, scale_ptr, scale_value is not None,
         scale_value if scale_value is not None else 1.0, bool(saturate), amax_ptr, device, stream,
-        (_native.watched(x), watch[0], _native.watched(bits) if bits is not None else None) + tuple(watch[1:]))
+        (_native.watched(x), watch[0], _native.watched(bits)) + tuple(watch[1:]))
 
 
 # --------------------------------------------------------------------------- numpy / DLPack
@@ -209,8 +209,7 @@ def stochastic_round_array(x, dtype, *, generator, seed, offset, scale, saturate
     call_native(x=xa, out_ptr=out_ptr, out_numel=xa.numel, out_code=code, bits=bits, seed=seed, offset=offset,
                 scale_ptr=scale_ptr, scale_value=scale_value, saturate=saturate, amax_ptr=amax_ptr,
                 device=xa.device, stream=stream,
-                watch=(_native.watched(oa) if oa is not None else None, None,
-                       _native.watched(sa) if sa is not None else None, None))
+                watch=(_native.watched(oa), None, _native.watched(sa), None))
     return (result, amax) if return_amax else result
 
 

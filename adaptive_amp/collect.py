@@ -72,13 +72,13 @@ def first_tensor(value) -> Optional[torch.Tensor]:
 def guard_hooks_under_compile() -> None:
     """Make dynamo check module hooks in its guards from now on (see the module's docstring)."""
     from torch._dynamo import config
-    from torch._dynamo.utils import counters
+
+    from .adjust import forget_compiled_graphs
 
     if not config.skip_nnmodule_hook_guards:
         return
     config.skip_nnmodule_hook_guards = False
-    if counters["stats"]["unique_graphs"]:  # graphs traced before have no hook guards
-        torch.compiler.reset()
+    forget_compiled_graphs()  # graphs traced before have no hook guards
 
 
 def _compiling() -> bool:
@@ -164,6 +164,7 @@ class ActivationCollector:
         """(output statistics, input statistics) of the layers recorded since :meth:`start`, each a
         TensorStats with one row per layer in forward order (None when no layer was recorded). Nothing is read
         to the host."""
+        from . import _native
         from .ops import tensor_stats
         from .stats import TensorStats
 
@@ -201,7 +202,7 @@ class ActivationCollector:
                 in_rows.append(traced_in[t_in:t_in + 1])
                 in_names.append(name)
                 t_in += 1
-        device = _device_of(out_rows[0])
+        device = _native.device_of(out_rows[0])
 
         def joined(rows, names, fmt):
             return TensorStats(torch.cat(rows), len(rows), fmt=fmt, names=names, framework="torch", device=device)
@@ -215,11 +216,3 @@ class ActivationCollector:
         self.active = False
         self.records.clear()
 
-
-def _device_of(t: torch.Tensor) -> int:
-    """The native layer's device number of a torch tensor (-1: the CPU)."""
-    from . import _native
-
-    if t.device.type == "cpu":
-        return _native.CPU
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()

@@ -254,7 +254,7 @@ def update_scale_(
                     int(growth_interval), int(hysteresis), float(min_scale), float(max_scale or 0.0),
                     amax_history is not None, amax_ptr, hist_ptr, history, int(margin), float(fmt_max),
                     inv_ptr, sc.device, stream,
-                    tuple(_native.watched(a) if a is not None else None for a in (sc, gt, fi, ct, am, hist, inv)))
+                    tuple(_native.watched(a) for a in (sc, gt, fi, ct, am, hist, inv)))
     del owner  # torch's allocator keeps stream order; see _keep_until_done
     return scale
 

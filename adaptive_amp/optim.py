@@ -203,8 +203,8 @@ def adamw_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
     for i, t in enumerate(steps):
         if t.numel() != 1:
             raise ValueError(f"steps[{i}] has {t.numel()} elements; pass a 1-element float32 tensor")
-    _call(_ADAMW, batches[:4], steps=batches[4].ptrs, steps_watch=batches[4].watch, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-          weight_decay=weight_decay, maximize=maximize, stochastic_rounding=stochastic_rounding,
+    _call(_ADAMW, batches[:4], steps=batches[4].ptrs, steps_watch=batches[4].watch, lr=lr, beta1=beta1,
+          beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize, stochastic_rounding=stochastic_rounding,
           grad_scale=grad_scale, found_inf=found_inf, generator=generator, seed=seed, offset=offset, device=device)
 
 

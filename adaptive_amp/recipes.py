@@ -36,7 +36,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .adjust import DynamicPrecisionAdjuster
+from .adjust import DynamicPrecisionAdjuster, forget_compiled_graphs
 from .layers import unwrap_model
 from .scaler import GradScaler
 
@@ -252,20 +252,6 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
         if before:
             forget_compiled_graphs()
     return undo
-
-
-def forget_compiled_graphs() -> None:
-    """Drop every dynamo graph (``torch.compiler.reset()``) once parameters changed dtype in place.
-
-    ``p.data = p.data.to(bf16)`` keeps the Parameter objects and the modules' dictionaries, and dynamo may
-    skip the guards of tensors reached through dictionaries that did not change: a graph traced for fp32
-    parameters then runs on their bf16 memory. Measured: tuning a compiled GPT-2 on an H200 (torch 2.11)
-    stopped with an illegal memory access in such a graph (its fp32 read of a bf16 weight). With no graph
-    left there is none to reuse wrongly; compiled models recompile at their next call."""
-    from torch._dynamo.utils import counters
-
-    if counters["stats"]["unique_graphs"]:  # something was compiled in this process
-        torch.compiler.reset()
 
 
 # ---------------------------------------------------------------------------- checkpointing

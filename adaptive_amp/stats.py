@@ -96,7 +96,7 @@ def compute(tensors, *, fmt=None, scale=None, names=None) -> "TensorStats":
     stream = _native.current_stream(batch.framework, batch.device, batch.objs[0])
     _C.tensor_stats(batch.ptrs, batch.numels, batch.dtypes, FORMATS[fmt] if fmt else -1, scale_ptr, per_tensor,
                     has_value, value, out_ptr, ws_ptr, ws_bytes, batch.device, stream,
-                    (batch.watch, _native.watched(arr) if arr is not None else None))
+                    (batch.watch, _native.watched(arr)))
     _native.keep_until_done(ws_owner, batch.device)
     return TensorStats(out, len(tensors), fmt=fmt, names=names, framework=batch.framework, device=batch.device)
 

@@ -14,8 +14,8 @@ noexcept destructor: ``std::terminate``.
 ``destroy_process_group()`` does not prevent it: it joins a gloo group's workers only when
 the group's last reference goes, and DeviceMesh objects (kept by DTensor's redistribution
 planner and mesh-topology caches) and further references inside torch still hold the world
-group after it (torch 2.13), so its workers live on into the interpreter's shutdown. Upstream: pytorch/pytorch#190489 (the
-same abort, open); pytorch/pytorch#179291 (an atexit destroy_process_group, abandoned:
+group after it (torch 2.13), so its workers live on into the interpreter's shutdown.
+Upstream: pytorch/pytorch#190489 (the same abort, open); pytorch/pytorch#179291 (an atexit destroy_process_group, abandoned:
 it would not help here, destroy already ran).
 
 So a worker leaves without the interpreter's shutdown: every rank reaches the end (a
