@@ -28,7 +28,7 @@ from .stats import TensorStats
 __version__ = "0.1.0"
 
 __all__ = ["AdaptiveMixedPrecision", "AdaptivePrecisionSelector", "Capabilities", "DynamicPrecisionAdjuster", "GradScaler", "HardwareDetector",
-           "LossScale", "PrecisionAnalyzer", "PrecisionPolicy", "StabilityMonitor", "TensorStats", "UNSCALE_CHUNK", "UnscalePlan", "build_info", "cuda_available", "debug",
+           "LossScale", "PrecisionAnalyzer", "PrecisionPolicy", "StabilityMonitor", "StepResult", "TensorStats", "UNSCALE_CHUNK", "UnscalePlan", "build_info", "cuda_available", "debug",
            "stochastic_round", "stochastic_round_ste", "tensor_stats", "unscale_and_check_", "update_scale_",
            "__version__"]
 
@@ -44,6 +44,7 @@ _LAZY = {
     "PrecisionAnalyzer": "analysis",
     "StabilityMonitor": "monitor",
     "AdaptiveMixedPrecision": "controller",
+    "StepResult": "step_result",
 }
 
 

@@ -6,13 +6,13 @@ scales the loss with adaptive_amp.GradScaler where the policy needs it, and
 watches the run with a StabilityMonitor. When fp16 turns out wrong for this
 model it adapts between steps, logging every decision as an event:
 
-1. an overflow is diagnosed when it appears: the step after one (found_inf
-   of the loss scaler) collects per-layer activation statistics; if that
-   step overflows too, every layer whose fp16 output overflowed out of
-   finite inputs becomes an fp32 island in one decision, the loss scale goes
-   back to where it was before the overflows, and the next step is watched
-   the same way (a chain of overflowing layers is promoted link by link, a
-   step each);
+1. an overflow is diagnosed when it appears: the steps after one (found_inf
+   of the loss scaler) collect per-layer activation statistics (three of
+   them); at the first of them that overflows too, every layer whose fp16
+   output overflowed out of finite inputs becomes an fp32 island in one
+   decision, the loss scale goes back to where it was before the overflows,
+   and the new policy's first steps are watched the same way (a chain of
+   overflowing layers is promoted link by link, a step each);
 2. if that is not enough (overflows that no layer explains in two watched
    steps, an overflow storm over a read window, or more than
    ``max_promotions`` rounds), compute switches to bf16 where bf16 is native
@@ -24,9 +24,12 @@ model it adapts between steps, logging every decision as an event:
 Seeing an overflow costs no host synchronization in healthy steps: whether a
 step overflowed is the host bool the scaler's step already computed (torch's
 GradScaler synchronizes there too), or, for optimizers that skip on the
-device, the value :meth:`AdaptiveMixedPrecision.step` returns (one read of
-found_inf). Statistics of the watched step are read at once, but only when
-that step overflowed. fp16 compute always runs with a loss scaler; with
+device (``fused=True``, adaptive_amp.optim), the scaler's found_inf, copied to
+pinned memory in stream order and read during the next step, when the device
+has finished the step it belongs to and has the next one queued: such an
+overflow is diagnosed one step later, and the device never waits for the
+host. Statistics of the watched step are read at once, but only when that
+step overflowed. fp16 compute always runs with a loss scaler; with
 ``loss_scale=none`` it is one whose scale is fixed at 1, so an overflowing
 step is still skipped rather than writing infs into the weights.
 
@@ -59,8 +62,12 @@ from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor, builtin_values
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
 from .scaler import GradScaler
+from .step_result import HostSlots, StepResult
 
 _COMPUTE_FORMATS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# Steps watched (activation statistics collected) after an overflow or a policy change: the next overflow in
+# them is diagnosed, even when a fused optimizer's skip is read a step late or the overflows come and go.
+_WATCH_STEPS = 3
 
 
 def _cast_floats(value, dtype: torch.dtype):
@@ -234,11 +241,15 @@ class AdaptiveMixedPrecision:
         self._promotions = 0  # promotion rounds since the last compute switch
         self._promoted: List[str] = []  # islands this controller added, oldest first
         self._demotions: Dict[str, int] = {}  # layer -> times it was demoted (its wait doubles each time)
-        self._watch_next = False  # collect activation statistics at the next step (after an overflow or a change)
+        self._watch_left = 0  # steps that collect activation statistics next (after an overflow or a change)
         self._watched: Optional[int] = None  # the step whose activation statistics this step collected
         self._first_overflow: Optional[int] = None  # first step of the current run of overflowing steps
         self._unexplained = 0  # watched overflowing steps in a row whose loss was not finite and no layer to blame
         self._scale_before_storm = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        # (step, StepResult, watched) of the last step, when the device decided whether it stepped: judged
+        # during the next step (see step()).
+        self._pending: Optional[tuple] = None
+        self._host_slots = HostSlots()
 
     # ------------------------------------------------------------ set-up
     def _resolve_policy(self, policy, sample_inputs, loss_fn, overrides, progress) -> PrecisionPolicy:
@@ -363,7 +374,7 @@ class AdaptiveMixedPrecision:
         return self.layer_stats and self.monitor.stats_due(self._step)
 
     def _activations_due(self) -> bool:
-        return self._watch_next or self._stats_due()
+        return self._watch_left > 0 or self._stats_due()
 
     @property
     def _pure(self) -> bool:
@@ -410,16 +421,16 @@ class AdaptiveMixedPrecision:
         self._loss_count += 1
         self.scaler.scale(loss).backward(**kwargs)
 
-    def step(self, max_grad_norm: Optional[float] = None, norm_type: float = 2.0) -> bool:
+    def step(self, max_grad_norm: Optional[float] = None, norm_type: float = 2.0) -> StepResult:
         """Unscale and check, clip, step every optimizer, update the scale, monitor, adapt.
 
-        Returns whether the optimizers stepped (False: an overflow skipped the
-        step), a Python bool whatever the policy. Without loss scaling it is
-        True at no cost; with scaling it is the bool the scaler's step already
-        decided on the host, except for optimizers that skip on the device
-        (``fused=True``, adaptive_amp.optim): there reading it is one host
-        synchronization per step (the controller needs it to see overflows).
-        With several optimizers: True only if every one stepped.
+        Returns a :class:`~adaptive_amp.StepResult` whatever the policy: ``bool()`` of it is whether the
+        optimizers stepped (False: an overflow skipped the step; with several optimizers, True only if every
+        one stepped). Without loss scaling, or with optimizers the scaler steps from the host, the host knows
+        already and reading it is free. Optimizers that skip on the device (``fused=True``,
+        adaptive_amp.optim) keep it on the device: the step never waits, and the controller reads it during
+        the next step (after that step's work is queued, so the device never idles for it), which is when
+        such a step's overflow is diagnosed.
         """
         if max_grad_norm is not None:
             self.clip_grad_norm_(max_grad_norm, norm_type)
@@ -445,20 +456,24 @@ class AdaptiveMixedPrecision:
         watched = self._watched == step
         self._loss_known = loss is not None  # losses scaled outside backward() are not recorded
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
-        self._watch_next, self._watched = False, None
+        self._watch_left, self._watched = max(0, self._watch_left - 1), None
         self._step += 1
-        # Whether the step was skipped, read after everything this step launches (the scale update, the
-        # monitor's copy of the scale): for an optimizer that skips on the device this is the step's one host
-        # synchronization, and the device then idles only for the host work that follows it.
-        stepped = all(self._stepped(r) for r in results) if scaling else True
+        # After everything this step launches (the scale update, the monitor's copy of the scale).
+        result = self._result(results) if scaling else StepResult(True)
         self._add_events(self.monitor.poll(step))
-        if self.adapt and self._adapts():
-            self._after_step(step, overflowed=not stepped, watched=watched)
-            if self.monitor.read_due(step):
-                self._adapt()
+        # The previous step's deferred result: its work finished while this step's was launched, so the read
+        # waits for nothing this step queued. Judged before this step, in step order.
+        self._judge_pending()
+        read_due = self.adapt and self._adapts() and self.monitor.read_due(step)
+        if result.deferred and not read_due:
+            self._pending = (step, result, watched)
+        else:
+            self._judge(step, result, watched)  # (a read window reads the device anyway)
+        if read_due:
+            self._adapt()
         if self.memory_guard is not None:
             self.memory_guard.after_step(self)
-        return stepped
+        return result
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients now, as ``step(max_grad_norm=...)`` would inside; returns the total norm of the
@@ -481,14 +496,25 @@ class AdaptiveMixedPrecision:
         self._clip_total, self._clip_max = total, float(max_norm)
         return total
 
-    def _stepped(self, result) -> bool:
-        """Whether a scaler step stepped, as a host bool (see :meth:`step`)."""
-        if isinstance(result, bool):
-            return result
-        if isinstance(result, torch.Tensor) and result.dtype == torch.bool and result.numel() == 1:
-            return bool(result)  # a device-side skip: the one read of found_inf
-        # The optimizer returned a value of its own: the scaler's combined found_inf says.
-        return not bool(self.scaler.found_inf)
+    def _result(self, results) -> StepResult:
+        """The StepResult of scaler steps: known on the host when every optimizer stepped from the host;
+        otherwise from the scaler's found_inf (combined over the optimizers), left on the device."""
+        if all(isinstance(r, bool) for r in results):
+            return StepResult(all(results))
+        if any(r is False for r in results):
+            return StepResult(False)
+        return StepResult(found_inf=self.scaler.found_inf, slots=self._host_slots)
+
+    def _judge(self, step: int, result: StepResult, watched: bool) -> None:
+        """Diagnose `step` from its result, unless a later policy replaced the one it ran under (its overflow
+        was acted on already) or the policy no longer adapts."""
+        if self.adapt and self._adapts() and step >= self._last_change:
+            self._after_step(step, overflowed=not result, watched=watched)
+
+    def _judge_pending(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._judge(*pending)
 
     def _add_events(self, events: List[Event]) -> None:
         """Append, keeping self.events in step order (decisions and the monitor's events interleave)."""
@@ -548,7 +574,7 @@ class AdaptiveMixedPrecision:
         self.policy = policy
         self.policy_history.append((step, str(policy)))
         self._last_change = step
-        self._watch_next = True  # re-diagnose at once if the new policy's first step overflows too
+        self._watch_left = _WATCH_STEPS  # re-diagnose at once if the new policy's first steps overflow too
 
     def _adapts(self) -> bool:
         return self.policy.compute_dtype == torch.float16 and self.scaler.is_enabled()
@@ -560,7 +586,7 @@ class AdaptiveMixedPrecision:
             return
         if self._first_overflow is None:
             self._first_overflow = step
-        self._watch_next = True
+        self._watch_left = _WATCH_STEPS
         if not watched:
             return  # no statistics of this step: the next step collects them
         self._add_events(self.monitor.read())  # one transfer, in an overflowing step only
@@ -650,7 +676,7 @@ class AdaptiveMixedPrecision:
                      compute=dtype_name(target))
         self.scaler = self._make_scaler(policy)
         self._promoted, self._promotions = [], 0
-        self._first_overflow, self._unexplained, self._watch_next = None, 0, False
+        self._first_overflow, self._unexplained, self._watch_left = None, 0, 0
 
     def _maybe_demote(self, stable_steps: int) -> None:
         if self.demote_after is None or not self._promoted:
@@ -698,9 +724,13 @@ class AdaptiveMixedPrecision:
                 "monitor": self.monitor.state_dict(), "events": [e.to_dict() for e in self.events],
                 "adapt": {"last_change": self._last_change, "promotions": self._promotions,
                           "promoted": list(self._promoted), "demotions": dict(self._demotions),
-                          "watch_next": self._watch_next, "first_overflow": self._first_overflow,
+                          "watch_left": self._watch_left, "first_overflow": self._first_overflow,
                           "unexplained": self._unexplained,
-                          "scale_before_storm": self._scale_before_storm}})
+                          "scale_before_storm": self._scale_before_storm,
+                          # the last step's device-decided result, read now and judged during the next step
+                          # as it would have been without the checkpoint
+                          "pending": None if self._pending is None else
+                          [self._pending[0], bool(self._pending[1]), self._pending[2]]}})
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved. Everything is checked first: a refused state changes
@@ -735,14 +765,17 @@ class AdaptiveMixedPrecision:
             parsed = dict(step=int(state["step"]), last_change=int(adapt["last_change"]),
                           promotions=int(adapt["promotions"]), promoted=[str(n) for n in adapt["promoted"]],
                           demotions={str(k): int(v) for k, v in adapt["demotions"].items()},
-                          watch_next=bool(adapt.get("watch_next", False)),
+                          watch_left=int(adapt.get("watch_left", 1 if adapt.get("watch_next") else 0)),
                           first_overflow=(None if adapt.get("first_overflow") is None
                                           else int(adapt["first_overflow"])),
                           unexplained=int(adapt.get("unexplained", 0)),
                           scale_before_storm=adapt["scale_before_storm"],
+                          pending=(None if adapt.get("pending") is None else
+                                   (int(adapt["pending"][0]), StepResult(bool(adapt["pending"][1])),
+                                    bool(adapt["pending"][2]))),
                           events=[Event.from_dict(e) for e in state["events"]],
                           policy_history=[(int(a), str(b)) for a, b in state["policy_history"]])
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{where}: missing or malformed adaptation state ({exc!r})") from None
         self.adjuster.set_policy(policy)
         self._apply_tf32(policy.tf32)
@@ -753,9 +786,10 @@ class AdaptiveMixedPrecision:
         self._promotions = parsed["promotions"]
         self._promoted = parsed["promoted"]
         self._demotions = parsed["demotions"]
-        self._watch_next, self._watched = parsed["watch_next"], None
+        self._watch_left, self._watched = parsed["watch_left"], None
         self._first_overflow, self._unexplained = parsed["first_overflow"], parsed["unexplained"]
         self._scale_before_storm = parsed["scale_before_storm"]
+        self._pending = parsed["pending"]
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
         self._clip_total, self._clip_max = None, None
 

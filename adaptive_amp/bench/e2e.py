@@ -80,13 +80,17 @@ class _Loop:
     def __init__(self, name: str, model, step: Callable, amp=None, policy: str = ""):
         self.name, self.model, self._step, self.amp, self.policy = name, model, step, amp, policy
         self.losses: List[torch.Tensor] = []
-        self.skipped = 0
+        self._results = []  # the controller's StepResults, read after the run (reading one may wait)
 
     def step(self, batch):
         loss, stepped = self._step(batch)
         self.losses.append(loss.detach())
-        if stepped is False:
-            self.skipped += 1
+        if stepped is not None:
+            self._results.append(stepped)
+
+    @property
+    def skipped(self) -> int:
+        return sum(not r for r in self._results)
 
 
 def _optimizer(model, pure: bool):

@@ -61,6 +61,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from ..controller import AdaptiveMixedPrecision
 from ..distributed import CollectiveAdaptiveMixedPrecision, world_group
 from ..policy import PrecisionPolicy
+from ..step_result import StepResult
 
 __all__ = ["AcceleratorBridge", "SkipFlag", "attach"]
 
@@ -68,17 +69,20 @@ __all__ = ["AcceleratorBridge", "SkipFlag", "attach"]
 class SkipFlag:
     """Whether the last optimizer step was skipped, kept on the device until someone asks.
 
-    ``bool(flag)`` reads it (one synchronization); :attr:`tensor` is the
-    device-side value (nonzero: skipped) for code that wants to stay
-    asynchronous, e.g. ``torch.where`` on a learning rate.
+    ``bool(flag)`` reads it: the step's :class:`~adaptive_amp.StepResult`, which
+    waits for that step's work only (not for work launched since);
+    :attr:`tensor` is the device-side value (nonzero: skipped) for code that
+    wants to stay asynchronous, e.g. ``torch.where`` on a learning rate.
     """
 
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "_result")
 
-    def __init__(self, found_inf: Optional[torch.Tensor]):
-        self.tensor = found_inf
+    def __init__(self, found_inf: Optional[torch.Tensor], result: Optional[StepResult] = None):
+        self.tensor, self._result = found_inf, result
 
     def __bool__(self) -> bool:
+        if self._result is not None:
+            return not self._result
         return self.tensor is not None and bool(self.tensor.item() > 0)
 
     def __repr__(self):
@@ -197,9 +201,9 @@ class AcceleratorBridge:
             return
         self._backward_since_step = False
         amp = self._require_amp()
-        amp.step()
-        scaler = amp.scaler
-        accelerated._is_overflow = SkipFlag(scaler.found_inf if scaler.is_enabled() else None)
+        scaler = amp.scaler  # (the step may replace it: a switch to bf16)
+        result = amp.step()
+        accelerated._is_overflow = SkipFlag(scaler.found_inf if scaler.is_enabled() else None, result)
 
     def _is_state_initialization(self) -> bool:
         """A step with no backward through Accelerate since the last one, on an optimizer that has no state

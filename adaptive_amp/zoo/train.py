@@ -99,13 +99,14 @@ def _sync(device: torch.device) -> None:
 def train(zm: ZooModel, recipe: str, steps: int, *, batch: int = 8, seq_len: Optional[int] = None,
           lr: float = 3e-3, warmup: int = 10, max_grad_norm: Optional[float] = None, compile_model: bool = False,
           policy: str = FP16, amp_kwargs: Optional[dict] = None, eval_batch: int = 64, eval_seed: int = 10_000,
-          progress: Optional[Callable[[int, float], None]] = None, progress_every: int = 0) -> TrainRun:
+          progress: Optional[Callable[[int, float], None]] = None, progress_every: int = 0,
+          fused: Optional[bool] = None) -> TrainRun:
     """Train `zm.model` in place for `steps` steps of AdamW (`lr`, a linear warm-up over `warmup` steps, then
     constant; clipping at `max_grad_norm` when given) under `recipe` (one of RECIPES; "adaptive" runs
     AdaptiveMixedPrecision(policy=`policy`, **amp_kwargs)). Batches are ``make_batch(batch, seed=step,
     seq_len=seq_len)`` on the model's device; the final loss is the fp32 loss of ``make_batch(eval_batch,
     seed=eval_seed)``. ``progress(step, loss)`` is called after the first step and every `progress_every`-th
-    (0: never)."""
+    (0: never). `fused`: torch's fused AdamW, which skips an overflowing step on the device (None: on CUDA)."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r} is not one of {', '.join(RECIPES)}")
     if steps < 1:
@@ -114,8 +115,7 @@ def train(zm: ZooModel, recipe: str, steps: int, *, batch: int = 8, seq_len: Opt
 
     model = zm.model
     device = next(model.parameters()).device
-    opt = (torch.optim.AdamW(model.parameters(), lr=lr, fused=True) if device.type == "cuda"
-           else torch.optim.AdamW(model.parameters(), lr=lr))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device.type == "cuda" if fused is None else fused)
     # The usual linear warm-up of transformer training: without it the first steps, where an overflow is
     # seen and the steps lost, move the loss most (ours then equals fp32 with those steps skipped).
     warm = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / warmup)) if warmup else None
@@ -169,5 +169,6 @@ def train(zm: ZooModel, recipe: str, steps: int, *, batch: int = 8, seq_len: Opt
     with torch.no_grad():
         final = zm.loss(model, zm.make_batch(eval_batch, seed=eval_seed, device=device, seq_len=seq_len)).item()
     later = sorted(seconds[1:]) or seconds
-    return TrainRun(recipe, final, stepped, torch.stack(losses).tolist(), amp, seconds[0],
+    return TrainRun(recipe, final, [bool(s) for s in stepped],  # (StepResults read after the run)
+                    torch.stack(losses).tolist(), amp, seconds[0],
                     1e3 * later[len(later) // 2])
