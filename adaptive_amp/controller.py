@@ -395,7 +395,7 @@ class AdaptiveMixedPrecision:
             with compile_settings() if self._pure else self.adjuster.autocast():
                 yield
         finally:
-            collector.active = False
+            collector.stop()
         if not collect:
             return
         outputs, inputs = collector.stats()  # rows in forward order; eager layers were measured as they ran

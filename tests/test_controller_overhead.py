@@ -10,8 +10,9 @@ ops as they reach the kernels, with their tensors' sizes) and the two loops' lis
   the plain loop does (transformers' GPT-2 itself reads one value a forward);
 * a statistics step adds one ``tensor_stats`` launch per layer and one for all the gradients, and otherwise
   only bookkeeping on the statistics rows;
-* with an optimizer that skips on the device (fused), the one host read of a step (whether it stepped) comes
-  after everything the step launches, so the device has the whole step queued while the host waits.
+* with an optimizer that skips on the device (fused), whether it stepped is taken once, after everything the
+  step launches: on the CPU a free read, on CUDA a copy to pinned memory behind an event that the controller
+  waits for during the next step (tests/test_step_result.py: that wait ignores the work queued since).
 
 A ``.cpu()`` of a CPU tensor dispatches nothing, so the monitor's one transfer per read window is not seen
 here; the monitor's own tests cover when it reads.
@@ -142,7 +143,8 @@ def test_a_statistics_step_adds_one_launch_per_layer_and_one_for_the_gradients(g
 
 def test_the_host_read_of_a_device_skip_comes_after_the_steps_launches(gpt2):
     """fp16 with a fused optimizer: whether the step was skipped is known on the device only; the controller
-    reads it (its one sync a step) after launching the scale update and the monitor's copy of the scale."""
+    takes it after launching the scale update and the monitor's copy of the scale (on the CPU a read, on
+    CUDA a non-blocking copy)."""
     zm, batches = gpt2
     model = zm.model.__class__(zm.config)
     model.load_state_dict(zm.model.state_dict())
@@ -177,3 +179,37 @@ def test_the_input_cast_of_bf16_pure_leaves_a_call_without_float_inputs_alone():
     args, kwargs = hook(None, (ids, Pair(x, ids)), {"pixels": {"left": x}, "ids": ids})
     assert type(args[1]) is Pair and args[1].a.dtype == torch.bfloat16 and args[1].b is ids and args[0] is ids
     assert kwargs["pixels"]["left"].dtype == torch.bfloat16 and kwargs["ids"] is ids
+
+
+def test_layers_carry_no_hook_of_ours_between_statistics_steps(gpt2):
+    """An eager module call with a forward hook takes nn.Module's general path (~3 us a layer on the host):
+    between statistics steps the collector's hooks are out of the modules, and a statistics step has them."""
+    zm, batches = gpt2
+    model = zm.model.__class__(zm.config)
+    model.load_state_dict(zm.model.state_dict())
+    before = {name: len(m._forward_hooks) for name, m in model.named_modules()}
+    amp = AdaptiveMixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-4), policy="float32",
+                                 read_every=4, progress=False)
+    seen = []
+
+    def count_ours(module, args, output):  # a hook of the test's own, on the first layer: it stays
+        seen.append(len(first._forward_hooks) - 1)
+
+    first = amp._module.get_submodule(amp.layers[0][0])
+    first.register_forward_hook(count_ours)
+    try:
+        for i in range(5):  # statistics at steps 0 and 4
+            with amp.autocast():
+                loss = zm.loss(model, batches[i % 3])
+            amp.backward(loss)
+            amp.step()
+            amp.zero_grad()
+            now = {name: len(m._forward_hooks) for name, m in model.named_modules()}
+            assert now == {n: k + (m is first) for (n, k), m in zip(before.items(), model.modules())}, i
+        assert seen == [1, 0, 0, 0, 1]  # ours ran on the statistics steps only
+        amp.monitor.read()  # (step 4's window is still open)
+        assert [ls.step for ls in amp.monitor.layer_stats if ls.kind == "activation"] == [0, 4]
+    finally:
+        amp.remove()
+    assert {name: len(m._forward_hooks) for name, m in model.named_modules()} == \
+        {n: k + (m is first) for (n, k), m in zip(before.items(), model.modules())}

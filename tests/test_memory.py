@@ -77,7 +77,7 @@ def test_layers_measured_in_their_hooks_give_the_statistics_of_the_whole_forward
     collector.start(fmt="float16", skip=[skip])
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         zm.loss(zm.model, batch)
-    collector.active = False
+    collector.stop()
     outputs, inputs = collector.stats()
     for h in handles:
         h.remove()
