@@ -148,12 +148,19 @@ class LossSpike(Detector):
     and, near zero, is skewed (a nearly converged classifier's batch with one hard example costs a hundred
     times the median); a real spike is many times the loss's own relative noise. Warm-up: `min_history`
     finite losses.
+
+    And the rise must be at least `of_level` (a fraction) of the run's loss level, the highest window median
+    seen so far (usually the starting loss): a model that has memorized its data (a ResNet at 1e-4 after
+    starting at 4.7, on the H200) has batches at 3x its median that are still nothing.
     """
 
     kind = "loss_spike"
 
-    def __init__(self, z: float = 6.0, rel: float = 0.05, window: int = 100, min_history: int = 20):
+    def __init__(self, z: float = 6.0, rel: float = 0.05, window: int = 100, min_history: int = 20,
+                 of_level: float = 0.01):
         self.z, self.rel, self.window, self.min_history = float(z), float(rel), int(window), int(min_history)
+        self.of_level = float(of_level)
+        self._level = 0.0
 
     def detect(self, view):
         events = []
@@ -161,6 +168,9 @@ class LossSpike(Detector):
             ref = view.loss[max(0, i - self.window):i]
             ref = ref[np.isfinite(ref)]
             value = view.loss[i]
+            if ref.size:
+                med = float(np.median(ref))
+                self._level = max(self._level, abs(med))
             log = value > 0 and ref.size and ref.min() > 0
             if log:
                 z = robust_z(np.log(ref), math.log(value), self.min_history)
@@ -168,14 +178,22 @@ class LossSpike(Detector):
                 z = robust_z(ref, value, self.min_history)
             if z <= self.z:
                 continue
-            med = float(np.median(ref))
-            if value - med < self.rel * max(abs(med), 1e-12) or value <= float(ref.max()):
+            rise = value - med
+            if rise < self.rel * max(abs(med), 1e-12) or value <= float(ref.max()) or \
+                    rise < self.of_level * self._level:
                 continue
             events.append(Event(int(view.steps[i]), self.kind,
                                 f"loss {value:.4g} is {z:.1f} robust standard deviations"
                                 f"{' of the log-losses' if log else ''} above the median {med:.4g} of the "
                                 f"previous {ref.size} steps", data={"z": z, "loss": value}))
         return events
+
+
+    def state_dict(self):
+        return {"level": self._level}
+
+    def load_state_dict(self, state):
+        self._level = float(state.get("level", 0.0))  # (states saved before the level existed: none yet)
 
 
 class OverflowRate(Detector):
