@@ -78,12 +78,10 @@ class SkipFlag:
     __slots__ = ("tensor", "_result")
 
     def __init__(self, found_inf: Optional[torch.Tensor], result: Optional[StepResult] = None):
-        self.tensor, self._result = found_inf, result
+        self.tensor, self._result = found_inf, result  # (no result: no step was taken, so none was skipped)
 
     def __bool__(self) -> bool:
-        if self._result is not None:
-            return not self._result
-        return self.tensor is not None and bool(self.tensor.item() > 0)
+        return self._result is not None and not self._result
 
     def __repr__(self):
         return f"SkipFlag({self.tensor!r})"
