@@ -53,7 +53,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .adjust import DynamicPrecisionAdjuster, compile_settings
+from .adjust import DynamicPrecisionAdjuster, compile_settings, forget_compiled_graphs
 from .analysis import PrecisionAnalyzer
 from .collect import STATS_DTYPES as _STATS_DTYPES, ActivationCollector
 from .layers import Selector, find_layers, unwrap_model
@@ -318,6 +318,9 @@ class AdaptiveMixedPrecision:
         if policy.param_dtype == torch.float32:
             return
         self.model.to(torch.bfloat16)  # in place: the optimizers keep the same Parameter objects
+        # A graph traced before (policy="tune"'s fp32 trials, or the user's own calls) must not run on the bf16
+        # memory: see adjust.forget_compiled_graphs.
+        forget_compiled_graphs()
         # Without autocast (see the module docstring) fp32 inputs would meet bf16 weights: cast them as a
         # plain bf16 loop would.
         self._input_cast = self.model.register_forward_pre_hook(_cast_floats_hook(torch.bfloat16), with_kwargs=True)
