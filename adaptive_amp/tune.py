@@ -26,10 +26,17 @@ that keeps the loss and fits the memory budget.
    independent (the trajectories drift apart), so the interval is a guide,
    not an exact test: it is wide when the differences wander, which is
    what should stop a recipe from being picked.
-4. Step times: ``rounds`` rounds, each running every runnable candidate for
-   one warm-up step and ``timed_steps`` timed steps, in an order rotated each
-   round so that drift (clocks, thermals) falls on all; the median is kept.
+4. Step times: the trajectories are the first round (every step after the
+   first is timed); then ``rounds - 1`` more rounds, each running every
+   contender for one warm-up step and ``timed_steps`` timed steps, in an order
+   rotated each round so that drift (clocks, thermals) falls on all; the
+   median is kept. A contender agrees, fits and was within ``contenders``
+   (20%) of the fastest such candidate in the first round: the extra rounds
+   are there to settle close calls, so a candidate that cannot win (fp32 on a
+   GPU with bf16 tensor cores, one that disagrees) is not timed again.
    CUDA steps are timed with events, CPU steps with ``perf_counter``.
+   Where the tuning's own time went (snapshot, probes, trajectories, timing
+   rounds, clean-up) is in ``TuneResult.phase_seconds``.
 5. The pick: the fastest candidate that agrees and fits; one within
    ``tie`` (1%) of it but safer wins the tie. When a candidate does not fit
    the budget (or runs out of memory) and the model has repeated blocks, the
@@ -48,6 +55,7 @@ import random
 import sys
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -390,6 +398,13 @@ def _state_bytes(model: nn.Module, optimizer) -> int:
     return sum(seen.values())
 
 
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of `t`; pinned when `t` is on a GPU, so that copying it back for each candidate is fast."""
+    if t.device.type == "cpu":
+        return t.clone()
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+
+
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
@@ -428,8 +443,8 @@ class Tuner:
                  skipped: Sequence[Tuple[str, str]] = (), *, steps: int = 8,
                  memory_budget=None, analysis=None, rounds: int = 3, timed_steps: int = 3,
                  loss_tolerance: float = 0.01, min_cosine: float = 0.95, tie: float = 0.01,
-                 checkpoint_when_needed: bool = True, offload_snapshot: Optional[bool] = None,
-                 progress: Optional[Callable[[str], None]] = None):
+                 contenders: float = 0.2, checkpoint_when_needed: bool = True,
+                 offload_snapshot: Optional[bool] = None, progress: Optional[Callable[[str], None]] = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer is a {type(optimizer).__name__}; pass one torch.optim.Optimizer")
         self.batches = list(batches)
@@ -439,12 +454,17 @@ class Tuner:
             raise ValueError(f"steps is {steps}; pass at least 2 (the loss comparison needs two differences)")
         if rounds < 1 or timed_steps < 1:
             raise ValueError(f"rounds ({rounds}) and timed_steps ({timed_steps}) must be >= 1")
+        if not contenders >= 0:
+            raise ValueError(f"contenders is {contenders!r}; pass a fraction >= 0 (0.2: candidates within 20% of "
+                             "the fastest are timed in every round)")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.capabilities = capabilities
         self.steps, self.rounds, self.timed_steps = int(steps), int(rounds), int(timed_steps)
         self.budget = parse_budget(memory_budget)
         self.analysis = analysis
         self.loss_tolerance, self.min_cosine, self.tie = float(loss_tolerance), float(min_cosine), float(tie)
+        self.contenders = float(contenders)
+        self.phases: Dict[str, float] = defaultdict(float)
         self.checkpoint_when_needed = checkpoint_when_needed
         self.offload = offload_snapshot
         self.say = progress or (lambda msg: None)
@@ -457,6 +477,17 @@ class Tuner:
             self.skipped += [(r.name, why) for r in self.recipes if r.moment_dtype is not None]
             self.recipes = keep
         self.recipes.sort(key=lambda r: r.safety)
+
+    @contextmanager
+    def _phase(self, name: str):
+        """Adds the wall time of the block (its device work included) to ``phases[name]``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.phases[name] += time.perf_counter() - t0
 
     # -------------------------------------------------------------- one trial
     def _step(self, a: AppliedRecipe, batch, saved: Optional[_SavedBytes] = None):
@@ -506,39 +537,48 @@ class Tuner:
         return dot / math.sqrt(n1 * n2)
 
     def _trajectory(self, recipe: Recipe, trial: Trial, ref_grads):
-        self.snapshot.restore()
+        with self._phase("snapshot restores"):
+            self.snapshot.restore()
         cuda = self.device.type == "cuda"
         a = AppliedRecipe(recipe, self.model, self.optimizer)
         try:
-            grads = self._probe(a)
-            # Compared (or kept, on the CPU) before the trajectory, so that they are not in its peak memory.
-            out = [g.cpu() for g in grads] if ref_grads is None else self._cosine(grads, ref_grads)
-            del grads
+            with self._phase("probes"):
+                grads = self._probe(a)
+                # Compared (or kept, on the host) before the trajectory, so that they are not in its peak memory.
+                out = [_host_copy(g) for g in grads] if ref_grads is None else self._cosine(grads, ref_grads)
+                del grads
             _set_rng_states(self.snapshot.rng)
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats(self.device)
-            saved = _SavedBytes(unwrap_model(self.model)) if not self.compiled else None
-            losses = []
-            for k in range(self.steps):
-                loss = self._step(a, self.batches[k % len(self.batches)], saved if k == 0 else None)
-                losses.append(loss)
-                if k == 0:
-                    trial.state_bytes = _state_bytes(unwrap_model(self.model), a.optimizer)
-                    if saved is not None:
-                        trial.activation_bytes = saved.total
-                a.optimizer.zero_grad(set_to_none=True)
-            trial.losses = [float(v) for v in torch.stack(losses).cpu()]
-            if cuda:
-                torch.cuda.synchronize()
-                trial.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            with self._phase("trajectories"):
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                saved = _SavedBytes(unwrap_model(self.model)) if not self.compiled else None
+                losses = []
+                timer = _Timer(self.device)
+                for k in range(self.steps):
+                    # Every step after the first is timed: the trajectory is the first timing round.
+                    start = timer.start() if k else None
+                    loss = self._step(a, self.batches[k % len(self.batches)], saved if k == 0 else None)
+                    losses.append(loss)
+                    if k == 0:
+                        trial.state_bytes = _state_bytes(unwrap_model(self.model), a.optimizer)
+                        if saved is not None:
+                            trial.activation_bytes = saved.total
+                    a.optimizer.zero_grad(set_to_none=True)
+                    if k:
+                        timer.stop(start)
+                trial.losses = [float(v) for v in torch.stack(losses).cpu()]
+                trial.step_times_ms.extend(timer.times_ms())
+                if cuda:
+                    torch.cuda.synchronize()
+                    trial.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
         finally:
             a.optimizer.zero_grad(set_to_none=True)
             a.undo()
         return out
 
     def _time_round(self, recipe: Recipe, trial: Trial, offset: int):
-        self.snapshot.restore()
+        with self._phase("snapshot restores"):
+            self.snapshot.restore()
         a = AppliedRecipe(recipe, self.model, self.optimizer)
         timer = _Timer(self.device)
         try:
@@ -556,15 +596,26 @@ class Tuner:
             a.undo()
 
     def _free(self):
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        with self._phase("clean-up"):
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _contenders(self, runnable: List[Trial]) -> List[Trial]:
+        """The candidates worth more timing rounds: they agree, fit, and their first round was within
+        `contenders` of the fastest such candidate's."""
+        ok = [t for t in runnable if t.agrees and t.step_time_ms is not None]
+        if not ok:
+            return []
+        best = min(t.step_time_ms for t in ok)
+        return [t for t in ok if t.step_time_ms <= best * (1 + self.contenders)]
 
     # -------------------------------------------------------------- all trials
     def run(self) -> "TuneResult":
         started = time.perf_counter()
         dynamo_limit = _raise_recompile_limit(len(self.recipes) * 2 + 8)
-        self.snapshot = Snapshot(self.model, [self.optimizer], offload=self.offload)
+        with self._phase("snapshot"):
+            self.snapshot = Snapshot(self.model, [self.optimizer], offload=self.offload)
         trials: List[Trial] = []
         reference: Optional[Trial] = None
         ref_grads = None
@@ -601,20 +652,24 @@ class Tuner:
                     continue
                 trial.grad_cosine = out
                 self._judge(trial, reference)
-            runnable = [t for t in trials if t.error is None and t.fits]
-            for r in range(self.rounds):
-                order = runnable[r % len(runnable):] + runnable[:r % len(runnable)] if runnable else []
+            contenders = self._contenders([t for t in trials if t.error is None and t.fits])
+            if self.rounds > 1 and contenders:
+                self.say("tune: timing rounds for " + ", ".join(t.name for t in contenders))
+            for r in range(1, self.rounds):
+                order = contenders[r % len(contenders):] + contenders[:r % len(contenders)] if contenders else []
                 for t in order:
                     try:
-                        self._time_round(recipes[t.name], t, offset=r * (self.timed_steps + 1))
+                        with self._phase("timing rounds"):
+                            self._time_round(recipes[t.name], t, offset=r * (self.timed_steps + 1))
                     except Exception as exc:  # noqa: BLE001
                         if not _is_oom(exc):
                             raise
                         t.error, t.fits = f"out of memory while timed: {_short(exc)}", False
-                        runnable.remove(t)
+                        contenders.remove(t)
                         self._free()
         finally:
-            self.snapshot.restore()
+            with self._phase("snapshot restores"):
+                self.snapshot.restore()
             self.snapshot = None
             self._free()
             _restore_recompile_limit(dynamo_limit)
@@ -683,7 +738,7 @@ class Tuner:
         policy = recipe.policy.replace(reasons=tuple(reasons))
         return TuneResult(policy=policy, recipe=recipe, trials=trials, skipped=list(self.skipped),
                           reference=reference.name, budget=self.budget, seconds=seconds,
-                          device=str(self.device), compiled=self.compiled)
+                          device=str(self.device), compiled=self.compiled, phase_seconds=dict(self.phases))
 
 
 def _raise_recompile_limit(n: int):
@@ -745,6 +800,7 @@ class TuneResult:
     seconds: float
     device: str
     compiled: bool
+    phase_seconds: Dict[str, float] = field(default_factory=dict)  # where `seconds` went (Tuner._phase)
 
     @property
     def chosen(self) -> Trial:
@@ -770,7 +826,8 @@ class TuneResult:
         chosen = self.chosen
         return {"chosen": self.recipe.name, "recipe": self.recipe.to_dict(), "describe": self.recipe.describe(),
                 "policy": str(self.policy), "reference": self.reference, "budget_bytes": self.budget,
-                "seconds": self.seconds, "device": self.device, "compiled": self.compiled,
+                "seconds": self.seconds, "phase_seconds": dict(self.phase_seconds), "device": self.device,
+                "compiled": self.compiled,
                 "memory_source": chosen.memory_source, "trials": [t.to_dict() for t in self.trials],
                 "skipped": [{"name": n, "why": w} for n, w in self.skipped], "reasons": list(self.policy.reasons)}
 
@@ -820,6 +877,9 @@ def tuning_table(d: dict) -> str:
     head = (f"A/B of precision recipes on {d['device']}{' (compiled)' if d.get('compiled') else ''}: reference "
             f"{d['reference']}, memory budget {_bytes(d.get('budget_bytes'))}, memory as {d.get('memory_source')}; "
             f"tuning took {d['seconds']:.1f} s")
+    phases = d.get("phase_seconds") or {}
+    if phases:
+        head += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])) + ")"
     return (head + "\n" + comparison_table(tuning_rows(d)) +
             f"\nchosen: {d['chosen']} ({d.get('describe') or d.get('policy')})")
 

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import random
+import statistics
 
 import numpy as np
 import pytest
@@ -178,6 +179,28 @@ def test_casting_a_compiled_zoo_gpt2_in_place_gives_eagers_bf16_loss():
         torch.testing.assert_close(zm.loss(compiled, batch), fp32, rtol=1e-5, atol=0)
 
 
+def test_controller_bf16_cast_of_a_model_compiled_before_drops_its_graphs(monkeypatch):
+    # policy="tune" (its fp32 trials) or the user's own calls trace graphs for fp32 parameters before the
+    # controller casts them to bf16 in place ("bf16-pure"): those graphs must go, as with cast_parameters.
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    batch = zm.make_batch(2, seed=0)
+    torch._dynamo.reset()
+    compiled = torch.compile(zm.model, backend="eager")
+    with torch.no_grad():
+        zm.loss(compiled, batch)  # a graph for fp32 parameters
+    # Hook guards already on (as after any earlier controller in the process): their one-time reset is not this.
+    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", False)
+    resets = []
+    real_reset = torch.compiler.reset
+    monkeypatch.setattr(torch.compiler, "reset", lambda: (resets.append(1), real_reset()))
+    amp = AdaptiveMixedPrecision(compiled, optim.AdamW(zm.model.parameters(), lr=1e-3), policy="bf16-pure",
+                                 capabilities=CPU, progress=False)
+    assert resets and all(p.dtype == torch.bfloat16 for p in zm.model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(zm.loss(compiled, batch), zm.loss(zm.model, batch), rtol=1e-2, atol=0)
+    amp.remove()
+
+
 def test_checkpoint_blocks_same_gradients_and_undo():
     zm, _, batches = _setup("llama")
     assert [n for n, _ in find_blocks(zm.model)] == ["model.layers.0", "model.layers.1"]
@@ -227,6 +250,35 @@ def test_tune_restores_everything_bitwise_and_records_every_trial():
     assert chosen.agrees and chosen.fits
     assert chosen.step_time_ms <= min(t.step_time_ms for t in result.trials if t.agrees) * 1.01 + 1e-9
     assert result.policy == result.recipe.policy
+
+
+def test_extra_timing_rounds_only_for_contenders_and_where_the_time_went():
+    """The trajectories are the first timing round (steps - 1 timed steps each); the rounds after it time only
+    candidates that agree, fit and were within `contenders` of the fastest: here (contenders=0) the fastest
+    agreeing one alone, and with min_cosine above 1 only the reference agrees, so only it is timed again."""
+    zm, opt, batches = _setup()
+    steps, rounds, timed = 4, 3, 2
+    cands = ["fp32", "bf16", "bf16-pure"]
+    result = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=cands, steps=steps,
+                  rounds=rounds, timed_steps=timed, contenders=0.0)
+    by = {t.name: t for t in result.trials}
+    first_round = {n: statistics.median(by[n].step_times_ms[:steps - 1]) for n in cands}
+    fastest = min((n for n in cands if by[n].agrees), key=first_round.get)
+    for n in cands:
+        extra = (rounds - 1) * timed if n == fastest else 0
+        assert len(by[n].step_times_ms) == steps - 1 + extra, n
+    phases = result.phase_seconds
+    assert {"snapshot", "snapshot restores", "probes", "trajectories", "timing rounds"} <= set(phases)
+    assert all(v >= 0 for v in phases.values()) and sum(phases.values()) <= result.seconds + 1e-6
+    assert "trajectories" in result.table() and result.to_dict()["phase_seconds"] == phases
+
+    only_ref = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=cands, steps=steps,
+                    rounds=rounds, timed_steps=timed, min_cosine=1.5)
+    lengths = {t.name: len(t.step_times_ms) for t in only_ref.trials}
+    assert lengths == {"fp32": steps - 1 + (rounds - 1) * timed, "bf16": steps - 1, "bf16-pure": steps - 1}
+    assert only_ref.recipe.name == "fp32" and "timing rounds" in only_ref.phase_seconds
+    with pytest.raises(ValueError, match="contenders"):
+        tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=cands, contenders=-0.1, **FAST)
 
 
 def test_overflowing_fp16_disagrees_and_islands_fix_it():
