@@ -62,6 +62,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from .adjust import forget_compiled_graphs
 from .layers import unwrap_model
 from .recipes import AppliedRecipe, Recipe, convertible, find_blocks
 from .report import _jsonable, _matplotlib, _save, comparison_table
@@ -233,13 +234,17 @@ class Snapshot:
 
     @torch.no_grad()
     def restore(self, rng: bool = True) -> None:
+        recast = False
         for p, (c, device), g in self.params:
             if p.dtype == c.dtype and p.shape == c.shape and p.device == device and p.data.is_contiguous() == \
                     c.is_contiguous():
                 p.data.copy_(c)
             else:
+                recast |= p.dtype != c.dtype
                 p.data = c.to(device, copy=True)
             p.grad = None if g is None else self._back(g)
+        if recast:  # e.g. after a "bf16-pure" run: no graph traced for the other dtype may run on this memory
+            forget_compiled_graphs()
         for m, name, b in self.buffers:
             now = m._buffers.get(name)
             if b is not None and now is not None and now.dtype == b[0].dtype and now.shape == b[0].shape \

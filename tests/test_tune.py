@@ -201,6 +201,26 @@ def test_controller_bf16_cast_of_a_model_compiled_before_drops_its_graphs(monkey
     amp.remove()
 
 
+def test_snapshot_restore_across_a_dtype_change_drops_compiled_graphs(monkeypatch):
+    # After a "bf16-pure" run the snapshot puts fp32 memory back under the same Parameter objects: no graph
+    # traced for bf16 may run on it.
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    snap = Snapshot(zm.model, [])
+    torch._dynamo.reset()
+    compiled = torch.compile(zm.model, backend="eager")
+    zm.model.to(torch.bfloat16)
+    with torch.no_grad():
+        zm.loss(compiled, zm.make_batch(2, seed=0))  # a graph for bf16 parameters
+    resets = []
+    real_reset = torch.compiler.reset
+    monkeypatch.setattr(torch.compiler, "reset", lambda: (resets.append(1), real_reset()))
+    snap.restore()
+    assert resets and all(p.dtype == torch.float32 for p in zm.model.parameters())
+    resets.clear()
+    snap.restore()  # nothing changed dtype: the graphs stay
+    assert not resets
+
+
 def test_checkpoint_blocks_same_gradients_and_undo():
     zm, _, batches = _setup("llama")
     assert [n for n, _ in find_blocks(zm.model)] == ["model.layers.0", "model.layers.1"]
