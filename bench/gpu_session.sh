@@ -15,7 +15,9 @@
 #             by the build's time when build runs in the same call). Its JSON and table go straight to
 #             $OUT/train/, rewritten after every run, so a call cut off at its time limit keeps them.
 #   e2e       python -m adaptive_amp bench --suites e2e
-#   tune      the measured policy selection on the zoo
+#   tune      the measured policy selection on the zoo (bench/tune_evidence.py with TUNE_ARGS)
+#   tunepar   up to four bench/tune_evidence.py at once, one a GPU: TUNE_ARGS_0 ... TUNE_ARGS_3 (each set one
+#             runs, on GPU i; give each a --max-seconds that leaves the build's time and a margin)
 #   examples  examples/ and the README's example on the GPU
 #   scaler    GradScaler's per-step overhead against torch's, with 0% and 30% of the parameters frozen
 #   multi     (2 GPUs) the scaler's and the integrations' NCCL scripts
@@ -69,6 +71,19 @@ for stage in "$@"; do
     examples) run examples python3 -m pytest "$repo/tests/test_examples.py" "$repo/tests/test_readme.py" -q -p no:cacheprovider ;;
     scaler) run scaler python3 -m adaptive_amp bench --no-unscale --scaler --scaler-frozen 0 0.3 --json "$out/scaler.json" ;;
     tune) run tune python3 "$repo/bench/tune_evidence.py" --out "$out/tune" ${TUNE_ARGS:-} ;;
+    tunepar) pids=(); t0=$SECONDS
+             for i in 0 1 2 3; do
+               v="TUNE_ARGS_$i"; [ -n "${!v:-}" ] || continue
+               (cd /tmp && CUDA_VISIBLE_DEVICES=$i exec python3 "$repo/bench/tune_evidence.py" --out "$out/tune$i" \
+                   ${!v}) > "$out/tune$i.log" 2>&1 &
+               pids+=($!)
+             done
+             child="${pids[*]}"
+             for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+             for i in 0 1 2 3; do
+               [ -f "$out/tune$i.log" ] && grep -h "targets:" "$out/tune$i.log" | sed "s/^/tune$i: /" >> "$dest/summary.txt"
+             done
+             echo "tunepar: done in $((SECONDS - t0)) s" | tee -a "$dest/summary.txt" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -1,0 +1,34 @@
+"""bench/tune_evidence.py (the GPU evidence of issue 21) still runs: its CPU smoke mode, tiny models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import load_bench_script
+
+pytest.importorskip("transformers")
+
+
+def test_tune_evidence_script_smoke(tmp_path):
+    script = load_bench_script("tune_evidence")
+    assert script.main(["--tiny", "--device", "cpu", "--train-steps", "12", "--alone-steps", "4", "--seeds", "2",
+                        "--tune-steps", "3", "--rounds", "2", "--timed-steps", "1", "--cost-shape", "4x16",
+                        "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
+    assert set(run["tuned"]) == {"0", "1"} and set(run["torch_bf16"]) == {"0", "1"}
+    chosen = run["tuned"]["0"]["chosen"]
+    assert run["tuned"]["1"]["chosen"] == chosen and len(run["tuned"]["0"]["losses"]) == 12
+    assert chosen in run["alone"] and run["cost"]["fraction_of_10k_steps"] > 0
+    t = run["targets"]
+    assert t["tuned_vs_torch_bf16"] > 0 and isinstance(t["loss_within_seed_spread"], bool)
+    assert t["best_agreeing_alone"] in run["alone"] and not run.get("skipped")
+    assert (tmp_path / "gpt2-medium-eager" / "tune.txt").exists()
+
+
+def test_tune_evidence_skips_what_does_not_fit_max_seconds(tmp_path):
+    script = load_bench_script("tune_evidence")
+    assert script.main(["--tiny", "--device", "cpu", "--train-steps", "6", "--max-seconds", "0",
+                        "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
+    assert run["skipped"][0] == "tuned, seed 0" and not run["tuned"] and not run["torch_bf16"]
