@@ -529,7 +529,8 @@ class AdaptiveMixedPrecision:
             self.events.sort(key=lambda e: e.step)
 
     def train_step(self, closure, max_grad_norm: Optional[float] = None, norm_type: float = 2.0) -> torch.Tensor:
-        """A whole step from ``closure() -> loss`` (run under the policy's autocast): backward and step. With a
+        """A whole step from ``closure() -> loss`` (run under the policy's autocast): backward, step, and the
+        gradients cleared (set to None) for the next one. With a
         memory_guard, an out-of-memory error in forward/backward moves to a lighter recipe and reruns the same
         closure (see adaptive_amp.pressure.train_step). Returns the detached loss."""
         from .pressure import train_step

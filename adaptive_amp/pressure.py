@@ -252,7 +252,8 @@ class MemoryGuard:
 
 
 def train_step(amp, closure: Callable[[], torch.Tensor], max_grad_norm=None, norm_type: float = 2.0):
-    """One whole step: ``loss = closure()`` under the policy's autocast, backward, step. An out-of-memory error
+    """One whole step: ``loss = closure()`` under the policy's autocast, backward, step, and the gradients
+    cleared (``zero_grad(set_to_none=True)``: the next call starts from none). An out-of-memory error
     in the forward or backward drops the partial step (gradients, recorded loss), lets the memory guard make
     the recipe lighter, and runs the closure again on the same data; without a guard, or with no move left,
     the error is raised. One in the optimizer step is raised (see below). Returns the detached loss."""
@@ -288,6 +289,9 @@ def train_step(amp, closure: Callable[[], torch.Tensor], max_grad_norm=None, nor
                                      "not retried, since its state may be partly updated. Let a MemoryGuard move "
                                      "before it happens (a larger min_free, a smaller check_every), or make room "
                                      "for the optimizer state") from None
+    # Cleared here, not left to the caller: a whole step that kept its gradients would add them into the next
+    # one's (measured on the H200: GPT-2 medium and Llama 1B then diverged, loss 11 -> 18-30 in 2000 steps).
+    amp.zero_grad(set_to_none=True)
     return loss.detach()
 
 
