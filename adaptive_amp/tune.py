@@ -403,11 +403,13 @@ def _state_bytes(model: nn.Module, optimizer) -> int:
     return sum(seen.values())
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of `t`; pinned when `t` is on a GPU, so that copying it back for each candidate is fast."""
-    if t.device.type == "cpu":
-        return t.clone()
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+def _reference_copy(g: torch.Tensor) -> torch.Tensor:
+    """The reference gradient kept for the cosines, on the host: bf16 (half the bytes to allocate and copy; its
+    rounding moves a cosine over many elements by far less than the 0.95 threshold's margin) and pinned when
+    `g` is on a GPU, so that copying it back for each candidate is fast."""
+    if g.device.type == "cpu":
+        return g.to(torch.bfloat16, copy=True)
+    return torch.empty(g.shape, dtype=torch.bfloat16, pin_memory=True).copy_(g)
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -530,27 +532,30 @@ class Tuner:
 
     @staticmethod
     def _cosine(grads: List[torch.Tensor], ref: List[torch.Tensor]) -> float:
-        """Cosine of two gradients given per parameter; `ref` (on the CPU) comes over a tensor at a time."""
-        dot = n1 = n2 = 0.0
+        """Cosine of two gradients given per parameter; `ref` (on the host) comes over a tensor at a time.
+        Summed on the device in float64, read once."""
+        sums = None
         for g, r in zip(grads, ref):
             g, r = g.double(), r.to(g.device, non_blocking=True).double()
-            dot += float((g * r).sum())
-            n1 += float(g.pow(2).sum())
-            n2 += float(r.pow(2).sum())
+            part = torch.stack([(g * r).sum(), g.pow(2).sum(), r.pow(2).sum()])
+            sums = part if sums is None else sums + part
+        if sums is None:
+            return math.nan
+        dot, n1, n2 = (float(v) for v in sums.cpu())
         if not (math.isfinite(dot) and n1 > 0 and n2 > 0 and math.isfinite(n1)):
             return math.nan
         return dot / math.sqrt(n1 * n2)
 
     def _trajectory(self, recipe: Recipe, trial: Trial, ref_grads):
-        with self._phase("snapshot restores"):
-            self.snapshot.restore()
+        self._restore()
         cuda = self.device.type == "cuda"
-        a = AppliedRecipe(recipe, self.model, self.optimizer)
+        with self._phase("recipes applied and undone"):
+            a = AppliedRecipe(recipe, self.model, self.optimizer)
         try:
             with self._phase("probes"):
                 grads = self._probe(a)
                 # Compared (or kept, on the host) before the trajectory, so that they are not in its peak memory.
-                out = [_host_copy(g) for g in grads] if ref_grads is None else self._cosine(grads, ref_grads)
+                out = [_reference_copy(g) for g in grads] if ref_grads is None else self._cosine(grads, ref_grads)
                 del grads
             _set_rng_states(self.snapshot.rng)
             with self._phase("trajectories"):
@@ -578,33 +583,49 @@ class Tuner:
                     trial.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
         finally:
             a.optimizer.zero_grad(set_to_none=True)
-            a.undo()
+            with self._phase("recipes applied and undone"):
+                a.undo()
         return out
 
     def _time_round(self, recipe: Recipe, trial: Trial, offset: int):
-        with self._phase("snapshot restores"):
-            self.snapshot.restore()
-        a = AppliedRecipe(recipe, self.model, self.optimizer)
+        self._restore()
+        with self._phase("recipes applied and undone"):
+            a = AppliedRecipe(recipe, self.model, self.optimizer)
         timer = _Timer(self.device)
         try:
-            n = len(self.batches)
-            self._step(a, self.batches[offset % n])  # warm-up: allocator, caches, a changed graph
-            a.optimizer.zero_grad(set_to_none=True)
-            for k in range(self.timed_steps):
-                start = timer.start()
-                self._step(a, self.batches[(offset + 1 + k) % n])
+            with self._phase("timing rounds"):
+                n = len(self.batches)
+                self._step(a, self.batches[offset % n])  # warm-up: allocator, caches, a changed graph
                 a.optimizer.zero_grad(set_to_none=True)
-                timer.stop(start)
-            trial.step_times_ms.extend(timer.times_ms())
+                for k in range(self.timed_steps):
+                    start = timer.start()
+                    self._step(a, self.batches[(offset + 1 + k) % n])
+                    a.optimizer.zero_grad(set_to_none=True)
+                    timer.stop(start)
+                trial.step_times_ms.extend(timer.times_ms())
         finally:
             a.optimizer.zero_grad(set_to_none=True)
-            a.undo()
+            with self._phase("recipes applied and undone"):
+                a.undo()
 
-    def _free(self):
+    def _free(self, collect: bool = True):
+        """Cached device memory back to the driver; `collect`: Python's garbage first (after an error, whose
+        traceback holds the step's frames and tensors)."""
         with self._phase("clean-up"):
-            gc.collect()
+            if collect:
+                gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+
+    def _restore(self):
+        """The snapshot back before a trial. Reference counting frees the last trial's tensors; only when device
+        memory above the snapshot's is still held (a reference cycle) is the garbage collected, so that it does
+        not count in this trial's peak (a full collection takes a few hundred ms in a process with a large
+        model)."""
+        with self._phase("snapshot restores"):
+            self.snapshot.restore()
+        if self.device.type == "cuda" and torch.cuda.memory_allocated(self.device) > self._allocated:
+            self._free()
 
     def _contenders(self, runnable: List[Trial]) -> List[Trial]:
         """The candidates worth more timing rounds: they agree, fit, and their first round was within
@@ -621,6 +642,7 @@ class Tuner:
         dynamo_limit = _raise_recompile_limit(len(self.recipes) * 2 + 8)
         with self._phase("snapshot"):
             self.snapshot = Snapshot(self.model, [self.optimizer], offload=self.offload)
+        self._allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         trials: List[Trial] = []
         reference: Optional[Trial] = None
         ref_grads = None
@@ -645,7 +667,7 @@ class Tuner:
                     if _is_oom(exc):
                         self._maybe_checkpoint(recipe, trial, queue, blocks)
                     continue
-                self._free()
+                self._free(collect=False)
                 trial.fits = self.budget is None or trial.memory_bytes is None or trial.memory_bytes <= self.budget
                 if not trial.fits:
                     self._maybe_checkpoint(recipe, trial, queue, blocks)
@@ -664,8 +686,7 @@ class Tuner:
                 order = contenders[r % len(contenders):] + contenders[:r % len(contenders)] if contenders else []
                 for t in order:
                     try:
-                        with self._phase("timing rounds"):
-                            self._time_round(recipes[t.name], t, offset=r * (self.timed_steps + 1))
+                        self._time_round(recipes[t.name], t, offset=r * (self.timed_steps + 1))
                     except Exception as exc:  # noqa: BLE001
                         if not _is_oom(exc):
                             raise
@@ -673,10 +694,9 @@ class Tuner:
                         contenders.remove(t)
                         self._free()
         finally:
-            with self._phase("snapshot restores"):
-                self.snapshot.restore()
+            self._restore()
             self.snapshot = None
-            self._free()
+            self._free(collect=False)
             _restore_recompile_limit(dynamo_limit)
         return self._choose(trials, reference, recipes, time.perf_counter() - started)
 

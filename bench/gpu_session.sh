@@ -71,12 +71,17 @@ for stage in "$@"; do
     examples) run examples python3 -m pytest "$repo/tests/test_examples.py" "$repo/tests/test_readme.py" -q -p no:cacheprovider ;;
     scaler) run scaler python3 -m adaptive_amp bench --no-unscale --scaler --scaler-frozen 0 0.3 --json "$out/scaler.json" ;;
     tune) run tune python3 "$repo/bench/tune_evidence.py" --out "$out/tune" ${TUNE_ARGS:-} ;;
-    tunepar) pids=(); t0=$SECONDS
+    tunepar) pids=(); t0=$SECONDS; n=0
+             for i in 0 1 2 3; do v="TUNE_ARGS_$i"; [ -n "${!v:-}" ] && n=$((n + 1)); done
+             # Each process gets its own share of the cores (and inductor as many compile workers): eager steps
+             # are host-bound, and another process's compile workers would slow them.
+             per=$(( $(nproc) / (n > 0 ? n : 1) )); k=0
              for i in 0 1 2 3; do
                v="TUNE_ARGS_$i"; [ -n "${!v:-}" ] || continue
-               (cd /tmp && CUDA_VISIBLE_DEVICES=$i exec python3 "$repo/bench/tune_evidence.py" --out "$out/tune$i" \
-                   ${!v}) > "$out/tune$i.log" 2>&1 &
-               pids+=($!)
+               pin=(); command -v taskset > /dev/null && pin=(taskset -c "$((k * per))-$((k * per + per - 1))")
+               (cd /tmp && CUDA_VISIBLE_DEVICES=$i TORCHINDUCTOR_COMPILE_THREADS=$per exec "${pin[@]}" python3 \
+                   "$repo/bench/tune_evidence.py" --out "$out/tune$i" ${!v}) > "$out/tune$i.log" 2>&1 &
+               pids+=($!); k=$((k + 1))
              done
              child="${pids[*]}"
              for pid in "${pids[@]}"; do wait "$pid" || status=1; done

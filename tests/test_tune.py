@@ -188,13 +188,13 @@ def test_controller_bf16_cast_of_a_model_compiled_before_drops_its_graphs(monkey
     compiled = torch.compile(zm.model, backend="eager")
     with torch.no_grad():
         zm.loss(compiled, batch)  # a graph for fp32 parameters
-    # Hook guards already on (as after any earlier controller in the process): their one-time reset is not this.
-    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards", False)
     resets = []
     real_reset = torch.compiler.reset
     monkeypatch.setattr(torch.compiler, "reset", lambda: (resets.append(1), real_reset()))
-    amp = AdaptiveMixedPrecision(compiled, optim.AdamW(zm.model.parameters(), lr=1e-3), policy="bf16-pure",
-                                 capabilities=CPU, progress=False)
+    # Hook guards already on (as after any earlier controller in the process): their one-time reset is not this.
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+        amp = AdaptiveMixedPrecision(compiled, optim.AdamW(zm.model.parameters(), lr=1e-3), policy="bf16-pure",
+                                     capabilities=CPU, progress=False)
     assert resets and all(p.dtype == torch.bfloat16 for p in zm.model.parameters())
     with torch.no_grad():
         torch.testing.assert_close(zm.loss(compiled, batch), zm.loss(zm.model, batch), rtol=1e-2, atol=0)

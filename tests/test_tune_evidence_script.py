@@ -32,3 +32,12 @@ def test_tune_evidence_skips_what_does_not_fit_max_seconds(tmp_path):
                         "--out", str(tmp_path)]) == 0
     run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
     assert run["skipped"][0] == "tuned, seed 0" and not run["tuned"] and not run["torch_bf16"]
+
+
+def test_tune_evidence_seeds_part_alone_with_a_given_choice(tmp_path):
+    script = load_bench_script("tune_evidence")
+    assert script.main(["--tiny", "--device", "cpu", "--train-steps", "6", "--tune-steps", "2", "--rounds", "1",
+                        "--parts", "seeds", "--choice", "bf16", "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
+    assert set(run["tuned"]) == {"1"} and set(run["torch_bf16"]) == {"1"} and not run["alone"]
+    assert run["tuned"]["1"]["chosen"] == "bf16"
