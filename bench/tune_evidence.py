@@ -83,24 +83,43 @@ def sync(device):
 
 
 def timed_loop(step, batches, steps, device, tokens):
-    """`steps` calls of step(batch) -> detached loss; the first 10% (at most 20) are warm-up, not timed."""
-    if device.type == "cuda":
+    """`steps` calls of step(batch) -> detached loss; the first 10% (at most 20) are warm-up, not timed.
+    tokens_per_s: over all timed steps (one-time costs included: a compiled controller's statistics graph, an
+    event's diagnosis); steady_tokens_per_s: the median over ten windows (marked with CUDA events, no sync),
+    which leaves them out."""
+    cuda = device.type == "cuda"
+    if cuda:
         sync(device)
         torch.cuda.reset_peak_memory_stats()
     warm = min(20, max(1, steps // 10))
-    losses, start = [], None
+    window = max(1, (steps - warm) // 10)
+
+    def mark():
+        if cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+    losses, start, marks = [], None, []
     for k in range(steps):
         if k == warm:
             sync(device)
             start = time.perf_counter()
+        if k >= warm and (k - warm) % window == 0:
+            marks.append(mark())
         losses.append(step(batches[k % len(batches)]).detach().float())
+    marks.append(mark())
     sync(device)
     seconds = time.perf_counter() - start
+    spans = [(a.elapsed_time(b) / 1e3 if cuda else b - a) for a, b in zip(marks, marks[1:])]
+    full = [s for i, s in enumerate(spans) if warm + (i + 1) * window <= steps]  # whole windows only
+    steady = sorted(full)[len(full) // 2] / window if full else seconds / (steps - warm)
     values = [float(v) for v in torch.stack(losses).cpu()]
     tail = max(1, len(values) // 10)
     return {"steps": steps, "tokens_per_s": tokens * (steps - warm) / seconds,
-            "ms_per_step": 1e3 * seconds / (steps - warm),
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+            "ms_per_step": 1e3 * seconds / (steps - warm), "steady_tokens_per_s": tokens / steady,
+            "steady_ms_per_step": 1e3 * steady, "window_ms_per_step": [1e3 * s / window for s in full],
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "final_loss": sum(values[-tail:]) / tail, "first_loss": values[0], "losses": values}
 
 
@@ -184,8 +203,13 @@ def targets(run: dict) -> dict:
     if t and best:
         out["best_agreeing_alone"] = best
         out["tuned_vs_best_agreeing_alone"] = t["tokens_per_s"] / alone[best]["tokens_per_s"]
+        out["tuned_vs_best_agreeing_alone_steady"] = t["steady_tokens_per_s"] / alone[best]["steady_tokens_per_s"]
+        if t["chosen"] in alone:  # the choice itself: did tuning pick the best?
+            out["choice_alone_vs_best_agreeing_alone"] = \
+                alone[t["chosen"]]["tokens_per_s"] / alone[best]["tokens_per_s"]
     if t and ref:
         out["tuned_vs_torch_bf16"] = t["tokens_per_s"] / ref["tokens_per_s"]
+        out["tuned_vs_torch_bf16_steady"] = t["steady_tokens_per_s"] / ref["steady_tokens_per_s"]
         out["final_loss_tuned_minus_torch_seed0"] = t["final_loss"] - ref["final_loss"]
         out["tuning_fraction_of_10k_steps"] = t["setup_seconds"] / (10000 * t["ms_per_step"] / 1e3)
     torch_losses = [r["final_loss"] for r in run.get("torch_bf16", {}).values()]
@@ -338,7 +362,8 @@ def evidence(name, mode, args, device, ev: Evidence):
                 ev.may_start(f"{t['name']} alone", run, recompile + train_s * args.alone_steps / args.train_steps):
             reseed(0)
             r = recipe_alone(zm, model, opt, streams[0], args.alone_steps, device, recipes[t["name"]])
-            run["alone"][t["name"]] = {k: r[k] for k in ("tokens_per_s", "ms_per_step", "peak_gib", "final_loss")}
+            run["alone"][t["name"]] = {k: r[k] for k in ("tokens_per_s", "ms_per_step", "steady_tokens_per_s",
+                                                         "steady_ms_per_step", "peak_gib", "final_loss")}
             ev.took(run, f"alone {t['name']}")
             ev.write(run)
     for s in seeds[1:] if "seeds" in parts else ():  # the loss's seed spread (no timing compared across seeds)
