@@ -266,6 +266,8 @@ class Evidence:
     def may_start(self, what: str, run: dict, estimate: float = 0.0) -> bool:
         """Whether `what`, expected to take `estimate` seconds, ends before --max-seconds."""
         left = self.args.max_seconds - (time.perf_counter() - self.started)
+        if self.args.deadline:
+            left = min(left, self.args.deadline - time.time())
         if left > estimate:
             print(f"-- {run['model']} {run['mode']}: {what} ({time.strftime('%H:%M:%S')}, {left:.0f} s left, "
                   f"about {estimate:.0f} s needed)", flush=True)
@@ -346,8 +348,11 @@ def evidence(name, mode, args, device, ev: Evidence):
     if mode == "compiled" and 0 in run["tuned"]:
         recompile = run["tuned"][0]["setup_seconds"] / max(1, len(run["tuned"][0]["tuning"]["trials"]))
 
+    def train_estimate():  # a 2000-step run takes about what the last torch run took
+        return max((v for k, v in run.get("seconds", {}).items() if k.startswith("torch")), default=0.0)
+
     def torch_run(s):
-        if ev.may_start(f"torch bf16 autocast, seed {s}", run, run.get("seconds", {}).get("torch 0", 0.0)):
+        if ev.may_start(f"torch bf16 autocast, seed {s}", run, train_estimate()):
             reseed(s)
             run["torch_bf16"][s] = torch_bf16(zm, model, opt, streams[s], args.train_steps, device)
             ev.took(run, f"torch {s}")
@@ -368,7 +373,7 @@ def evidence(name, mode, args, device, ev: Evidence):
             ev.write(run)
     for s in seeds[1:] if "seeds" in parts else ():  # the loss's seed spread (no timing compared across seeds)
         torch_run(s)
-        if choice and ev.may_start(f"tuned ({choice}), seed {s}", run, recompile + train_s):
+        if choice and ev.may_start(f"tuned ({choice}), seed {s}", run, recompile + train_estimate()):
             reseed(s)
             run["tuned"][s] = tuned(zm, model, opt, streams[s][:8], streams[s], args.train_steps, device,
                                     dict(options, candidates=[choice]))
@@ -421,6 +426,8 @@ def main(argv=None):
     p.add_argument("--cost-shape", default=None, help="BxL: also tune at this shape to measure the tuning's cost")
     p.add_argument("--max-seconds", type=float, default=520.0,
                    help="start no new run after this many seconds (what ran is in evidence.json)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="a Unix time: start no run that would end after it (several processes, one call)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny zoo models (a CPU smoke run of this script)")
     p.add_argument("--tune-steps", type=int, default=6)
