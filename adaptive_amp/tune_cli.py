@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", help="comma-separated names (fp32, bf16, bf16+islands, fp16, fp16+islands, "
                                         "bf16-pure, bf16-pure+bf16-moments, float8; +ckpt for checkpointing)")
     p.add_argument("--steps", type=int, default=8, help="training steps per trial (loss comparison)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="timing rounds: the trials are the first, later ones time only the contenders, interleaved")
     p.add_argument("--timed-steps", type=int, default=3, help="timed steps per candidate and round")
     p.add_argument("--budget", help="memory budget, e.g. 20GiB")
     p.add_argument("--loss-tolerance", type=float, default=0.01,

@@ -244,7 +244,6 @@ def plot_losses(run: dict, path: str) -> None:
             smooth = [sum(v[max(0, i - w + 1):i + 1]) / (i - max(0, i - w + 1) + 1) for i in range(len(v))]
             label = f"{'torch bf16 autocast' if kind == 'torch_bf16' else 'tuned: ' + r['chosen']}, seed {seed}"
             ax.plot(smooth, style, linewidth=1, label=label)
-    ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (20-step mean)")
     ax.set_title(f"{run['model']} {run['mode']}, {run['shape']} tokens a step")
