@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from adaptive_amp import AdaptiveMixedPrecision, zoo  # noqa: E402
 from adaptive_amp.policy import AdaptivePrecisionSelector  # noqa: E402
 from adaptive_amp.recipes import AppliedRecipe  # noqa: E402
-from adaptive_amp.report import _jsonable, _matplotlib, _save  # noqa: E402
+from adaptive_amp.report import _jsonable, plot_recipes  # noqa: E402
 from adaptive_amp.tune import Snapshot  # noqa: E402
 
 
@@ -230,26 +230,15 @@ def targets(run: dict) -> dict:
 
 
 def plot_losses(run: dict, path: str) -> None:
-    """The training losses of every tuned and torch run (a 20-step moving mean)."""
+    """Every tuned and torch run side by side (report.plot_recipes: losses, step times over the windows)."""
+    runs = {f"{'torch bf16' if kind == 'torch_bf16' else r['chosen']} s{seed}":
+            {"losses": r["losses"], "step_times": r.get("window_ms_per_step", [])}
+            for kind in ("torch_bf16", "tuned") for seed, r in run.get(kind, {}).items()}
     try:
-        Figure, FigureCanvasAgg = _matplotlib()
-    except ImportError:
-        return
-    fig = Figure(figsize=(9, 4.5), constrained_layout=True)
-    FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    for kind, style in (("torch_bf16", "--"), ("tuned", "-")):
-        for seed, r in run.get(kind, {}).items():
-            v, w = r["losses"], 20
-            smooth = [sum(v[max(0, i - w + 1):i + 1]) / (i - max(0, i - w + 1) + 1) for i in range(len(v))]
-            label = f"{'torch bf16 autocast' if kind == 'torch_bf16' else 'tuned: ' + r['chosen']}, seed {seed}"
-            ax.plot(smooth, style, linewidth=1, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (20-step mean)")
-    ax.set_title(f"{run['model']} {run['mode']}, {run['shape']} tokens a step")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    _save(fig, path)
+        plot_recipes(runs, path, title=f"{run['model']} {run['mode']}, {run['shape']} tokens a step: torch's bf16 "
+                     "autocast and the tuned recipe, by seed (s0, s1, ...)")
+    except ImportError:  # no matplotlib: the JSON has the losses
+        pass
 
 
 class Evidence:
@@ -358,12 +347,12 @@ def evidence(name, mode, args, device, ev: Evidence):
             ev.write(run)
     if "torch" in parts:
         torch_run(0)
-    train_s = run.get("seconds", {}).get("torch 0", 0.0)
     trials = run["tuned"].get(0, {}).get("tuning", {}).get("trials", [])
     recipes = {r.name: r for r in AdaptivePrecisionSelector().candidates(_caps(device), None, cands)[0]}
     for t in trials if "alone" in parts else ():
         if t.get("error") is None and t.get("fits") and t["name"] in recipes and \
-                ev.may_start(f"{t['name']} alone", run, recompile + train_s * args.alone_steps / args.train_steps):
+                ev.may_start(f"{t['name']} alone", run,
+                                     recompile + train_estimate() * args.alone_steps / args.train_steps):
             reseed(0)
             r = recipe_alone(zm, model, opt, streams[0], args.alone_steps, device, recipes[t["name"]])
             run["alone"][t["name"]] = {k: r[k] for k in ("tokens_per_s", "ms_per_step", "steady_tokens_per_s",
