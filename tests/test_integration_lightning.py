@@ -29,6 +29,15 @@ FP16 = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval=3
 LitGPT2 = lit_gpt2_class(pl.LightningModule)
 
 
+@pytest.fixture(autouse=True)
+def _restore_determinism():
+    """Trainer(deterministic=True) turns torch's deterministic algorithms on for the process and leaves them on
+    (then every torch.empty is filled: tests/test_e2e_ops_script.py, run after these, counted aten::fill_)."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def _trainer(plugin, max_steps=5, device="cpu", ns=pl, **kw):
     return ns.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, max_steps=max_steps,
                       plugins=[plugin], logger=False, enable_progress_bar=False, enable_model_summary=False,
