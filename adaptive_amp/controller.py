@@ -53,7 +53,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .adjust import DynamicPrecisionAdjuster, compile_settings, forget_compiled_graphs
+from .adjust import DynamicPrecisionAdjuster, forget_compiled_graphs
 from .analysis import PrecisionAnalyzer
 from .collect import STATS_DTYPES as _STATS_DTYPES, ActivationCollector
 from .layers import Selector, find_layers, unwrap_model
@@ -61,6 +61,7 @@ from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor, builtin_values
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
+from .recipes import cast_floats_hook
 from .scaler import GradScaler
 from .step_result import HostSlots, StepResult
 
@@ -68,33 +69,6 @@ _COMPUTE_FORMATS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # Steps watched (activation statistics collected) after an overflow or a policy change: the next overflow in
 # them is diagnosed, even when a fused optimizer's skip is read a step late or the overflows come and go.
 _WATCH_STEPS = 3
-
-
-def _cast_floats(value, dtype: torch.dtype):
-    """`value` with its floating-point tensors (also in tuples, lists and dicts) in `dtype`: the same object
-    when nothing needed a cast."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, (tuple, list)):
-        items = [_cast_floats(v, dtype) for v in value]
-        if all(a is b for a, b in zip(items, value)):
-            return value
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, dict):
-        items = [(k, _cast_floats(v, dtype)) for k, v in value.items()]
-        if all(cast is value[k] for k, cast in items):
-            return value
-        return type(value)(items)
-    return value
-
-
-def _cast_floats_hook(dtype: torch.dtype):
-    def hook(module, args, kwargs):
-        cast_args, cast_kwargs = _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
-        if cast_args is args and cast_kwargs is kwargs:
-            return None  # (token ids, say: the call goes on as it was, without torch rebuilding its arguments)
-        return cast_args, cast_kwargs
-    return hook
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -323,7 +297,7 @@ class AdaptiveMixedPrecision:
         forget_compiled_graphs()
         # Without autocast (see the module docstring) fp32 inputs would meet bf16 weights: cast them as a
         # plain bf16 loop would.
-        self._input_cast = self.model.register_forward_pre_hook(_cast_floats_hook(torch.bfloat16), with_kwargs=True)
+        self._input_cast = self.model.register_forward_pre_hook(cast_floats_hook(torch.bfloat16), with_kwargs=True)
 
     def _make_scaler(self, policy: PrecisionPolicy) -> GradScaler:
         """The policy's GradScaler (scaler_kwargs win over the policy's settings); a disabled one when the
@@ -379,10 +353,6 @@ class AdaptiveMixedPrecision:
     def _activations_due(self) -> bool:
         return self._watch_left > 0 or self._stats_due()
 
-    @property
-    def _pure(self) -> bool:
-        return self.policy.param_dtype == self.policy.compute_dtype != torch.float32
-
     @contextlib.contextmanager
     def autocast(self):
         """The policy's autocast context; on statistics steps it also records each layer's input and
@@ -394,8 +364,8 @@ class AdaptiveMixedPrecision:
             # Islands are not measured: they compute in fp32 and cannot be blamed for a compute-dtype overflow.
             collector.start(fmt=self.compute_fmt, skip=self.adjuster.islands)
         try:
-            # bf16-pure has no autocast, but its compiled passes need the same AOT autograd settings.
-            with compile_settings() if self._pure else self.adjuster.autocast():
+            # bf16-pure has no autocast, only the compiled passes' AOT autograd settings (adjust.py says why).
+            with self.adjuster.autocast():
                 yield
         finally:
             collector.stop()

@@ -229,26 +229,60 @@ def convert_optimizer(optimizer, moment_dtype: torch.dtype) -> ConvertedOptimize
 # ---------------------------------------------------------------------------- parameters
 
 
+def _cast_floats(value, dtype: torch.dtype):
+    """`value` with its floating-point tensors (also in tuples, lists and dicts) in `dtype`: the same object
+    when nothing needed a cast."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (tuple, list)):
+        items = [_cast_floats(v, dtype) for v in value]
+        if all(a is b for a, b in zip(items, value)):
+            return value
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        items = [(k, _cast_floats(v, dtype)) for k, v in value.items()]
+        if all(cast is value[k] for k, cast in items):
+            return value
+        return type(value)(items)
+    return value
+
+
+def cast_floats_hook(dtype: torch.dtype):
+    """A forward pre-hook (``with_kwargs=True``) that casts a module's floating-point inputs to `dtype`: what
+    a plain loop in `dtype` does, for a pure policy (bf16 weights, no autocast) fed fp32 inputs."""
+    def hook(module, args, kwargs):
+        cast_args, cast_kwargs = _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+        if cast_args is args and cast_kwargs is kwargs:
+            return None  # (token ids, say: the call goes on as it was, without torch rebuilding its arguments)
+        return cast_args, cast_kwargs
+    return hook
+
+
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
-    """Floating-point parameters (and their gradients) of `model` to `dtype`, in place; returns the undo
-    (back to each parameter's dtype before, values upcast exactly from what training left)."""
+    """Floating-point parameters (and their gradients) and buffers of `model` to `dtype`, in place, as
+    ``model.to(dtype)`` does (the controller's bf16-pure casts that way, and a trial must run the same model:
+    BatchNorm's running statistics must match its weights' dtype, Llama's rotary frequencies are rounded
+    alike). Returns the undo (back to each tensor's dtype before, values upcast exactly from what training
+    left)."""
     before = []
     with torch.no_grad():
-        for p in unwrap_model(model).parameters():
-            if p.is_floating_point() and p.dtype != dtype:
-                before.append((p, p.dtype))
-                p.data = p.data.to(dtype)
-                if p.grad is not None:
-                    p.grad = p.grad.to(dtype)
+        root = unwrap_model(model)
+        tensors = list(root.parameters()) + [b for b in root.buffers()]
+        for t in tensors:
+            if t.is_floating_point() and t.dtype != dtype:
+                before.append((t, t.dtype))
+                t.data = t.data.to(dtype)
+                if t.grad is not None:
+                    t.grad = t.grad.to(dtype)
     if before:
         forget_compiled_graphs()
 
     def undo():
         with torch.no_grad():
-            for p, old in before:
-                p.data = p.data.to(old)
-                if p.grad is not None:
-                    p.grad = p.grad.to(old)
+            for t, old in before:
+                t.data = t.data.to(old)
+                if t.grad is not None:
+                    t.grad = t.grad.to(old)
         if before:
             forget_compiled_graphs()
     return undo
@@ -368,6 +402,11 @@ class AppliedRecipe:
                 self.optimizer = optimizer
             if recipe.param_dtype != torch.float32:
                 self._undo.append(cast_parameters(model, recipe.param_dtype))
+                if precision and recipe.policy.compute_dtype == recipe.param_dtype:
+                    # A pure recipe runs without autocast (adjust.DynamicPrecisionAdjuster.autocast): fp32
+                    # inputs are cast as the controller casts them, so a trial runs what the controller runs.
+                    self._undo.append(model.register_forward_pre_hook(cast_floats_hook(recipe.param_dtype),
+                                                                      with_kwargs=True).remove)
             if recipe.checkpoint:
                 self._undo.append(checkpoint_blocks(model))
             if recipe.float8:

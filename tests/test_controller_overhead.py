@@ -169,9 +169,9 @@ def test_the_input_cast_of_bf16_pure_leaves_a_call_without_float_inputs_alone():
     untouched (the hook returns None: torch does not rebuild the call's arguments)."""
     from collections import namedtuple
 
-    from adaptive_amp.controller import _cast_floats_hook
+    from adaptive_amp.recipes import cast_floats_hook
 
-    hook = _cast_floats_hook(torch.bfloat16)
+    hook = cast_floats_hook(torch.bfloat16)
     ids = torch.arange(4)
     assert hook(None, (ids,), {"input_ids": ids, "mask": [ids], "flag": True}) is None
     Pair = namedtuple("Pair", "a b")
