@@ -414,8 +414,8 @@ class AdaptivePrecisionSelector:
         loss_fn is ``loss_fn(model, batch) -> loss`` (it runs under each candidate's autocast); step k trains on
         ``batches[k % len(batches)]``. candidates: names from CANDIDATES (default: all that run here); fp32
         islands variants come from `analysis` (a PrecisionAnalysis). memory_budget: bytes or "20GiB".
-        options: rounds, timed_steps, loss_tolerance, min_cosine, tie, contenders, checkpoint_when_needed,
-        offload_snapshot, progress (see adaptive_amp.tune.Tuner).
+        options: rounds, timed_steps, loss_tolerance, min_cosine, tie, contenders, state_margin,
+        checkpoint_when_needed, offload_snapshot, progress (see adaptive_amp.tune.Tuner).
 
         Returns a TuneResult: ``.policy`` is the choice, every trial in its reasons; ``.recipe`` adds what a
         policy does not say (optimizer moments, checkpointing; ``.apply(model, optimizer)``); ``.table()``,

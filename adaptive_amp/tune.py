@@ -38,7 +38,14 @@ that keeps the loss and fits the memory budget.
    Where the tuning's own time went (snapshot, probes, trajectories, timing
    rounds, clean-up) is in ``TuneResult.phase_seconds``.
 5. The pick: the fastest candidate that agrees and fits; one within
-   ``tie`` (1%) of it but safer wins the tie. When a candidate does not fit
+   ``tie`` (1%) of it but safer wins the tie. A candidate that keeps training
+   state in bf16 (bf16 weights; bf16 weights and moments) must also be faster
+   than every agreeing candidate that keeps more of it in fp32 by more than
+   ``state_margin`` (10%): a few trial steps cannot show a slower convergence
+   that appears after hundreds (measured over 2000 steps on an H200: Llama
+   1.1B with bf16 weights and moments ended 7% above torch's bf16 autocast,
+   with bf16 weights and fp32 moments level with it; see bench/RESULTS.md,
+   eleventh session). When a candidate does not fit
    the budget (or runs out of memory) and the model has repeated blocks, the
    same candidate with activation checkpointing is tried next.
 
@@ -450,7 +457,7 @@ class Tuner:
                  skipped: Sequence[Tuple[str, str]] = (), *, steps: int = 8,
                  memory_budget=None, analysis=None, rounds: int = 3, timed_steps: int = 3,
                  loss_tolerance: float = 0.01, min_cosine: float = 0.95, tie: float = 0.01,
-                 contenders: float = 0.2, checkpoint_when_needed: bool = True,
+                 contenders: float = 0.2, state_margin: float = 0.1, checkpoint_when_needed: bool = True,
                  offload_snapshot: Optional[bool] = None, progress: Optional[Callable[[str], None]] = None):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer is a {type(optimizer).__name__}; pass one torch.optim.Optimizer")
@@ -471,6 +478,11 @@ class Tuner:
         self.analysis = analysis
         self.loss_tolerance, self.min_cosine, self.tie = float(loss_tolerance), float(min_cosine), float(tie)
         self.contenders = float(contenders)
+        if not state_margin >= 0:
+            raise ValueError(f"state_margin is {state_margin!r}; pass a fraction >= 0 (0.1: a recipe that keeps "
+                             "weights or moments in bf16 is chosen only when more than 10% faster than every "
+                             "agreeing recipe that keeps them in fp32; 0: the fastest wins)")
+        self.state_margin = float(state_margin)
         self.phases: Dict[str, float] = defaultdict(float)
         self.checkpoint_when_needed = checkpoint_when_needed
         self.offload = offload_snapshot
@@ -742,12 +754,28 @@ class Tuner:
                                f"({_bytes(self.budget)}); trials: " +
                                "; ".join(f"{t.name}: {t.error or t.verdict or 'does not fit'}" for t in trials) +
                                ". Raise memory_budget, use smaller batches, or add candidates ending in +ckpt")
-        best = min(ok, key=lambda t: t.step_time_ms)
-        # A safer candidate within `tie` of the fastest takes it: the difference is within timing noise.
-        chosen = min((t for t in ok if t.step_time_ms <= best.step_time_ms * (1 + self.tie)), key=lambda t: t.safety)
+        def pick(pool):
+            fastest = min(pool, key=lambda t: t.step_time_ms)
+            # A safer candidate within `tie` of the fastest takes it: the difference is within timing noise.
+            return fastest, min((t for t in pool if t.step_time_ms <= fastest.step_time_ms * (1 + self.tie)),
+                                key=lambda t: t.safety)
+
+        best, chosen = pick(ok)
+        why_chosen = "" if chosen is best else f" (within {self.tie:.0%} of {best.name}, and safer)"
+        # Training state in bf16 must pay for itself by more than `state_margin` (module docstring, step 5).
+        while _bf16_state(recipes[chosen.name]):
+            keeps_more = [t for t in ok if _bf16_state(recipes[t.name]) < _bf16_state(recipes[chosen.name])]
+            if not keeps_more:
+                break
+            _, alternative = pick(keeps_more)
+            if alternative.step_time_ms > chosen.step_time_ms * (1 + self.state_margin):
+                break
+            why_chosen = (f" (within state_margin={self.state_margin:.0%} of {chosen.name}, which keeps more "
+                          "training state in bf16)")
+            chosen = alternative
         for t in trials:
             if t is chosen:
-                t.verdict = "chosen" + ("" if t is best else f" (within {self.tie:.0%} of {best.name}, and safer)")
+                t.verdict = "chosen" + why_chosen
             elif not t.verdict:
                 if t.error:
                     t.verdict = "could not run: " + t.error
@@ -769,6 +797,12 @@ class Tuner:
         return TuneResult(policy=policy, recipe=recipe, trials=trials, skipped=list(self.skipped),
                           reference=reference.name, budget=self.budget, seconds=seconds,
                           device=str(self.device), compiled=self.compiled, phase_seconds=dict(self.phases))
+
+
+def _bf16_state(recipe) -> int:
+    """How much training state `recipe` keeps in bf16 across steps: 0 (fp32 weights and moments), 1 (bf16
+    weights), 2 (bf16 weights and moments). Compute precision is not counted: the trials measure that."""
+    return int(recipe.param_dtype != torch.float32) + int(recipe.moment_dtype not in (None, torch.float32))
 
 
 def _raise_recompile_limit(n: int):

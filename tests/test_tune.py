@@ -19,7 +19,8 @@ from adaptive_amp import AdaptiveMixedPrecision, optim, zoo  # noqa: E402
 from adaptive_amp.hardware import Capabilities  # noqa: E402
 from adaptive_amp.policy import AdaptivePrecisionSelector  # noqa: E402
 from adaptive_amp.pressure import MemoryGuard  # noqa: E402
-from adaptive_amp.recipes import cast_parameters, checkpoint_blocks, convert_optimizer, find_blocks  # noqa: E402
+from adaptive_amp.recipes import (AppliedRecipe, cast_parameters, checkpoint_blocks, convert_optimizer,  # noqa: E402
+                                  find_blocks)
 from adaptive_amp.tune import LossComparison, Snapshot, parse_budget, t_quantile  # noqa: E402
 
 from conftest import assert_bitwise_equal, requires_cuda  # noqa: E402
@@ -370,6 +371,58 @@ def test_controller_policy_tune_applies_the_choice(tmp_path):
         assert (tmp_path / "tune.png").exists()
     with pytest.raises(ValueError, match="tune=dict\\(batches="):
         AdaptiveMixedPrecision(zm.model, opt, policy="tune", capabilities=CPU)
+
+
+@pytest.mark.parametrize("family", ["llama", "vit", "resnet"])
+@pytest.mark.parametrize("candidate", ["bf16-pure", "bf16"])
+def test_a_trial_runs_what_the_controller_then_runs(family, candidate):
+    # The trial's trajectory and the controller's first steps, from the same snapshot on the same batches,
+    # bitwise. bf16-pure's trials ran under autocast while the controller runs it without (measured on an
+    # H200: the controller's GPT-2 medium steps at 4x512 tokens were 1.25x the trial's recipe alone), and
+    # cast the parameters but not the buffers the controller's model.to(bf16) casts (Llama's rotary
+    # frequencies: another first loss; ResNet's BatchNorm statistics: an error).
+    zm, opt, batches = _setup(family)
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="tune", capabilities=CPU, progress=False,
+                                 tune=dict(batches=batches, loss_fn=zm.loss, candidates=[candidate], **FAST))
+    trial = amp.tuning.trials[0]
+    assert trial.error is None and amp.tuning.recipe.name == candidate
+    losses = [float(amp.train_step(lambda b=b: zm.loss(zm.model, b))) for b in batches]
+    assert trial.losses == losses
+    with amp.autocast():
+        controller_autocast = torch.is_autocast_enabled("cpu")
+    amp.remove()
+    recipe = AdaptivePrecisionSelector().candidates(CPU, None, [candidate])[0][0]
+    a = AppliedRecipe(recipe, zm.model, opt)
+    with a.autocast():
+        assert torch.is_autocast_enabled("cpu") == controller_autocast == (candidate == "bf16")
+    a.undo()
+
+
+def _decided(times: dict, state_margin=0.1, tie=0.01):
+    """The choice among agreeing, fitting trials with these step times (ms), as Tuner._choose makes it."""
+    from adaptive_amp.tune import Trial, Tuner
+
+    zm, opt, batches = _setup()
+    recipes = {r.name: r for r in AdaptivePrecisionSelector().candidates(CPU, None, list(times))[0]}
+    tuner = Tuner(zm.model, opt, batches, zm.loss, CPU, list(recipes.values()), state_margin=state_margin, tie=tie)
+    trials = [Trial(n, recipes[n].to_dict(), recipes[n].safety, step_times_ms=[ms], fits=True, agrees=True)
+              for n, ms in times.items()]
+    result = tuner._choose(trials, trials[0], recipes, 0.0)
+    return result.recipe.name, {t.name: t.verdict for t in trials}
+
+
+def test_bf16_training_state_must_be_faster_by_the_state_margin():
+    # Measured (H200, 2000 steps): bf16 weights and moments ended 7% above torch on Llama 1.1B while its trials
+    # agreed; only a clear speed gain pays for that risk.
+    times = {"fp32": 200.0, "bf16": 125.0, "bf16-pure": 87.0, "bf16-pure+bf16-moments": 82.4}
+    name, verdicts = _decided(times)
+    assert name == "bf16-pure" and "state_margin=10%" in verdicts["bf16-pure"]
+    assert _decided(times, state_margin=0.0)[0] == "bf16-pure+bf16-moments"  # the fastest, as before
+    assert _decided({**times, "bf16-pure+bf16-moments": 70.0})[0] == "bf16-pure+bf16-moments"  # 24% faster
+    assert _decided({**times, "bf16": 90.0})[0] == "bf16"  # fp32 weights win when bf16 weights gain < 10%
+    assert _decided({"fp32": 100.0, "bf16-pure": 99.5}, state_margin=0.0)[0] == "fp32"  # the tie rule remains
+    with pytest.raises(ValueError, match="state_margin"):
+        _decided(times, state_margin=-0.1)
 
 
 # ---------------------------------------------------------------------------- memory pressure
