@@ -16,6 +16,7 @@
 #             $OUT/train/, rewritten after every run, so a call cut off at its time limit keeps them.
 #   e2e       python -m adaptive_amp bench --suites e2e
 #   tune      the measured policy selection on the zoo (bench/tune_evidence.py with TUNE_ARGS)
+#   parity    eager against compiled: logits, causality, gradients (bench/compile_parity.py, PARITY_ARGS)
 #   tunepar   up to four bench/tune_evidence.py at once, one a GPU: TUNE_ARGS_0 ... TUNE_ARGS_3 (each set one
 #             runs, on GPU i; give each a --max-seconds that leaves the build's time and a margin)
 #   examples  examples/ and the README's example on the GPU
@@ -71,6 +72,7 @@ for stage in "$@"; do
     examples) run examples python3 -m pytest "$repo/tests/test_examples.py" "$repo/tests/test_readme.py" -q -p no:cacheprovider ;;
     scaler) run scaler python3 -m adaptive_amp bench --no-unscale --scaler --scaler-frozen 0 0.3 --json "$out/scaler.json" ;;
     tune) run tune python3 "$repo/bench/tune_evidence.py" --out "$out/tune" ${TUNE_ARGS:-} ;;
+    parity) run parity python3 "$repo/bench/compile_parity.py" --out "$out/parity.json" ${PARITY_ARGS:-} ;;
     tunepar) pids=(); t0=$SECONDS; n=0
              for i in 0 1 2 3; do v="TUNE_ARGS_$i"; [ -n "${!v:-}" ] && n=$((n + 1)); done
              # Each process gets its own share of the cores (and inductor as many compile workers): eager steps
