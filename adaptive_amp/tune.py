@@ -781,6 +781,10 @@ class Tuner:
                     t.verdict = "could not run: " + t.error
                 elif not t.fits:
                     t.verdict = f"does not fit the budget ({_bytes(t.memory_bytes)} > {_bytes(self.budget)})"
+                elif t.agrees and t.step_time_ms < chosen.step_time_ms:
+                    t.verdict = (f"agrees, faster ({_num(t.step_time_ms)} ms vs {_num(chosen.step_time_ms)} ms), "
+                                 f"but not by more than tie={self.tie:.0%} or, for training state in bf16, "
+                                 f"state_margin={self.state_margin:.0%} over the safer {chosen.name}")
                 elif t.agrees:
                     t.verdict = f"agrees, slower ({_num(t.step_time_ms)} ms vs {_num(chosen.step_time_ms)} ms)"
         reasons.append(f"tune: measured {len(trials)} candidate(s) on {where}, {self.steps} steps each on the same "

@@ -417,6 +417,7 @@ def test_bf16_training_state_must_be_faster_by_the_state_margin():
     times = {"fp32": 200.0, "bf16": 125.0, "bf16-pure": 87.0, "bf16-pure+bf16-moments": 82.4}
     name, verdicts = _decided(times)
     assert name == "bf16-pure" and "state_margin=10%" in verdicts["bf16-pure"]
+    assert verdicts["bf16-pure+bf16-moments"].startswith("agrees, faster (82.4 ms vs 87 ms), but not by more than")
     assert _decided(times, state_margin=0.0)[0] == "bf16-pure+bf16-moments"  # the fastest, as before
     assert _decided({**times, "bf16-pure+bf16-moments": 70.0})[0] == "bf16-pure+bf16-moments"  # 24% faster
     assert _decided({**times, "bf16": 90.0})[0] == "bf16"  # fp32 weights win when bf16 weights gain < 10%
