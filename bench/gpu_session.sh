@@ -16,6 +16,7 @@
 #             $OUT/train/, rewritten after every run, so a call cut off at its time limit keeps them.
 #   e2e       python -m adaptive_amp bench --suites e2e
 #   tune      the measured policy selection on the zoo (bench/tune_evidence.py with TUNE_ARGS)
+#   ablation  bf16 weights vs autocast, their compute and update precision separated (bench/precision_ablation.py)
 #   parity    eager against compiled: logits, causality, gradients (bench/compile_parity.py, PARITY_ARGS)
 #   tunepar   up to four bench/tune_evidence.py at once, one a GPU: TUNE_ARGS_0 ... TUNE_ARGS_3 (each set one
 #             runs, on GPU i; give each a --max-seconds that leaves the build's time and a margin)
@@ -72,6 +73,7 @@ for stage in "$@"; do
     examples) run examples python3 -m pytest "$repo/tests/test_examples.py" "$repo/tests/test_readme.py" -q -p no:cacheprovider ;;
     scaler) run scaler python3 -m adaptive_amp bench --no-unscale --scaler --scaler-frozen 0 0.3 --json "$out/scaler.json" ;;
     tune) run tune python3 "$repo/bench/tune_evidence.py" --out "$out/tune" ${TUNE_ARGS:-} ;;
+    ablation) run ablation python3 "$repo/bench/precision_ablation.py" --out "$out/ablation" ${ABLATION_ARGS:-} ;;
     parity) run parity python3 "$repo/bench/compile_parity.py" --out "$out/parity.json" ${PARITY_ARGS:-} ;;
     tunepar) pids=(); t0=$SECONDS; n=0
              for i in 0 1 2 3; do v="TUNE_ARGS_$i"; [ -n "${!v:-}" ] && n=$((n + 1)); done

@@ -1,0 +1,142 @@
+"""Why does training with bf16 weights lag torch's bf16 autocast? Four recipes on the same batches (issue 21).
+
+The eleventh session found GPT-2 medium with bf16 weights and our stochastic-rounding AdamW (bf16-pure) leaving
+its first loss plateau later than torch's bf16 autocast in every 2000-step run (H200). bf16-pure differs from
+autocast in two ways; these recipes separate them:
+
+- ``torch-bf16``: fp32 weights, bf16 autocast, torch's AdamW (the baseline);
+- ``bf16-pure``: bf16 weights, no autocast, ``adaptive_amp.optim.AdamW(stochastic_rounding=True)``;
+- ``bf16-master``: bf16 weights, no autocast (bf16-pure's compute), fp32 master weights updated by torch's
+  AdamW and copied back rounded to nearest (autocast's update precision);
+- ``autocast-sr``: fp32 weights under bf16 autocast (autocast's compute), each weight stochastically rounded
+  to bf16 after every step (bf16-pure's update precision).
+
+If bf16-master keeps up with torch-bf16 and autocast-sr lags, the weights' precision is the cause (the fix:
+fp32 master weights); if bf16-master lags too, the bf16 compute (e.g. the residual stream) is.
+
+    python bench/precision_ablation.py --model gpt2-medium --batch 4 --seq 512 --steps 1500
+    python bench/precision_ablation.py --tiny --device cpu --steps 20          # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tune_evidence import build, stream, timed_loop  # noqa: E402
+
+RECIPES = ("torch-bf16", "bf16-pure", "bf16-master", "autocast-sr")
+
+
+def recipe_step(name: str, zm, model, lr: float, device):
+    """``step(batch) -> loss`` of one recipe; `model` is a fresh fp32 copy it may cast."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name in ("torch-bf16", "autocast-sr"):
+        opt = torch.optim.AdamW(params, lr=lr)
+
+        def step(batch):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = zm.loss(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if name == "autocast-sr":
+                from adaptive_amp import stochastic_round
+
+                with torch.no_grad():
+                    for p in params:
+                        p.copy_(stochastic_round(p, torch.bfloat16))
+            return loss
+        return step
+    model.to(torch.bfloat16)
+    if name == "bf16-pure":
+        from adaptive_amp.optim import AdamW
+
+        opt = AdamW(params, lr=lr, stochastic_rounding=True)
+
+        def step(batch):
+            loss = zm.loss(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step
+    if name == "bf16-master":
+        masters = [p.detach().float().requires_grad_() for p in params]
+        opt = torch.optim.AdamW(masters, lr=lr)
+
+        def step(batch):
+            loss = zm.loss(model, batch)
+            loss.backward()
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    m.grad = p.grad.float()
+                    p.grad = None
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                torch._foreach_copy_(params, masters)  # round to nearest, as autocast's casts round
+            return loss
+        return step
+    raise SystemExit(f"unknown recipe {name!r}: one of {', '.join(RECIPES)}")
+
+
+def moving_means(losses, every: int, window: int = 100):
+    return {i: sum(losses[max(0, i - window):i]) / len(losses[max(0, i - window):i])
+            for i in range(every, len(losses) + 1, every)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt2-medium")
+    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default="bench/results/ablation")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    os.makedirs(args.out, exist_ok=True)
+    bs, seq = (4, 16) if args.tiny else (args.batch, args.seq)
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
+              "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": {}}
+    batches = None
+    for name in args.recipes.split(","):
+        zm = build(args.model, args.tiny, device, seed=args.seed)
+        batches = batches or stream(zm, bs, seq, args.steps, args.seed, device)
+        step = recipe_step(name, zm, zm.model, args.lr, device)
+        t0 = time.perf_counter()
+        r = timed_loop(step, batches, args.steps, device, bs * seq)
+        r["seconds"] = time.perf_counter() - t0
+        r["moving_means"] = moving_means(r["losses"], max(1, args.steps // 10))
+        result["runs"][name] = r
+        print(f"== {name}: final loss {r['final_loss']:.4f}, {r['ms_per_step']:.1f} ms/step, moving means "
+              + " ".join(f"{v:.2f}" for v in r["moving_means"].values()), flush=True)
+        with open(os.path.join(args.out, "ablation.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        del zm, step
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    try:
+        from adaptive_amp.report import plot_recipes
+
+        plot_recipes({n: {"losses": r["losses"], "step_times": r["window_ms_per_step"]}
+                      for n, r in result["runs"].items()}, os.path.join(args.out, "ablation.png"),
+                     title=f"{args.model}, {bs}x{seq} tokens a step: bf16 weights vs autocast, separated")
+    except ImportError:  # no matplotlib: the JSON has the losses
+        pass
+    return result
+
+
+if __name__ == "__main__":
+    main()
