@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from tune_evidence import build, stream, timed_loop  # noqa: E402
+from tune_evidence import build, plain_step, stream, timed_loop  # noqa: E402
 
 RECIPES = ("torch-bf16", "bf16-pure", "bf16-master", "autocast-sr")
 
@@ -39,35 +39,24 @@ def recipe_step(name: str, zm, model, lr: float, device):
     """``step(batch) -> loss`` of one recipe; `model` is a fresh fp32 copy it may cast."""
     params = [p for p in model.parameters() if p.requires_grad]
     if name in ("torch-bf16", "autocast-sr"):
-        opt = torch.optim.AdamW(params, lr=lr)
+        autocast_step = plain_step(zm, model, torch.optim.AdamW(params, lr=lr), device)
+        if name == "torch-bf16":
+            return autocast_step
 
         def step(batch):
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = zm.loss(model, batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if name == "autocast-sr":
-                from adaptive_amp import stochastic_round
+            from adaptive_amp import stochastic_round
 
-                with torch.no_grad():
-                    for p in params:
-                        p.copy_(stochastic_round(p, torch.bfloat16))
+            loss = autocast_step(batch)
+            with torch.no_grad():
+                for p in params:
+                    p.copy_(stochastic_round(p, torch.bfloat16))
             return loss
         return step
     model.to(torch.bfloat16)
     if name == "bf16-pure":
         from adaptive_amp.optim import AdamW
 
-        opt = AdamW(params, lr=lr, stochastic_rounding=True)
-
-        def step(batch):
-            loss = zm.loss(model, batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss
-        return step
+        return plain_step(zm, model, AdamW(params, lr=lr, stochastic_rounding=True), device, autocast_dtype=None)
     if name == "bf16-master":
         masters = [p.detach().float().requires_grad_() for p in params]
         opt = torch.optim.AdamW(masters, lr=lr)

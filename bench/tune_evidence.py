@@ -123,16 +123,23 @@ def timed_loop(step, batches, steps, device, tokens):
             "final_loss": sum(values[-tail:]) / tail, "first_loss": values[0], "losses": values}
 
 
-def torch_bf16(zm, model, opt, batches, steps, device):
-    """torch's bf16 autocast with the user's fp32 optimizer: the baseline."""
+def plain_step(zm, model, opt, device, autocast_dtype=torch.bfloat16):
+    """One plain step, ``step(batch) -> loss``: forward under torch's autocast (none with autocast_dtype=None),
+    backward, the optimizer's step, gradients cleared."""
     def step(batch):
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
             loss = zm.loss(model, batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
-    return timed_loop(step, batches, steps, device, batches[0]["input_ids"].numel())
+    return step
+
+
+def torch_bf16(zm, model, opt, batches, steps, device):
+    """torch's bf16 autocast with the user's fp32 optimizer: the baseline."""
+    return timed_loop(plain_step(zm, model, opt, device), batches, steps, device,
+                      batches[0]["input_ids"].numel())
 
 
 def recipe_alone(zm, model, opt, batches, steps, device, recipe):
