@@ -47,29 +47,18 @@ from adaptive_amp.recipes import AppliedRecipe  # noqa: E402
 from adaptive_amp.report import _jsonable, plot_recipes  # noqa: E402
 from adaptive_amp.tune import Snapshot  # noqa: E402
 
+#: --models name -> (zoo family, zoo size)
+MODELS = {"gpt2-medium": ("gpt2", "medium"), "gpt2-large": ("gpt2", "large"), "llama-1b": ("llama", "large")}
+
 
 def build(name: str, tiny: bool, device, seed: int = 0):
-    """A ZooModel. llama-1b: TinyLlama's shape (1.1B parameters), random weights."""
+    """A ZooModel: gpt2-medium, or llama-1b (the zoo's Llama "large": TinyLlama's shape, 1.1B parameters);
+    random weights."""
     if tiny:
         return zoo.build("gpt2" if name.startswith("gpt2") else "llama", "tiny", seed=seed, device=device)
-    if name == "gpt2-medium":
-        return zoo.build("gpt2", "medium", seed=seed, device=device)
-    if name == "llama-1b":
-        import transformers as tf
-
-        from adaptive_amp.zoo.model import ZooModel, causal_lm_batches, next_token_loss
-
-        config = tf.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                                num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
-                                max_position_embeddings=2048, attention_dropout=0.0, use_cache=False,
-                                tie_word_embeddings=False)
-        with torch.device(device):
-            torch.manual_seed(seed)
-            model = tf.LlamaForCausalLM(config)
-        model.train()
-        return ZooModel("llama", "1b", model, causal_lm_batches(32000, 1024), ("input_ids",), next_token_loss, 1024,
-                        config)
-    raise SystemExit(f"unknown model {name!r}: gpt2-medium or llama-1b")
+    if name in MODELS:
+        return zoo.build(*MODELS[name], seed=seed, device=device)
+    raise SystemExit(f"unknown model {name!r}: one of {', '.join(MODELS)}")
 
 
 def stream(zm, batch: int, seq: int, n: int, seed: int, device):

@@ -58,3 +58,10 @@ def test_rounds_with_a_statistics_step_or_a_read_are_marked():
     assert _monitor_steps(amp, 50, 51) and _monitor_steps(amp, 49, 50) and not _monitor_steps(amp, 51, 98)
     amp.layer_stats = False  # reads only
     assert not _monitor_steps(amp, 50, 51) and _monitor_steps(amp, 99, 100)
+
+
+def test_an_unknown_model_names_the_known_ones():
+    from adaptive_amp.bench.e2e import run_e2e
+
+    with pytest.raises(ValueError, match="unknown; choose from .*llama-1b"):
+        run_e2e(models=["llama-7b"], device="cpu")

@@ -74,6 +74,16 @@ def test_families_are_what_they_claim():
     assert res.model.stem.weight.is_contiguous(memory_format=torch.channels_last)
 
 
+@pytest.mark.parametrize("family,parameters", [("gpt2", 774_030_080), ("llama", 1_100_048_384)])
+def test_large_sizes_are_the_released_shapes(family, parameters):
+    # GPT-2 large as released; TinyLlama's shape (issue 21's "Llama of about 1B"). Built on "meta": no memory.
+    zm = zoo.build(family, "large", device="meta")
+    assert zm.num_parameters() == parameters and "large" in zoo.sizes(family)
+    assert all(set(zoo.SIZES) <= set(zoo.sizes(f)) for f in zoo.FAMILIES)
+    with pytest.raises(ValueError, match="unknown size 'large' for bert; choose one of tiny, small, medium"):
+        zoo.build("bert", "large")
+
+
 def test_bad_arguments_say_what_to_pass():
     with pytest.raises(ValueError, match="unknown zoo family 'gpt3'.*gpt2"):
         zoo.build("gpt3")

@@ -46,8 +46,8 @@ def main(argv=None):
                         help="comma-separated, from " + ", ".join([*SUITES, "sround", "optim", "e2e"]) +
                              " (default gpt2,many)")
     parser.add_argument("--e2e-models", default=None,
-                        help="e2e: comma-separated of gpt2-small,gpt2-medium,llama-small (GPU default: all; "
-                             "CPU: gpt2-small, built tiny)")
+                        help="e2e: comma-separated of gpt2-small,gpt2-medium,llama-small,gpt2-large,llama-1b "
+                             "(GPU default: the first three; CPU: gpt2-small, built tiny)")
     parser.add_argument("--e2e-recipes", default=None,
                         help="e2e: comma-separated of fp32,torch-fp16,torch-bf16,auto,fp16,bf16-pure (default: all)")
     parser.add_argument("--e2e-modes", default="eager,compiled", help="e2e: eager, compiled or both")

@@ -46,7 +46,10 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 #: name -> (zoo family, zoo size) on the GPU; on the CPU every model is the family's tiny size.
-MODELS = {"gpt2-small": ("gpt2", "small"), "gpt2-medium": ("gpt2", "medium"), "llama-small": ("llama", "small")}
+MODELS = {"gpt2-small": ("gpt2", "small"), "gpt2-medium": ("gpt2", "medium"), "llama-small": ("llama", "small"),
+          "gpt2-large": ("gpt2", "large"), "llama-1b": ("llama", "large")}
+#: what runs when no models are named (the large ones are asked for by name)
+DEFAULT_MODELS = ("gpt2-small", "gpt2-medium", "llama-small")
 RECIPES = ("fp32", "torch-fp16", "torch-bf16", "auto", "fp16", "bf16-pure")
 CONTROLLER_RECIPES = ("auto", "fp16", "bf16-pure")
 MAX_GRAD_NORM = 1.0
@@ -222,7 +225,10 @@ def run_e2e(models=None, recipes=RECIPES, modes=("eager", "compiled"), steps=Non
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device == "cuda"
-    models = list(models or (MODELS if cuda else ["gpt2-small"]))
+    models = list(models or (DEFAULT_MODELS if cuda else ["gpt2-small"]))
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise ValueError(f"e2e models {unknown} are unknown; choose from {', '.join(MODELS)}")
     steps = steps or (60 if cuda else 4)  # timed steps per loop, split into rounds
     warmup = warmup if warmup is not None else (5 if cuda else 1)
     rounds = max(1, min(rounds or (6 if cuda else 2), steps))

@@ -34,6 +34,7 @@ GPT2_SIZES = {
     "tiny": dict(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=64, seq_len=16),
     "small": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024, seq_len=512),
     "medium": dict(n_layer=24, n_embd=1024, n_head=16, vocab_size=50257, n_positions=1024, seq_len=512),
+    "large": dict(n_layer=36, n_embd=1280, n_head=20, vocab_size=50257, n_positions=1024, seq_len=512),  # 774M
 }
 
 
@@ -58,6 +59,9 @@ LLAMA_SIZES = {
                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, seq_len=512),
     "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
                    num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, seq_len=512),
+    # TinyLlama's shape, 1.1B parameters: issue 21's "Llama of about 1B" (bench/tune_evidence.py's llama-1b).
+    "large": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, seq_len=1024),
 }
 
 
