@@ -53,7 +53,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .adjust import DynamicPrecisionAdjuster, forget_compiled_graphs
+from .adjust import DynamicPrecisionAdjuster
 from .analysis import PrecisionAnalyzer
 from .collect import STATS_DTYPES as _STATS_DTYPES, ActivationCollector
 from .layers import Selector, find_layers, unwrap_model
@@ -61,7 +61,7 @@ from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor, builtin_values
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
-from .recipes import cast_floats_hook
+from .recipes import cast_floats_hook, cast_parameters
 from .scaler import GradScaler
 from .step_result import HostSlots, StepResult
 
@@ -291,10 +291,10 @@ class AdaptiveMixedPrecision:
         """bf16 parameters (checked by _check_param_dtype): the model cast in place, its inputs cast too."""
         if policy.param_dtype == torch.float32:
             return
-        self.model.to(torch.bfloat16)  # in place: the optimizers keep the same Parameter objects
-        # A graph traced before (policy="tune"'s fp32 trials, or the user's own calls) must not run on the bf16
-        # memory: see adjust.forget_compiled_graphs.
-        forget_compiled_graphs()
+        # In place (the optimizers keep the same Parameter objects), buffers too, as the tuning's trials and the
+        # memory guard cast; a graph traced before (policy="tune"'s fp32 trials, the user's own calls) is
+        # forgotten rather than run on the bf16 memory (adjust.forget_compiled_graphs).
+        cast_parameters(self.model, torch.bfloat16)
         # Without autocast (see the module docstring) fp32 inputs would meet bf16 weights: cast them as a
         # plain bf16 loop would.
         self._input_cast = self.model.register_forward_pre_hook(cast_floats_hook(torch.bfloat16), with_kwargs=True)

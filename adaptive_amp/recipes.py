@@ -15,8 +15,9 @@ The conversions change a live model and optimizer and can be undone:
   scheduler built on the user's optimizer still drives it) and takes over its
   state; undoing gives the state back (fp32 moments bitwise, bf16 moments
   upcast) and removes the keys it added to the groups.
-* :func:`cast_parameters`: parameters to bf16 in place (the Parameter objects,
-  which the optimizers hold, stay the same) and back.
+* :func:`cast_parameters`: parameters and floating buffers to bf16 in place
+  (the Parameter objects, which the optimizers hold, stay the same) and back;
+  :func:`cast_floats_hook` casts a pure recipe's floating inputs.
 * :func:`checkpoint_blocks`: the model's repeated blocks (the longest
   ``nn.ModuleList`` of modules of one class) recompute their activations in
   the backward pass (``torch.utils.checkpoint``, non-reentrant).
@@ -267,8 +268,7 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
     before = []
     with torch.no_grad():
         root = unwrap_model(model)
-        tensors = list(root.parameters()) + [b for b in root.buffers()]
-        for t in tensors:
+        for t in [*root.parameters(), *root.buffers()]:
             if t.is_floating_point() and t.dtype != dtype:
                 before.append((t, t.dtype))
                 t.data = t.data.to(dtype)

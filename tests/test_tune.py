@@ -398,6 +398,22 @@ def test_a_trial_runs_what_the_controller_then_runs(family, candidate):
     a.undo()
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_compiled_trial_runs_what_the_controller_then_runs(family):
+    # The same under torch.compile (aot_eager: the AOT autograd settings of the policy without inductor's
+    # CPU compile time): the trial's bf16-pure graph and the controller's, on one compiled model.
+    torch._dynamo.reset()
+    zm, opt, batches = _setup(family)
+    compiled = torch.compile(zm.model, backend="aot_eager")
+    amp = AdaptiveMixedPrecision(compiled, opt, policy="tune", capabilities=CPU, progress=False,
+                                 tune=dict(batches=batches, loss_fn=zm.loss, candidates=["bf16-pure"], **FAST))
+    trial = amp.tuning.trials[0]
+    assert trial.error is None and amp.tuning.compiled
+    losses = [float(amp.train_step(lambda b=b: zm.loss(compiled, b))) for b in batches]
+    assert trial.losses == losses
+    amp.remove()
+
+
 def _decided(times: dict, state_margin=0.1, tie=0.01):
     """The choice among agreeing, fitting trials with these step times (ms), as Tuner._choose makes it."""
     from adaptive_amp.tune import Trial, Tuner
