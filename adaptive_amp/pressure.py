@@ -35,7 +35,7 @@ import torch
 
 from .monitor import Event
 from .policy import dtype_name
-from .recipes import cast_parameters, checkpoint_blocks, convert_optimizer, convertible, find_blocks
+from .recipes import cast_floats_hook, cast_parameters, checkpoint_blocks, convert_optimizer, convertible, find_blocks
 
 #: The moves, lightest-cost first (each keeps the data and the optimizer state).
 LADDER = ("bf16-moments", "bf16-weights", "checkpoint")
@@ -228,6 +228,13 @@ class MemoryGuard:
             undo_opt = self._convert(amp, torch.float32)
         old_policy, old_scaler = amp.policy, amp.scaler
         undo_cast = cast_parameters(amp.model, torch.bfloat16)
+        # Without autocast, floating inputs must meet the bf16 weights in bf16, as the controller casts them for
+        # a bf16-pure policy (the zoo's ResNet failed its first step after this move); the controller removes
+        # the hook with its own (amp.remove()).
+        added_cast = amp._input_cast is None
+        if added_cast:
+            amp._input_cast = amp.model.register_forward_pre_hook(cast_floats_hook(torch.bfloat16),
+                                                                  with_kwargs=True)
         policy = old_policy.replace(param_dtype=torch.bfloat16, compute_dtype=torch.bfloat16, islands=(),
                                     loss_scale=None)
         amp._decide("memory_pressure", f"{reason}; parameters and compute now bfloat16 with stochastic rounding "
@@ -236,6 +243,9 @@ class MemoryGuard:
         amp.scaler = amp._make_scaler(policy)
 
         def undo():
+            if added_cast and amp._input_cast is not None:
+                amp._input_cast.remove()
+                amp._input_cast = None
             undo_cast()
             amp.scaler = old_scaler
             if undo_opt is not None:

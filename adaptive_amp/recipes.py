@@ -218,7 +218,9 @@ def convert_optimizer(optimizer, moment_dtype: torch.dtype) -> ConvertedOptimize
                 value = value.detach().to(device=p.device, dtype=torch.float32, copy=value.device != p.device)
                 value = value.reshape(())
             elif key in moment_keys and isinstance(value, torch.Tensor):
-                value = value.to(moment_dtype).contiguous()
+                # In the param's memory layout, which the fused step pairs elements by (a channels_last
+                # conv weight: the zoo's ResNet failed its bf16-moments move with contiguous moments).
+                value = torch.empty_like(p, dtype=moment_dtype).copy_(value)
             new[key] = value
         ours.state[p] = new
     if optimizer is not ours:

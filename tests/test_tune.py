@@ -477,6 +477,38 @@ def test_memory_guard_moves_lighter_keeps_state_and_moves_back():
     assert all(math.isfinite(float(zm.loss(zm.model, b))) for b in batches)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_memory_guard_moves_a_channels_last_conv_net_and_back(compiled):
+    # The zoo's ResNet: channels_last conv weights (the fused step needs moments in their layout) and fp32
+    # pixel values, which must meet bf16 weights in bf16 once the guard drops autocast. Both moves failed here.
+    torch._dynamo.reset()
+    zm, opt, batches = _setup("resnet", lr=1e-3)
+    model = torch.compile(zm.model, backend="aot_eager") if compiled else zm.model
+    amp = AdaptiveMixedPrecision(model, opt, policy="params=float32,compute=bfloat16", capabilities=CPU,
+                                 progress=False)
+    headroom = [10**9]
+    amp.memory_guard = MemoryGuard(min_free=1000, check_every=1, reader=lambda: headroom[0], allow_recover=True,
+                                   recover_after=1)
+    amp.train_step(lambda: zm.loss(model, batches[0]))  # optimizer state exists before the moves
+    headroom[0] = 10
+    losses = [float(amp.train_step(lambda i=i: zm.loss(model, batches[i % 3]))) for i in range(3)]
+    assert [m.name for m in amp.memory_guard.moves] == ["bf16-moments", "bf16-weights"]
+    assert all(math.isfinite(v) for v in losses)
+    weights = [p for p in zm.model.parameters() if p.dim() == 4]
+    assert weights and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
+    state = amp.optimizers[0].state
+    assert all(state[p]["exp_avg"].stride() == p.stride() for p in weights)
+    headroom[0] = 10**9
+    for i in range(6):
+        amp.train_step(lambda i=i: zm.loss(model, batches[i % 3]))
+    assert not amp.memory_guard.moves and amp.optimizers[0] is opt
+    assert all(p.dtype == torch.float32 for p in zm.model.parameters())
+    assert all(opt.state[p]["exp_avg"].stride() == p.stride() for p in weights)
+    amp.remove()
+    with torch.no_grad():
+        assert math.isfinite(float(zm.loss(model, batches[0])))  # fp32 weights meet fp32 inputs again
+
+
 def test_out_of_memory_in_a_step_moves_lighter_and_reruns_the_same_batch():
     zm, opt, batches = _setup("llama")
     amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16", capabilities=CPU,
