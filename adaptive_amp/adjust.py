@@ -201,9 +201,10 @@ class DynamicPrecisionAdjuster:
         no casts, and autocast would still run its fp32 ops (layer norms, softmax) in fp32 (GPT-2 medium at
         8x1024 tokens, eager, H200: a bf16-pure trial step took 114.6 ms with it, 85.5 without, while bf16
         autocast's took 123 ms on both machines). One rule for the controller, the tuning's trials
-        and a recipe run alone, so that a trial measures what the controller then runs."""
+        and a recipe run alone, so that a trial measures what the controller then runs. bf16-weights
+        (param_scope="matmul") runs under autocast: its point is autocast's fp32 outside the matmuls."""
         dtype = self.policy.compute_dtype
-        if getattr(self.policy, "param_dtype", torch.float32) == dtype != torch.float32:
+        if getattr(self.policy, "pure", False):
             return compile_settings()
         return PolicyAutocast(self.device_type, dtype=dtype, enabled=dtype != torch.float32)
 

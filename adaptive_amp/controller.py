@@ -40,6 +40,9 @@ A policy that keeps parameters in its compute dtype ("bf16-pure") runs
 without autocast, as the plain loop does: autocast would compute its fp32
 ops (layer norms, pow in GELU, softmax, ...) in fp32 and keep fp32 copies
 for the backward pass; floating-point inputs are cast to bf16 instead.
+"bf16-weights" (``param_scope="matmul"``) keeps only the matmul layers'
+weights in bf16 and runs under autocast, its embeddings returning fp32 (the
+residual stream and the norms then compute as under torch's autocast).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor, builtin_values
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
-from .recipes import cast_floats_hook, cast_parameters
+from .recipes import cast_for_policy, policy_hooks
 from .scaler import GradScaler
 from .step_result import HostSlots, StepResult
 
@@ -161,7 +164,7 @@ class AdaptiveMixedPrecision:
         self.model = model
         self._module = unwrap_model(model)  # a compiled model's layers, with the eager model's names
         self.optimizers = optimizers
-        self._input_cast = None
+        self._policy_hooks = None
         self.device = _model_device(model)
         self.capabilities = capabilities or HardwareDetector().detect(self.device)
         self.analysis = None
@@ -267,37 +270,35 @@ class AdaptiveMixedPrecision:
         return self.tuning.policy
 
     def _check_param_dtype(self, policy: PrecisionPolicy) -> None:
-        """bf16 parameters ("bf16-pure"): insist on optimizers that round stochastically (nothing is changed)."""
+        """bf16 parameters ("bf16-pure", "bf16-weights"): insist on optimizers that round stochastically
+        (nothing is changed)."""
         if policy.param_dtype == torch.float32:
             return
         if policy.param_dtype != torch.bfloat16:
             raise ValueError(f"policy params={dtype_name(policy.param_dtype)}: parameters are kept in float32 or, "
-                             "with stochastic rounding (policy 'bf16-pure'), in bfloat16")
+                             "with stochastic rounding (policies 'bf16-pure' and 'bf16-weights'), in bfloat16")
         if policy.islands:
-            raise ValueError("policy 'bf16-pure' cannot have fp32 islands: an island computes in float32 and "
-                             "its weights would be bfloat16; use params=float32 for islands")
+            raise ValueError("a policy with params=bfloat16 cannot have fp32 islands: an island computes in "
+                             "float32 and its weights would be bfloat16; use params=float32 for islands")
         from . import optim
 
         for opt in self.optimizers:
             if not isinstance(opt, (optim.AdamW, optim.SGD)) or not all(
                     g.get("stochastic_rounding", False) for g in opt.param_groups):
-                raise TypeError(f"policy 'bf16-pure' keeps the weights in bfloat16, so its optimizer must round "
+                raise TypeError(f"policy {policy} keeps weights in bfloat16, so its optimizer must round "
                                 f"updates stochastically (round to nearest drops every update below half an ulp); "
                                 f"got {type(opt).__module__}.{type(opt).__name__}. Use adaptive_amp.optim.AdamW "
                                 "or adaptive_amp.optim.SGD (stochastic_rounding=True), created on the model's "
                                 "parameters")
 
     def _cast_params(self, policy: PrecisionPolicy) -> None:
-        """bf16 parameters (checked by _check_param_dtype): the model cast in place, its inputs cast too."""
-        if policy.param_dtype == torch.float32:
-            return
-        # In place (the optimizers keep the same Parameter objects), buffers too, as the tuning's trials and the
-        # memory guard cast; a graph traced before (policy="tune"'s fp32 trials, the user's own calls) is
-        # forgotten rather than run on the bf16 memory (adjust.forget_compiled_graphs).
-        cast_parameters(self.model, torch.bfloat16)
-        # Without autocast (see the module docstring) fp32 inputs would meet bf16 weights: cast them as a
-        # plain bf16 loop would.
-        self._input_cast = self.model.register_forward_pre_hook(cast_floats_hook(torch.bfloat16), with_kwargs=True)
+        """bf16 parameters (checked by _check_param_dtype): the model cast in place, with the hooks it needs."""
+        # In place (the optimizers keep the same Parameter objects), as the tuning's trials and the memory
+        # guard cast; a graph traced before (policy="tune"'s fp32 trials, the user's own calls) is forgotten
+        # rather than run on the bf16 memory (adjust.forget_compiled_graphs). bf16-pure, without autocast, casts
+        # fp32 inputs as a plain bf16 loop would; bf16-weights' embeddings return fp32 (recipes.policy_hooks).
+        cast_for_policy(self.model, policy)
+        self._policy_hooks = policy_hooks(self.model, policy)
 
     def _make_scaler(self, policy: PrecisionPolicy) -> GradScaler:
         """The policy's GradScaler (scaler_kwargs win over the policy's settings); a disabled one when the
@@ -321,20 +322,20 @@ class AdaptiveMixedPrecision:
         return before
 
     def remove(self) -> None:
-        """Take the policy off the model (islands unwrapped, TF32 settings restored). A "bf16-pure" model
-        keeps its bf16 parameters: they are the only copy."""
+        """Take the policy off the model (islands unwrapped, TF32 settings restored). A model whose policy kept
+        parameters in bf16 ("bf16-pure", "bf16-weights") keeps them: they are the only copy."""
         self._undo_setup()
         if self._tf32_before is not None:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32_before
 
     def _undo_setup(self) -> None:
-        """Islands, statistics hooks and the input cast off the model (each idempotent)."""
+        """Islands, statistics hooks and the policy's hooks off the model (each idempotent)."""
         if self.adjuster is not None:
             self.adjuster.remove()
         self._collector.remove()
-        if self._input_cast is not None:
-            self._input_cast.remove()
-            self._input_cast = None
+        if self._policy_hooks is not None:
+            self._policy_hooks.remove()
+            self._policy_hooks = None
 
     # ------------------------------------------------------------ the step
     @property
@@ -717,10 +718,10 @@ class AdaptiveMixedPrecision:
         if missing:
             raise ValueError(f"{where}: missing entries {missing}")
         policy = PrecisionPolicy.from_dict(state["policy"])
-        if policy.param_dtype != self.policy.param_dtype:
-            raise ValueError(f"{where}: the saved policy keeps parameters in {dtype_name(policy.param_dtype)}, this "
-                             f"one in {dtype_name(self.policy.param_dtype)}; create the controller with the saved "
-                             "policy")
+        if (policy.param_dtype, policy.param_scope) != (self.policy.param_dtype, self.policy.param_scope):
+            raise ValueError(f"{where}: the saved policy keeps parameters in {dtype_name(policy.param_dtype)} "
+                             f"(scope {policy.param_scope}), this one in {dtype_name(self.policy.param_dtype)} (scope "
+                             f"{self.policy.param_scope}); create the controller with the saved policy")
         try:
             self.adjuster.check_policy(policy)
         except ValueError as exc:

@@ -151,6 +151,11 @@ class PrecisionPolicy:
     """Where each dtype is used in training. Strings and aliases are accepted for the dtypes.
 
     param_dtype: the dtype parameters (and optimizer master copies) are kept in.
+    param_scope: which parameters a bf16 param_dtype covers: "all" (every parameter and floating buffer,
+        and no autocast: "bf16-pure") or "matmul" (the weights of the layers that multiply matrices, Linear,
+        transformers' Conv1D, convolutions and embeddings; norms, loose parameters and buffers stay float32,
+        embeddings return float32 and autocast computes as torch's does: "bf16-weights", see
+        adaptive_amp.recipes.cast_matmul_weights). float32 parameters have scope "all".
     compute_dtype: the dtype autocast runs matmuls and convolutions in.
     tf32: let float32 matmuls (islands, fp32 compute) use TF32 tensor cores.
     islands: modules kept in float32: names as in model.named_modules() (a
@@ -170,6 +175,7 @@ class PrecisionPolicy:
     tf32: bool = False
     islands: Tuple[str, ...] = ()
     loss_scale: Optional[LossScale] = DEFAULT_LOSS_SCALE  # type: ignore[assignment]
+    param_scope: str = "all"  # (last but reasons: the fields before it keep their positions)
     reasons: Tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -177,6 +183,12 @@ class PrecisionPolicy:
         set_("param_dtype", parse_dtype(self.param_dtype, "param_dtype"))
         set_("compute_dtype", parse_dtype(self.compute_dtype, "compute_dtype"))
         set_("tf32", bool(self.tf32))
+        if self.param_scope not in PARAM_SCOPES:
+            raise ValueError(f"param_scope is {self.param_scope!r}; expected one of {', '.join(PARAM_SCOPES)}")
+        if self.param_scope == "matmul" and not (self.param_dtype == self.compute_dtype == torch.bfloat16):
+            raise ValueError(f"param_scope='matmul' (bf16 weights of the matmul layers under autocast) needs "
+                             f"param_dtype and compute_dtype bfloat16, got {dtype_name(self.param_dtype)} and "
+                             f"{dtype_name(self.compute_dtype)}")
         islands = (self.islands,) if isinstance(self.islands, str) else tuple(self.islands)
         for name in islands:
             if not name or _SEPARATORS & set(name):
@@ -198,12 +210,19 @@ class PrecisionPolicy:
     def uses_loss_scaling(self) -> bool:
         return self.loss_scale is not None
 
+    @property
+    def pure(self) -> bool:
+        """Whether everything is in the compute dtype and nothing is autocast ("bf16-pure")."""
+        return self.param_dtype == self.compute_dtype != torch.float32 and self.param_scope == "all"
+
     def replace(self, **changes) -> "PrecisionPolicy":
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ string form
     def __str__(self) -> str:
         parts = [f"params={dtype_name(self.param_dtype)}", f"compute={dtype_name(self.compute_dtype)}"]
+        if self.param_scope != "all":
+            parts.append(f"scope={self.param_scope}")
         if self.islands:
             parts.append("islands=" + ";".join(self.islands))
         if self.tf32:
@@ -216,7 +235,7 @@ class PrecisionPolicy:
 
     @classmethod
     def from_string(cls, s: str) -> "PrecisionPolicy":
-        """Read ``params=...,compute=...[,islands=a;b][,tf32=1][,loss_scale=dynamic:65536]``.
+        """Read ``params=...,compute=...[,scope=matmul][,islands=a;b][,tf32=1][,loss_scale=dynamic:65536]``.
 
         A lone dtype ("bf16") means params and compute both in it, as in jmp.
         Spaces are ignored. A missing compute is the params dtype.
@@ -230,7 +249,7 @@ class PrecisionPolicy:
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
         return {"param_dtype": dtype_name(self.param_dtype), "compute_dtype": dtype_name(self.compute_dtype),
-                "tf32": self.tf32, "islands": list(self.islands),
+                "param_scope": self.param_scope, "tf32": self.tf32, "islands": list(self.islands),
                 "loss_scale": None if self.loss_scale is None else dataclasses.asdict(self.loss_scale),
                 "reasons": list(self.reasons)}
 
@@ -252,15 +271,21 @@ class PrecisionPolicy:
 # String keys (jmp's, with its one-letter forms) to PrecisionPolicy fields.
 _KEYS = {"params": "param_dtype", "p": "param_dtype", "param_dtype": "param_dtype",
          "compute": "compute_dtype", "c": "compute_dtype", "compute_dtype": "compute_dtype",
+         "scope": "param_scope", "param_scope": "param_scope",
          "islands": "islands", "tf32": "tf32", "loss_scale": "loss_scale"}
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
+#: Which parameters a bf16 param_dtype covers (PrecisionPolicy.param_scope).
+PARAM_SCOPES = ("all", "matmul")
+
 #: Named policies. "bf16-pure": weights, gradients and compute all in bf16, no fp32 master copy (half the
 #: parameter memory); it needs an optimizer that rounds its updates stochastically (adaptive_amp.optim),
-#: since round-to-nearest drops every update below half a bf16 ulp.
+#: since round-to-nearest drops every update below half a bf16 ulp. "bf16-weights": the same for the matmul
+#: layers' weights only, the rest in fp32 and the compute autocast's (param_scope="matmul").
 PRESETS = {"bf16-pure": {"param_dtype": torch.bfloat16, "compute_dtype": torch.bfloat16},
-           "pure-bf16": {"param_dtype": torch.bfloat16, "compute_dtype": torch.bfloat16}}
+           "pure-bf16": {"param_dtype": torch.bfloat16, "compute_dtype": torch.bfloat16},
+           "bf16-weights": {"param_dtype": torch.bfloat16, "compute_dtype": torch.bfloat16, "param_scope": "matmul"}}
 
 
 def parse_policy_fields(s: str) -> dict:
@@ -280,7 +305,7 @@ def parse_policy_fields(s: str) -> dict:
             raise ValueError(f"policy {s!r}: {item!r} is not key=value")
         name = _KEYS.get(key.lower())
         if name is None:
-            raise ValueError(f"policy {s!r}: unknown field {key!r} (expected params, compute, islands, "
+            raise ValueError(f"policy {s!r}: unknown field {key!r} (expected params, compute, scope, islands, "
                              "tf32 or loss_scale)")
         if name in fields:
             raise ValueError(f"policy {s!r}: field {key!r} given twice")
@@ -289,6 +314,10 @@ def parse_policy_fields(s: str) -> dict:
                 fields[name] = parse_dtype(value, f"field {key!r}")
             elif name == "islands":
                 fields[name] = tuple(v for v in value.split(";") if v)
+            elif name == "param_scope":
+                if value.lower() not in PARAM_SCOPES:
+                    raise ValueError(f"field {key!r}: expected one of {', '.join(PARAM_SCOPES)}, got {value!r}")
+                fields[name] = value.lower()
             elif name == "tf32":
                 if value.lower() not in _BOOLS:
                     raise ValueError(f"field 'tf32': expected 1/0 or true/false, got {value!r}")
@@ -366,6 +395,9 @@ class AdaptivePrecisionSelector:
         if "param_dtype" in forced:
             param = forced["param_dtype"]
             reasons.append(f"params={dtype_name(param)}: set by override")
+        scope = forced.get("param_scope", "all")
+        if "param_scope" in forced:
+            reasons.append(f"scope={scope}: set by override")
 
         # 2. TF32 for what stays fp32.
         if "tf32" in forced:
@@ -398,8 +430,8 @@ class AdaptivePrecisionSelector:
             reasons.append(f"fp8: {where} has native fp8; consider fp8 matmuls (e.g. Transformer Engine) "
                            "for large linear layers (not selected automatically: needs per-tensor scaling)")
 
-        return PrecisionPolicy(param_dtype=param, compute_dtype=compute, tf32=tf32, islands=islands,
-                               loss_scale=loss_scale, reasons=tuple(reasons))
+        return PrecisionPolicy(param_dtype=param, compute_dtype=compute, param_scope=scope, tf32=tf32,
+                               islands=islands, loss_scale=loss_scale, reasons=tuple(reasons))
 
     def candidates(self, capabilities: Capabilities, analysis=None, names=None) -> tuple:
         """(recipes, skipped): the candidate recipes of :meth:`tune` for `names` (default all of CANDIDATES),
@@ -469,8 +501,8 @@ class AdaptivePrecisionSelector:
 
 
 #: Recipes AdaptivePrecisionSelector.tune knows, safest first (each may end in "+ckpt": activation checkpointing).
-CANDIDATES = ("fp32", "bf16+islands", "bf16", "fp16+islands", "fp16", "bf16-pure", "bf16-pure+bf16-moments",
-              "float8")
+CANDIDATES = ("fp32", "bf16+islands", "bf16", "fp16+islands", "fp16", "bf16-weights", "bf16-weights+bf16-moments",
+              "bf16-pure", "bf16-pure+bf16-moments", "float8")
 
 
 def candidate_recipes(capabilities, analysis=None, names=None) -> tuple:
@@ -512,13 +544,14 @@ def candidate_recipes(capabilities, analysis=None, names=None) -> tuple:
             scale = LossScale() if dtype == torch.float16 else None
             recipes.append(Recipe(policy=PrecisionPolicy(compute_dtype=dtype, islands=islands, loss_scale=scale,
                                                          tf32=tf32), **kw))
-        elif base.startswith("bf16-pure"):
+        elif base.startswith(("bf16-pure", "bf16-weights")):
             if gpu and not getattr(capabilities, "bf16", False):
                 skipped.append((name, f"bf16 is not native on {capabilities.name}"))
                 continue
             moments = torch.bfloat16 if base.endswith("bf16-moments") else torch.float32
-            recipes.append(Recipe(policy=PrecisionPolicy(torch.bfloat16, torch.bfloat16, tf32=tf32),
-                                  moment_dtype=moments, **kw))
+            scope = "matmul" if base.startswith("bf16-weights") else "all"
+            recipes.append(Recipe(policy=PrecisionPolicy(torch.bfloat16, torch.bfloat16, param_scope=scope,
+                                                         tf32=tf32), moment_dtype=moments, **kw))
         elif base == "float8":
             why = float8_available()
             if why is not None:
@@ -544,8 +577,8 @@ def _override_fields(overrides) -> dict:
     fields = {}
     for key, value in overrides.items():
         name = _KEYS.get(key, key)
-        if name not in ("param_dtype", "compute_dtype", "tf32", "islands", "loss_scale"):
-            raise ValueError(f"overrides: unknown field {key!r} (expected param_dtype, compute_dtype, "
+        if name not in ("param_dtype", "compute_dtype", "param_scope", "tf32", "islands", "loss_scale"):
+            raise ValueError(f"overrides: unknown field {key!r} (expected param_dtype, compute_dtype, param_scope, "
                              "tf32, islands or loss_scale)")
         if name in ("param_dtype", "compute_dtype"):
             value = parse_dtype(value, f"overrides: field {key!r}")

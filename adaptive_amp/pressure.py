@@ -17,8 +17,11 @@ next move of the ladder is made, each an event of kind ``"memory_pressure"``:
 
 1. ``"bf16-moments"``: the optimizer becomes adaptive_amp.optim's (stochastic
    rounding) with bf16 moments (4 bytes a parameter less with AdamW);
-2. ``"bf16-weights"``: parameters and gradients in bf16, compute in bf16, no
-   islands and no loss scaling (the policy "bf16-pure"; 4 bytes less);
+2. ``"bf16-weights"``: the matmul layers' weights and gradients in bf16,
+   compute under bf16 autocast, no islands and no loss scaling (the policy
+   "bf16-weights"; 4 bytes a weight less). Not "bf16-pure": bf16 outside the
+   matmuls slowed GPT-2 medium's convergence where this did not
+   (bench/RESULTS.md, twelfth session);
 3. ``"checkpoint"``: the model's blocks recompute activations in backward.
 
 With ``allow_recover``, after ``recover_after`` steps at a headroom of at least
@@ -35,7 +38,7 @@ import torch
 
 from .monitor import Event
 from .policy import dtype_name
-from .recipes import cast_floats_hook, cast_parameters, checkpoint_blocks, convert_optimizer, convertible, find_blocks
+from .recipes import cast_for_policy, checkpoint_blocks, convert_optimizer, convertible, find_blocks, policy_hooks
 
 #: The moves, lightest-cost first (each keeps the data and the optimizer state).
 LADDER = ("bf16-moments", "bf16-weights", "checkpoint")
@@ -227,25 +230,20 @@ class MemoryGuard:
                                                                      o.param_groups) for o in amp.optimizers):
             undo_opt = self._convert(amp, torch.float32)
         old_policy, old_scaler = amp.policy, amp.scaler
-        undo_cast = cast_parameters(amp.model, torch.bfloat16)
-        # Without autocast, floating inputs must meet the bf16 weights in bf16, as the controller casts them for
-        # a bf16-pure policy (the zoo's ResNet failed its first step after this move); the controller removes
-        # the hook with its own (amp.remove()).
-        added_cast = amp._input_cast is None
-        if added_cast:
-            amp._input_cast = amp.model.register_forward_pre_hook(cast_floats_hook(torch.bfloat16),
-                                                                  with_kwargs=True)
-        policy = old_policy.replace(param_dtype=torch.bfloat16, compute_dtype=torch.bfloat16, islands=(),
-                                    loss_scale=None)
-        amp._decide("memory_pressure", f"{reason}; parameters and compute now bfloat16 with stochastic rounding "
-                    f"(was params={dtype_name(old_policy.param_dtype)}, compute={dtype_name(old_policy.compute_dtype)})",
-                    policy, move="bf16-weights")
+        policy = old_policy.replace(param_dtype=torch.bfloat16, compute_dtype=torch.bfloat16, param_scope="matmul",
+                                    islands=(), loss_scale=None)
+        undo_cast = cast_for_policy(amp.model, policy)
+        # The controller's hooks for this policy (embeddings return fp32); amp.remove() removes them with its own.
+        old_hooks, amp._policy_hooks = amp._policy_hooks, policy_hooks(amp.model, policy)
+        amp._decide("memory_pressure", f"{reason}; the matmul layers' weights now bfloat16 with stochastic rounding, "
+                    f"compute under bf16 autocast (was params={dtype_name(old_policy.param_dtype)}, "
+                    f"compute={dtype_name(old_policy.compute_dtype)})", policy, move="bf16-weights")
         amp.scaler = amp._make_scaler(policy)
 
         def undo():
-            if added_cast and amp._input_cast is not None:
-                amp._input_cast.remove()
-                amp._input_cast = None
+            if amp._policy_hooks is not None:
+                amp._policy_hooks.remove()
+            amp._policy_hooks = old_hooks
             undo_cast()
             amp.scaler = old_scaler
             if undo_opt is not None:

@@ -118,6 +118,19 @@ def test_bf16_pure_with_sr_optimizer():
     assert plugin.precision == "bf16-true"
 
 
+def test_bf16_weights_with_sr_optimizer():
+    # The matmul layers' weights are cast before the optimizer exists; the norms stay fp32, autocast computes.
+    from adaptive_amp.recipes import matmul_layers
+
+    plugin = AdaptivePrecision("bf16-weights")
+    _, module = _fit(plugin, steps=6, optimizer="sr", lr=1e-2, data=token_batches(1) * 6)
+    matmul = {id(p) for _, m in matmul_layers(module) for p in m.parameters(recurse=False)}
+    assert matmul and {p.dtype for p in module.parameters() if id(p) in matmul} == {torch.bfloat16}
+    assert {p.dtype for p in module.parameters() if id(p) not in matmul} == {torch.float32}
+    assert module.losses[-1] < module.losses[0]
+    assert plugin.precision == "bf16-mixed" and str(plugin.amp.policy).endswith("scope=matmul")
+
+
 def test_bf16_pure_refuses_a_plain_optimizer():
     with pytest.raises(TypeError, match="stochastically"):
         _fit(AdaptivePrecision("bf16-pure"), steps=1)

@@ -235,6 +235,8 @@ def test_string_round_trip(param, compute, tf32, islands, loss_scale):
     ("params=f32,compute", "compute"),
     ("f8", "params"),
     ("", "empty"),
+    ("params=bf16,scope=some", "scope"),
+    ("params=f32,compute=bf16,scope=matmul", "param_scope"),
 ])
 def test_bad_strings_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
@@ -334,7 +336,25 @@ def test_detect_real_gpu():
 def test_bf16_pure_preset(name):
     p = PrecisionPolicy.from_string(name)
     assert p.param_dtype == torch.bfloat16 and p.compute_dtype == torch.bfloat16 and p.loss_scale is None
+    assert p.param_scope == "all" and p.pure
     assert PrecisionPolicy.from_string(str(p)) == p
+
+
+def test_bf16_weights_preset_and_its_forms():
+    p = PrecisionPolicy.from_string("bf16-weights")
+    assert (p.param_dtype, p.compute_dtype, p.param_scope, p.loss_scale) == (BF16, BF16, "matmul", None)
+    assert not p.pure and str(p) == "params=bfloat16,compute=bfloat16,scope=matmul"
+    assert PrecisionPolicy.from_string(str(p)) == p == PrecisionPolicy.from_dict(p.to_dict())
+    assert PrecisionPolicy.from_json(p.to_json()) == p != PrecisionPolicy.from_string("bf16-pure")
+    assert PrecisionPolicy(BF16, BF16, param_scope="matmul") == p  # the earlier fields keep their positions
+    with pytest.raises(ValueError, match="param_scope is 'weights'"):
+        PrecisionPolicy(BF16, BF16, param_scope="weights")
+    with pytest.raises(ValueError, match="param_scope='matmul'.*float32"):
+        PrecisionPolicy(F32, BF16, param_scope="matmul")
+    chosen = AdaptivePrecisionSelector().select(None, Capabilities(device_type="cpu", name="cpu", bf16=True),
+                                                overrides={"param_dtype": "bf16", "compute_dtype": "bf16",
+                                                           "param_scope": "matmul"})
+    assert chosen == p and "scope=matmul: set by override" in chosen.reasons
 
 
 def test_float16_compute_without_a_loss_scale_gets_dynamic_scaling_and_says_so():

@@ -20,7 +20,7 @@ from adaptive_amp.hardware import Capabilities  # noqa: E402
 from adaptive_amp.policy import AdaptivePrecisionSelector  # noqa: E402
 from adaptive_amp.pressure import MemoryGuard  # noqa: E402
 from adaptive_amp.recipes import (AppliedRecipe, cast_parameters, checkpoint_blocks, convert_optimizer,  # noqa: E402
-                                  find_blocks)
+                                  find_blocks, matmul_layers)
 from adaptive_amp.tune import LossComparison, Snapshot, parse_budget, t_quantile  # noqa: E402
 
 from conftest import assert_bitwise_equal, requires_cuda  # noqa: E402
@@ -374,7 +374,7 @@ def test_controller_policy_tune_applies_the_choice(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "vit", "resnet"])
-@pytest.mark.parametrize("candidate", ["bf16-pure", "bf16"])
+@pytest.mark.parametrize("candidate", ["bf16-pure", "bf16", "bf16-weights"])
 def test_a_trial_runs_what_the_controller_then_runs(family, candidate):
     # The trial's trajectory and the controller's first steps, from the same snapshot on the same batches,
     # bitwise. bf16-pure's trials ran under autocast while the controller runs it without (measured on an
@@ -394,19 +394,20 @@ def test_a_trial_runs_what_the_controller_then_runs(family, candidate):
     recipe = AdaptivePrecisionSelector().candidates(CPU, None, [candidate])[0][0]
     a = AppliedRecipe(recipe, zm.model, opt)
     with a.autocast():
-        assert torch.is_autocast_enabled("cpu") == controller_autocast == (candidate == "bf16")
+        assert torch.is_autocast_enabled("cpu") == controller_autocast == (candidate != "bf16-pure")
     a.undo()
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_a_compiled_trial_runs_what_the_controller_then_runs(family):
+@pytest.mark.parametrize("candidate", ["bf16-pure", "bf16-weights"])
+def test_a_compiled_trial_runs_what_the_controller_then_runs(family, candidate):
     # The same under torch.compile (aot_eager: the AOT autograd settings of the policy without inductor's
-    # CPU compile time): the trial's bf16-pure graph and the controller's, on one compiled model.
+    # CPU compile time): the trial's graph and the controller's, on one compiled model.
     torch._dynamo.reset()
     zm, opt, batches = _setup(family)
     compiled = torch.compile(zm.model, backend="aot_eager")
     amp = AdaptiveMixedPrecision(compiled, opt, policy="tune", capabilities=CPU, progress=False,
-                                 tune=dict(batches=batches, loss_fn=zm.loss, candidates=["bf16-pure"], **FAST))
+                                 tune=dict(batches=batches, loss_fn=zm.loss, candidates=[candidate], **FAST))
     trial = amp.tuning.trials[0]
     assert trial.error is None and amp.tuning.compiled
     losses = [float(amp.train_step(lambda b=b: zm.loss(compiled, b))) for b in batches]
@@ -436,6 +437,13 @@ def test_bf16_training_state_must_be_faster_by_the_state_margin():
     assert verdicts["bf16-pure+bf16-moments"].startswith("agrees, faster (82.4 ms vs 87 ms), but not by more than")
     assert _decided(times, state_margin=0.0)[0] == "bf16-pure+bf16-moments"  # the fastest, as before
     assert _decided({**times, "bf16-pure+bf16-moments": 70.0})[0] == "bf16-pure+bf16-moments"  # 24% faster
+    # bf16 compute outside the matmuls counts as well: bf16-pure left GPT-2 medium's first loss plateau later
+    # than bf16 weights under autocast (H200, twelfth session), so it must beat bf16-weights by the margin.
+    times = {"fp32": 200.0, "bf16": 125.0, "bf16-weights": 100.0, "bf16-pure": 95.0}
+    name, verdicts = _decided(times)
+    assert name == "bf16-weights" and "state_margin=10%" in verdicts["bf16-weights"]
+    assert _decided({**times, "bf16-pure": 85.0})[0] == "bf16-pure"  # 15% faster than bf16-weights
+    assert _decided({**times, "bf16-weights": 115.0, "bf16-pure": 95.0})[0] == "bf16-pure"  # 21% faster
     assert _decided({**times, "bf16": 90.0})[0] == "bf16"  # fp32 weights win when bf16 weights gain < 10%
     assert _decided({"fp32": 100.0, "bf16-pure": 99.5}, state_margin=0.0)[0] == "fp32"  # the tie rule remains
     with pytest.raises(ValueError, match="state_margin"):
@@ -462,7 +470,11 @@ def test_memory_guard_moves_lighter_keeps_state_and_moves_back():
     # The state moved over (one more step taken since): step counts continue, moments are the same run's.
     assert all(float(st["step"]) == 3.0 for st in ours.state.values())
     amp.train_step(lambda: zm.loss(zm.model, batches[0]))
-    assert amp.policy.param_dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in zm.model.parameters())
+    # bf16-weights: the matmul layers' weights in bf16, the norms in fp32, under autocast.
+    assert str(amp.policy) == "params=bfloat16,compute=bfloat16,scope=matmul"
+    matmul = {id(p) for _, m in matmul_layers(zm.model) for p in m.parameters(recurse=False)}
+    assert {p.dtype for p in zm.model.parameters() if id(p) in matmul} == {torch.bfloat16}
+    assert {p.dtype for p in zm.model.parameters() if id(p) not in matmul} == {torch.float32}
     amp.train_step(lambda: zm.loss(zm.model, batches[1]))
     assert [m.name for m in amp.memory_guard.moves] == ["bf16-moments", "bf16-weights", "checkpoint"]
     kinds = [e.kind for e in amp.events]
@@ -480,7 +492,7 @@ def test_memory_guard_moves_lighter_keeps_state_and_moves_back():
 @pytest.mark.parametrize("compiled", [False, True])
 def test_memory_guard_moves_a_channels_last_conv_net_and_back(compiled):
     # The zoo's ResNet: channels_last conv weights (the fused step needs moments in their layout) and fp32
-    # pixel values, which must meet bf16 weights in bf16 once the guard drops autocast. Both moves failed here.
+    # pixel values, which must meet the bf16 weights. Both moves failed here once.
     torch._dynamo.reset()
     zm, opt, batches = _setup("resnet", lr=1e-3)
     model = torch.compile(zm.model, backend="aot_eager") if compiled else zm.model

@@ -1,7 +1,7 @@
 """AdaptiveMixedPrecision on compiled zoo models (compiled before or after the controller wraps them).
 
 Every path works on a compiled model: "auto" with sample_inputs, fp16 with loss scaling, bf16, bf16-pure,
-islands, promotion, the switch to bf16, demotion, per-layer statistics. No graph break, and graphs are
+bf16-weights, islands, promotion, the switch to bf16, demotion, per-layer statistics. No graph break, and graphs are
 compiled only when the policy changes: two per policy (one for statistics steps, one for the others, see
 adaptive_amp.collect), and a policy seen before reuses its graphs. Counted with dynamo's counters.
 
@@ -237,6 +237,57 @@ def test_bf16_pure_compiled():
     assert all(not torch.equal(a.to(p.dtype), p) for a, p in zip(before, zm.model.parameters()))  # all stepped
     assert stats_steps(amp) == [0, 2] and all(torch.isfinite(torch.tensor(losses)))
     check_graphs(amp, compiled)
+
+
+@pytest.mark.parametrize("family", list(zoo.FAMILIES))
+@pytest.mark.parametrize("order", ["eager", "after"])
+def test_bf16_weights_on_every_zoo_family(family, order):
+    # bf16 weights for the matmul layers only, under autocast: the norms and loose parameters stay fp32, and
+    # compiled there is no graph break.
+    from adaptive_amp import optim
+    from adaptive_amp.recipes import matmul_layers
+
+    zm = zoo.build(family, seed=0)
+    opt = optim.AdamW(zm.model.parameters(), lr=1e-3, stochastic_rounding=True)
+    matmul = {id(p) for _, m in matmul_layers(zm.model) for p in m.parameters(recurse=False)}
+    fresh_dynamo()
+    amp, losses, compiled = train(zm, order, "bf16-weights", 4, opt=opt, read_every=2)
+    assert str(amp.policy) == "params=bfloat16,compute=bfloat16,scope=matmul"
+    assert matmul and {p.dtype for p in zm.model.parameters() if id(p) in matmul} == {torch.bfloat16}
+    assert {p.dtype for p in zm.model.parameters() if id(p) not in matmul} <= {torch.float32}
+    assert all(torch.isfinite(torch.tensor(losses)))
+    if order != "eager":
+        check_graphs(amp, compiled)
+    amp.remove()
+
+
+@pytest.mark.parametrize("family,first_block", [("gpt2", "transformer.h.0"), ("llama", "model.layers.0"),
+                                                ("vit", "vit.layers.0")])
+def test_bf16_weights_keep_the_residual_stream_in_fp32(family, first_block):
+    # What bf16-weights is for: the stream the blocks add into is fp32, as under torch's autocast (embeddings
+    # return fp32; ViT's class token and position embeddings are loose fp32 parameters), while the matmuls
+    # run in bf16. Without the embeddings' hook, GPT-2's and Llama's stream would be bf16.
+    from adaptive_amp import optim
+
+    zm = zoo.build(family, seed=0)
+    opt = optim.AdamW(zm.model.parameters(), lr=1e-3, stochastic_rounding=True)
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="bf16-weights", capabilities=CPU_BF16, progress=False)
+    seen = {}
+
+    def residual(module, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        seen["dtype"] = x.dtype
+
+    handle = zm.model.get_submodule(first_block).register_forward_pre_hook(residual, with_kwargs=True)
+    with amp.autocast():
+        loss = zm.loss(zm.model, zm.make_batch(2, seed=0))
+    assert seen["dtype"] == torch.float32 and torch.isfinite(loss)
+    amp.remove()
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        zm.loss(zm.model, zm.make_batch(2, seed=0))
+    assert seen["dtype"] == (torch.float32 if family == "vit" else torch.bfloat16)  # the hooks came off
+    handle.remove()
 
 
 @pytest.mark.parametrize("first", ["same model", "another instance"])

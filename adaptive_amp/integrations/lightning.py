@@ -36,12 +36,21 @@ from ._lightning_packages import (FABRIC_PRECISION_BASES, GradClipAlgorithmType,
 from ..controller import AdaptiveMixedPrecision
 from ..distributed import CollectiveAdaptiveMixedPrecision, world_group
 from ..policy import PrecisionPolicy
+from ..recipes import cast_for_policy
 
 __all__ = ["AdaptivePrecision", "AdaptiveFabricPrecision"]
 
 # Lightning's name for what a policy computes in (its `precision` attribute, for logs and checks).
 _LIGHTNING_NAMES = {(torch.float32, torch.float16): "16-mixed", (torch.float32, torch.bfloat16): "bf16-mixed",
                     (torch.bfloat16, torch.bfloat16): "bf16-true", (torch.float32, torch.float32): "32-true"}
+
+
+def _lightning_name(policy, default: str) -> str:
+    """Lightning's name of the nearest precision (bf16-weights computes under autocast: "bf16-mixed")."""
+    if getattr(policy, "param_scope", "all") == "matmul":
+        return "bf16-mixed"
+    return _LIGHTNING_NAMES.get((getattr(policy, "param_dtype", None), getattr(policy, "compute_dtype", None)),
+                                default)
 
 
 def _parse_policy(policy) -> Union[str, PrecisionPolicy]:
@@ -67,16 +76,18 @@ class _ControllerHost:
         self.amp: Optional[AdaptiveMixedPrecision] = None
         self._pending_state: Optional[dict] = None
         self._clip_norm: Optional[tuple] = None  # (max_norm, norm_type) for the next step
-        self.precision = _LIGHTNING_NAMES.get((getattr(self.policy, "param_dtype", None),
-                                               getattr(self.policy, "compute_dtype", None)), "32-true")
+        self.precision = _lightning_name(self.policy, "32-true")
 
     def _casts_params(self) -> bool:
         return isinstance(self.policy, PrecisionPolicy) and self.policy.param_dtype == torch.bfloat16
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        # bf16-pure: cast before the strategy wraps the module (DDP's buckets follow the parameters' dtype)
-        # and before the optimizer is built on it, so that its state is bf16-sized from the start.
-        return module.to(torch.bfloat16) if self._casts_params() else module
+        # bf16-pure, bf16-weights: cast before the strategy wraps the module (DDP's buckets follow the
+        # parameters' dtype) and before the optimizer is built on it, so that its state is bf16-sized from the
+        # start; the cast the controller would make (all of the module, or its matmul layers' weights).
+        if self._casts_params():
+            cast_for_policy(module, self.policy)
+        return module
 
     def _build(self, module: nn.Module, optimizers: List[torch.optim.Optimizer]) -> AdaptiveMixedPrecision:
         if self.amp is not None:
@@ -90,7 +101,7 @@ class _ControllerHost:
             state, self._pending_state = self._pending_state, None
             self.amp.load_state_dict(state)
         policy = self.amp.policy
-        self.precision = _LIGHTNING_NAMES.get((policy.param_dtype, policy.compute_dtype), self.precision)
+        self.precision = _lightning_name(policy, self.precision)
         return self.amp
 
     def _require_amp(self, what: str) -> AdaptiveMixedPrecision:
