@@ -9,7 +9,11 @@ autocast in two ways; these recipes separate them:
 - ``bf16-master``: bf16 weights, no autocast (bf16-pure's compute), fp32 master weights updated by torch's
   AdamW and copied back rounded to nearest (autocast's update precision);
 - ``autocast-sr``: fp32 weights under bf16 autocast (autocast's compute), each weight stochastically rounded
-  to bf16 after every step (bf16-pure's update precision).
+  to bf16 after every step (bf16-pure's update precision);
+- ``bf16-weights``: the matmul layers' weights in bf16 (``recipes.cast_matmul_weights``: norms, loose
+  parameters and buffers stay fp32, embeddings return fp32), under bf16 autocast, with
+  ``adaptive_amp.optim.AdamW(stochastic_rounding=True)``: autocast's compute, bf16 weights (the candidate
+  the twelfth session built after the first four recipes showed the compute to be the cause).
 
 If bf16-master keeps up with torch-bf16 and autocast-sr lags, the weights' precision is the cause (the fix:
 fp32 master weights); if bf16-master lags too, the bf16 compute (e.g. the residual stream) is.
@@ -32,14 +36,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tune_evidence import build, plain_step, stream, timed_loop  # noqa: E402
 
-RECIPES = ("torch-bf16", "bf16-pure", "bf16-master", "autocast-sr")
+RECIPES = ("torch-bf16", "bf16-pure", "bf16-master", "autocast-sr", "bf16-weights")
 
 
-def recipe_step(name: str, zm, model, lr: float, device):
-    """``step(batch) -> loss`` of one recipe; `model` is a fresh fp32 copy it may cast."""
+def recipe_step(name: str, zm, model, lr: float, device, compile: bool = False):
+    """``step(batch) -> loss`` of one recipe; `model` is a fresh fp32 copy it may cast (and then compile)."""
+    from adaptive_amp.optim import AdamW
+    from adaptive_amp.recipes import cast_matmul_weights, float32_embeddings
+
     params = [p for p in model.parameters() if p.requires_grad]
+    if name not in RECIPES:
+        raise SystemExit(f"unknown recipe {name!r}: one of {', '.join(RECIPES)}")
+    if name == "bf16-weights":
+        cast_matmul_weights(model, torch.bfloat16)
+        float32_embeddings(model)
+    elif name in ("bf16-pure", "bf16-master"):
+        model.to(torch.bfloat16)
+    run = torch.compile(model) if compile else model  # compiled after the casts, as a user would
     if name in ("torch-bf16", "autocast-sr"):
-        autocast_step = plain_step(zm, model, torch.optim.AdamW(params, lr=lr), device)
+        autocast_step = plain_step(zm, run, torch.optim.AdamW(params, lr=lr), device)
         if name == "torch-bf16":
             return autocast_step
 
@@ -52,28 +67,25 @@ def recipe_step(name: str, zm, model, lr: float, device):
                     p.copy_(stochastic_round(p, torch.bfloat16))
             return loss
         return step
-    model.to(torch.bfloat16)
+    if name == "bf16-weights":
+        return plain_step(zm, run, AdamW(params, lr=lr, stochastic_rounding=True), device)
     if name == "bf16-pure":
-        from adaptive_amp.optim import AdamW
+        return plain_step(zm, run, AdamW(params, lr=lr, stochastic_rounding=True), device, autocast_dtype=None)
+    masters = [p.detach().float().requires_grad_() for p in params]  # bf16-master
+    opt = torch.optim.AdamW(masters, lr=lr)
 
-        return plain_step(zm, model, AdamW(params, lr=lr, stochastic_rounding=True), device, autocast_dtype=None)
-    if name == "bf16-master":
-        masters = [p.detach().float().requires_grad_() for p in params]
-        opt = torch.optim.AdamW(masters, lr=lr)
-
-        def step(batch):
-            loss = zm.loss(model, batch)
-            loss.backward()
-            with torch.no_grad():
-                for m, p in zip(masters, params):
-                    m.grad = p.grad.float()
-                    p.grad = None
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                torch._foreach_copy_(params, masters)  # round to nearest, as autocast's casts round
-            return loss
-        return step
-    raise SystemExit(f"unknown recipe {name!r}: one of {', '.join(RECIPES)}")
+    def step(batch):
+        loss = zm.loss(run, batch)
+        loss.backward()
+        with torch.no_grad():
+            for m, p in zip(masters, params):
+                m.grad = p.grad.float()
+                p.grad = None
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch._foreach_copy_(params, masters)  # round to nearest, as autocast's casts round
+        return loss
+    return step
 
 
 def moving_means(losses, every: int, window: int = 100):
@@ -92,6 +104,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (after the recipe's casts)")
     p.add_argument("--out", default="bench/results/ablation")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -103,7 +116,7 @@ def main(argv=None):
     for name in args.recipes.split(","):
         zm = build(args.model, args.tiny, device, seed=args.seed)
         batches = batches or stream(zm, bs, seq, args.steps, args.seed, device)
-        step = recipe_step(name, zm, zm.model, args.lr, device)
+        step = recipe_step(name, zm, zm.model, args.lr, device, compile=args.compile)
         t0 = time.perf_counter()
         r = timed_loop(step, batches, args.steps, device, bs * seq)
         r["seconds"] = time.perf_counter() - t0
@@ -121,7 +134,8 @@ def main(argv=None):
 
         plot_recipes({n: {"losses": r["losses"], "step_times": r["window_ms_per_step"]}
                       for n, r in result["runs"].items()}, os.path.join(args.out, "ablation.png"),
-                     title=f"{args.model}, {bs}x{seq} tokens a step: bf16 weights vs autocast, separated")
+                     title=f"{args.model}{' compiled' if args.compile else ''}, {bs}x{seq} tokens a step: "
+                           "bf16 weights vs autocast, separated")
     except ImportError:  # no matplotlib: the JSON has the losses
         pass
     return result

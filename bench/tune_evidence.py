@@ -419,7 +419,7 @@ def main(argv=None):
     p.add_argument("--compiled-rounds", type=int, default=1,
                    help="compiled: each extra round recompiles every contender (its trajectory is one round)")
     p.add_argument("--timed-steps", type=int, default=3)
-    p.add_argument("--compiled-candidates", default="fp32,bf16,bf16-pure",
+    p.add_argument("--compiled-candidates", default="fp32,bf16,bf16-weights,bf16-pure",
                    help="compiling each candidate takes long: fewer for the compiled mode")
     p.add_argument("--budget", default=None)
     p.add_argument("--oom-fraction", type=float, default=None)
