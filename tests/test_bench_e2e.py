@@ -38,10 +38,12 @@ def test_e2e_eager_every_recipe_with_the_drop_in_check(tmp_path, capsys):
 def test_e2e_compiled_controller_and_its_plain_twin():
     from adaptive_amp.bench.e2e import run_e2e
 
-    result = run_e2e(recipes=["bf16-pure"], modes=("compiled",), steps=2, rounds=1, warmup=1, device="cpu",
-                     progress=lambda *_: None)
-    assert [(r.mode, r.loop) for r in result["rows"]] == [("compiled", "plain"), ("compiled", "controller")]
-    assert result["rows"][1].skipped_steps == 0
+    result = run_e2e(recipes=["bf16-pure", "bf16-weights"], modes=("compiled",), steps=2, rounds=1, warmup=1,
+                     device="cpu", progress=lambda *_: None)
+    assert [(r.recipe, r.loop) for r in result["rows"]] == [("bf16-pure", "plain"), ("bf16-pure", "controller"),
+                                                            ("bf16-weights", "plain"), ("bf16-weights", "controller")]
+    assert all(r.skipped_steps == 0 for r in result["rows"])
+    assert result["rows"][3].policy == "params=bfloat16,compute=bfloat16,scope=matmul" == result["rows"][2].policy
 
 
 def test_rounds_with_a_statistics_step_or_a_read_are_marked():

@@ -13,7 +13,8 @@ bitwise-equal parameters after N fp16 steps.
 Recipes: ``fp32`` (TF32 on CUDA), ``torch-fp16`` (autocast + torch's
 GradScaler), ``torch-bf16`` (autocast), ``auto`` (AdaptiveMixedPrecision's
 own choice, with the analysis), ``fp16`` (ours, fp16 with loss scaling),
-``bf16-pure`` (ours, bf16 weights with the stochastic-rounding AdamW).
+``bf16-pure`` (ours, bf16 weights with the stochastic-rounding AdamW, no autocast),
+``bf16-weights`` (ours, the matmul layers' weights in bf16 with that AdamW, under autocast).
 
 Peak memory of a loop is its static memory (parameters, optimizer state,
 what its first steps left allocated) plus the largest transient of its
@@ -50,8 +51,8 @@ MODELS = {"gpt2-small": ("gpt2", "small"), "gpt2-medium": ("gpt2", "medium"), "l
           "gpt2-large": ("gpt2", "large"), "llama-1b": ("llama", "large")}
 #: what runs when no models are named (the large ones are asked for by name)
 DEFAULT_MODELS = ("gpt2-small", "gpt2-medium", "llama-small")
-RECIPES = ("fp32", "torch-fp16", "torch-bf16", "auto", "fp16", "bf16-pure")
-CONTROLLER_RECIPES = ("auto", "fp16", "bf16-pure")
+RECIPES = ("fp32", "torch-fp16", "torch-bf16", "auto", "fp16", "bf16-pure", "bf16-weights")
+CONTROLLER_RECIPES = ("auto", "fp16", "bf16-pure", "bf16-weights")
 MAX_GRAD_NORM = 1.0
 LR = 1e-4
 
@@ -96,8 +97,8 @@ class _Loop:
         return sum(not r for r in self._results)
 
 
-def _optimizer(model, pure: bool):
-    if pure:
+def _optimizer(model, sr: bool):
+    if sr:
         from ..optim import AdamW
 
         return AdamW(model.parameters(), lr=LR, stochastic_rounding=True)
@@ -106,8 +107,8 @@ def _optimizer(model, pure: bool):
         torch.optim.AdamW(model.parameters(), lr=LR)
 
 
-def _plain(zm, model, fwd, device: str, dtype: Optional[torch.dtype], scaler, pure: bool = False, adjuster=None):
-    opt = _optimizer(model, pure)
+def _plain(zm, model, fwd, device: str, dtype: Optional[torch.dtype], scaler, sr: bool = False, adjuster=None):
+    opt = _optimizer(model, sr)
     autocast = adjuster.autocast if adjuster is not None else (
         (lambda: torch.autocast(device, dtype=dtype)) if dtype is not None else contextlib.nullcontext)
 
@@ -133,6 +134,8 @@ def _plain(zm, model, fwd, device: str, dtype: Optional[torch.dtype], scaler, pu
 def build_loops(recipe: str, zm, device: str, compiled: bool, sample) -> List[_Loop]:
     """The loops of a recipe: one plain loop, or (plain twin, controller) for adaptive_amp's recipes."""
     from ..controller import AdaptiveMixedPrecision
+    from ..policy import PrecisionPolicy
+    from ..recipes import cast_for_policy, policy_hooks
     from ..scaler import GradScaler
 
     def fresh():
@@ -153,14 +156,15 @@ def build_loops(recipe: str, zm, device: str, compiled: bool, sample) -> List[_L
         m = fresh()
         return [_Loop("plain", m, _plain(zm, m, compiled_(m), device, torch.bfloat16, None),
                       policy="torch autocast bf16")]
-    policy = {"auto": "auto", "fp16": "params=float32,compute=float16", "bf16-pure": "bf16-pure"}[recipe]
-    pure = recipe == "bf16-pure"
+    policy = {"auto": "auto", "fp16": "params=float32,compute=float16", "bf16-pure": "bf16-pure",
+              "bf16-weights": "bf16-weights"}[recipe]
+    sr = recipe in ("bf16-pure", "bf16-weights")  # bf16 weights: the stochastic-rounding AdamW
     mc = fresh()
-    if pure:
-        mc.to(torch.bfloat16)  # the SR optimizer is created on the bf16 parameters
+    if sr:
+        cast_for_policy(mc, PrecisionPolicy.from_string(policy))  # the SR optimizer is created on bf16 weights
     fwd_c = compiled_(mc)
     analyze = policy == "auto"
-    amp = AdaptiveMixedPrecision(fwd_c, _optimizer(mc, pure), policy=policy,
+    amp = AdaptiveMixedPrecision(fwd_c, _optimizer(mc, sr), policy=policy,
                                  sample_inputs=zm.inputs(sample) if analyze else None,
                                  loss_fn=zm.output_loss(sample) if analyze else None, progress=False)
 
@@ -175,9 +179,10 @@ def build_loops(recipe: str, zm, device: str, compiled: bool, sample) -> List[_L
     # The plain twin of the controller's policy: the same dtypes, islands and loss scaling (our GradScaler).
     p = amp.policy
     mp = fresh()
-    if pure:
-        mp.to(torch.bfloat16)
-        plain = _plain(zm, mp, compiled_(mp), device, None, None, pure=True)
+    if sr:
+        cast_for_policy(mp, p)
+        policy_hooks(mp, p)  # bf16-pure: inputs cast to bf16; bf16-weights: embeddings return fp32
+        plain = _plain(zm, mp, compiled_(mp), device, None if p.pure else torch.bfloat16, None, sr=True)
     else:
         from ..adjust import DynamicPrecisionAdjuster
 
@@ -246,7 +251,8 @@ def run_e2e(models=None, recipes=RECIPES, modes=("eager", "compiled"), steps=Non
         tokens = batches[0]["input_ids"].numel()
         for mode in modes:
             for recipe in recipes:
-                if recipe in ("torch-bf16", "bf16-pure") and cuda and not torch.cuda.is_bf16_supported():
+                bf16 = recipe in ("torch-bf16", "bf16-pure", "bf16-weights")
+                if bf16 and cuda and not torch.cuda.is_bf16_supported():
                     continue
                 torch._dynamo.reset()
                 progress(f"e2e: {name} {mode} {recipe}")
