@@ -320,11 +320,10 @@ def cast_matmul_weights(model: nn.Module, dtype: torch.dtype) -> Callable[[], No
     and what autocast keeps in fp32 see what torch's autocast gives them (the "bf16-weights" recipe, policy
     param_scope="matmul").
 
-    Why not all of it (bf16-pure): GPT-2 medium trained in bf16 throughout left its first loss plateau far
-    later than under torch's bf16 autocast (H200, 1500 steps at 4x512 tokens: 10.36 against 8.95), and bf16
-    weights with fp32 masters did too (9.76), while autocast with stochastically rounded bf16 weights kept up
-    (8.72): the bf16 compute outside the matmuls (the residual stream, the norms) was the cause, not the
-    weights (bench/precision_ablation.py, bench/RESULTS.md). Returns the undo."""
+    Why not all of it (bf16-pure, which computes the residual stream and the norms in bf16 too): on one H200,
+    2000 steps of a compiled 1.1B Llama ended 1.1% above torch's bf16 autocast with bf16-pure (7.431 against
+    7.349, eleventh session) and 1.5% below it with this (7.245 against 7.357), at 1.65x torch's speed
+    (bench/RESULTS.md, twelfth session; bench/precision_ablation.py). Returns the undo."""
     before = _cast_in_place([t for _, m in matmul_layers(model) for t in m._parameters.values()], dtype)
     return lambda: _uncast(before)
 

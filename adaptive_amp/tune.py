@@ -45,10 +45,10 @@ that keeps the loss and fits the memory budget.
    ``state_margin`` (10%): a few trial steps cannot show a slower convergence
    that appears after hundreds. Measured on an H200 (bench/RESULTS.md): Llama
    1.1B with bf16 weights and moments ended 7% above torch's bf16 autocast
-   after 2000 steps, with bf16 weights and fp32 moments level with it; GPT-2
-   medium in bf16 throughout (bf16-pure) left its first loss plateau later
-   than under autocast, while bf16 weights under autocast (bf16-weights) did
-   not. When a candidate does not fit
+   after 2000 steps, with bf16 weights and fp32 moments level with it;
+   compiled, that Llama in bf16 throughout (bf16-pure) ended 1.1% above it,
+   with bf16 weights under autocast (bf16-weights) 1.5% below it. When a
+   candidate does not fit
    the budget (or runs out of memory) and the model has repeated blocks, the
    same candidate with activation checkpointing is tried next.
 

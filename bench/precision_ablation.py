@@ -13,7 +13,14 @@ autocast in two ways; these recipes separate them:
 - ``bf16-weights``: the matmul layers' weights in bf16 (``recipes.cast_matmul_weights``: norms, loose
   parameters and buffers stay fp32, embeddings return fp32), under bf16 autocast, with
   ``adaptive_amp.optim.AdamW(stochastic_rounding=True)``: autocast's compute, bf16 weights (the candidate
-  the twelfth session built after the first four recipes showed the compute to be the cause).
+  the twelfth session built).
+
+What the twelfth session found (H200, bench/RESULTS.md): GPT-2 medium's loss at 1500-2000 steps is set by
+when its first plateau ends, which varies from run to run even for torch's recipe on one seed (8.95 and 9.36
+eager; 8.71, 9.40 and 10.85 compiled over seeds 0-2), and every bf16 recipe's runs fell inside that spread:
+single runs of this model cannot locate a lag. The 1.1B Llama (``--model llama-1b``), whose curve is
+reproducible to 0.01, can: compiled, bf16-weights ended below torch's autocast where bf16-pure had ended 1.1%
+above it.
 
 If bf16-master keeps up with torch-bf16 and autocast-sr lags, the weights' precision is the cause (the fix:
 fp32 master weights); if bf16-master lags too, the bf16 compute (e.g. the residual stream) is.
