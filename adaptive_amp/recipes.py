@@ -17,7 +17,10 @@ The conversions change a live model and optimizer and can be undone:
   upcast) and removes the keys it added to the groups.
 * :func:`cast_parameters`: parameters and floating buffers to bf16 in place
   (the Parameter objects, which the optimizers hold, stay the same) and back;
-  :func:`cast_floats_hook` casts a pure recipe's floating inputs.
+  :func:`cast_floats_hook` casts a pure recipe's floating inputs;
+  :func:`cast_matmul_weights` casts only the matmul layers' weights, and
+  :func:`float32_embeddings` keeps the residual stream fp32 (bf16-weights).
+  :func:`cast_for_policy` and :func:`policy_hooks` pick these for a policy.
 * :func:`checkpoint_blocks`: the model's repeated blocks (the longest
   ``nn.ModuleList`` of modules of one class) recompute their activations in
   the backward pass (``torch.utils.checkpoint``, non-reentrant).

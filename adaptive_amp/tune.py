@@ -812,7 +812,7 @@ def _bf16_extent(recipe) -> int:
     """How much `recipe` keeps in bf16 beyond torch's autocast, one for each: bf16 weights, bf16 moments, bf16
     compute outside the matmuls (bf16-pure's residual stream and norms). 0 for autocast, fp16 and fp32."""
     return (int(recipe.param_dtype != torch.float32) + int(recipe.moment_dtype not in (None, torch.float32))
-            + int(bool(recipe.policy.pure)))
+            + int(recipe.policy.pure))
 
 
 def _raise_recompile_limit(n: int):

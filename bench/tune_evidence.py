@@ -42,13 +42,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from adaptive_amp import AdaptiveMixedPrecision, zoo  # noqa: E402
+from adaptive_amp.bench.e2e import MODELS as E2E_MODELS  # noqa: E402
 from adaptive_amp.policy import AdaptivePrecisionSelector  # noqa: E402
 from adaptive_amp.recipes import AppliedRecipe  # noqa: E402
 from adaptive_amp.report import _jsonable, plot_recipes  # noqa: E402
 from adaptive_amp.tune import Snapshot  # noqa: E402
 
-#: --models name -> (zoo family, zoo size)
-MODELS = {"gpt2-medium": ("gpt2", "medium"), "gpt2-large": ("gpt2", "large"), "llama-1b": ("llama", "large")}
+#: --models name -> (zoo family, zoo size): the e2e bench's names for these sizes
+MODELS = {name: E2E_MODELS[name] for name in ("gpt2-medium", "gpt2-large", "llama-1b")}
 
 
 def build(name: str, tiny: bool, device, seed: int = 0):

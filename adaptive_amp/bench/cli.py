@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 import torch
 
+from .e2e import DEFAULT_MODELS as E2E_DEFAULT_MODELS, MODELS as E2E_MODELS, RECIPES as E2E_RECIPES
 from .kernels import (SUITES, format_table, sround_cpu, sround_gpu, sround_summary, speedups, stats_cpu, stats_gpu,
                       stats_summary, unscale_cpu, unscale_gpu)
 
@@ -46,10 +47,10 @@ def main(argv=None):
                         help="comma-separated, from " + ", ".join([*SUITES, "sround", "optim", "e2e"]) +
                              " (default gpt2,many)")
     parser.add_argument("--e2e-models", default=None,
-                        help="e2e: comma-separated of gpt2-small,gpt2-medium,llama-small,gpt2-large,llama-1b "
-                             "(GPU default: the first three; CPU: gpt2-small, built tiny)")
+                        help=f"e2e: comma-separated of {','.join(E2E_MODELS)} (GPU default: "
+                             f"{','.join(E2E_DEFAULT_MODELS)}; CPU: gpt2-small, built tiny)")
     parser.add_argument("--e2e-recipes", default=None,
-                        help="e2e: comma-separated of fp32,torch-fp16,torch-bf16,auto,fp16,bf16-pure (default: all)")
+                        help=f"e2e: comma-separated of {','.join(E2E_RECIPES)} (default: all)")
     parser.add_argument("--e2e-modes", default="eager,compiled", help="e2e: eager, compiled or both")
     parser.add_argument("--e2e-steps", type=int, default=None, help="e2e: timed steps per loop (GPU 60, CPU 4)")
     parser.add_argument("--e2e-rounds", type=int, default=None,
