@@ -515,11 +515,14 @@ class AdaptiveMixedPrecision:
                  if p.grad is not None and not p.grad.is_sparse]
         if not grads:
             return None
-        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        # Grouped by device and dtype, as torch's clip_grad_norm_ groups them: _foreach_norm's fused kernel takes
+        # one dtype, and given bf16 and fp32 gradients together ("bf16-weights") it fell back to a norm, a
+        # copy and a memset per tensor: ~500 launches, 16% of a compiled Llama 1.1B step on an H200.
+        groups: Dict[tuple, List[torch.Tensor]] = {}
         for g in grads:
-            by_device.setdefault(g.device, []).append(g)
+            groups.setdefault((g.device, g.dtype), []).append(g)
         norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs)).float()).to(self.device)
-                 for gs in by_device.values()]
+                 for gs in groups.values()]
         return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
 
     def zero_grad(self, set_to_none: bool = True) -> None:

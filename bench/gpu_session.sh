@@ -18,6 +18,8 @@
 #   tune      the measured policy selection on the zoo (bench/tune_evidence.py with TUNE_ARGS)
 #   ablation  bf16 weights vs autocast, their compute and update precision separated (bench/precision_ablation.py)
 #   parity    eager against compiled: logits, causality, gradients (bench/compile_parity.py, PARITY_ARGS)
+#   gap       where a tuned controller's step time goes against its recipe's plain loop (bench/tuned_gap.py,
+#             GAP_ARGS, default the compiled Llama 1.1B)
 #   tunepar   up to four bench/tune_evidence.py at once, one a GPU: TUNE_ARGS_0 ... TUNE_ARGS_3 (each set one
 #             runs, on GPU i; give each a --max-seconds that leaves the build's time and a margin)
 #   examples  examples/ and the README's example on the GPU
@@ -80,6 +82,7 @@ for stage in "$@"; do
     tune) run tune python3 "$repo/bench/tune_evidence.py" --out "$out/tune" ${TUNE_ARGS:-} ;;
     ablation) run ablation python3 "$repo/bench/precision_ablation.py" --out "$out/ablation" ${ABLATION_ARGS:-} ;;
     parity) run parity python3 "$repo/bench/compile_parity.py" --out "$out/parity.json" ${PARITY_ARGS:-} ;;
+    gap) run gap python3 "$repo/bench/tuned_gap.py" --json "$out/gap.json" ${GAP_ARGS:---compiled} ;;
     tunepar) pids=(); t0=$SECONDS; n=0
              for i in 0 1 2 3; do v="TUNE_ARGS_$i"; [ -n "${!v:-}" ] && n=$((n + 1)); done
              # Each process gets its own share of the cores (and inductor as many compile workers): eager steps

@@ -1,0 +1,188 @@
+"""Where a tuned controller's step time goes, against its recipe's plain loop (issue 21: the tuned compiled
+Llama 1.1B ran at 44.9 ms a step, the bf16-weights plain loop at 31.0 ms, in separate calls).
+
+    python bench/tuned_gap.py [--model llama-1b] [--compiled] [--candidates bf16,bf16-weights] [--json PATH]
+    python bench/tuned_gap.py --cpu --compiled    # the tiny Llama on the CPU (tests/test_tuned_gap_script.py)
+
+Three loops of one recipe, each on its own copy of the model (compiled with --compiled):
+``tuned`` (``AdaptiveMixedPrecision(..., policy="tune", tune=dict(candidates=...))``; its choice is the recipe),
+``controller`` (the controller given that recipe's policy and an optimizer made as the recipe makes it) and
+``alone`` (recipes.AppliedRecipe's plain loop: what a trial times). All three step through ``train_step`` or
+the plain step, on the same batches. They are timed in interleaved rounds (medians: clock drift hits all
+alike), then each is profiled for --profile-steps steps: wall time, device busy time (the sum of its kernels'
+times: a gap with equal busy time is host time) and launches per step, the ops whose count or device time
+differs from ``alone``'s, and the Python functions that take the most host time (cProfile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from adaptive_amp import AdaptiveMixedPrecision, zoo
+from adaptive_amp.bench.e2e import MODELS
+from adaptive_amp.recipes import AppliedRecipe
+
+
+def _sync(cuda):
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _loops(zm, batches, compiled: bool, candidates, lr):
+    """{name: step(batch)} of the tuned controller, the controller given its policy, and the recipe alone;
+    and the tuning's result."""
+    def copy_of():
+        m = copy.deepcopy(zm.model)
+        return m, (torch.compile(m) if compiled else m), torch.optim.AdamW(m.parameters(), lr=lr)
+
+    loops, keep = {}, []
+    m, fwd, opt = copy_of()
+    tuned = AdaptiveMixedPrecision(fwd, opt, policy="tune", progress=False,
+                                   tune=dict(batches=batches, loss_fn=zm.loss, candidates=candidates,
+                                             progress=lambda s: print(s, flush=True)))
+    recipe = tuned.tuning.recipe
+    loops["tuned"] = lambda b, a=tuned, f=fwd: a.train_step(lambda: zm.loss(f, b))
+    keep.append(tuned)
+
+    m2, fwd2, opt2 = copy_of()
+    # The optimizer as the tuned controller's: the recipe's conversion of the user's, without its casts.
+    applied = AppliedRecipe(recipe, m2, opt2, precision=False)
+    ctl = AdaptiveMixedPrecision(fwd2, applied.optimizer, policy=tuned.policy, progress=False)
+    loops["controller"] = lambda b, a=ctl, f=fwd2: a.train_step(lambda: zm.loss(f, b))
+    keep.append(ctl)
+
+    m3, fwd3, opt3 = copy_of()
+    alone = AppliedRecipe(recipe, m3, opt3)
+
+    def alone_step(b, r=alone, f=fwd3):
+        with r.autocast():
+            loss = zm.loss(f, b)
+        r.scaler.scale(loss).backward()
+        r.scaler.step(r.optimizer)
+        r.scaler.update()
+        r.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    loops["alone"] = alone_step
+    return loops, tuned.tuning, keep
+
+
+def _profile(step, batches, n, cuda):
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(cuda)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for i in range(n):
+            step(batches[i % len(batches)])
+        _sync(cuda)
+    wall = (time.perf_counter() - t0) * 1e3 / n
+    ops = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        on_device = cuda and getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA"
+        if on_device or (not cuda and e.name.startswith("aten::")):
+            ops[e.name][0] += 1
+            ops[e.name][1] += getattr(e, "device_time_total", 0.0) if on_device else 0.0
+    ops = {k: [c / n, us / n] for k, (c, us) in ops.items()}
+    busy = sum(us for _, us in ops.values()) / 1e3
+    return {"wall_ms": wall, "device_busy_ms": busy, "launches": sum(c for c, _ in ops.values())}, ops
+
+
+def _host_profile(step, batches, n, cuda, top=12):
+    """cProfile's functions with the most own host time, over n steps."""
+    _sync(cuda)
+    pr = cProfile.Profile()
+    pr.enable()
+    for i in range(n):
+        step(batches[i % len(batches)])
+    _sync(cuda)
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-1b", choices=sorted(MODELS))
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--compiled", action="store_true")
+    p.add_argument("--candidates", default="bf16,bf16-weights")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--round-steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--profile-steps", type=int, default=5)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--cpu", action="store_true", help="the tiny model on the CPU (aten ops instead of kernels)")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    cuda = not args.cpu
+    device = "cuda" if cuda else "cpu"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("bench/tuned_gap.py needs a CUDA GPU (or --cpu)")
+    family, size = MODELS[args.model]
+    zm = zoo.build(family, "tiny" if args.cpu else size, seed=0, device=device)
+    batches = [zm.make_batch(2 if args.cpu else args.batch, seed=i, device=device,
+                             seq_len=None if args.cpu else args.seq) for i in range(8)]
+    loops, tuning, _keep = _loops(zm, batches, args.compiled, args.candidates.split(","), args.lr)
+    print(tuning.table(), flush=True)
+    for name, step in loops.items():  # warm-up: compiles (the controllers' statistics graph too)
+        t0 = time.perf_counter()
+        for i in range(args.warmup):
+            step(batches[i % len(batches)])
+        _sync(cuda)
+        print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    times = {name: [] for name in loops}
+    for r in range(args.rounds):
+        for name, step in loops.items():
+            _sync(cuda)
+            t0 = time.perf_counter()
+            for i in range(args.round_steps):
+                step(batches[i % len(batches)])
+            _sync(cuda)
+            times[name].append((time.perf_counter() - t0) * 1e3 / args.round_steps)
+    res = {"model": args.model if cuda else f"{family}-tiny", "compiled": args.compiled, "chosen": tuning.recipe.name,
+           "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu", "loops": {}}
+    ops = {}
+    for name, step in loops.items():
+        summary, ops[name] = _profile(step, batches, args.profile_steps, cuda)
+        res["loops"][name] = {"median_ms": statistics.median(times[name]), "round_ms": times[name], **summary,
+                              "host_top": _host_profile(step, batches, args.profile_steps, cuda)}
+    for name in ("tuned", "controller"):
+        base, mine = ops["alone"], ops[name]
+        res["loops"][name]["differs_from_alone"] = sorted(
+            ([k, base.get(k, [0, 0.0]), mine.get(k, [0, 0.0])] for k in set(base) | set(mine)
+             if abs(base.get(k, [0, 0])[0] - mine.get(k, [0, 0])[0]) > 1e-9
+             or abs(base.get(k, [0, 0.0])[1] - mine.get(k, [0, 0.0])[1]) > 20.0),
+            key=lambda row: -abs(row[2][1] - row[1][1]))[:25]
+    for name, r in res["loops"].items():
+        print(f"== {name}: median {r['median_ms']:.2f} ms/step (rounds {', '.join(f'{t:.1f}' for t in r['round_ms'])});"
+              f" profiled wall {r['wall_ms']:.2f} ms, device busy {r['device_busy_ms']:.2f} ms, "
+              f"{r['launches']:.0f} launches a step", flush=True)
+        for k, (bc, bu), (mc, mu) in r.get("differs_from_alone", []):
+            print(f"   {k[:80]:80} count {bc:6.1f} -> {mc:6.1f}  device {bu:9.1f} -> {mu:9.1f} us")
+        print(r["host_top"], flush=True)
+    from torch._dynamo.utils import counters
+
+    res["dynamo"] = {k: {str(a): b for a, b in v.items()} for k, v in counters.items()
+                     if k in ("stats", "recompiles", "graph_break")}
+    print("dynamo:", res["dynamo"], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
