@@ -54,6 +54,7 @@ run() {  # run NAME CMD...: time a stage, keep its log, go on after a failure
   local rc=$?
   echo "$name: exit $rc in $((SECONDS - t0)) s; $(tail -n 1 "$out/$name.log")" | tee -a "$dest/summary.txt"
   [ $rc -eq 0 ] || status=1
+  pack  # after every stage: a call killed at its time limit may not get to run the trap's
 }
 for stage in "$@"; do
   case $stage in
