@@ -420,28 +420,30 @@ def test_a_compiled_trial_runs_what_the_controller_then_runs(family, candidate):
     amp.remove()
 
 
-def _decided(times: dict, state_margin=0.1, tie=0.01):
-    """The choice among agreeing, fitting trials with these step times (ms), as Tuner._choose makes it."""
+def _decided(times: dict, state_margin=0.1, tie=0.01, fits=()):
+    """The choice among agreeing trials with these step times (ms), as Tuner._choose makes it; all fit the
+    memory budget, or only those named in `fits`."""
     from adaptive_amp.tune import Trial, Tuner
 
     zm, opt, batches = _setup()
     recipes = {r.name: r for r in AdaptivePrecisionSelector().candidates(CPU, None, list(times))[0]}
     tuner = Tuner(zm.model, opt, batches, zm.loss, CPU, list(recipes.values()), state_margin=state_margin, tie=tie)
-    trials = [Trial(n, recipes[n].to_dict(), recipes[n].safety, step_times_ms=[ms], fits=True, agrees=True)
-              for n, ms in times.items()]
+    trials = [Trial(n, recipes[n].to_dict(), recipes[n].safety, step_times_ms=[ms], fits=not fits or n in fits,
+                    agrees=True) for n, ms in times.items()]
     result = tuner._choose(trials, trials[0], recipes, 0.0)
     return result.recipe.name, {t.name: t.verdict for t in trials}
 
 
 def test_bf16_training_state_must_be_faster_by_the_state_margin():
-    # Measured (H200, 2000 steps): bf16 weights and moments ended 7% above torch on Llama 1.1B while its trials
-    # agreed; only a clear speed gain pays for that risk.
-    times = {"fp32": 200.0, "bf16": 125.0, "bf16-pure": 87.0, "bf16-pure+bf16-moments": 82.4}
+    # A few trial steps cannot show a slower convergence (bench/RESULTS.md: on Llama 1.1B bf16 weights and
+    # moments ended 7% above torch's autocast after 2000 steps while their trials agreed): bf16 weights must
+    # beat the agreeing recipes with fp32 weights by more than the margin.
+    times = {"fp32": 200.0, "bf16": 100.0, "bf16-weights": 95.0}
     name, verdicts = _decided(times)
-    assert name == "bf16-pure" and "state_margin=10%" in verdicts["bf16-pure"]
-    assert verdicts["bf16-pure+bf16-moments"].startswith("agrees, faster (82.4 ms vs 87 ms), but not by more than")
-    assert _decided(times, state_margin=0.0)[0] == "bf16-pure+bf16-moments"  # the fastest, as before
-    assert _decided({**times, "bf16-pure+bf16-moments": 70.0})[0] == "bf16-pure+bf16-moments"  # 24% faster
+    assert name == "bf16" and "state_margin=10%" in verdicts["bf16"]
+    assert verdicts["bf16-weights"].startswith("agrees, faster (95 ms vs 100 ms), but not by more than")
+    assert _decided(times, state_margin=0.0)[0] == "bf16-weights"  # the fastest
+    assert _decided({**times, "bf16-weights": 85.0})[0] == "bf16-weights"  # 15% faster
     # bf16 compute outside the matmuls counts as well (H200, compiled Llama 1.1B, 2000 steps: bf16-pure ended
     # 1.1% above torch's autocast, bf16-weights 1.5% below), so bf16-pure must beat bf16-weights by the margin.
     times = {"fp32": 200.0, "bf16": 125.0, "bf16-weights": 100.0, "bf16-pure": 95.0}
@@ -453,6 +455,25 @@ def test_bf16_training_state_must_be_faster_by_the_state_margin():
     assert _decided({"fp32": 100.0, "bf16-pure": 99.5}, state_margin=0.0)[0] == "fp32"  # the tie rule remains
     with pytest.raises(ValueError, match="state_margin"):
         _decided(times, state_margin=-0.1)
+
+
+def test_bf16_moments_are_chosen_for_memory_not_for_speed():
+    # Measured (H200, Llama 1.1B eager 4x256, 2000 steps, the eleventh and thirteenth sessions): bf16 weights and
+    # moments ended 7% above torch's autocast; their trials agreed and were 12% faster than bf16-weights (68.96
+    # against 77.53 ms), which beat the state margin. Only memory pays for bf16 moments.
+    times = {"fp32": 93.43, "bf16": 83.31, "bf16-weights": 77.53, "bf16-weights+bf16-moments": 92.44,
+             "bf16-pure": 89.3, "bf16-pure+bf16-moments": 68.96}
+    name, verdicts = _decided(times)
+    assert name == "bf16"  # bf16-weights is 7% faster: within the state margin
+    for moments in ("bf16-weights+bf16-moments", "bf16-pure+bf16-moments"):
+        assert verdicts[moments].startswith("agrees, but keeps its moments in bf16")
+    assert _decided({**times, "bf16-pure+bf16-moments": 40.0})[0] == "bf16"  # however much faster
+    assert _decided(times, state_margin=0.0)[0] == "bf16-pure+bf16-moments"  # the fastest wins
+    # When nothing with fp32 moments fits the budget, bf16 moments are what fits.
+    name, verdicts = _decided(times, fits=("bf16-weights+bf16-moments", "bf16-pure+bf16-moments"))
+    assert name == "bf16-pure+bf16-moments" and verdicts["bf16-weights"].startswith("does not fit")
+    assert _decided({"bf16-pure+bf16-moments": 70.0, "bf16-weights+bf16-moments": 80.0})[0] == \
+        "bf16-pure+bf16-moments"
 
 
 # ---------------------------------------------------------------------------- memory pressure
