@@ -516,6 +516,20 @@ class AppliedRecipe:
     def autocast(self):
         return self.adjuster.autocast()
 
+    def train_step(self, closure: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """One plain step of the recipe (what its trial times, without a controller): ``closure() -> loss``
+        under its autocast, backward through its scaler, the optimizer's step, gradients set to None.
+        Returns the detached loss."""
+        if self.scaler is None:
+            raise RuntimeError("train_step needs the recipe's autocast and scaler: apply it with precision=True")
+        with self.autocast():
+            loss = closure()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
     def undo(self) -> None:
         """Everything applied, undone in reverse order (parameters back to their dtype, state to the
         user's optimizer, blocks and islands unwrapped, TF32 as it was)."""

@@ -135,17 +135,9 @@ def torch_bf16(zm, model, opt, batches, steps, device):
 def recipe_alone(zm, model, opt, batches, steps, device, recipe):
     """A candidate alone: a plain loop of its recipe (what the tuning measured, for longer)."""
     applied = AppliedRecipe(recipe, model, opt)
-
-    def step(batch):
-        with applied.autocast():
-            loss = zm.loss(model, batch)
-        applied.scaler.scale(loss).backward()
-        applied.scaler.step(applied.optimizer)
-        applied.scaler.update()
-        applied.optimizer.zero_grad(set_to_none=True)
-        return loss
     try:
-        return timed_loop(step, batches, steps, device, batches[0]["input_ids"].numel())
+        return timed_loop(lambda b: applied.train_step(lambda: zm.loss(model, b)), batches, steps, device,
+                          batches[0]["input_ids"].numel())
     finally:
         applied.undo()
 

@@ -65,16 +65,7 @@ def _loops(zm, batches, compiled: bool, candidates, lr):
 
     m3, fwd3, opt3 = copy_of()
     alone = AppliedRecipe(recipe, m3, opt3)
-
-    def alone_step(b, r=alone, f=fwd3):
-        with r.autocast():
-            loss = zm.loss(f, b)
-        r.scaler.scale(loss).backward()
-        r.scaler.step(r.optimizer)
-        r.scaler.update()
-        r.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-    loops["alone"] = alone_step
+    loops["alone"] = lambda b, r=alone, f=fwd3: r.train_step(lambda: zm.loss(f, b))
     return loops, tuned.tuning, keep
 
 

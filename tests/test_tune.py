@@ -403,6 +403,23 @@ def test_a_trial_runs_what_the_controller_then_runs(family, candidate):
     a.undo()
 
 
+@pytest.mark.parametrize("candidate", ["fp16", "bf16-weights"])
+def test_a_recipe_run_alone_is_its_trial(candidate):
+    # AppliedRecipe.train_step (the benches' "candidate alone") from the state the tuning restored: the
+    # trial's losses bitwise, fp16's loss scaling included.
+    zm, opt, batches = _setup("llama")
+    result = tune(zm.model, opt, batches, zm.loss, candidates=[candidate], capabilities=CPU, **FAST)
+    applied = AppliedRecipe(result.recipe, zm.model, opt)
+    losses = [float(applied.train_step(lambda b=b: zm.loss(zm.model, b))) for b in batches]
+    assert result.trials[0].losses == losses
+    assert all(p.grad is None for p in zm.model.parameters())
+    applied.undo()
+    bare = AppliedRecipe(result.recipe, zm.model, opt, precision=False)
+    with pytest.raises(RuntimeError, match="precision=True"):
+        bare.train_step(lambda: zm.loss(zm.model, batches[0]))
+    bare.undo()
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("candidate", ["bf16-pure", "bf16-weights"])
 def test_a_compiled_trial_runs_what_the_controller_then_runs(family, candidate):
