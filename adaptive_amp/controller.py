@@ -277,9 +277,10 @@ class AdaptiveMixedPrecision:
         if policy.param_dtype != torch.bfloat16:
             raise ValueError(f"policy params={dtype_name(policy.param_dtype)}: parameters are kept in float32 or, "
                              "with stochastic rounding (policies 'bf16-pure' and 'bf16-weights'), in bfloat16")
-        if policy.islands:
-            raise ValueError("a policy with params=bfloat16 cannot have fp32 islands: an island computes in "
-                             "float32 and its weights would be bfloat16; use params=float32 for islands")
+        if policy.islands and policy.param_scope != "matmul":
+            raise ValueError("a policy with params=bfloat16 throughout (bf16-pure) cannot have fp32 islands: an "
+                             "island computes in float32 and its weights would be bfloat16; use scope=matmul "
+                             "(bf16-weights), whose islands keep fp32 weights, or params=float32")
         from . import optim
 
         for opt in self.optimizers:

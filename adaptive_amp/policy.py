@@ -501,8 +501,8 @@ class AdaptivePrecisionSelector:
 
 
 #: Recipes AdaptivePrecisionSelector.tune knows, safest first (each may end in "+ckpt": activation checkpointing).
-CANDIDATES = ("fp32", "bf16+islands", "bf16", "fp16+islands", "fp16", "bf16-weights", "bf16-weights+bf16-moments",
-              "bf16-pure", "bf16-pure+bf16-moments", "float8")
+CANDIDATES = ("fp32", "bf16+islands", "bf16", "fp16+islands", "fp16", "bf16-weights+islands", "bf16-weights",
+              "bf16-weights+bf16-moments", "bf16-pure", "bf16-pure+bf16-moments", "float8")
 
 
 def candidate_recipes(capabilities, analysis=None, names=None) -> tuple:
@@ -548,10 +548,18 @@ def candidate_recipes(capabilities, analysis=None, names=None) -> tuple:
             if gpu and not getattr(capabilities, "bf16", False):
                 skipped.append((name, f"bf16 is not native on {capabilities.name}"))
                 continue
+            islands = ()
+            if base.endswith("+islands"):  # bf16-weights only: the islands keep fp32 weights
+                islands = risky(torch.bfloat16)
+                if not islands:
+                    why = ("no sensitivity analysis was given" if analysis is None else
+                           "the analysis flags no layer as risky in bfloat16")
+                    skipped.append((name, f"{why}, so it equals bf16-weights"))
+                    continue
             moments = torch.bfloat16 if base.endswith("bf16-moments") else torch.float32
             scope = "matmul" if base.startswith("bf16-weights") else "all"
             recipes.append(Recipe(policy=PrecisionPolicy(torch.bfloat16, torch.bfloat16, param_scope=scope,
-                                                         tf32=tf32), moment_dtype=moments, **kw))
+                                                         islands=islands, tf32=tf32), moment_dtype=moments, **kw))
         elif base == "float8":
             why = float8_available()
             if why is not None:

@@ -18,8 +18,8 @@ next move of the ladder is made, each an event of kind ``"memory_pressure"``:
 1. ``"bf16-moments"``: the optimizer becomes adaptive_amp.optim's (stochastic
    rounding) with bf16 moments (4 bytes a parameter less with AdamW);
 2. ``"bf16-weights"``: the matmul layers' weights and gradients in bf16,
-   compute under bf16 autocast, no islands and no loss scaling (the policy
-   "bf16-weights"; 4 bytes a weight less). Not "bf16-pure": with bf16 outside
+   compute under bf16 autocast, no loss scaling (the policy "bf16-weights";
+   4 bytes a weight less); fp32 islands stay, with their weights in fp32. Not "bf16-pure": with bf16 outside
    the matmuls too, a compiled 1.1B Llama ended 1.1% above torch's autocast
    after 2000 steps, with this 1.5% below it (bench/RESULTS.md, twelfth
    session);
@@ -231,8 +231,9 @@ class MemoryGuard:
                                                                      o.param_groups) for o in amp.optimizers):
             undo_opt = self._convert(amp, torch.float32)
         old_policy, old_scaler = amp.policy, amp.scaler
+        # The islands stay, with their fp32 weights (recipes.cast_matmul_weights keeps them).
         policy = old_policy.replace(param_dtype=torch.bfloat16, compute_dtype=torch.bfloat16, param_scope="matmul",
-                                    islands=(), loss_scale=None)
+                                    loss_scale=None)
         undo_cast = cast_for_policy(amp.model, policy)
         # The controller's hooks for this policy (embeddings return fp32); amp.remove() removes them with its own.
         old_hooks, amp._policy_hooks = amp._policy_hooks, policy_hooks(amp.model, policy)

@@ -35,13 +35,13 @@ import dataclasses
 import functools
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .adjust import DynamicPrecisionAdjuster, forget_compiled_graphs
-from .layers import unwrap_model
+from .layers import expand_names, unwrap_model
 from .scaler import GradScaler
 
 _MISSING = object()
@@ -78,8 +78,9 @@ class Recipe:
         if self.param_dtype == torch.bfloat16 and self.moment_dtype is None:
             raise ValueError(f"recipe {self.name!r}: bf16 parameters need an optimizer that rounds stochastically; "
                              "set moment_dtype (torch.float32 or torch.bfloat16)")
-        if self.param_dtype == torch.bfloat16 and self.policy.islands:
-            raise ValueError(f"recipe {self.name!r}: bf16 parameters cannot have fp32 islands")
+        if self.param_dtype == torch.bfloat16 and self.policy.islands and self.policy.param_scope != "matmul":
+            raise ValueError(f"recipe {self.name!r}: bf16 parameters throughout (bf16-pure) cannot have fp32 "
+                             "islands; bf16-weights (param_scope='matmul') can: its islands keep fp32 weights")
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -317,9 +318,10 @@ def _float32_output(module, args, output):
     return output.float() if isinstance(output, torch.Tensor) and output.dtype != torch.float32 else output
 
 
-def cast_matmul_weights(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
+def cast_matmul_weights(model: nn.Module, dtype: torch.dtype, keep: Sequence[str] = ()) -> Callable[[], None]:
     """The parameters of :func:`matmul_layers` to `dtype` in place (as :func:`cast_parameters`), everything else
-    left in float32. Runs under autocast, with :func:`float32_embeddings`, so that the residual stream, the norms
+    left in float32. `keep`: names of modules (fp32 islands) whose parameters stay float32, and with them every
+    parameter they share (a tied embedding and output layer: the island's fp32 weight is the embedding's too). Runs under autocast, with :func:`float32_embeddings`, so that the residual stream, the norms
     and what autocast keeps in fp32 see what torch's autocast gives them (the "bf16-weights" recipe, policy
     param_scope="matmul").
 
@@ -327,7 +329,10 @@ def cast_matmul_weights(model: nn.Module, dtype: torch.dtype) -> Callable[[], No
     2000 steps of a compiled 1.1B Llama ended 1.1% above torch's bf16 autocast with bf16-pure (7.431 against
     7.349, eleventh session) and 1.5% below it with this (7.245 against 7.357), at 1.65x torch's speed
     (bench/RESULTS.md, twelfth session; bench/precision_ablation.py). Returns the undo."""
-    before = _cast_in_place([t for _, m in matmul_layers(model) for t in m._parameters.values()], dtype)
+    root = unwrap_model(model)
+    kept = {id(p) for name in keep for p in root.get_submodule(name).parameters()}
+    before = _cast_in_place([t for _, m in matmul_layers(model) for t in m._parameters.values()
+                             if id(t) not in kept], dtype)
     return lambda: _uncast(before)
 
 
@@ -358,7 +363,10 @@ def cast_for_policy(model: nn.Module, policy) -> Callable[[], None]:
     if policy.param_dtype == torch.float32:
         return lambda: None
     if policy.param_scope == "matmul":
-        return cast_matmul_weights(model, policy.param_dtype)
+        islands, unknown = expand_names(policy.islands, model)
+        if unknown:
+            raise ValueError(f"policy.islands names modules the model does not have: {unknown}")
+        return cast_matmul_weights(model, policy.param_dtype, keep=islands)
     return cast_parameters(model, policy.param_dtype)
 
 

@@ -325,6 +325,40 @@ def test_overflowing_fp16_disagrees_and_islands_fix_it():
     assert result.recipe.name in ("fp32", "fp16+islands")
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bf16_weights_with_the_analysis_islands_is_a_candidate(family, compiled):
+    # The islands the analysis flags in bf16 (a strict threshold flags some) become fp32 layers of bf16-weights:
+    # fp32 weights (GPT-2's lm_head: with the embedding it is tied to), fp32 compute. The controller then runs
+    # the trial's trajectory bitwise.
+    from adaptive_amp.analysis import PrecisionAnalyzer
+    from adaptive_amp.layers import expand_names
+
+    zm, opt, batches = _setup(family)
+    analysis = PrecisionAnalyzer(candidates=(torch.bfloat16,), error_threshold=1e-3, progress=False).analyze(
+        zm.model, zm.inputs(batches[0]), zm.output_loss(batches[0]))
+    flagged = [n for n, _ in analysis.risky_layers(torch.bfloat16)]
+    assert flagged
+    assert AdaptivePrecisionSelector().candidates(CPU, None, ["bf16-weights+islands"]) == (
+        [], [("bf16-weights+islands", "no sensitivity analysis was given, so it equals bf16-weights")])
+    torch._dynamo.reset()
+    model = torch.compile(zm.model, backend="aot_eager") if compiled else zm.model
+    amp = AdaptiveMixedPrecision(model, opt, policy="tune", capabilities=CPU, progress=False,
+                                 tune=dict(batches=batches, loss_fn=zm.loss, candidates=["bf16-weights+islands"],
+                                           analysis=analysis, **FAST))
+    trial = amp.tuning.trials[0]
+    assert trial.error is None and amp.tuning.recipe.name == "bf16-weights+islands"
+    assert amp.tuning.compiled == compiled
+    assert amp.policy.param_scope == "matmul" and list(amp.policy.islands) == flagged
+    modules = dict(zm.model.named_modules())
+    island_params = {id(p) for n in expand_names(flagged, zm.model)[0] for p in modules[n].parameters()}
+    assert island_params and all(p.dtype == torch.float32 for p in zm.model.parameters() if id(p) in island_params)
+    assert any(p.dtype == torch.bfloat16 for p in zm.model.parameters())
+    losses = [float(amp.train_step(lambda b=b: zm.loss(model, b))) for b in batches]
+    assert trial.losses == losses
+    amp.remove()
+
+
 def test_memory_budget_picks_what_fits_and_checkpoints_when_needed():
     zm, opt, batches = _setup()
     free = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32"], **FAST).trials[0]
@@ -530,6 +564,34 @@ def test_memory_guard_moves_lighter_keeps_state_and_moves_back():
     assert str(amp.policy) == "params=float32,compute=bfloat16"
     assert set(exp_avg) == set(opt.state) and all(v["exp_avg"].dtype == torch.float32 for v in opt.state.values())
     assert all(math.isfinite(float(zm.loss(zm.model, b))) for b in batches)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_memory_guard_bf16_weights_move_keeps_the_islands(compiled):
+    # An fp16 policy with an island (GPT-2's lm_head, tied to the token embedding): the move to bf16-weights
+    # keeps the island, its fp32 weight and compute, and the move back restores the fp16 policy.
+    zm, opt, batches = _setup()
+    torch._dynamo.reset()
+    model = torch.compile(zm.model, backend="aot_eager") if compiled else zm.model
+    policy = "params=float32,compute=float16,islands=lm_head,loss_scale=dynamic:65536"
+    amp = AdaptiveMixedPrecision(model, opt, policy=policy, capabilities=CPU, progress=False)
+    headroom = [10]
+    amp.memory_guard = MemoryGuard(min_free=1000, check_every=1, reader=lambda: headroom[0], allow_recover=True,
+                                   recover_after=1)
+    for i in range(2):
+        amp.train_step(lambda i=i: zm.loss(model, batches[i % 3]))
+    assert [m.name for m in amp.memory_guard.moves] == ["bf16-moments", "bf16-weights"]
+    assert str(amp.policy) == "params=bfloat16,compute=bfloat16,scope=matmul,islands=lm_head"
+    assert amp.adjuster.islands == ("lm_head",) and not amp.scaler.is_enabled()
+    assert zm.model.lm_head.weight.dtype == torch.float32 and zm.model.transformer.wte.weight is zm.model.lm_head.weight
+    assert zm.model.transformer.h[0].attn.c_attn.weight.dtype == torch.bfloat16
+    assert math.isfinite(float(amp.train_step(lambda: zm.loss(model, batches[2]))))
+    headroom[0] = 10**9
+    for i in range(8):
+        amp.train_step(lambda i=i: zm.loss(model, batches[i % 3]))
+    assert not amp.memory_guard.moves and str(amp.policy) == policy
+    assert all(p.dtype == torch.float32 for p in zm.model.parameters())
+    amp.remove()
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -291,6 +291,58 @@ def test_bf16_weights_keep_the_residual_stream_in_fp32(family, first_block):
 
 
 
+@pytest.mark.parametrize("family", list(zoo.FAMILIES))
+@pytest.mark.parametrize("order", ["eager", "after"])
+def test_bf16_weights_with_an_island_keeps_its_weights_in_fp32(family, order):
+    # An island computes in fp32, so under bf16-weights its weights stay fp32, and so does every parameter
+    # it shares: the last matmul layer is GPT-2's lm_head, whose weight is the token embedding's.
+    from adaptive_amp import optim
+    from adaptive_amp.recipes import matmul_layers
+
+    zm = zoo.build(family, seed=0)
+    island, module = matmul_layers(zm.model)[-1]
+    kept = {id(p) for p in module.parameters()}
+    opt = optim.AdamW(zm.model.parameters(), lr=1e-3, stochastic_rounding=True)
+    outputs = []  # (eager only: a hook that appends to a list would make dynamo retrace at every step)
+    handle = module.register_forward_hook(lambda m, args, out: outputs.append(out.dtype)) if order == "eager" else None
+    fresh_dynamo()
+    amp, losses, compiled = train(zm, order, f"params=bfloat16,compute=bfloat16,scope=matmul,islands={island}", 3,
+                                  opt=opt, read_every=2)
+    assert amp.adjuster.islands == (island,)
+    assert {p.dtype for p in module.parameters()} == {torch.float32}
+    assert order != "eager" or (outputs and set(outputs) == {torch.float32})
+    others = [m._parameters["weight"] for _, m in matmul_layers(zm.model) if id(m._parameters["weight"]) not in kept]
+    assert others and {w.dtype for w in others} == {torch.bfloat16}
+    if family == "gpt2":
+        assert zm.model.transformer.wte.weight is module.weight  # tied: the embedding stays fp32 with it
+    assert all(torch.isfinite(torch.tensor(losses)))
+    if order != "eager":
+        check_graphs(amp, compiled)
+    else:
+        handle.remove()
+    amp.remove()
+
+
+def test_bf16_pure_still_refuses_islands():
+    from adaptive_amp import optim
+    from adaptive_amp.recipes import Recipe
+    from adaptive_amp.policy import PrecisionPolicy
+
+    zm = zoo.build("llama", seed=0)
+    before = [p.detach().clone() for p in zm.model.parameters()]
+    opt = optim.AdamW(zm.model.parameters(), lr=1e-3, stochastic_rounding=True)
+    with pytest.raises(ValueError, match="scope=matmul"):
+        AdaptiveMixedPrecision(zm.model, opt, policy="params=bfloat16,compute=bfloat16,islands=lm_head",
+                               capabilities=CPU_BF16, progress=False)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(before, zm.model.parameters()))
+    with pytest.raises(ValueError, match="bf16-pure"):
+        Recipe("x", PrecisionPolicy(torch.bfloat16, torch.bfloat16, islands=("lm_head",)), moment_dtype=torch.float32)
+    with pytest.raises(ValueError, match="does not have"):
+        AdaptiveMixedPrecision(zm.model, opt, policy="params=bfloat16,compute=bfloat16,scope=matmul,"
+                               "islands=no.such.layer", capabilities=CPU_BF16, progress=False)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(before, zm.model.parameters()))
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("order", ["eager", "after"])
 def test_bf16_weights_grad_norm_is_torchs_from_one_dtype_per_foreach_norm(family, order, monkeypatch):
