@@ -358,8 +358,8 @@ def float32_embeddings(model: nn.Module) -> HookHandles:
 
 def cast_for_policy(model: nn.Module, policy) -> Callable[[], None]:
     """The cast a policy with bf16 parameters makes (returns its undo): param_scope "all" (bf16-pure) every
-    parameter and buffer (:func:`cast_parameters`), "matmul" (bf16-weights) the matmul layers' weights
-    (:func:`cast_matmul_weights`). The controller, the trials and a recipe run alone all cast with this."""
+    parameter and buffer (:func:`cast_parameters`), "matmul" (bf16-weights) the matmul layers' weights but the
+    islands' (:func:`cast_matmul_weights`). The controller, the trials and a recipe run alone all cast with this."""
     if policy.param_dtype == torch.float32:
         return lambda: None
     if policy.param_scope == "matmul":
