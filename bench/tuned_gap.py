@@ -4,11 +4,12 @@ Llama 1.1B ran at 44.9 ms a step, the bf16-weights plain loop at 31.0 ms, in sep
     python bench/tuned_gap.py [--model llama-1b] [--compiled] [--candidates bf16,bf16-weights] [--json PATH]
     python bench/tuned_gap.py --cpu --compiled    # the tiny Llama on the CPU (tests/test_tuned_gap_script.py)
 
-Three loops of one recipe, each on its own copy of the model (compiled with --compiled):
+Four loops of one recipe, each on its own copy of the model (compiled with --compiled):
 ``tuned`` (``AdaptiveMixedPrecision(..., policy="tune", tune=dict(candidates=...))``; its choice is the recipe),
-``controller`` (the controller given that recipe's policy and an optimizer made as the recipe makes it) and
-``alone`` (recipes.AppliedRecipe's plain loop: what a trial times). All three step through ``train_step`` or
-the plain step, on the same batches. They are timed in interleaved rounds (medians: clock drift hits all
+``controller`` (the controller given that recipe's policy and an optimizer made as the recipe makes it),
+``controller-no-norm`` (the same with ``track_grad_norm=False``: what the gradient norm it measures costs) and
+``alone`` (recipes.AppliedRecipe's plain loop: what a trial times). All step through ``train_step`` or the plain
+step, on the same batches. They are timed in interleaved rounds (medians: clock drift hits all
 alike), then each is profiled for --profile-steps steps: wall time, device busy time (the sum of its kernels'
 times: a gap with equal busy time is host time) and launches per step, the ops whose count or device time
 differs from ``alone``'s, and the Python functions that take the most host time (cProfile).
@@ -62,6 +63,15 @@ def _loops(zm, batches, compiled: bool, candidates, lr):
     ctl = AdaptiveMixedPrecision(fwd2, applied.optimizer, policy=tuned.policy, progress=False)
     loops["controller"] = lambda b, a=ctl, f=fwd2: a.train_step(lambda: zm.loss(f, b))
     keep.append(ctl)
+
+    # The same without the gradient norm it measures when nothing else does (track_grad_norm=False): what
+    # that norm costs.
+    m4, fwd4, opt4 = copy_of()
+    applied4 = AppliedRecipe(recipe, m4, opt4, precision=False)
+    bare = AdaptiveMixedPrecision(fwd4, applied4.optimizer, policy=tuned.policy, progress=False,
+                                  track_grad_norm=False)
+    loops["controller-no-norm"] = lambda b, a=bare, f=fwd4: a.train_step(lambda: zm.loss(f, b))
+    keep.append(bare)
 
     m3, fwd3, opt3 = copy_of()
     alone = AppliedRecipe(recipe, m3, opt3)
@@ -150,7 +160,7 @@ def main(argv=None) -> int:
         summary, ops[name] = _profile(step, batches, args.profile_steps, cuda)
         res["loops"][name] = {"median_ms": statistics.median(times[name]), "round_ms": times[name], **summary,
                               "host_top": _host_profile(step, batches, args.profile_steps, cuda)}
-    for name in ("tuned", "controller"):
+    for name in ("tuned", "controller", "controller-no-norm"):
         base, mine = ops["alone"], ops[name]
         res["loops"][name]["differs_from_alone"] = sorted(
             ([k, base.get(k, [0, 0.0]), mine.get(k, [0, 0.0])] for k in set(base) | set(mine)
