@@ -517,10 +517,19 @@ def candidate_recipes(capabilities, analysis=None, names=None) -> tuple:
     gpu = getattr(capabilities, "device_type", "cpu") == "cuda"
     recipes, skipped = [], []
 
-    def risky(dtype):
-        if analysis is None:
+    def islands_for(name, base, dtype):
+        """The analysis' islands in `dtype` for a "+islands" candidate, () for the others; None (the candidate
+        skipped) when the analysis flags none: it would equal its base."""
+        if not base.endswith("+islands"):
             return ()
-        return tuple(item if isinstance(item, str) else item[0] for item in analysis.risky_layers(dtype) or ())
+        flagged = () if analysis is None else tuple(
+            item if isinstance(item, str) else item[0] for item in analysis.risky_layers(dtype) or ())
+        if not flagged:
+            why = ("no sensitivity analysis was given" if analysis is None else
+                   f"the analysis flags no layer as risky in {dtype_name(dtype)}")
+            skipped.append((name, f"{why}, so it equals {base.split('+')[0]}"))
+            return None
+        return flagged
 
     for name in names:
         base, ckpt = name.replace("+ckpt", ""), name.endswith("+ckpt")
@@ -533,14 +542,9 @@ def candidate_recipes(capabilities, analysis=None, names=None) -> tuple:
             if gpu and not getattr(capabilities, "bf16" if dtype == torch.bfloat16 else "fp16", False):
                 skipped.append((name, f"{dtype_name(dtype)} is not native on {capabilities.name}"))
                 continue
-            islands = ()
-            if base.endswith("+islands"):
-                islands = risky(dtype)
-                if not islands:
-                    why = ("no sensitivity analysis was given" if analysis is None else
-                           f"the analysis flags no layer as risky in {dtype_name(dtype)}")
-                    skipped.append((name, f"{why}, so it equals {base.split('+')[0]}"))
-                    continue
+            islands = islands_for(name, base, dtype)
+            if islands is None:
+                continue
             scale = LossScale() if dtype == torch.float16 else None
             recipes.append(Recipe(policy=PrecisionPolicy(compute_dtype=dtype, islands=islands, loss_scale=scale,
                                                          tf32=tf32), **kw))
@@ -548,14 +552,9 @@ def candidate_recipes(capabilities, analysis=None, names=None) -> tuple:
             if gpu and not getattr(capabilities, "bf16", False):
                 skipped.append((name, f"bf16 is not native on {capabilities.name}"))
                 continue
-            islands = ()
-            if base.endswith("+islands"):  # bf16-weights only: the islands keep fp32 weights
-                islands = risky(torch.bfloat16)
-                if not islands:
-                    why = ("no sensitivity analysis was given" if analysis is None else
-                           "the analysis flags no layer as risky in bfloat16")
-                    skipped.append((name, f"{why}, so it equals bf16-weights"))
-                    continue
+            islands = islands_for(name, base, torch.bfloat16)  # bf16-weights only: its islands keep fp32 weights
+            if islands is None:
+                continue
             moments = torch.bfloat16 if base.endswith("bf16-moments") else torch.float32
             scope = "matmul" if base.startswith("bf16-weights") else "all"
             recipes.append(Recipe(policy=PrecisionPolicy(torch.bfloat16, torch.bfloat16, param_scope=scope,

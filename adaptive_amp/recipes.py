@@ -321,8 +321,9 @@ def _float32_output(module, args, output):
 def cast_matmul_weights(model: nn.Module, dtype: torch.dtype, keep: Sequence[str] = ()) -> Callable[[], None]:
     """The parameters of :func:`matmul_layers` to `dtype` in place (as :func:`cast_parameters`), everything else
     left in float32. `keep`: names of modules (fp32 islands) whose parameters stay float32, and with them every
-    parameter they share (a tied embedding and output layer: the island's fp32 weight is the embedding's too). Runs under autocast, with :func:`float32_embeddings`, so that the residual stream, the norms
-    and what autocast keeps in fp32 see what torch's autocast gives them (the "bf16-weights" recipe, policy
+    parameter they share (a tied embedding and output layer: the island's fp32 weight is the embedding's too).
+    Runs under autocast, with :func:`float32_embeddings`, so that the residual stream, the norms and what
+    autocast keeps in fp32 see what torch's autocast gives them (the "bf16-weights" recipe, policy
     param_scope="matmul").
 
     Why not all of it (bf16-pure, which computes the residual stream and the norms in bf16 too): on one H200,

@@ -42,8 +42,8 @@ def _sync(cuda):
 
 
 def _loops(zm, batches, compiled: bool, candidates, lr):
-    """{name: step(batch)} of the tuned controller, the controller given its policy, and the recipe alone;
-    and the tuning's result."""
+    """{name: step(batch)} of the tuned controller, the controller given its policy (with and without the
+    gradient norm), and the recipe alone; the tuning's result; the controllers, kept alive."""
     def copy_of():
         m = copy.deepcopy(zm.model)
         return m, (torch.compile(m) if compiled else m), torch.optim.AdamW(m.parameters(), lr=lr)
@@ -57,21 +57,17 @@ def _loops(zm, batches, compiled: bool, candidates, lr):
     loops["tuned"] = lambda b, a=tuned, f=fwd: a.train_step(lambda: zm.loss(f, b))
     keep.append(tuned)
 
-    m2, fwd2, opt2 = copy_of()
-    # The optimizer as the tuned controller's: the recipe's conversion of the user's, without its casts.
-    applied = AppliedRecipe(recipe, m2, opt2, precision=False)
-    ctl = AdaptiveMixedPrecision(fwd2, applied.optimizer, policy=tuned.policy, progress=False)
-    loops["controller"] = lambda b, a=ctl, f=fwd2: a.train_step(lambda: zm.loss(f, b))
-    keep.append(ctl)
+    def controller(name, **kwargs):
+        m, f, o = copy_of()
+        # The optimizer as the tuned controller's: the recipe's conversion of the user's, without its casts.
+        a = AdaptiveMixedPrecision(f, AppliedRecipe(recipe, m, o, precision=False).optimizer, policy=tuned.policy,
+                                   progress=False, **kwargs)
+        loops[name] = lambda b: a.train_step(lambda: zm.loss(f, b))
+        keep.append(a)
 
-    # The same without the gradient norm it measures when nothing else does (track_grad_norm=False): what
-    # that norm costs.
-    m4, fwd4, opt4 = copy_of()
-    applied4 = AppliedRecipe(recipe, m4, opt4, precision=False)
-    bare = AdaptiveMixedPrecision(fwd4, applied4.optimizer, policy=tuned.policy, progress=False,
-                                  track_grad_norm=False)
-    loops["controller-no-norm"] = lambda b, a=bare, f=fwd4: a.train_step(lambda: zm.loss(f, b))
-    keep.append(bare)
+    controller("controller")
+    # The same without the gradient norm it measures when nothing else does: what that norm costs.
+    controller("controller-no-norm", track_grad_norm=False)
 
     m3, fwd3, opt3 = copy_of()
     alone = AppliedRecipe(recipe, m3, opt3)
