@@ -15,6 +15,9 @@ contract): the expected weight is the fp32 weight, at 2 bytes a parameter.
   ``torch.amp.GradScaler`` the step unscales by ``grad_scale`` and skips
   itself when ``found_inf`` is set, on the device: no host synchronization,
   and the step can be captured in a CUDA graph.
+* ``track_grad_norm``: the step also measures the L2 norm of the gradients
+  it reads (``last_grad_norm``, a device tensor): a training loop's
+  gradient norm without a second pass over every gradient.
 * :func:`adamw_step_`, :func:`sgd_step_`: the functional ops, twins of
   ``adaptive_amp.reference.adamw_step_`` / ``sgd_step_``.
 """
@@ -151,9 +154,28 @@ def _needs_bits(batches, stochastic_rounding):
     return stochastic_rounding and any(b is not None and BFLOAT16 in b.dtypes for b in batches)
 
 
+def _stats_buffers(numels, device, workspace_bytes=None):
+    """(grad_sumsq, workspace or None): this call's own output (one float32 per tensor) and, on CUDA, the
+    workspace of its per-chunk partials. Allocations only, no launch."""
+    where = torch.device("cpu") if device == _native.CPU else torch.device("cuda", device)
+    sumsq = torch.empty(len(numels), dtype=torch.float32, device=where)
+    if device == _native.CPU:
+        return sumsq, None
+    nbytes = _C.optim_workspace_bytes(list(numels)) if workspace_bytes is None else workspace_bytes
+    return sumsq, torch.empty(max(nbytes, 1), dtype=torch.uint8, device=where)
+
+
+def _stats_args(sumsq, workspace) -> dict:
+    if sumsq is None:
+        return {}
+    return dict(grad_sumsq=sumsq.data_ptr(), grad_sumsq_count=sumsq.numel(),
+                workspace=workspace.data_ptr() if workspace is not None else 0,
+                workspace_bytes=workspace.numel() if workspace is not None else 0)
+
+
 def _call(kind, batches, *, steps=(), steps_watch=(), first=(), lr, beta1=0.9, beta2=0.999, eps=1e-8, momentum=0.0,
           dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False, stochastic_rounding=True, grad_scale=None,
-          found_inf=None, generator=None, seed=None, offset=None, device):
+          found_inf=None, generator=None, seed=None, offset=None, grad_sumsq=False, device):
     pb, gb, mb, vb = batches
     grad_scale = _device_scalar(grad_scale, "grad_scale", device)
     found_inf = _device_scalar(found_inf, "found_inf", device)
@@ -161,6 +183,7 @@ def _call(kind, batches, *, steps=(), steps_watch=(), first=(), lr, beta1=0.9, b
     s = o = 0
     if _needs_bits((pb, mb, vb), stochastic_rounding):
         s, o, so = _seed_offset(generator, seed, offset, device)
+    sumsq, workspace = _stats_buffers(pb.numels, device) if grad_sumsq else (None, None)
     _C.optim_step(
         kind, pb.ptrs, pb.numels, pb.dtypes, gb.ptrs, gb.numels, gb.dtypes,
         mb.ptrs if mb else [], mb.numels if mb else [], mb.dtypes if mb else [],
@@ -171,8 +194,8 @@ def _call(kind, batches, *, steps=(), steps_watch=(), first=(), lr, beta1=0.9, b
         _u64(s), _u64(o), so.data_ptr() if so is not None else 0, device, _stream(device),
         # The launch reads these tensors' pointers again (another thread may have given one new memory).
         (pb.watch, gb.watch, mb.watch if mb else (), vb.watch if vb else (), steps_watch, grad_scale, found_inf,
-         so))
-    return so  # kept alive by the caller until the launch is enqueued (it is, on return)
+         so), **_stats_args(sumsq, workspace))
+    return sumsq
 
 
 def _check_numbers(**kw):
@@ -185,7 +208,7 @@ def adamw_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
                 exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor], *, lr: float, beta1: float, beta2: float,
                 eps: float, weight_decay: float, maximize: bool = False, stochastic_rounding: bool = True,
                 grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None, generator=None, seed=None,
-                offset=None) -> None:
+                offset=None, grad_sumsq: bool = False) -> Optional[Tensor]:
     """One fused AdamW step over a list of one device (contract: csrc/optim.h).
 
     ``steps``: 1-element float32 tensors, the count of steps done so far; the
@@ -193,41 +216,48 @@ def adamw_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seq
     increments them, as :class:`AdamW` does). Nothing is written when
     ``found_inf`` is nonzero. Random bits: from ``seed``/``offset``, else two
     draws of ``generator`` (torch's default generator of the device if None).
+    With ``grad_sumsq=True`` returns a float32 tensor of the params' device, per tensor the sum of squares of
+    the gradient the step used (after ``grad_scale``), measured in the same pass; NaN when the step was
+    skipped. Else None.
     """
     _check_numbers(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     params = list(params)
     if not params:
-        return
+        return torch.empty(0, dtype=torch.float32) if grad_sumsq else None
     batches, device = _common(params, grads, [params, list(grads), list(exp_avgs), list(exp_avg_sqs), list(steps)],
                               ["params", "grads", "exp_avgs", "exp_avg_sqs", "steps"])
     for i, t in enumerate(steps):
         if t.numel() != 1:
             raise ValueError(f"steps[{i}] has {t.numel()} elements; pass a 1-element float32 tensor")
-    _call(_ADAMW, batches[:4], steps=batches[4].ptrs, steps_watch=batches[4].watch, lr=lr, beta1=beta1,
-          beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize, stochastic_rounding=stochastic_rounding,
-          grad_scale=grad_scale, found_inf=found_inf, generator=generator, seed=seed, offset=offset, device=device)
+    return _call(_ADAMW, batches[:4], steps=batches[4].ptrs, steps_watch=batches[4].watch, lr=lr, beta1=beta1,
+                 beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                 stochastic_rounding=stochastic_rounding, grad_scale=grad_scale, found_inf=found_inf,
+                 generator=generator, seed=seed, offset=offset, grad_sumsq=grad_sumsq, device=device)
 
 
 def sgd_step_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
               first: Sequence[bool] = (), *, lr: float, momentum: float = 0.0, dampening: float = 0.0,
               weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False,
               stochastic_rounding: bool = True, grad_scale: Optional[Tensor] = None,
-              found_inf: Optional[Tensor] = None, generator=None, seed=None, offset=None) -> None:
+              found_inf: Optional[Tensor] = None, generator=None, seed=None, offset=None,
+              grad_sumsq: bool = False) -> Optional[Tensor]:
     """One fused SGD step (torch.optim.SGD's rule) over a list of one device (contract: csrc/optim.h).
 
     ``momentum_buffers``: one per param when ``momentum != 0`` (else empty);
-    ``first[k]``: the buffer is new, so it becomes the gradient itself.
+    ``first[k]``: the buffer is new, so it becomes the gradient itself. ``grad_sumsq`` as in
+    :func:`adamw_step_`.
     """
     _check_numbers(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
     params = list(params)
     if not params:
-        return
+        return torch.empty(0, dtype=torch.float32) if grad_sumsq else None
     bufs = list(momentum_buffers)
     batches, device = _common(params, grads, [params, list(grads), bufs], ["params", "grads", "momentum_buffers"])
     first = list(first) if bufs else []
-    _call(_SGD, batches + [None], first=first, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
-          weight_decay=weight_decay, maximize=maximize, stochastic_rounding=stochastic_rounding,
-          grad_scale=grad_scale, found_inf=found_inf, generator=generator, seed=seed, offset=offset, device=device)
+    return _call(_SGD, batches + [None], first=first, lr=lr, momentum=momentum, dampening=dampening,
+                 nesterov=nesterov, weight_decay=weight_decay, maximize=maximize,
+                 stochastic_rounding=stochastic_rounding, grad_scale=grad_scale, found_inf=found_inf,
+                 generator=generator, seed=seed, offset=offset, grad_sumsq=grad_sumsq, device=device)
 
 
 # --------------------------------------------------------------------------- optimizers
@@ -269,15 +299,30 @@ def _shared_steps(steps):
 class _DevicePlan:
     """One param group's params with gradients on one device: the native plan and what a step needs."""
 
-    __slots__ = ("native", "params", "device", "steps", "bits", "where")
+    __slots__ = ("native", "params", "device", "steps", "bits", "where", "numels", "workspace_bytes")
 
-    def __init__(self, native, params, device, steps, bits):
+    def __init__(self, native, params, device, steps, bits, numels):
         self.native = native
         self.params = params  # for the autograd version bump
         self.device = device  # _native device index
         self.steps = steps  # AdamW: the shared step buffer, else None
         self.bits = bits  # whether a launch draws random bits (SR to bf16 somewhere)
         self.where = torch.device("cpu") if device == _native.CPU else torch.device("cuda", device)
+        self.numels = numels
+        self.workspace_bytes = 0 if device == _native.CPU else _C.optim_workspace_bytes(list(numels))
+
+
+def _norm_of(sums: List[Tensor]) -> Optional[Tensor]:
+    """The L2 norm from per-tensor sums of squares (of one or several devices): on the first one's device."""
+    if not sums:
+        return None
+    by_device: dict = {}
+    for s in sums:
+        by_device.setdefault(s.device, []).append(s)
+    parts = [(torch.cat(ss) if len(ss) > 1 else ss[0]).sum() for ss in by_device.values()]
+    first = sums[0].device
+    total = parts[0] if len(parts) == 1 else torch.stack([p.to(first) for p in parts]).sum()
+    return total.sqrt()
 
 
 class _GroupPlan:
@@ -319,6 +364,8 @@ class _Fused(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     _moment_keys: tuple = ()
     _kind = _ADAMW
+    track_grad_norm = False  # set per instance (the constructor's argument)
+    last_grad_norm: Optional[Tensor] = None
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -371,15 +418,23 @@ class _Fused(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step of every param group (skipped on the device when a GradScaler handed a found_inf)."""
+        """One step of every param group (skipped on the device when a GradScaler handed a found_inf).
+
+        With ``track_grad_norm``, ``last_grad_norm`` becomes the L2 norm of every gradient the step used
+        (after the GradScaler's unscale), measured by the step's own pass: a 0-dim float32 tensor of the
+        first gradient's device, read without a sync; NaN when the step was skipped, None when no param had
+        a gradient."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         grad_scale, found_inf = self._scaler_tensors()
+        sums: Optional[List[Tensor]] = [] if self.track_grad_norm else None
         for group in self.param_groups:
             _check_lr(group["lr"])
-            self._step_group(group, self._hyper(group), grad_scale, found_inf)
+            self._step_group(group, self._hyper(group), grad_scale, found_inf, sums)
+        if sums is not None:
+            self.last_grad_norm = _norm_of(sums)
         return loss
 
     @staticmethod
@@ -442,7 +497,7 @@ class _Fused(torch.optim.Optimizer):
                                   mb.numels if mb else [], mb.dtypes if mb else [], vb.ptrs if vb else [],
                                   vb.numels if vb else [], vb.dtypes if vb else [], step_ptrs, flags, device)
             bits = group["stochastic_rounding"] and _needs_bits((pb, mb, vb), True)
-            devices.append(_DevicePlan(native, list(ps), device, buf, bits))
+            devices.append(_DevicePlan(native, list(ps), device, buf, bits, list(pb.numels)))
         absent_plan = None
         if absent:
             absent_plan = _C.OptimPlan(self._kind, group["params"], [], absent, [], [], [], [], [], [], {}, [], [],
@@ -484,14 +539,19 @@ class _Fused(torch.optim.Optimizer):
         g = next(j for j, h in enumerate(self.param_groups) if h is group)
         return f"param_groups[{g}]['params'][{i}]"
 
-    def _launch(self, plan, group, hyper, grad_scale, found_inf):
+    def _launch(self, plan, group, hyper, grad_scale, found_inf, sums):
         for dp in plan.devices:
             device = dp.device
             gs = _device_scalar(grad_scale, "grad_scale", device)
             fi = _device_scalar(found_inf, "found_inf", device)
             so = _seed_offset(self.generator, None, None, device)[2] if dp.bits else None
+            sumsq, workspace = _stats_buffers(dp.numels, device, dp.workspace_bytes) if sums is not None \
+                else (None, None)
             dp.native.launch(*hyper, gs.data_ptr() if gs is not None else 0, fi.data_ptr() if fi is not None else 0,
-                             0, 0, so.data_ptr() if so is not None else 0, _stream(device), (gs, fi, so))
+                             0, 0, so.data_ptr() if so is not None else 0, _stream(device), (gs, fi, so),
+                             **_stats_args(sumsq, workspace))
+            if sumsq is not None:
+                sums.append(sumsq)
             if dp.steps is not None:
                 # torch's convention: the count moves on unless the step was skipped (on the device).
                 dp.steps.add_(1)
@@ -499,7 +559,7 @@ class _Fused(torch.optim.Optimizer):
                     dp.steps.sub_(fi.reshape(()))
             torch.autograd.graph.increment_version(dp.params)
 
-    def _step_group(self, group, hyper, grad_scale, found_inf):
+    def _step_group(self, group, hyper, grad_scale, found_inf, sums=None):
         plans = self.__dict__.get("_plans")
         if plans is None:
             plans = self._plans = {}
@@ -511,18 +571,19 @@ class _Fused(torch.optim.Optimizer):
             if not plan.holds(group, self.state, key):
                 # What only the core checks (a gradient of another dtype than its param, say): the
                 # functional op names it, or does the step; the plan is built again next time.
-                return self._functional_step(group, plan.first, hyper, grad_scale, found_inf)
+                return self._functional_step(group, plan.first, hyper, grad_scale, found_inf, sums)
             plans[id(group)] = plan
-        self._launch(plan, group, hyper, grad_scale, found_inf)
+        self._launch(plan, group, hyper, grad_scale, found_inf, sums)
 
-    def _functional_step(self, group, first, hyper, grad_scale, found_inf):
+    def _functional_step(self, group, first, hyper, grad_scale, found_inf, sums=None):
         lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize, sr = hyper
         for _, ps in _by_device(self._params_with_grad(group, type(self).__name__)):
             lists, _, _ = self._lists(group, ps)
             common = dict(lr=lr, weight_decay=weight_decay, maximize=maximize, stochastic_rounding=sr,
-                          grad_scale=grad_scale, found_inf=found_inf, generator=self.generator)
+                          grad_scale=grad_scale, found_inf=found_inf, generator=self.generator,
+                          grad_sumsq=sums is not None)
             if self._kind == _ADAMW:
-                adamw_step_(*lists, beta1=beta1, beta2=beta2, eps=eps, **common)
+                sumsq = adamw_step_(*lists, beta1=beta1, beta2=beta2, eps=eps, **common)
                 steps = lists[4]
                 torch._foreach_add_(steps, 1)
                 if found_inf is not None:
@@ -530,7 +591,10 @@ class _Fused(torch.optim.Optimizer):
                                         * len(steps))
             else:
                 flags = [bool(first.get(p, False)) for p in ps] if lists[2] else []
-                sgd_step_(*lists, flags, momentum=momentum, dampening=dampening, nesterov=nesterov, **common)
+                sumsq = sgd_step_(*lists, flags, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                                  **common)
+            if sumsq is not None:
+                sums.append(sumsq)
             torch.autograd.graph.increment_version(ps)
 
 
@@ -540,8 +604,10 @@ class AdamW(_Fused):
     Arguments and defaults as ``torch.optim.AdamW``; beyond them:
     ``stochastic_rounding`` (bf16 params and moments are written with
     stochastic rounding; False: round to nearest), ``moment_dtype``
-    (``torch.float32`` or ``torch.bfloat16``) and ``generator`` (the source of
-    the random bits; torch's default generator of the device if None).
+    (``torch.float32`` or ``torch.bfloat16``), ``generator`` (the source of
+    the random bits; torch's default generator of the device if None) and
+    ``track_grad_norm`` (each step sets ``last_grad_norm``, the norm of the
+    gradients it read; see :meth:`step`).
     ``amsgrad``, ``differentiable`` and a Tensor ``lr`` are refused;
     ``foreach``, ``capturable`` and ``fused`` are accepted and have no effect
     (the step is always fused and capturable).
@@ -551,7 +617,7 @@ class AdamW(_Fused):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 stochastic_rounding=True, moment_dtype=torch.float32, generator=None):
+                 stochastic_rounding=True, moment_dtype=torch.float32, generator=None, track_grad_norm=False):
         _check_lr(lr)
         if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps}")
@@ -567,6 +633,7 @@ class AdamW(_Fused):
             raise ValueError("differentiable=True is not supported by adaptive_amp.optim.AdamW (a fused step)")
         _check_moment_dtype(moment_dtype)
         self.generator = generator
+        self.track_grad_norm = bool(track_grad_norm)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=False, fused=fused,
                         decoupled_weight_decay=True, stochastic_rounding=stochastic_rounding,
@@ -601,7 +668,7 @@ class AdamW(_Fused):
 class SGD(_Fused):
     """SGD (momentum, dampening, Nesterov, weight decay, maximize) in one fused native step per param group
     and device; bf16 params written with stochastic rounding. Arguments and defaults as ``torch.optim.SGD``
-    plus ``stochastic_rounding``, ``moment_dtype`` and ``generator`` (see :class:`AdamW`).
+    plus ``stochastic_rounding``, ``moment_dtype``, ``generator`` and ``track_grad_norm`` (see :class:`AdamW`).
 
     A step skipped for ``found_inf`` leaves a new momentum buffer at zero, and
     the next step treats it as not new: ``momentum * 0 + (1 - dampening) * g``,
@@ -612,7 +679,7 @@ class SGD(_Fused):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None, stochastic_rounding=True,
-                 moment_dtype=torch.float32, generator=None):
+                 moment_dtype=torch.float32, generator=None, track_grad_norm=False):
         _check_lr(lr)
         if momentum < 0.0:
             raise ValueError(f"Invalid momentum value: {momentum}")
@@ -624,6 +691,7 @@ class SGD(_Fused):
             raise ValueError("differentiable=True is not supported by adaptive_amp.optim.SGD (a fused step)")
         _check_moment_dtype(moment_dtype)
         self.generator = generator
+        self.track_grad_norm = bool(track_grad_norm)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         maximize=maximize, foreach=foreach, differentiable=False, fused=fused,
                         stochastic_rounding=stochastic_rounding, moment_dtype=moment_dtype)

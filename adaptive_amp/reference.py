@@ -336,17 +336,31 @@ def _optim_grad(grad, grad_scale, maximize):
     return -g if maximize else g
 
 
+def _optim_sumsq(grads, grad_scale, skipped):
+    """The contract's grad_sumsq: per tensor the sum of g*g (g after grad_scale), in double, as float32 on the
+    grads' device; NaN everywhere for a skipped step."""
+    device = grads[0].device if len(grads) else torch.device("cpu")
+    if skipped:
+        return torch.full((len(grads),), float("nan"), dtype=torch.float32, device=device)
+    sums = [float(_optim_grad(g, grad_scale, False).double().square().sum()) for g in grads]
+    return torch.tensor(sums, dtype=torch.float64).to(torch.float32).to(device)
+
+
 def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2, eps, weight_decay,
                 maximize=False, stochastic_rounding=True, grad_scale=None, found_inf=None, random_bits=None,
-                seed=None, offset=None):
+                seed=None, offset=None, grad_sumsq=False):
     """Twin of :func:`adaptive_amp.optim.adamw_step_`.
 
     Random words: ``random_bits[k]`` (int32, the tensor's size; with bf16
     moments a tuple (param, exp_avg, exp_avg_sq) of them), or Philox with
-    ``seed`` at ``offset + 3k + s`` as the contract states.
+    ``seed`` at ``offset + 3k + s`` as the contract states. With ``grad_sumsq``
+    returns the per-tensor sums of squares of the gradients the step used (exact, in double; the kernels sum
+    in fp32 per chunk, so they agree to fp32 rounding).
     """
-    if found_inf is not None and float(found_inf.reshape(-1)[0]) != 0.0:
-        return
+    skipped = found_inf is not None and float(found_inf.reshape(-1)[0]) != 0.0
+    sumsq = _optim_sumsq(list(grads), grad_scale, skipped) if grad_sumsq else None
+    if skipped:
+        return sumsq
     lr_f, b1, b2, eps_f = _f32(lr), _f32(beta1), _f32(beta2), _f32(eps)
     lr_wd, omb1, omb2 = _f32(lr * weight_decay), _f32(1.0 - beta1), _f32(1.0 - beta2)
     for k, (p, grad, m, v, st) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
@@ -370,15 +384,18 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr, beta1, beta2
         _optim_store(m, mv, stochastic_rounding, random_bits, k, 1, seed, offset)
         _optim_store(v, vv, stochastic_rounding, random_bits, k, 2, seed, offset)
         _optim_store(p, x, stochastic_rounding, random_bits, k, 0, seed, offset)
+    return sumsq
 
 
 def sgd_step_(params, grads, momentum_buffers, first=(), *, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
               nesterov=False, maximize=False, stochastic_rounding=True, grad_scale=None, found_inf=None,
-              random_bits=None, seed=None, offset=None):
-    """Twin of :func:`adaptive_amp.optim.sgd_step_` (random words as in :func:`adamw_step_`; stream 1 is the
-    momentum buffer)."""
-    if found_inf is not None and float(found_inf.reshape(-1)[0]) != 0.0:
-        return
+              random_bits=None, seed=None, offset=None, grad_sumsq=False):
+    """Twin of :func:`adaptive_amp.optim.sgd_step_` (random words and ``grad_sumsq`` as in
+    :func:`adamw_step_`; stream 1 is the momentum buffer)."""
+    skipped = found_inf is not None and float(found_inf.reshape(-1)[0]) != 0.0
+    sumsq = _optim_sumsq(list(grads), grad_scale, skipped) if grad_sumsq else None
+    if skipped:
+        return sumsq
     lr_f, mom, omd, wd = _f32(lr), _f32(momentum), _f32(1.0 - dampening), _f32(weight_decay)
     for k, (p, grad) in enumerate(zip(params, grads)):
         dev = p.device
@@ -394,3 +411,4 @@ def sgd_step_(params, grads, momentum_buffers, first=(), *, lr, momentum=0.0, da
             _optim_store(buf, b, stochastic_rounding, random_bits, k, 1, seed, offset)
         x = x - lr_d * g
         _optim_store(p, x, stochastic_rounding, random_bits, k, 0, seed, offset)
+    return sumsq

@@ -11,6 +11,8 @@ steps (AdamW and SGD, bf16 and fp32 parameters, fp32 and bf16 moments, an
 unaligned view, a skipped step).
 """
 
+import itertools
+
 import torch
 
 import adaptive_amp as aa
@@ -79,10 +81,13 @@ from adaptive_amp import optim  # noqa: E402
 
 flat = torch.randn(40003, device=dev).bfloat16()
 params = [torch.nn.Parameter(t) for t in (torch.randn(1000, device=dev).bfloat16(), flat[1:20001],
-                                          torch.randn(333, device=dev), torch.randn(0, device=dev).bfloat16())]
-for make in (lambda ps: optim.AdamW(ps, lr=1e-3), lambda ps: optim.AdamW(ps, moment_dtype=torch.bfloat16),
-             lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)):
+                                          torch.randn(333, device=dev), torch.randn(0, device=dev).bfloat16(),
+                                          torch.randn(70001, device=dev).bfloat16())]
+makers = (lambda ps: optim.AdamW(ps, lr=1e-3), lambda ps: optim.AdamW(ps, moment_dtype=torch.bfloat16),
+          lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True))
+for make, track in itertools.product(makers, (False, True)):  # track: the gradient statistics' partials and sums
     opt = make(params)
+    opt.track_grad_norm = track
     for step in range(3):
         for p in params:
             p.grad = torch.randn_like(p)

@@ -659,6 +659,23 @@ void set_step_scalars(aamp::OptimArgs& a, double lr, double beta1, double beta2,
   a.place.stream = stream;
 }
 
+// The gradient statistics' output and workspace of one optimizer call (0: none). Both are the caller's own
+// allocations for this call, which no other thread can reach (see "Pointers read before the launching call");
+// the core checks their sizes against the params.
+void set_step_stats(aamp::OptimArgs& a, std::uintptr_t grad_sumsq, std::size_t grad_sumsq_count,
+                    std::uintptr_t workspace, std::size_t workspace_bytes) {
+  a.grad_sumsq = as_ptr<float>(grad_sumsq);
+  a.grad_sumsq_count = grad_sumsq_count;
+  a.workspace = as_ptr<void>(workspace);
+  a.workspace_bytes = workspace_bytes;
+}
+
+std::size_t optim_workspace_bytes(const std::vector<std::int64_t>& numels) {
+  std::vector<aamp::TensorRef> refs(numels.size());
+  for (std::size_t i = 0; i < numels.size(); ++i) refs[i].numel = numels[i];
+  return aamp::optim_workspace_bytes(refs);
+}
+
 void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::vector<std::int64_t>& numels,
                 const std::vector<int>& param_dtypes, const std::vector<std::uintptr_t>& grads,
                 const std::vector<std::int64_t>& grad_numels, const std::vector<int>& grad_dtypes,
@@ -668,7 +685,9 @@ void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::
                 const std::vector<bool>& first, double lr, double beta1, double beta2, double eps, double momentum,
                 double dampening, bool nesterov, double weight_decay, bool maximize, bool stochastic_rounding,
                 std::uintptr_t grad_scale, std::uintptr_t found_inf, std::uint64_t seed, std::uint64_t offset,
-                std::uintptr_t seed_offset, int device, std::uintptr_t stream, py::object watch) {
+                std::uintptr_t seed_offset, int device, std::uintptr_t stream, py::object watch,
+                std::uintptr_t grad_sumsq, std::size_t grad_sumsq_count, std::uintptr_t workspace,
+                std::size_t workspace_bytes) {
   aamp::OptimArgs a;
   if (kind != 0 && kind != 1) throw aamp::ArgumentError("kind: expected 0 (AdamW) or 1 (SGD)");
   a.kind = static_cast<aamp::OptimKind>(kind);
@@ -681,6 +700,7 @@ void optim_step(int kind, const std::vector<std::uintptr_t>& params, const std::
   for (bool f : first) a.first.push_back(f ? 1 : 0);
   set_step_scalars(a, lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize,
                    stochastic_rounding, grad_scale, found_inf, seed, offset, seed_offset, stream);
+  set_step_stats(a, grad_sumsq, grad_sumsq_count, workspace, workspace_bytes);
   a.place.device = device;
   Watch w(std::move(watch), 8, "params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, found_inf, seed_offset");
   w.list(0, a.params, "params");
@@ -875,7 +895,8 @@ class OptimPlan {
   void launch(double lr, double beta1, double beta2, double eps, double momentum, double dampening, bool nesterov,
               double weight_decay, bool maximize, bool stochastic_rounding, std::uintptr_t grad_scale,
               std::uintptr_t found_inf, std::uint64_t seed, std::uint64_t offset, std::uintptr_t seed_offset,
-              std::uintptr_t stream, py::object watch) {
+              std::uintptr_t stream, py::object watch, std::uintptr_t grad_sumsq, std::size_t grad_sumsq_count,
+              std::uintptr_t workspace, std::size_t workspace_bytes) {
     if (!collected_) throw aamp::ArgumentError("plan: launch() before a collect() that held");
     collected_ = false;  // the gradients found are used once: the next step collects again
     unchanged_since_collect();
@@ -888,6 +909,7 @@ class OptimPlan {
     const py::list grads = std::exchange(grads_, py::list());
     set_step_scalars(a_, lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize,
                      stochastic_rounding, grad_scale, found_inf, seed, offset, seed_offset, stream);
+    set_step_stats(a_, grad_sumsq, grad_sumsq_count, workspace, workspace_bytes);
     // Local copies: what this launch touches stays referenced (and its pointers unchanged).
     const aamp::OptimArgs args = a_;
     const py::list params = params_, values = values_;
@@ -1099,7 +1121,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("momentum"), py::arg("dampening"),
         py::arg("nesterov"), py::arg("weight_decay"), py::arg("maximize"), py::arg("stochastic_rounding"),
         py::arg("grad_scale"), py::arg("found_inf"), py::arg("seed"), py::arg("offset"), py::arg("seed_offset"),
-        py::arg("device"), py::arg("stream"), py::arg("watch"));
+        py::arg("device"), py::arg("stream"), py::arg("watch"), py::arg("grad_sumsq") = 0,
+        py::arg("grad_sumsq_count") = 0, py::arg("workspace") = 0, py::arg("workspace_bytes") = 0);
+  m.def("optim_workspace_bytes", &optim_workspace_bytes, py::arg("numels"));
 
   py::class_<OptimPlan>(m, "OptimPlan")
       .def(py::init<int, py::list, std::vector<std::size_t>, std::vector<std::size_t>, py::list,
@@ -1119,7 +1143,9 @@ PYBIND11_MODULE(_C, m) {
       .def("launch", &OptimPlan::launch, py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
            py::arg("momentum"), py::arg("dampening"), py::arg("nesterov"), py::arg("weight_decay"),
            py::arg("maximize"), py::arg("stochastic_rounding"), py::arg("grad_scale"), py::arg("found_inf"),
-           py::arg("seed"), py::arg("offset"), py::arg("seed_offset"), py::arg("stream"), py::arg("watch"));
+           py::arg("seed"), py::arg("offset"), py::arg("seed_offset"), py::arg("stream"), py::arg("watch"),
+           py::arg("grad_sumsq") = 0, py::arg("grad_sumsq_count") = 0, py::arg("workspace") = 0,
+           py::arg("workspace_bytes") = 0);
 
   m.attr("STATS_CHUNK") = aamp::kStatsChunk;
   {

@@ -91,6 +91,14 @@ void add_spans(std::vector<Span>& spans, const std::vector<TensorRef>& list, con
 
 }  // namespace
 
+std::size_t optim_workspace_bytes(const std::vector<TensorRef>& params) {
+  std::size_t chunks = 0;
+  for (const TensorRef& t : params) {
+    chunks += static_cast<std::size_t>((std::max<std::int64_t>(t.numel, 0) + kOptimSumsqChunk - 1) / kOptimSumsqChunk);
+  }
+  return chunks * sizeof(float);
+}
+
 OptimConsts optim_consts(const OptimArgs& a) {
   OptimConsts c;
   c.lr = static_cast<float>(a.lr);
@@ -163,6 +171,21 @@ void validate_optim(const OptimArgs& a) {
   check_scalar_ptr(a.grad_scale, "grad_scale", alignof(float));
   check_scalar_ptr(a.found_inf, "found_inf", alignof(float));
   check_scalar_ptr(a.seed_offset, "generator", alignof(std::uint64_t));
+  if (a.grad_sumsq != nullptr) {
+    check_scalar_ptr(a.grad_sumsq, "grad_sumsq", alignof(float));
+    if (a.grad_sumsq_count != a.params.size()) {
+      throw_argument("grad_sumsq", "holds " + std::to_string(a.grad_sumsq_count) + " floats; params has " +
+                                       std::to_string(a.params.size()) + " tensors (one float each)");
+    }
+    if (a.place.is_cuda()) {
+      const std::size_t need = optim_workspace_bytes(a.params);
+      if (need > 0 && (a.workspace == nullptr || a.workspace_bytes < need)) {
+        throw_argument("workspace", "holds " + std::to_string(a.workspace_bytes) + " bytes; " +
+                                        std::to_string(need) + " are needed (optim_workspace_bytes)");
+      }
+      check_scalar_ptr(a.workspace, "workspace", alignof(float));
+    }
+  }
 
   std::vector<Span> spans;
   add_spans(spans, a.params, "params", true);
@@ -178,6 +201,14 @@ void validate_optim(const OptimArgs& a) {
     if (p == nullptr) continue;
     const auto b = reinterpret_cast<std::uintptr_t>(p);
     spans.push_back({b, b + sizeof(float), name, false});
+  }
+  if (a.grad_sumsq != nullptr && a.grad_sumsq_count > 0) {  // written: may share memory with nothing
+    const auto b = reinterpret_cast<std::uintptr_t>(a.grad_sumsq);
+    spans.push_back({b, b + a.grad_sumsq_count * sizeof(float), "grad_sumsq", true});
+  }
+  if (a.grad_sumsq != nullptr && a.place.is_cuda() && a.workspace_bytes > 0) {
+    const auto b = reinterpret_cast<std::uintptr_t>(a.workspace);
+    spans.push_back({b, b + a.workspace_bytes, "workspace", true});
   }
   check_spans(std::move(spans));
 

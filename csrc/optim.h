@@ -5,7 +5,7 @@
 //
 //   One call updates one list of parameters that share the hyperparameters
 //   (one torch param group on one device). Nothing is written at all when
-//   *found_inf != 0 (the step is skipped; the caller keeps torch's step
+//   *found_inf != 0 but the NaNs of grad_sumsq (the step is skipped; the caller keeps torch's step
 //   counter convention by undoing its increment). Otherwise, for every
 //   tensor k of the list and every element i, in fp32 with every operation
 //   rounded once to nearest even, in exactly this order (no FMA contraction):
@@ -50,6 +50,19 @@
 //   2^64 * (i / 4)). The low 64 bits of the counter differ between tensors
 //   and streams, so every value draws from its own disjoint counter range.
 //
+//   Gradient statistics (when grad_sumsq is set): grad_sumsq[k] = the sum over
+//   i of g * g, g as above (after grad_scale: the gradient the step used; the
+//   sign of maximize does not matter), 0 for an empty tensor, NaN for every k
+//   when the step is skipped (found_inf). Deterministic: g*g summed in fp32
+//   over pieces of a tensor (CPU: blocks of 4096 elements, in element order;
+//   CUDA: chunks of kOptimSumsqChunk, in a fixed order of its threads), then
+//   a tensor's pieces in a fixed order in double, rounded once to fp32. The
+//   CPU and CUDA sums agree to fp32 rounding, not bit for bit.
+//   The CUDA path keeps one fp32 partial per chunk in `workspace`
+//   (optim_workspace_bytes); the caller provides it (the core allocates nothing
+//   on the device). This is the gradient norm a training loop wants from the
+//   step that reads every gradient anyway: sqrt(sum_k grad_sumsq[k]).
+//
 //   * grad_scale, found_inf, steps[k], seed_offset: in the memory of the place
 //     (device memory for CUDA), read there: no host sync, capturable in a CUDA
 //     graph. seed_offset, when set, holds {seed, offset} and overrides them.
@@ -59,7 +72,7 @@
 //     16-byte aligned).
 //   * Every argument is validated before any element is written; errors name
 //     the argument (params[3], grads[3], exp_avgs[3], exp_avg_sqs[3],
-//     steps[3], grad_scale, found_inf, lr, betas, ...).
+//     steps[3], grad_scale, found_inf, lr, betas, grad_sumsq, workspace, ...).
 #pragma once
 
 #include <cmath>
@@ -93,8 +106,19 @@ struct OptimArgs {
   std::uint64_t seed = 0;
   std::uint64_t offset = 0;
   const std::uint64_t* seed_offset = nullptr;  // {seed, offset} in place memory, or null
+  float* grad_sumsq = nullptr;                  // params.size() floats in place memory, or null: no statistics
+  std::size_t grad_sumsq_count = 0;             // the floats the caller allocated there
+  void* workspace = nullptr;                    // CUDA with grad_sumsq: optim_workspace_bytes(params)
+  std::size_t workspace_bytes = 0;
   Place place;
 };
+
+// Elements per chunk of the gradient statistics (see the contract): the CUDA
+// kernel's unit of work, and one fp32 partial of the workspace each.
+constexpr std::int64_t kOptimSumsqChunk = 32768;
+
+// Bytes of workspace a CUDA step with grad_sumsq needs for these params.
+std::size_t optim_workspace_bytes(const std::vector<TensorRef>& params);
 
 // The fp32 constants every implementation computes the same way from the
 // doubles of OptimArgs (see the contract).

@@ -15,6 +15,17 @@
 // per-element rule is optim_rule.h's, so the results equal the CPU kernel's.
 // found_inf and grad_scale are read on the device: a skipped step returns
 // before any load, with no host synchronization.
+//
+// Tensors are grouped by (param dtype, moment dtype) into tables, whatever
+// their order in the list: a model whose bf16 matmul weights alternate with
+// fp32 norms (bf16-weights) takes one launch per kind, not one per run of a
+// dtype. The results do not depend on it: a tensor's random words follow its
+// index in the list, which the table carries.
+//
+// Gradient statistics: each thread sums g*g over its elements of a chunk in
+// fp32, the block adds its threads in a fixed tree and writes one partial per
+// chunk to the workspace; optim_sumsq_kernel then adds a tensor's partials in
+// a fixed order in double. Deterministic, and independent of the grid size.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -33,8 +44,9 @@ namespace aamp {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr std::int64_t kChunk = 32768;  // elements; a multiple of the 8-element vector
+constexpr std::int64_t kChunk = kOptimSumsqChunk;  // elements; a multiple of the 8-element vector
 constexpr int kVec = 8;
+static_assert(kChunk % kVec == 0, "chunks start at whole vectors");
 
 template <int kCap>
 struct OptimTable {
@@ -60,7 +72,26 @@ struct Launch {
   std::uint64_t seed, offset;
   const std::uint64_t* seed_offset;
   bool sr;
+  float* partials;  // with statistics: one per chunk of this launch's table, else null
 };
+
+// The sum of the block's `x` in a fixed order (warps by shuffle tree, then
+// warp 0 over the warp sums). Valid in thread 0; every thread must call it.
+__device__ __forceinline__ float block_sum(float x) {
+  __shared__ float warp_sums[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = __fadd_rn(x, __shfl_down_sync(0xffffffffu, x, o));
+  if (lane == 0) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    x = lane < kThreads / 32 ? warp_sums[lane] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = __fadd_rn(x, __shfl_down_sync(0xffffffffu, x, o));
+  }
+  __syncthreads();  // the next chunk reuses warp_sums
+  return x;
+}
 
 template <class T>
 struct Store;  // one array's 8 elements: raw storage and fp32 values
@@ -135,7 +166,7 @@ __device__ __forceinline__ std::uint32_t word_of(std::uint64_t seed, std::uint64
   return w.w[i % kSroundGroup];
 }
 
-template <class Table, class P, class M, bool kAdam>
+template <class Table, class P, class M, bool kAdam, bool kStats>
 __global__ void __launch_bounds__(kThreads) optim_kernel(const __grid_constant__ Table table, const Launch l) {
   if (l.found_inf != nullptr && *l.found_inf != 0.0f) return;  // skipped: nothing is read or written
   constexpr bool kP16 = sizeof(P) == 2, kM16 = sizeof(M) == 2;
@@ -172,6 +203,7 @@ __global__ void __launch_bounds__(kThreads) optim_kernel(const __grid_constant__
     // Element offsets in bytes of each array at `begin` keep the 16-byte alignment of its base.
     const bool vec = aligned(param) && aligned(grad) && (!has_m || aligned(m)) && (!kAdam || aligned(v));
     std::int64_t done = 0;
+    float ss = 0.0f;  // this thread's g*g over the chunk (kStats)
     if (vec) {
       const std::int64_t nvec = n / kVec, v0 = begin / kVec;
       for (std::int64_t j = threadIdx.x; j < nvec; j += kThreads) {
@@ -186,6 +218,7 @@ __global__ void __launch_bounds__(kThreads) optim_kernel(const __grid_constant__
         for (int e = 0; e < kVec; ++e) {
           float p = Store<P>::get(praw, e);
           const float g = optim_rule::grad_in(Store<P>::get(graw, e), s);
+          if (kStats) ss = __fadd_rn(ss, __fmul_rn(g, g));
           float mm = has_m ? Store<M>::get(mraw, e) : 0.0f;
           if (kAdam) {
             float vq = Store<M>::get(vraw, e);
@@ -214,6 +247,7 @@ __global__ void __launch_bounds__(kThreads) optim_kernel(const __grid_constant__
       const std::int64_t i = begin + j;
       float p = Store<P>::load1(param, i);
       const float g = optim_rule::grad_in(Store<P>::load1(grad, i), s);
+      if (kStats) ss = __fadd_rn(ss, __fmul_rn(g, g));
       float mm = has_m ? Store<M>::load1(m, i) : 0.0f;
       if (kAdam) {
         float vq = Store<M>::load1(v, i);
@@ -225,21 +259,53 @@ __global__ void __launch_bounds__(kThreads) optim_kernel(const __grid_constant__
       if (has_m) Store<M>::store1(m, i, mm, kM16 && sr ? word_of(seed, off0 + 1, i) : 0u, sr);
       Store<P>::store1(param, i, p, kP16 && sr ? word_of(seed, off0, i) : 0u, sr);
     }
+    if (kStats) {
+      ss = block_sum(ss);
+      if (threadIdx.x == 0) l.partials[c] = ss;
+    }
   }
 }
 
+// One block per tensor of the table: its chunks' partials in a fixed order, in
+// double (each thread a strided run, then a fixed tree), rounded once to
+// fp32; NaN for every tensor when the step was skipped (the partials were
+// never written).
+constexpr int kSumThreads = 128;
+
 template <class Table>
-std::size_t fill(Table& table, const OptimArgs& a, std::size_t first_k) {
+__global__ void __launch_bounds__(kSumThreads)
+    optim_sumsq_kernel(const __grid_constant__ Table table, const float* __restrict__ partials,
+                       const float* __restrict__ found_inf, float* __restrict__ grad_sumsq) {
+  const int t = blockIdx.x;
+  float* out = grad_sumsq + table.index[t];
+  if (found_inf != nullptr && *found_inf != 0.0f) {
+    if (threadIdx.x == 0) *out = __int_as_float(0x7fc00000);
+    return;
+  }
+  double x = 0.0;
+  for (unsigned c = table.chunk_begin[t] + threadIdx.x; c < table.chunk_begin[t + 1]; c += kSumThreads) {
+    x = __dadd_rn(x, static_cast<double>(partials[c]));
+  }
+  __shared__ double sums[kSumThreads];
+  sums[threadIdx.x] = x;
+  __syncthreads();
+  for (int half = kSumThreads / 2; half > 0; half >>= 1) {
+    if (threadIdx.x < half) sums[threadIdx.x] = __dadd_rn(sums[threadIdx.x], sums[threadIdx.x + half]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = __double2float_rn(sums[0]);
+}
+
+// Tensors order[pos], order[pos + 1], ... (all of one kind) into the table, as many as fit; returns the
+// position after the last one taken.
+template <class Table>
+std::size_t fill(Table& table, const OptimArgs& a, const std::vector<std::size_t>& order, std::size_t pos) {
   const bool adam = a.kind == OptimKind::kAdamW;
   const bool has_m = adam || a.momentum != 0.0;
   table.count = 0;
   std::uint64_t chunks = 0;
-  std::size_t k = first_k;
-  const DType pd = a.params[first_k].dtype;
-  const DType md = has_m ? a.exp_avgs[first_k].dtype : DType::kFloat32;
-  for (; k < a.params.size() && table.count < Table::capacity; ++k) {
-    // One kernel instance per (param dtype, moment dtype): a change starts a new launch.
-    if (a.params[k].dtype != pd || (has_m && a.exp_avgs[k].dtype != md)) break;
+  for (; pos < order.size() && table.count < Table::capacity; ++pos) {
+    const std::size_t k = order[pos];
     const std::int64_t numel = a.params[k].numel;
     const std::uint64_t nc = static_cast<std::uint64_t>((numel + kChunk - 1) / kChunk);
     if (chunks + nc > 0x7fffffffu) break;
@@ -257,36 +323,49 @@ std::size_t fill(Table& table, const OptimArgs& a, std::size_t first_k) {
     ++table.count;
   }
   table.chunk_begin[table.count] = static_cast<std::uint32_t>(chunks);
-  return k;
+  return pos;
+}
+
+template <class Table, class P, class M, bool kStats>
+void launch_kinds(const Table& table, const Launch& l, bool adam, float* grad_sumsq, cudaStream_t stream,
+                  int device) {
+  const unsigned total = table.chunk_begin[table.count];
+  if (total > 0) {
+    // A few waves of blocks; each loops over its chunks.
+    const unsigned cap = static_cast<unsigned>(multiprocessor_count(device)) * 8u;
+    const unsigned grid = std::min(total, cap);
+    if (adam) {
+      optim_kernel<Table, P, M, true, kStats><<<grid, kThreads, 0, stream>>>(table, l);
+    } else {
+      optim_kernel<Table, P, M, false, kStats><<<grid, kThreads, 0, stream>>>(table, l);
+    }
+    AAMP_CUDA_CHECK_LAUNCH("optim_kernel");
+  }
+  if (kStats && table.count > 0) {  // (empty tensors too: their sum is 0, or NaN for a skipped step)
+    optim_sumsq_kernel<Table><<<static_cast<unsigned>(table.count), kSumThreads, 0, stream>>>(
+        table, l.partials, l.found_inf, grad_sumsq);
+    AAMP_CUDA_CHECK_LAUNCH("optim_sumsq_kernel");
+  }
 }
 
 template <class Table, class P, class M>
-void launch_kinds(const Table& table, const Launch& l, bool adam, cudaStream_t stream, int device) {
-  const unsigned total = table.chunk_begin[table.count];
-  if (total == 0) return;
-  // A few waves of blocks; each loops over its chunks.
-  const unsigned cap = static_cast<unsigned>(multiprocessor_count(device)) * 8u;
-  const unsigned grid = std::min(total, cap);
-  if (adam) {
-    optim_kernel<Table, P, M, true><<<grid, kThreads, 0, stream>>>(table, l);
-  } else {
-    optim_kernel<Table, P, M, false><<<grid, kThreads, 0, stream>>>(table, l);
-  }
-  AAMP_CUDA_CHECK_LAUNCH("optim_kernel");
+void launch_stats(const Table& table, const Launch& l, bool adam, float* grad_sumsq, cudaStream_t stream,
+                  int device) {
+  grad_sumsq != nullptr ? launch_kinds<Table, P, M, true>(table, l, adam, grad_sumsq, stream, device)
+                        : launch_kinds<Table, P, M, false>(table, l, adam, grad_sumsq, stream, device);
 }
 
+// One launch (two with statistics) for a table of one kind: p16, m16 say whether params / moments are bf16.
 template <class Table>
-void launch_table(const Table& table, const OptimArgs& a, std::size_t first_k, const Launch& l, cudaStream_t stream,
+void launch_table(const Table& table, const OptimArgs& a, bool p16, bool m16, const Launch& l, cudaStream_t stream,
                   int device) {
   const bool adam = a.kind == OptimKind::kAdamW;
-  const bool p16 = a.params[first_k].dtype == DType::kBFloat16;
-  const bool m16 = (adam || a.momentum != 0.0) && a.exp_avgs[first_k].dtype == DType::kBFloat16;
   if (p16) {
-    m16 ? launch_kinds<Table, std::uint16_t, std::uint16_t>(table, l, adam, stream, device)
-        : launch_kinds<Table, std::uint16_t, float>(table, l, adam, stream, device);
+    m16 ? launch_stats<Table, std::uint16_t, std::uint16_t>(table, l, adam, a.grad_sumsq, stream, device)
+        : launch_stats<Table, std::uint16_t, float>(table, l, adam, a.grad_sumsq, stream, device);
   } else {
-    m16 ? launch_kinds<Table, float, std::uint16_t>(table, l, adam, stream, device)
-        : launch_kinds<Table, float, float>(table, l, adam, stream, device);
+    m16 ? launch_stats<Table, float, std::uint16_t>(table, l, adam, a.grad_sumsq, stream, device)
+        : launch_stats<Table, float, float>(table, l, adam, a.grad_sumsq, stream, device);
   }
 }
 
@@ -310,20 +389,37 @@ void optim_step_cuda(const OptimArgs& a) {
   l.offset = a.offset;
   l.seed_offset = a.seed_offset;
   l.sr = a.stochastic_rounding;
+  l.partials = a.grad_sumsq != nullptr ? static_cast<float*>(a.workspace) : nullptr;
   // The tables are large; keep them off the stack.
   static thread_local OptimSmallTable small;
   static thread_local OptimLargeTable large;
-  std::size_t k = 0;
-  while (k < a.params.size()) {
-    std::size_t next;
-    if (a.params.size() - k <= static_cast<std::size_t>(OptimSmallTable::capacity)) {
-      next = fill(small, a, k);
-      launch_table(small, a, k, l, stream, a.place.device);
-    } else {
-      next = fill(large, a, k);
-      launch_table(large, a, k, l, stream, a.place.device);
+  // The tensors of each kind (param dtype, moment dtype), in list order.
+  const bool has_m = a.kind == OptimKind::kAdamW || a.momentum != 0.0;
+  std::vector<std::size_t> kinds[4];
+  for (std::size_t k = 0; k < a.params.size(); ++k) {
+    const bool p16 = a.params[k].dtype == DType::kBFloat16;
+    const bool m16 = has_m && a.exp_avgs[k].dtype == DType::kBFloat16;
+    kinds[(p16 ? 2 : 0) + (m16 ? 1 : 0)].push_back(k);
+  }
+  for (int kind = 0; kind < 4; ++kind) {
+    const std::vector<std::size_t>& order = kinds[kind];
+    const bool p16 = kind >= 2, m16 = (kind & 1) != 0;
+    std::size_t pos = 0;
+    while (pos < order.size()) {
+      std::size_t next;
+      std::uint32_t chunks;
+      if (order.size() - pos <= static_cast<std::size_t>(OptimSmallTable::capacity)) {
+        next = fill(small, a, order, pos);
+        launch_table(small, a, p16, m16, l, stream, a.place.device);
+        chunks = small.chunk_begin[small.count];
+      } else {
+        next = fill(large, a, order, pos);
+        launch_table(large, a, p16, m16, l, stream, a.place.device);
+        chunks = large.chunk_begin[large.count];
+      }
+      if (l.partials != nullptr) l.partials += chunks;  // each launch's partials after the last one's
+      pos = next;
     }
-    k = next;
   }
 }
 
