@@ -15,18 +15,19 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 def test_four_loops_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
     out = tmp_path / "gap.json"
     assert load_bench_script("tuned_gap").main(
-        ["--cpu", "--candidates", "bf16,bf16-weights", "--rounds", "2", "--round-steps", "2", "--warmup", "1",
+        ["--cpu", "--candidates", "bf16-weights", "--rounds", "2", "--round-steps", "2", "--warmup", "1",
          "--profile-steps", "1", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["chosen"] in ("bf16", "bf16-weights") and set(res["loops"]) == {"tuned", "controller",
-                                                                                  "controller-no-norm", "alone"}
+    assert res["chosen"] == "bf16-weights" and set(res["loops"]) == {"tuned", "controller", "controller-no-norm",
+                                                                       "alone"}
     for loop in res["loops"].values():
         assert len(loop["round_ms"]) == 2 and loop["median_ms"] > 0 and loop["launches"] > 0
         assert "tottime" in loop["host_top"]
-    # What the controllers run beyond the plain loop: the gradient norm they track, one _foreach_norm a step.
+    # What the controllers run beyond the plain loop: no second pass for the gradient norm they track
+    # (adaptive_amp.optim's step measures it; it was a _foreach_norm a step, 4% of a compiled Llama 1.1B's).
     for name in ("tuned", "controller"):
         extra = {op: (mine[0] - base[0]) for op, base, mine in res["loops"][name]["differs_from_alone"]}
-        assert extra.get("aten::_foreach_norm", 0) >= 1
+        assert "aten::_foreach_norm" not in extra
     bare = {op: (mine[0] - base[0]) for op, base, mine in res["loops"]["controller-no-norm"]["differs_from_alone"]}
     assert "aten::_foreach_norm" not in bare
     assert "== alone: median" in capsys.readouterr().out
