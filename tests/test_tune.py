@@ -21,7 +21,8 @@ from adaptive_amp.policy import AdaptivePrecisionSelector  # noqa: E402
 from adaptive_amp.pressure import MemoryGuard  # noqa: E402
 from adaptive_amp.recipes import (AppliedRecipe, cast_parameters, checkpoint_blocks, convert_optimizer,  # noqa: E402
                                   find_blocks, matmul_layers)
-from adaptive_amp.tune import LossComparison, Snapshot, parse_budget, t_quantile  # noqa: E402
+from adaptive_amp.tune import (LossComparison, Snapshot, host_copies, parse_budget, plan_offsets,  # noqa: E402
+                               t_quantile)
 
 from conftest import assert_bitwise_equal, requires_cuda  # noqa: E402
 
@@ -220,6 +221,122 @@ def test_snapshot_restore_across_a_dtype_change_drops_compiled_graphs(monkeypatc
     resets.clear()
     snap.restore()  # nothing changed dtype: the graphs stay
     assert not resets
+
+
+def _conv_net(device="cpu"):
+    """A channels_last conv net (its conv weights, their gradients and AdamW moments keep that layout), a
+    BatchNorm (buffers, an int64 counter), a Linear; AdamW with state after two steps and gradients present."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    model = model.to(device=device, memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 3, 10, 10, device=device).to(memory_format=torch.channels_last)
+
+    def train(n):
+        for _ in range(n):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+
+    train(2)
+    model(x).square().mean().backward()  # gradients as well
+    return model, opt, train
+
+
+def _net_state(model, opt):
+    """Every tensor the snapshot restores, with its strides, and the modules' training flags."""
+    names = {p: n for n, p in model.named_parameters()}
+    out = {f"param {n}": p.detach().clone(memory_format=torch.preserve_format)
+           for n, p in model.named_parameters()}
+    out.update({f"grad {n}": p.grad.clone(memory_format=torch.preserve_format)
+                for n, p in model.named_parameters() if p.grad is not None})
+    out.update({f"buffer {n}": b.clone() for n, b in model.named_buffers()})
+    out.update({f"state {names[p]} {k}": v.clone(memory_format=torch.preserve_format)
+                for p, st in opt.state.items() for k, v in st.items()})
+    strides = {k: (v.stride(), v.device) for k, v in out.items()}
+    return out, strides, [m.training for m in model.modules()]
+
+
+def _assert_net_state(before, model, opt):
+    tensors, strides, training = _net_state(model, opt)
+    assert tensors.keys() == before[0].keys()
+    for k, v in tensors.items():
+        if v.is_floating_point():
+            assert_bitwise_equal(v, before[0][k], k)
+        else:
+            assert v.dtype == before[0][k].dtype and torch.equal(v, before[0][k]), k
+    assert strides == before[1]
+    assert training == before[2]
+
+
+def _trial(model, opt, train):
+    """What a bf16-pure trial does to the live state: more steps, a parameter cast to bf16 (new memory), one in
+    another layout, a gradient dropped, eval mode."""
+    train(2)
+    conv, lin = model[0], model[6]
+    conv.weight.data = conv.weight.data.to(torch.bfloat16)
+    lin.weight.data = lin.weight.data.t().contiguous().t()
+    model[3].weight.grad = None
+    model.eval()
+
+
+def test_plan_offsets_and_host_copies_keep_dtype_shape_and_layout():
+    tensors = [torch.randn(3, 5), torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+               torch.randn(7, 3).t(), torch.arange(5, dtype=torch.int64), torch.ones(3, dtype=torch.bool),
+               torch.randn(3).to(torch.bfloat16), torch.empty(0, 4), torch.randn(6, 4)[::2],  # not dense
+               torch.randn(4, 1).expand(4, 3), torch.randn(1, 3, 1, 1).to(memory_format=torch.channels_last),
+               torch.randn(5, dtype=torch.float64)]
+    offsets, total = plan_offsets(tensors, align=64)
+    assert all(o % 64 == 0 for o in offsets)
+    ends = [o + t.numel() * t.element_size() for o, t in zip(offsets, tensors)]
+    assert all(e <= o for e, o in zip(ends, offsets[1:])) and total == ends[-1]  # in order, no overlap
+    assert all(o - e < 64 for e, o in zip(ends, offsets[1:]))  # no more padding than the alignment needs
+    block, views = host_copies(tensors)
+    assert block.nbytes == total and not block.pinned and block.data.numel() == total
+    base = block.data.untyped_storage().data_ptr()
+    for t, v in zip(tensors, views):
+        v.copy_(t)  # all filled before any is compared: an overlap would show
+    for i, (t, v, o) in enumerate(zip(tensors, views, offsets)):
+        assert v.dtype == t.dtype and v.shape == t.shape, i
+        assert v.untyped_storage().data_ptr() == base and v.storage_offset() * v.element_size() == o, i
+        if t.is_contiguous() or i in (1, 2, 9):  # dense layouts keep their strides
+            assert v.stride() == t.stride(), i
+        else:
+            assert v.is_contiguous(), i
+        assert torch.equal(v, t), i
+    with pytest.raises(ValueError, match="align"):
+        plan_offsets(tensors, align=48)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_snapshot_restores_a_channels_last_conv_net_bitwise(offload):
+    # offload=True on a CPU model: the copies in one (unpinned) host block, the path a CUDA model takes.
+    model, opt, train = _conv_net()
+    before = _net_state(model, opt)
+    params = list(model.parameters())
+    bn = model[1]
+    running_mean, mean_ptr = bn.running_mean, bn.running_mean.data_ptr()
+    snap = Snapshot(model, [opt], offload=offload)
+    copies = [c for _, (c, _), _ in snap.params] + [g[0] for _, _, g in snap.params if g is not None] + \
+        [b[0] for _, _, b in snap.buffers if b is not None] + \
+        [v[1][0] for st in snap.opt_states[0][0].values() for v in st.values() if v[0]]
+    storages = {c.untyped_storage().data_ptr() for c in copies}
+    if offload:
+        assert storages == {snap.host.data.untyped_storage().data_ptr()}  # one block for every copy
+    else:
+        assert snap.host is None and len(storages) == len(copies)
+    assert snap.bytes() == sum(p.numel() * p.element_size() for p in params)
+    changed = {0, len(params) - 2}  # the conv weight cast to bf16, the linear weight in another layout
+    for _ in range(2):
+        ptrs = [p.data_ptr() for p in params]
+        _trial(model, opt, train)
+        snap.restore()
+        _assert_net_state(before, model, opt)
+        assert list(model.parameters()) == params  # the same Parameter objects (the optimizer holds them)
+        assert bn.running_mean is running_mean and running_mean.data_ptr() == mean_ptr  # buffers in place
+        # Copied back in place where dtype, shape and layout still matched.
+        assert all(p.data_ptr() == ptr for i, (p, ptr) in enumerate(zip(params, ptrs)) if i not in changed)
 
 
 def test_checkpoint_blocks_same_gradients_and_undo():
