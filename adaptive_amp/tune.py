@@ -243,6 +243,7 @@ class HostBlock:
     def __init__(self, nbytes: int, pin: bool = False):
         self.nbytes, self.registered = int(nbytes), False
         self._uses: List[Any] = []  # CUDA events after the latest copies from or to the block
+        self._release = None  # unregisters a registered block
         self.data = _registered(self.nbytes, self) if pin and self.nbytes else None
         if self.data is None:
             self.data = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=bool(pin and self.nbytes))
@@ -277,7 +278,8 @@ def _registered(nbytes: int, owner: HostBlock) -> Optional[torch.Tensor]:
         return None
     owner.registered = True
     # The finalizer holds `raw` until it is unregistered; `owner._uses` is the list `used` refills.
-    weakref.finalize(owner, _unregister, cudart, ptr, raw, owner._uses).atexit = False
+    owner._release = weakref.finalize(owner, _unregister, cudart, ptr, raw, owner._uses)
+    owner._release.atexit = False  # at exit the process's memory goes anyway, maybe after the CUDA runtime
     return raw[start:start + nbytes]
 
 

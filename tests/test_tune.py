@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import math
@@ -866,3 +867,77 @@ def test_float8_candidate_trains_through_torchao_and_undo_restores_the_model():
     assert [type(m) for m in model] == modules  # torchao's modules were put back
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def _snapshot_copies(snap):
+    """Every copy the snapshot holds: parameters, gradients, buffers, optimizer state tensors."""
+    return [c for _, (c, _), _ in snap.params] + [g[0] for _, _, g in snap.params if g is not None] + \
+        [b[0] for _, _, b in snap.buffers if b is not None] + \
+        [v[1][0] for state, _, _ in snap.opt_states for st in state.values() for v in st.values() if v[0]]
+
+
+def _no_cudart():
+    raise RuntimeError("no CUDA runtime binding (test)")
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("pinning", ["registered", "torch's pinned allocator"])
+def test_snapshot_on_cuda_copies_into_one_pinned_block_and_restores_bitwise(monkeypatch, pinning):
+    # The offloaded snapshot of a CUDA model: one page-locked host block for every copy (registered with CUDA,
+    # or from torch's pinned allocator where registration is not available), asynchronous copies both ways.
+    torch.cuda.init()
+    if pinning != "registered":
+        monkeypatch.setattr(torch.cuda, "cudart", _no_cudart)
+    model, opt, train = _conv_net("cuda")
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last) and not model[0].weight.is_contiguous()
+    before = _net_state(model, opt)
+    params = list(model.parameters())
+    snap = Snapshot(model, [opt])  # offloaded: the default for a CUDA model
+    assert snap.offload and snap.host.pinned and snap.host.registered == (pinning == "registered")
+    copies = _snapshot_copies(snap)
+    assert len(copies) == 2 * len(params) + 3 + 3 * len(params)  # BatchNorm: mean, var, count; AdamW: 3 each
+    assert all(c.device.type == "cpu" for c in copies)
+    # One allocation: every copy a view of the block's storage, and that storage page-locked.
+    assert {c.untyped_storage().data_ptr() for c in copies} == {snap.host.data.untyped_storage().data_ptr()}
+    assert all(c.is_pinned() for c in copies)
+    assert copies[0].stride() == model[0].weight.stride()  # channels_last kept on the host
+    changed = {0, len(params) - 2}
+    for _ in range(2):
+        ptrs = [p.data_ptr() for p in params]
+        _trial(model, opt, train)
+        snap.restore()
+        _assert_net_state(before, model, opt)
+        assert list(model.parameters()) == params
+        assert all(p.data_ptr() == ptr for i, (p, ptr) in enumerate(zip(params, ptrs)) if i not in changed)
+    release = snap.host._release
+    del snap, copies
+    gc.collect()
+    if release is not None:
+        assert not release.alive  # unregistered once the snapshot went, after its copies had finished
+    train(1)  # no CUDA error left behind
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_a_refused_registration_falls_back_to_torchs_pinned_memory_and_leaves_no_cuda_error(monkeypatch):
+    torch.cuda.init()
+    real = torch.cuda.cudart()
+
+    class Refusing:
+        @staticmethod
+        def cudaHostRegister(ptr, size, flags):
+            # A real failure (invalid value): the runtime keeps it as the thread's last error, which torch's next
+            # kernel launch would report as its own.
+            return real.cudaHostRegister(0, 0, flags)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    model, opt, train = _conv_net("cuda")
+    before = _net_state(model, opt)
+    snap = Snapshot(model, [opt])
+    assert snap.host.pinned and not snap.host.registered
+    _trial(model, opt, train)
+    snap.restore()
+    _assert_net_state(before, model, opt)
+    torch.cuda.synchronize()
