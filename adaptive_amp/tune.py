@@ -217,6 +217,11 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and the same strides along every dimension longer than 1 (the others' strides are arbitrary)."""
+    return a.shape == b.shape and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1)
+
+
 def plan_offsets(tensors: Sequence[torch.Tensor], align: int = _ALIGN) -> Tuple[List[int], int]:
     """Byte offsets of a copy of each tensor in one buffer, each aligned to `align`, and the buffer's size."""
     if align < 1 or align & (align - 1):
@@ -325,8 +330,10 @@ class Snapshot:
     filled by asynchronous copies and one synchronization (one copy and one pinned allocation a tensor took 3.1 s
     for Llama 1.1B's 4.4 GB on an H200, 1.4 GB/s), and copied back asynchronously. Without `offload` they are
     clones on each tensor's device. Parameter objects keep their identity (the optimizer holds them); their data
-    is copied back in place where dtype, shape, device and strides still match, else replaced. A tensor held in
-    two places (the same object) is copied once.
+    is copied back in place where dtype, shape, device and strides still match, else replaced by a copy with
+    the saved strides (channels_last stays channels_last; a parameter that was not dense, such as a slice,
+    comes back contiguous). Buffers are copied back in place where dtype, shape and device match. A tensor held
+    in two places (the same object) is copied once.
     """
 
     def __init__(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], offload: Optional[bool] = None):
@@ -385,7 +392,7 @@ class Snapshot:
     def restore(self, rng: bool = True) -> None:
         recast = False
         for p, (c, device), g in self.params:
-            if p.dtype == c.dtype and p.shape == c.shape and p.device == device and p.stride() == c.stride():
+            if p.dtype == c.dtype and p.device == device and _same_layout(p, c):
                 p.data.copy_(c, non_blocking=device.type == "cuda")
             else:
                 recast |= p.dtype != c.dtype
@@ -396,8 +403,8 @@ class Snapshot:
         for m, name, b in self.buffers:
             now = m._buffers.get(name)
             if b is not None and now is not None and now.dtype == b[0].dtype and now.shape == b[0].shape \
-                    and now.device == b[1] and now.stride() == b[0].stride():
-                # in place: other attributes may hold the same tensor (rotary caches)
+                    and now.device == b[1]:
+                # in place, whatever the layout: other attributes may hold the same tensor (rotary caches)
                 now.copy_(b[0], non_blocking=b[1].type == "cuda")
             else:
                 m._buffers[name] = None if b is None else self._back(b)
