@@ -71,7 +71,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -562,13 +562,23 @@ def _state_bytes(model: nn.Module, optimizer) -> int:
     return sum(seen.values())
 
 
-def _reference_copy(g: torch.Tensor) -> torch.Tensor:
-    """The reference gradient kept for the cosines, on the host: bf16 (half the bytes to allocate and copy; its
-    rounding moves a cosine over many elements by far less than the 0.95 threshold's margin) and pinned when
-    `g` is on a GPU, so that copying it back for each candidate is fast."""
-    if g.device.type == "cpu":
-        return g.to(torch.bfloat16, copy=True)
-    return torch.empty(g.shape, dtype=torch.bfloat16, pin_memory=True).copy_(g)
+class _ReferenceGrads(NamedTuple):
+    block: HostBlock  # holds the grads' memory (a registered block is unregistered when it goes)
+    grads: List[torch.Tensor]
+
+
+def _reference_copies(grads: List[torch.Tensor]) -> _ReferenceGrads:
+    """The reference gradients kept for the cosines, on the host: bf16 (half the bytes to allocate and copy; its
+    rounding moves a cosine over many elements by far less than the 0.95 threshold's margin), in one block,
+    pinned when they are on a GPU so that copying them back for each candidate is fast (a pinned allocation and
+    a synchronous copy each cost as the snapshot's did)."""
+    templates = [torch.empty_like(g, dtype=torch.bfloat16, device="meta") for g in grads]
+    block, copies = host_copies(templates, pin=any(g.is_cuda for g in grads))
+    for c, g in zip(copies, grads):
+        c.copy_(g, non_blocking=g.is_cuda)
+    for d in {g.device for g in grads if g.is_cuda}:
+        torch.cuda.synchronize(d)  # one wait for all; then any stream may read the block, and it may go any time
+    return _ReferenceGrads(block, copies)
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -720,7 +730,7 @@ class Tuner:
             with self._phase("probes"):
                 grads = self._probe(a)
                 # Compared (or kept, on the host) before the trajectory, so that they are not in its peak memory.
-                out = [_reference_copy(g) for g in grads] if ref_grads is None else self._cosine(grads, ref_grads)
+                out = _reference_copies(grads) if ref_grads is None else self._cosine(grads, ref_grads.grads)
                 del grads
             _set_rng_states(self.snapshot.rng)
             with self._phase("trajectories"):
