@@ -290,9 +290,9 @@ def _registered(nbytes: int, owner: HostBlock) -> Optional[torch.Tensor]:
 
 def _consume_cuda_error() -> None:
     """A failed runtime call stays the thread's "last error", which torch's next kernel launch check would
-    report as its own: read it now, by a kernel launch whose check raises it."""
+    report as its own: read it now, by kernel launches whose check raises it."""
     try:
-        torch.zeros(1, device="cuda")
+        torch.zeros(1, device="cuda").add_(1)
     except RuntimeError:
         pass
 
