@@ -396,6 +396,21 @@ def test_tune_restores_everything_bitwise_and_records_every_trial():
     assert result.policy == result.recipe.policy
 
 
+def test_tune_with_an_offloaded_snapshot_restores_a_channels_last_resnet_bitwise():
+    # The host-block snapshot (a CUDA model's default) through a whole tuning, on the CPU: trials that cast the
+    # weights to bf16, the reference gradients in their own block, the final restore; layouts included.
+    zm, opt, batches = _setup("resnet")
+    assert any(p.dim() == 4 and not p.is_contiguous() for p in zm.model.parameters())  # channels_last weights
+    _train(zm, opt, batches, 2)
+    zm.loss(zm.model, batches[0]).backward()
+    before = _net_state(zm.model, opt)
+    result = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32", "bf16", "bf16-pure"],
+                  offload_snapshot=True, **FAST)
+    assert [t.name for t in result.trials if t.error is None] == ["fp32", "bf16", "bf16-pure"]
+    assert all(t.grad_cosine is not None for t in result.trials)
+    _assert_net_state(before, zm.model, opt)
+
+
 def test_extra_timing_rounds_only_for_contenders_and_where_the_time_went():
     """The trajectories are the first timing round (steps - 1 timed steps each); the rounds after it time only
     candidates that agree, fit and were within `contenders` of the fastest: here (contenders=0) the fastest
