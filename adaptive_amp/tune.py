@@ -270,22 +270,21 @@ def _registered(nbytes: int, owner: HostBlock) -> Optional[torch.Tensor]:
         cudart = torch.cuda.cudart()
     except Exception:  # noqa: BLE001 - no binding: torch's pinned allocator instead
         return None
-    page = 4096
-    raw = torch.empty(nbytes + 2 * page, dtype=torch.uint8)
-    start = -raw.data_ptr() % page
-    length = -(-nbytes // page) * page  # whole pages, all inside `raw`
+    data = torch.empty(nbytes, dtype=torch.uint8)
     # Every page touched by torch's threads first, else registering faults them in one at a time (ik_llama.cpp
     # measured this 2x faster than cudaHostAlloc, which also faults them in one at a time).
-    raw.zero_()
-    ptr = raw.data_ptr() + start
-    if int(cudart.cudaHostRegister(ptr, length, 1)) != 0:  # 1: cudaHostRegisterPortable (every device's context)
+    data.zero_()
+    # The whole allocation from its first byte, so that torch sees it as pinned (is_pinned asks CUDA about a
+    # storage's first byte). 1: cudaHostRegisterPortable, page-locked for every device's context.
+    ptr = data.data_ptr()
+    if int(cudart.cudaHostRegister(ptr, nbytes, 1)) != 0:
         _consume_cuda_error()
         return None
     owner.registered = True
-    # The finalizer holds `raw` until it is unregistered; `owner._uses` is the list `used` refills.
-    owner._release = weakref.finalize(owner, _unregister, cudart, ptr, raw, owner._uses)
+    # The finalizer holds `data` until it is unregistered; `owner._uses` is the list `used` refills.
+    owner._release = weakref.finalize(owner, _unregister, cudart, ptr, data, owner._uses)
     owner._release.atexit = False  # at exit the process's memory goes anyway, maybe after the CUDA runtime
-    return raw[start:start + nbytes]
+    return data
 
 
 def _consume_cuda_error() -> None:
@@ -297,7 +296,7 @@ def _consume_cuda_error() -> None:
         pass
 
 
-def _unregister(cudart, ptr: int, raw: torch.Tensor, uses: list) -> None:
+def _unregister(cudart, ptr: int, data: torch.Tensor, uses: list) -> None:
     try:
         for event in uses:  # the last copies from or to the block
             event.synchronize()

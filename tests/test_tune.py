@@ -943,9 +943,9 @@ def test_a_refused_registration_falls_back_to_torchs_pinned_memory_and_leaves_no
     class Refusing:
         @staticmethod
         def cudaHostRegister(ptr, size, flags):
-            # A real failure (invalid value): the runtime keeps it as the thread's last error, which torch's next
-            # kernel launch would report as its own.
-            return real.cudaHostRegister(0, 0, flags)
+            # A real failure (invalid value: no memory, unknown flags): the runtime keeps it as the thread's last
+            # error, which torch's next kernel launch would report as its own.
+            return real.cudaHostRegister(0, 0, 0xFFFF)
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
     model, opt, train = _conv_net("cuda")
