@@ -369,8 +369,11 @@ class Snapshot:
         unique = list({id(t): t.detach() for t in tensors}.items())
         if not self.offload:
             return {i: (t.clone(), t.device) for i, t in unique}
-        strided = [(i, t) for i, t in unique if t.layout == torch.strided]
-        saved = {i: (t.to("cpu", copy=True), t.device) for i, t in unique if t.layout != torch.strided}
+        # Plain dense tensors go into the block; others (sparse gradients, quantized or subclass tensors) are
+        # copied on their own.
+        plain = {i for i, t in unique if t.layout == torch.strided and not t.is_quantized and type(t) is torch.Tensor}
+        strided = [(i, t) for i, t in unique if i in plain]
+        saved = {i: (t.to("cpu", copy=True), t.device) for i, t in unique if i not in plain}
         if strided:
             self.host, views = host_copies([t for _, t in strided], pin=any(t.is_cuda for _, t in strided))
             for (i, t), v in zip(strided, views):

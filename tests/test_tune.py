@@ -396,6 +396,20 @@ def test_tune_restores_everything_bitwise_and_records_every_trial():
     assert result.policy == result.recipe.policy
 
 
+def test_offloaded_snapshot_copies_a_sparse_gradient_on_its_own():
+    emb, lin = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)
+    model = nn.Sequential(emb, lin)
+    model(torch.tensor([1, 2, 2])).sum().backward()
+    grad = emb.weight.grad.coalesce()
+    snap = Snapshot(model, [], offload=True)
+    (_, _, g_emb), (_, (w, _), _) = snap.params[:2]
+    assert g_emb[0].layout == torch.sparse_coo and w.untyped_storage().data_ptr() == \
+        snap.host.data.untyped_storage().data_ptr()
+    emb.weight.grad = None
+    snap.restore()
+    assert emb.weight.grad.layout == torch.sparse_coo and torch.equal(emb.weight.grad.to_dense(), grad.to_dense())
+
+
 def test_tune_with_an_offloaded_snapshot_restores_a_channels_last_resnet_bitwise():
     # The host-block snapshot (a CUDA model's default) through a whole tuning, on the CPU: trials that cast the
     # weights to bf16, the reference gradients in their own block, the final restore; layouts included.
