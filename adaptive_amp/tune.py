@@ -68,6 +68,7 @@ import math
 import random
 import sys
 import time
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -264,8 +265,6 @@ class HostBlock:
 def _registered(nbytes: int, owner: HostBlock) -> Optional[torch.Tensor]:
     """`nbytes` of host memory page-locked with ``cudaHostRegister``, unregistered when `owner` is collected; None
     where that is not possible (no CUDA runtime binding, registration refused)."""
-    import weakref
-
     try:
         cudart = torch.cuda.cudart()
     except Exception:  # noqa: BLE001 - no binding: torch's pinned allocator instead
