@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import math
@@ -21,7 +22,8 @@ from adaptive_amp.policy import AdaptivePrecisionSelector  # noqa: E402
 from adaptive_amp.pressure import MemoryGuard  # noqa: E402
 from adaptive_amp.recipes import (AppliedRecipe, cast_parameters, checkpoint_blocks, convert_optimizer,  # noqa: E402
                                   find_blocks, matmul_layers)
-from adaptive_amp.tune import LossComparison, Snapshot, parse_budget, t_quantile  # noqa: E402
+from adaptive_amp.tune import (LossComparison, Snapshot, host_copies, parse_budget, plan_offsets,  # noqa: E402
+                               t_quantile)
 
 from conftest import assert_bitwise_equal, requires_cuda  # noqa: E402
 
@@ -222,6 +224,122 @@ def test_snapshot_restore_across_a_dtype_change_drops_compiled_graphs(monkeypatc
     assert not resets
 
 
+def _conv_net(device="cpu"):
+    """A channels_last conv net (its conv weights, their gradients and AdamW moments keep that layout), a
+    BatchNorm (buffers, an int64 counter), a Linear; AdamW with state after two steps and gradients present."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    model = model.to(device=device, memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 3, 10, 10, device=device).to(memory_format=torch.channels_last)
+
+    def train(n):
+        for _ in range(n):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+
+    train(2)
+    model(x).square().mean().backward()  # gradients as well
+    return model, opt, train
+
+
+def _net_state(model, opt):
+    """Every tensor the snapshot restores, with its strides, and the modules' training flags."""
+    names = {p: n for n, p in model.named_parameters()}
+    out = {f"param {n}": p.detach().clone(memory_format=torch.preserve_format)
+           for n, p in model.named_parameters()}
+    out.update({f"grad {n}": p.grad.clone(memory_format=torch.preserve_format)
+                for n, p in model.named_parameters() if p.grad is not None})
+    out.update({f"buffer {n}": b.clone() for n, b in model.named_buffers()})
+    out.update({f"state {names[p]} {k}": v.clone(memory_format=torch.preserve_format)
+                for p, st in opt.state.items() for k, v in st.items()})
+    strides = {k: (v.stride(), v.device) for k, v in out.items()}
+    return out, strides, [m.training for m in model.modules()]
+
+
+def _assert_net_state(before, model, opt):
+    tensors, strides, training = _net_state(model, opt)
+    assert tensors.keys() == before[0].keys()
+    for k, v in tensors.items():
+        if v.is_floating_point():
+            assert_bitwise_equal(v, before[0][k], k)
+        else:
+            assert v.dtype == before[0][k].dtype and torch.equal(v, before[0][k]), k
+    assert strides == before[1]
+    assert training == before[2]
+
+
+def _trial(model, opt, train):
+    """What a bf16-pure trial does to the live state: more steps, a parameter cast to bf16 (new memory), one in
+    another layout, a gradient dropped, eval mode."""
+    train(2)
+    conv, lin = model[0], model[6]
+    conv.weight.data = conv.weight.data.to(torch.bfloat16)
+    lin.weight.data = lin.weight.data.t().contiguous().t()
+    model[3].weight.grad = None
+    model.eval()
+
+
+def test_plan_offsets_and_host_copies_keep_dtype_shape_and_layout():
+    tensors = [torch.randn(3, 5), torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+               torch.randn(7, 3).t(), torch.arange(5, dtype=torch.int64), torch.ones(3, dtype=torch.bool),
+               torch.randn(3).to(torch.bfloat16), torch.empty(0, 4), torch.randn(6, 4)[::2],  # not dense
+               torch.randn(4, 1).expand(4, 3), torch.randn(1, 3, 1, 1).to(memory_format=torch.channels_last),
+               torch.randn(5, dtype=torch.float64)]
+    offsets, total = plan_offsets(tensors, align=64)
+    assert all(o % 64 == 0 for o in offsets)
+    ends = [o + t.numel() * t.element_size() for o, t in zip(offsets, tensors)]
+    assert all(e <= o for e, o in zip(ends, offsets[1:])) and total == ends[-1]  # in order, no overlap
+    assert all(o - e < 64 for e, o in zip(ends, offsets[1:]))  # no more padding than the alignment needs
+    block, views = host_copies(tensors)
+    assert block.nbytes == total and not block.pinned and block.data.numel() == total
+    base = block.data.untyped_storage().data_ptr()
+    for t, v in zip(tensors, views):
+        v.copy_(t)  # all filled before any is compared: an overlap would show
+    for i, (t, v, o) in enumerate(zip(tensors, views, offsets)):
+        assert v.dtype == t.dtype and v.shape == t.shape, i
+        assert v.untyped_storage().data_ptr() == base and v.storage_offset() * v.element_size() == o, i
+        if t.is_contiguous() or i in (1, 2, 9):  # dense layouts keep their strides
+            assert v.stride() == t.stride(), i
+        else:
+            assert v.is_contiguous(), i
+        assert torch.equal(v, t), i
+    with pytest.raises(ValueError, match="align"):
+        plan_offsets(tensors, align=48)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_snapshot_restores_a_channels_last_conv_net_bitwise(offload):
+    # offload=True on a CPU model: the copies in one (unpinned) host block, the path a CUDA model takes.
+    model, opt, train = _conv_net()
+    before = _net_state(model, opt)
+    params = list(model.parameters())
+    bn = model[1]
+    running_mean, mean_ptr = bn.running_mean, bn.running_mean.data_ptr()
+    snap = Snapshot(model, [opt], offload=offload)
+    copies = [c for _, (c, _), _ in snap.params] + [g[0] for _, _, g in snap.params if g is not None] + \
+        [b[0] for _, _, b in snap.buffers if b is not None] + \
+        [v[1][0] for st in snap.opt_states[0][0].values() for v in st.values() if v[0]]
+    storages = {c.untyped_storage().data_ptr() for c in copies}
+    if offload:
+        assert storages == {snap.host.data.untyped_storage().data_ptr()}  # one block for every copy
+    else:
+        assert snap.host is None and len(storages) == len(copies)
+    assert snap.bytes() == sum(p.numel() * p.element_size() for p in params)
+    changed = {0, len(params) - 2}  # the conv weight cast to bf16, the linear weight in another layout
+    for _ in range(2):
+        ptrs = [p.data_ptr() for p in params]
+        _trial(model, opt, train)
+        snap.restore()
+        _assert_net_state(before, model, opt)
+        assert list(model.parameters()) == params  # the same Parameter objects (the optimizer holds them)
+        assert bn.running_mean is running_mean and running_mean.data_ptr() == mean_ptr  # buffers in place
+        # Copied back in place where dtype, shape and layout still matched.
+        assert all(p.data_ptr() == ptr for i, (p, ptr) in enumerate(zip(params, ptrs)) if i not in changed)
+
+
 def test_checkpoint_blocks_same_gradients_and_undo():
     zm, _, batches = _setup("llama")
     assert [n for n, _ in find_blocks(zm.model)] == ["model.layers.0", "model.layers.1"]
@@ -276,6 +394,35 @@ def test_tune_restores_everything_bitwise_and_records_every_trial():
     if chosen.step_time_ms > fastest * 1.01 + 1e-9:
         assert chosen.step_time_ms <= fastest * (1.1 * 1.01) ** 3 and "state_margin=10%" in chosen.verdict
     assert result.policy == result.recipe.policy
+
+
+def test_offloaded_snapshot_copies_a_sparse_gradient_on_its_own():
+    emb, lin = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)
+    model = nn.Sequential(emb, lin)
+    model(torch.tensor([1, 2, 2])).sum().backward()
+    grad = emb.weight.grad.coalesce()
+    snap = Snapshot(model, [], offload=True)
+    (_, _, g_emb), (_, (w, _), _) = snap.params[:2]
+    assert g_emb[0].layout == torch.sparse_coo and w.untyped_storage().data_ptr() == \
+        snap.host.data.untyped_storage().data_ptr()
+    emb.weight.grad = None
+    snap.restore()
+    assert emb.weight.grad.layout == torch.sparse_coo and torch.equal(emb.weight.grad.to_dense(), grad.to_dense())
+
+
+def test_tune_with_an_offloaded_snapshot_restores_a_channels_last_resnet_bitwise():
+    # The host-block snapshot (a CUDA model's default) through a whole tuning, on the CPU: trials that cast the
+    # weights to bf16, the reference gradients in their own block, the final restore; layouts included.
+    zm, opt, batches = _setup("resnet")
+    assert any(p.dim() == 4 and not p.is_contiguous() for p in zm.model.parameters())  # channels_last weights
+    _train(zm, opt, batches, 2)
+    zm.loss(zm.model, batches[0]).backward()
+    before = _net_state(zm.model, opt)
+    result = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32", "bf16", "bf16-pure"],
+                  offload_snapshot=True, **FAST)
+    assert [t.name for t in result.trials if t.error is None] == ["fp32", "bf16", "bf16-pure"]
+    assert all(t.grad_cosine is not None for t in result.trials)
+    _assert_net_state(before, zm.model, opt)
 
 
 def test_extra_timing_rounds_only_for_contenders_and_where_the_time_went():
@@ -749,3 +896,77 @@ def test_float8_candidate_trains_through_torchao_and_undo_restores_the_model():
     assert [type(m) for m in model] == modules  # torchao's modules were put back
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def _snapshot_copies(snap):
+    """Every copy the snapshot holds: parameters, gradients, buffers, optimizer state tensors."""
+    return [c for _, (c, _), _ in snap.params] + [g[0] for _, _, g in snap.params if g is not None] + \
+        [b[0] for _, _, b in snap.buffers if b is not None] + \
+        [v[1][0] for state, _, _ in snap.opt_states for st in state.values() for v in st.values() if v[0]]
+
+
+def _no_cudart():
+    raise RuntimeError("no CUDA runtime binding (test)")
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("pinning", ["registered", "torch's pinned allocator"])
+def test_snapshot_on_cuda_copies_into_one_pinned_block_and_restores_bitwise(monkeypatch, pinning):
+    # The offloaded snapshot of a CUDA model: one page-locked host block for every copy (registered with CUDA,
+    # or from torch's pinned allocator where registration is not available), asynchronous copies both ways.
+    torch.cuda.init()
+    if pinning != "registered":
+        monkeypatch.setattr(torch.cuda, "cudart", _no_cudart)
+    model, opt, train = _conv_net("cuda")
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last) and not model[0].weight.is_contiguous()
+    before = _net_state(model, opt)
+    params = list(model.parameters())
+    snap = Snapshot(model, [opt])  # offloaded: the default for a CUDA model
+    assert snap.offload and snap.host.pinned and snap.host.registered == (pinning == "registered")
+    copies = _snapshot_copies(snap)
+    assert len(copies) == 2 * len(params) + 3 + 3 * len(params)  # BatchNorm: mean, var, count; AdamW: 3 each
+    assert all(c.device.type == "cpu" for c in copies)
+    # One allocation: every copy a view of the block's storage, and that storage page-locked.
+    assert {c.untyped_storage().data_ptr() for c in copies} == {snap.host.data.untyped_storage().data_ptr()}
+    assert all(c.is_pinned() for c in copies)
+    assert copies[0].stride() == model[0].weight.stride()  # channels_last kept on the host
+    changed = {0, len(params) - 2}
+    for _ in range(2):
+        ptrs = [p.data_ptr() for p in params]
+        _trial(model, opt, train)
+        snap.restore()
+        _assert_net_state(before, model, opt)
+        assert list(model.parameters()) == params
+        assert all(p.data_ptr() == ptr for i, (p, ptr) in enumerate(zip(params, ptrs)) if i not in changed)
+    release = snap.host._release
+    del snap, copies
+    gc.collect()
+    if release is not None:
+        assert not release.alive  # unregistered once the snapshot went, after its copies had finished
+    train(1)  # no CUDA error left behind
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_a_refused_registration_falls_back_to_torchs_pinned_memory_and_leaves_no_cuda_error(monkeypatch):
+    torch.cuda.init()
+    real = torch.cuda.cudart()
+
+    class Refusing:
+        @staticmethod
+        def cudaHostRegister(ptr, size, flags):
+            # A real failure (invalid value: no memory, unknown flags): the runtime keeps it as the thread's last
+            # error, which torch's next kernel launch would report as its own.
+            return real.cudaHostRegister(0, 0, 0xFFFF)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    model, opt, train = _conv_net("cuda")
+    before = _net_state(model, opt)
+    snap = Snapshot(model, [opt])
+    assert snap.host.pinned and not snap.host.registered
+    _trial(model, opt, train)
+    snap.restore()
+    _assert_net_state(before, model, opt)
+    torch.cuda.synchronize()
