@@ -55,9 +55,11 @@
 //   sign of maximize does not matter), 0 for an empty tensor, NaN for every k
 //   when the step is skipped (found_inf). Deterministic: g*g summed in fp32
 //   over pieces of a tensor (CPU: blocks of 4096 elements, in element order;
-//   CUDA: chunks of kOptimSumsqChunk, in a fixed order of its threads), then
-//   a tensor's pieces in a fixed order in double, rounded once to fp32. The
-//   CPU and CUDA sums agree to fp32 rounding, not bit for bit.
+//   CUDA: chunks of kOptimSumsqChunk, in a fixed order of its threads, which
+//   differs between the 16-byte-aligned vector path and the scalar path of
+//   unaligned views), then a tensor's pieces in a fixed order in double,
+//   rounded once to fp32. The CPU and CUDA sums, and CUDA's for the same
+//   values at another alignment, agree to fp32 rounding, not bit for bit.
 //   The CUDA path keeps one fp32 partial per chunk in `workspace`
 //   (optim_workspace_bytes); the caller provides it (the core allocates nothing
 //   on the device). This is the gradient norm a training loop wants from the
