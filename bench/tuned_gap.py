@@ -156,7 +156,14 @@ def main(argv=None) -> int:
         summary, ops[name] = _profile(step, batches, args.profile_steps, cuda)
         res["loops"][name] = {"median_ms": statistics.median(times[name]), "round_ms": times[name], **summary,
                               "host_top": _host_profile(step, batches, args.profile_steps, cuda)}
+    alone = res["loops"]["alone"]
     for name in ("tuned", "controller", "controller-no-norm"):
+        # The rounds drift (24 to 43 ms a step within one call on an H200): each round's ratio to the plain
+        # loop's round next to it cancels that; the device's busy time does not drift with the host.
+        loop = res["loops"][name]
+        loop["round_ratio_to_alone"] = statistics.median(a / b for a, b in zip(times[name], times["alone"]))
+        busy = alone["device_busy_ms"]  # (0 on the CPU: no kernels)
+        loop["device_busy_ratio_to_alone"] = loop["device_busy_ms"] / busy if busy else None
         base, mine = ops["alone"], ops[name]
         res["loops"][name]["differs_from_alone"] = sorted(
             ([k, base.get(k, [0, 0.0]), mine.get(k, [0, 0.0])] for k in set(base) | set(mine)
@@ -167,6 +174,10 @@ def main(argv=None) -> int:
         print(f"== {name}: median {r['median_ms']:.2f} ms/step (rounds {', '.join(f'{t:.1f}' for t in r['round_ms'])});"
               f" profiled wall {r['wall_ms']:.2f} ms, device busy {r['device_busy_ms']:.2f} ms, "
               f"{r['launches']:.0f} launches a step", flush=True)
+        if "round_ratio_to_alone" in r:
+            busy = r["device_busy_ratio_to_alone"]
+            print(f"   against the plain loop: median round ratio {r['round_ratio_to_alone']:.3f}, device busy ratio "
+                  f"{'n/a' if busy is None else f'{busy:.3f}'}", flush=True)
         for k, (bc, bu), (mc, mu) in r.get("differs_from_alone", []):
             print(f"   {k[:80]:80} count {bc:6.1f} -> {mc:6.1f}  device {bu:9.1f} -> {mu:9.1f} us")
         print(r["host_top"], flush=True)

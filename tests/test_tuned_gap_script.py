@@ -28,6 +28,9 @@ def test_four_loops_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
     for name in ("tuned", "controller"):
         extra = {op: (mine[0] - base[0]) for op, base, mine in res["loops"][name]["differs_from_alone"]}
         assert "aten::_foreach_norm" not in extra
+    for name in ("tuned", "controller", "controller-no-norm"):
+        assert res["loops"][name]["round_ratio_to_alone"] > 0
+        assert res["loops"][name]["device_busy_ratio_to_alone"] is None  # no kernels on the CPU
     bare = {op: (mine[0] - base[0]) for op, base, mine in res["loops"]["controller-no-norm"]["differs_from_alone"]}
     assert "aten::_foreach_norm" not in bare
     assert "== alone: median" in capsys.readouterr().out
