@@ -40,3 +40,18 @@ def test_gpu_targets_only_on_gpu_rows():
 
     assert "target" not in " ".join(sround_summary(rows("cpu")))
     assert "(target <= 1.25x)" in " ".join(sround_summary(rows("graph")))
+
+
+def test_optim_rows_keep_their_kind_and_memory():
+    # The optim suite built its rows positionally; when Row gained spread_ms, every field from kind on landed one
+    # off and the suite failed on the GPU ('int' object has no attribute 'split').
+    from adaptive_amp.bench.optim import OptimRow, format_optim, optim_row
+
+    row = optim_row("adaptive_amp.optim.AdamW bf16, fp32 moments, SR", "adamw_bf16_m32", (0.5, 0.6, 0.4), 20,
+                    numel=1000, copy_gbps=1.0)
+    assert row.kind == "adamw_bf16_m32" and row.spread_ms is None
+    assert (row.bytes_per_param, row.bytes_per_param_with_grad) == (10, 12)
+    assert (row.gpu_ms, row.wall_ms, row.host_ms, row.steps_per_round) == (0.5, 0.6, 0.4, 20)
+    assert row.bytes_moved == 22 * 1000
+    assert "adaptive_amp.optim.AdamW" in format_optim([row])
+    assert isinstance(OptimRow("optim", "x", "eager", 1.0, 1, 1.0, 1.0, kind="copy").kind, str)

@@ -53,10 +53,12 @@ from .kernels import Row, _ceilings, _gpu_setup, gpt2_small_shapes
 #   AdamW bf16, bf16 m/v:  4 + 4 read, 2 + 4 written                       = 14
 #   SGD fp32 + momentum:   p, g, buf read (12), p, buf written (8)         = 20
 #   SGD bf16, fp32 buf:    2 + 2 + 4 read, 2 + 4 written                   = 14
-_MOVED = {"adamw_fp32": 28, "adamw_bf16_m32": 22, "adamw_bf16_m16": 14, "sgd_fp32": 20, "sgd_bf16_m32": 14}
+#   + a second pass for the gradient norm (torch._foreach_norm): the bf16 gradients read again (2) = 24
+_MOVED = {"adamw_fp32": 28, "adamw_bf16_m32": 22, "adamw_bf16_m16": 14, "sgd_fp32": 20, "sgd_bf16_m32": 14,
+          "adamw_bf16_m32_norm": 24}
 # Memory per parameter: (param + optimizer state, the same plus the gradient).
 _MEMORY = {"adamw_fp32": (12, 16), "adamw_bf16_m32": (10, 12), "adamw_bf16_m16": (6, 8), "sgd_fp32": (8, 12),
-           "sgd_bf16_m32": (6, 8)}
+           "sgd_bf16_m32": (6, 8), "adamw_bf16_m32_norm": (10, 12)}
 
 
 @dataclass
@@ -108,6 +110,19 @@ def _torch_sr_adamw(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=
     return step
 
 
+class _WithSecondPassNorm:
+    """An optimizer step followed by the gradient norm in a second pass, as a controller without our
+    optimizer takes it (fp32 norms of the bf16 gradients, then their norm)."""
+
+    def __init__(self, opt, params):
+        self.opt, self.params = opt, params
+
+    def step(self):
+        self.opt.step()
+        grads = [p.grad for p in self.params]
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+
+
 def _cycles_per_ms(device) -> float:
     """GPU clock cycles per millisecond of torch.cuda._sleep, measured (the clock varies)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -148,6 +163,19 @@ def time_steps(step, device, *, n=20, warmup=3, reps=10, cycles_per_ms=None):
     return statistics.median(gpu), statistics.median(wall), statistics.median(host)
 
 
+def optim_row(name: str, kind: str, times, steps: int, numel: int, copy_gbps: float) -> OptimRow:
+    """The row of one optimizer timed as `kind` (see _MOVED) over `numel` parameters: times = (gpu_ms, wall_ms,
+    host_ms) per step."""
+    gpu_ms, wall_ms, host_ms = times
+    moved = _MOVED[kind] * numel
+    gbps = moved / gpu_ms / 1e6
+    mem = _MEMORY[kind]
+    # (Keywords past Row's own fields: Row gained spread_ms, and positional ones landed one field off.)
+    return OptimRow("optim", name, "eager", wall_ms, moved, gbps, gbps / copy_gbps, kind=kind, bytes_per_param=mem[0],
+                    bytes_per_param_with_grad=mem[1], gpu_ms=gpu_ms, host_ms=host_ms, wall_ms=wall_ms,
+                    steps_per_round=steps)
+
+
 def optim_gpu(device="cuda", warmup=3, reps=10, n=20, progress=print) -> List[OptimRow]:
     from .. import optim
 
@@ -159,13 +187,8 @@ def optim_gpu(device="cuda", warmup=3, reps=10, n=20, progress=print) -> List[Op
     rows: List[OptimRow] = []
 
     def add(name, kind, times, steps):
-        gpu_ms, wall_ms, host_ms = times
-        moved = _MOVED[kind] * numel
-        gbps = moved / gpu_ms / 1e6
-        mem = _MEMORY[kind]
-        rows.append(OptimRow("optim", name, "eager", wall_ms, moved, gbps, gbps / copy_gbps, kind, mem[0], mem[1],
-                             gpu_ms=gpu_ms, host_ms=host_ms, wall_ms=wall_ms, steps_per_round=steps))
-        progress(f"optim: {name}: GPU {gpu_ms:.3f} ms, wall {wall_ms:.3f} ms, host {host_ms:.3f} ms per step")
+        rows.append(optim_row(name, kind, times, steps, numel, copy_gbps))
+        progress(f"optim: {name}: GPU {times[0]:.3f} ms, wall {times[1]:.3f} ms, host {times[2]:.3f} ms per step")
 
     def time_opt(make, dtype, steps=n):
         ps = _params(device, dtype, gen)
@@ -179,6 +202,11 @@ def optim_gpu(device="cuda", warmup=3, reps=10, n=20, progress=print) -> List[Op
         time_opt(lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), torch.float32), n)
     add("adaptive_amp.optim.AdamW bf16, fp32 moments, SR", "adamw_bf16_m32",
         time_opt(lambda ps: optim.AdamW(ps, lr=1e-3), torch.bfloat16), n)
+    # The gradient norm a training loop tracks: measured by the step's own pass, or by a second one.
+    add("  + its grad norm (track_grad_norm, same pass)", "adamw_bf16_m32",
+        time_opt(lambda ps: optim.AdamW(ps, lr=1e-3, track_grad_norm=True), torch.bfloat16), n)
+    add("  + its grad norm by _foreach_norm (2nd pass)", "adamw_bf16_m32_norm",
+        time_opt(lambda ps: _WithSecondPassNorm(optim.AdamW(ps, lr=1e-3), ps), torch.bfloat16), n)
     add("adaptive_amp.optim.AdamW bf16, bf16 moments, SR", "adamw_bf16_m16",
         time_opt(lambda ps: optim.AdamW(ps, lr=1e-3, moment_dtype=torch.bfloat16), torch.bfloat16), n)
     ps = _params(device, torch.bfloat16, gen)
@@ -192,7 +220,7 @@ def optim_gpu(device="cuda", warmup=3, reps=10, n=20, progress=print) -> List[Op
         time_opt(lambda ps: optim.SGD(ps, lr=1e-3, momentum=0.9), torch.bfloat16), n)
     # The copy ceiling, as a row: 1 GiB read + 1 GiB written.
     copy_ms = 2 * (1 << 30) / copy_gbps / 1e6
-    rows.append(OptimRow("optim", "device copy (ceiling)", "eager", copy_ms, 2 << 30, copy_gbps, 1.0, "copy", 0, 0,
+    rows.append(OptimRow("optim", "device copy (ceiling)", "eager", copy_ms, 2 << 30, copy_gbps, 1.0, kind="copy",
                          gpu_ms=copy_ms, wall_ms=float("nan"), host_ms=float("nan")))
     base = {r.kind.split("_")[0]: r for r in rows if r.name.startswith("torch.optim")}
     for r in rows:
