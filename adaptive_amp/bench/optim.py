@@ -6,7 +6,9 @@ traffic per step, far beyond L2), side by side in one run:
 
 * ours: ``adaptive_amp.optim.AdamW`` on bf16 params with fp32 moments (and
   with bf16 moments), stochastic rounding; ``adaptive_amp.optim.SGD`` with
-  momentum on bf16 params;
+  momentum on bf16 params; the fp32-moment AdamW again with the gradient
+  norm a training loop tracks, measured in the step's own pass
+  (``track_grad_norm``) and by a second pass (``torch._foreach_norm``);
 * torch: ``torch.optim.AdamW(fused=True)`` / ``torch.optim.SGD(fused=True)``
   on the same set in fp32;
 * a pure-torch SR AdamW on bf16 params (torchao style: fp32 math with
