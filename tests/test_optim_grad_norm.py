@@ -9,6 +9,7 @@ import torch
 
 from adaptive_amp import GradScaler, optim, reference
 from conftest import assert_bitwise_equal, requires_cuda
+from test_optim import _assert_lists, _clone
 
 # Empty, one piece, several CPU blocks, several CUDA chunks (32768 elements), odd tails.
 SHAPES = [(37,), (0,), (5, 9), (4096 * 3 + 5,), (2 * 32768 + 5,), (8,)]
@@ -27,16 +28,6 @@ def _lists(shapes, pdts, mdts, device, seed=0):
     vs = [(0.01 * r(s).abs()).to(device, pick(mdts, k)) for k, s in enumerate(shapes)]
     steps = [torch.tensor(float(k + 1), device=device) for k in range(len(shapes))]
     return ps, gs, ms, vs, steps
-
-
-def _clone(lists):
-    return [[x.clone() for x in xs] for xs in lists]
-
-
-def _assert_lists(a, b, msg=""):
-    for i, (xs, ys) in enumerate(zip(a, b)):
-        for j, (x, y) in enumerate(zip(xs, ys)):
-            assert_bitwise_equal(x, y, f"{msg} list {i} tensor {j}")
 
 
 def _step(kind, lists, op=optim, **kw):
