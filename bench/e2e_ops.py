@@ -19,43 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections import Counter, defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from adaptive_amp import zoo
 from adaptive_amp.bench.e2e import MODELS, build_loops
-
-_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+from adaptive_amp.bench.op_profile import profile_steps
 
 
 def _profile(loop, batches, first: int, n: int, cuda: bool):
     """(per-kernel {name: [count, device us]}, syncs, wall ms) of n steps, per step."""
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for i in range(n):
-            loop.step(batches[(first + i) % len(batches)])
-        if cuda:
-            torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e3 / n
-    kernels = defaultdict(lambda: [0, 0.0])
-    syncs = 0
-    for e in prof.events():
-        device = getattr(e, "device_type", None)
-        if cuda and device is not None and device.name == "CUDA":
-            k = kernels[e.name]
-            k[0] += 1
-            k[1] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-        elif not cuda and e.name.startswith("aten::"):
-            kernels[e.name][0] += 1
-        if e.name in _SYNCS:
-            syncs += 1
-    return {name: [c / n, us / n] for name, (c, us) in kernels.items()}, syncs / n, wall
+    return profile_steps(lambda i: loop.step(batches[(first + i) % len(batches)]), n, cuda)
 
 
 def _diff(plain: dict, ctl: dict, min_us: float = 1.0):

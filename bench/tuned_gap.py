@@ -26,13 +26,12 @@ import pstats
 import statistics
 import sys
 import time
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from adaptive_amp import AdaptiveMixedPrecision, zoo
 from adaptive_amp.bench.e2e import MODELS
+from adaptive_amp.bench.op_profile import profile_steps
 from adaptive_amp.recipes import AppliedRecipe
 
 
@@ -76,21 +75,7 @@ def _loops(zm, batches, compiled: bool, candidates, lr):
 
 
 def _profile(step, batches, n, cuda):
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    _sync(cuda)
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
-        for i in range(n):
-            step(batches[i % len(batches)])
-        _sync(cuda)
-    wall = (time.perf_counter() - t0) * 1e3 / n
-    ops = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        on_device = cuda and getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA"
-        if on_device or (not cuda and e.name.startswith("aten::")):
-            ops[e.name][0] += 1
-            ops[e.name][1] += getattr(e, "device_time_total", 0.0) if on_device else 0.0
-    ops = {k: [c / n, us / n] for k, (c, us) in ops.items()}
+    ops, _, wall = profile_steps(lambda i: step(batches[i % len(batches)]), n, cuda)
     busy = sum(us for _, us in ops.values()) / 1e3
     return {"wall_ms": wall, "device_busy_ms": busy, "launches": sum(c for c, _ in ops.values())}, ops
 
