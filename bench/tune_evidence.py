@@ -15,7 +15,8 @@ that would not end before --max-seconds is skipped and says so; evidence.json is
    ``--alone-steps`` steps: the throughput the tuned choice is compared with;
 5. ``seeds``: for every other seed s in ``--seeds`` (the model initialized with seed s, batches from stream
    s), torch's run and the tuned choice's (seed 0's choice, or --choice, as a one-candidate tuning): the
-   seed spread of the final loss. Losses do not depend on the machine, so this part may run in another call.
+   seed spread of the final loss. Losses do not depend on the machine, so this part may run in another call
+   (--spread-seeds names its seeds, to share them out among calls or GPUs).
 
 The final loss is the mean of the last 10% of the steps' training losses (every batch is new, so it is not
 memorized). The targets (tuned vs the best agreeing candidate alone and vs torch, the loss difference against
@@ -348,7 +349,8 @@ def evidence(name, mode, args, device, ev: Evidence):
                                                          "steady_ms_per_step", "peak_gib", "final_loss")}
             ev.took(run, f"alone {t['name']}")
             ev.write(run)
-    for s in seeds[1:] if "seeds" in parts else ():  # the loss's seed spread (no timing compared across seeds)
+    spread = args.spread_seeds if args.spread_seeds is not None else seeds[1:]
+    for s in spread if "seeds" in parts else ():  # the loss's seed spread (no timing compared across seeds)
         torch_run(s)
         if choice and ev.may_start(f"tuned ({choice}), seed {s}", run, recompile + train_estimate()):
             reseed(s)
@@ -381,6 +383,16 @@ def evidence(name, mode, args, device, ev: Evidence):
         print(f"== {name} {mode} alone {n}: {r['tokens_per_s']:.0f} tok/s, {r['peak_gib']} GiB", flush=True)
 
 
+def _seed_list(text: str):
+    try:
+        seeds = [int(v) for v in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of seeds (integers >= 0)")
+    return seeds
+
+
 def _caps(device):
     from adaptive_amp.hardware import HardwareDetector
 
@@ -395,6 +407,8 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--train-steps", type=int, default=2000)
     p.add_argument("--seeds", type=int, default=2, help="torch bf16 runs (and tuned, when time is left) per seed")
+    p.add_argument("--spread-seeds", default=None, type=_seed_list, metavar="S,S,...",
+                   help="the seeds of the seeds part (default 1 .. --seeds - 1)")
     p.add_argument("--alone-steps", type=int, default=200)
     p.add_argument("--parts", default="cost,tuned,torch,alone,seeds",
                    help="what to run, in this order: cost (with --cost-shape), tuned and torch (seed 0), alone, "

@@ -41,3 +41,19 @@ def test_tune_evidence_seeds_part_alone_with_a_given_choice(tmp_path):
     run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
     assert set(run["tuned"]) == {"1"} and set(run["torch_bf16"]) == {"1"} and not run["alone"]
     assert run["tuned"]["1"]["chosen"] == "bf16"
+
+
+def test_tune_evidence_spread_seeds_names_the_seeds_run(tmp_path):
+    script = load_bench_script("tune_evidence")
+    assert script.main(["--tiny", "--device", "cpu", "--train-steps", "4", "--tune-steps", "2", "--rounds", "1",
+                        "--parts", "seeds", "--choice", "bf16", "--spread-seeds", "3", "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
+    assert set(run["tuned"]) == {"3"} and set(run["torch_bf16"]) == {"3"}
+
+
+@pytest.mark.parametrize("bad", ["", "two", "1,-2"])
+def test_tune_evidence_spread_seeds_refuses_what_is_not_a_seed_list(bad, capsys):
+    script = load_bench_script("tune_evidence")
+    with pytest.raises(SystemExit):
+        script.main(["--tiny", "--device", "cpu", "--spread-seeds", bad])
+    assert "--spread-seeds" in capsys.readouterr().err
