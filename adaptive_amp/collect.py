@@ -12,9 +12,9 @@ per step would never run in a compiled model.
 Under ``torch.compile`` the hooks are traced like the rest of the forward;
 ``active`` is a plain bool that dynamo guards, so a compiled model gets two
 graphs per policy, each compiled once: one for statistics steps, which also
-returns the recorded tensors (appended to ``records`` after the graph runs,
-as dynamo replays list mutations), and one for the other steps, in which the
-hooks leave no trace. No graph break.
+returns each layer's statistics rows (appended to ``records`` after the graph
+runs, as dynamo replays list mutations), and one for the other steps, in
+which the hooks leave no trace. No graph break.
 
 Between statistics steps the hooks are parked: taken out of the modules'
 hook dictionaries (same keys, same functions) and put back by
@@ -33,8 +33,9 @@ save (under CUDA autocast: the fp32 outputs of layer norms, the fp32 GELU
 outputs that feed an MLP's down projection, the projections' outputs
 added to the residual), more memory than the parameters at GPT-2's size,
 and a statistics step would raise the run's peak by that much. A compiled
-graph cannot call the kernel from a traced hook without a graph break, so
-there the recorded tensors are graph outputs, measured after the graph ran.
+graph measures them the same way, inside the graph, through the kernel's
+custom op (stats_torch.py): the same launch and the same rows, and the
+graph returns the rows, not the tensors.
 
 Dynamo keeps its graphs on the forward's code object, shared by every
 instance of a model class (and, for transformers' decorated forwards, by
@@ -54,6 +55,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+
+from . import _native, ops, stats_torch
 
 #: Dtypes tensor_stats reads; other outputs (integer ids, fp64) are not recorded.
 STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -93,15 +96,6 @@ def _compiling() -> bool:
     if check is None:  # torch < 2.3
         check = getattr(torch._dynamo, "is_compiling", lambda: False)
     return bool(check())
-
-
-class _Measured:
-    """An eager layer's record: its statistics rows (output, then input when it has one), not its tensors."""
-
-    __slots__ = ("name", "stats", "has_input")
-
-    def __init__(self, name: str, stats, has_input: bool):
-        self.name, self.stats, self.has_input = name, stats, has_input
 
 
 class ActivationCollector:
@@ -170,19 +164,19 @@ class ActivationCollector:
             x = first_tensor(args)
             x = first_tensor(kwargs) if x is None else x
             ok = x is not None and x.dtype in STATS_DTYPES and x.numel() > 0
+            # Measured now, so the forward keeps no tensor for us (see the module docstring). One launch: the
+            # input's format counts are computed too and not shown (its TensorStats has no format). The
+            # tensors as they are: the kernel reads strided tensors (channels_last natively, other views
+            # through its own copy), so a compiled statistics step adds no copy to its graph.
+            tensors = [out.detach(), x.detach()] if ok else [out.detach()]
             if not _compiling():
                 if name in self.skip:
                     return None
-                from .ops import tensor_stats
-
-                # Measured now, so the forward keeps no tensor for us (see the module docstring). One launch:
-                # the input's format counts are computed too and not shown (its TensorStats has no format).
-                tensors = [out.detach(), x.detach()] if ok else [out.detach()]
-                self.records.append(_Measured(name, tensor_stats(tensors, fmt=self.fmt), ok))
+                self.records.append((name, ops.tensor_stats(tensors, fmt=self.fmt).raw, ok))
                 return None
-            # Traced: the tensors as they are (tensor_stats reads strided tensors, channels_last natively, other
-            # views through its own copy), so a statistics step adds no copy to the graph.
-            self.records.append((name, x.detach() if ok else None, out.detach()))
+            # Traced: every layer (islands are left out after the graph, so that their set is not in its
+            # guards), through the custom op.
+            self.records.append((name, stats_torch.tensor_stats_op(tensors, self.fmt), ok))
             return None
         return record
 
@@ -197,49 +191,20 @@ class ActivationCollector:
         """(output statistics, input statistics) of the layers recorded since :meth:`start`, each a
         TensorStats with one row per layer in forward order (None when no layer was recorded). Nothing is read
         to the host."""
-        from . import _native
-        from .ops import tensor_stats
         from .stats import TensorStats
 
-        records = [r for r in self.take() if isinstance(r, _Measured) or r[0] not in self.skip]
-        traced = [r for r in records if not isinstance(r, _Measured)]
+        records = [r for r in self.take() if r[0] not in self.skip]
         if not records:
             return None, None
-        if len(traced) == len(records):  # a compiled forward: one launch for the outputs, one for the inputs
-            outputs = tensor_stats([out for _, _, out in traced], fmt=self.fmt, names=[n for n, _, _ in traced])
-            with_input = [(n, x) for n, x, _ in traced if x is not None]
-            inputs = tensor_stats([x for _, x in with_input], names=[n for n, _ in with_input]) if with_input \
-                else None
-            return outputs, inputs
-        # Rows of the eager records (and of traced ones, where a graph break ran some hooks eagerly), gathered
-        # on the device in forward order.
-        traced_out = tensor_stats([out for _, _, out in traced], fmt=self.fmt).raw if traced else None
-        traced_in = [x for _, x, _ in traced if x is not None]
-        traced_in = tensor_stats(traced_in).raw if traced_in else None
-        out_rows, out_names, in_rows, in_names = [], [], [], []
-        t_out = t_in = 0
-        for r in records:
-            if isinstance(r, _Measured):
-                raw = r.stats.raw
-                out_rows.append(raw[0:1])
-                out_names.append(r.name)
-                if r.has_input:
-                    in_rows.append(raw[1:2])
-                    in_names.append(r.name)
-                continue
-            name, x, _ = r
-            out_rows.append(traced_out[t_out:t_out + 1])
-            out_names.append(name)
-            t_out += 1
-            if x is not None:
-                in_rows.append(traced_in[t_in:t_in + 1])
-                in_names.append(name)
-                t_in += 1
+        # Each record's rows: its output's, then its input's when it has one.
+        out_rows = [raw[0:1] for _, raw, _ in records]
+        in_rows = [raw[1:2] for _, raw, has_input in records if has_input]
         device = _native.device_of(out_rows[0])
 
         def joined(rows, names, fmt):
             return TensorStats(torch.cat(rows), len(rows), fmt=fmt, names=names, framework="torch", device=device)
-        return joined(out_rows, out_names, self.fmt), (joined(in_rows, in_names, None) if in_rows else None)
+        return (joined(out_rows, [n for n, _, _ in records], self.fmt),
+                joined(in_rows, [n for n, _, has_input in records if has_input], None) if in_rows else None)
 
     def remove(self) -> None:
         """Remove the hooks (idempotent)."""

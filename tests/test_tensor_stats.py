@@ -471,3 +471,35 @@ def test_moments_within_the_documented_bound(device, kind):
     assert abs(st["mean"][0] - d.mean().item()) <= 1e-6 * d.abs().mean().item()
     assert abs(st["std"][0] - d.std().item()) <= 1e-6 * d.std().item()
     assert abs(st["l2_norm"][0] - d.norm().item()) <= 1e-6 * d.norm().item()
+
+
+# --------------------------------------------------------------------------- the custom op (compiled statistics)
+
+def _op_inputs(device):
+    x = make(3 * CHUNK + 5, torch.bfloat16, seed=3, specials="all", device=device)
+    x[0], x[-1] = INF, NAN
+    img = make(2 * 3 * 5 * 7, torch.float16, seed=4, device=device).view(2, 3, 5, 7)
+    return [x, img.to(memory_format=torch.channels_last), make(40, seed=5, device=device).view(8, 5)[2:, 1:3],
+            torch.empty(0, device=device)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_custom_op_gives_tensor_stats_rows_bitwise(device, compiled):
+    """adaptive_amp::tensor_stats (what a compiled statistics step calls inside its graph) is tensor_stats' raw
+    rows, bitwise, eager and traced with fullgraph=True; its fake gives the rows' shape and dtype."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from adaptive_amp import stats_torch
+
+    tensors = _op_inputs(device)
+    want = adaptive_amp.tensor_stats(tensors, fmt="float16").raw
+    op = stats_torch.tensor_stats_op
+    if compiled:
+        torch._dynamo.reset()
+        op = torch.compile(lambda ts, fmt: stats_torch.tensor_stats_op(ts, fmt), fullgraph=True, backend="aot_eager")
+    got = op(tensors, "float16")
+    assert got.shape == (len(tensors), len(FIELDS)) and got.dtype == torch.float64 and got.device == want.device
+    assert torch.equal(got.nan_to_num(1.5), want.nan_to_num(1.5)) and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(op(tensors[:1], None)[:, :FIELDS.index("overflow_count")],
+                       adaptive_amp.tensor_stats(tensors[:1]).raw[:, :FIELDS.index("overflow_count")])
