@@ -20,6 +20,7 @@
 #   parity    eager against compiled: logits, causality, gradients (bench/compile_parity.py, PARITY_ARGS)
 #   gap       where a tuned controller's step time goes against its recipe's plain loop (bench/tuned_gap.py,
 #             GAP_ARGS, default the compiled Llama 1.1B)
+#   gappar    the gap stage on every GPU at once (GAP_ARGS; per-GPU logs and JSON): more rounds in one call's time
 #   tunepar   up to four bench/tune_evidence.py at once, one a GPU: TUNE_ARGS_0 ... TUNE_ARGS_3 (each set one
 #             runs, on GPU i; give each a --max-seconds that leaves the build's time and a margin)
 #   examples  examples/ and the README's example on the GPU
@@ -39,6 +40,13 @@ pack() {  # the logs so far into $dest (also when the call's time limit stops th
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
   date -u >> "$out/gpu.txt"
   tar czf "$dest/logs.tgz" -C "$out" .
+}
+smi=
+smi_log() {  # every GPU's clocks, power and throttle reasons each half second, in the background (pid in $smi)
+  local q=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active
+  nvidia-smi --query-gpu=$q --format=csv > /dev/null 2>&1 || q=${q%,*}  # (older drivers lack the reasons)
+  nvidia-smi --query-gpu=$q --format=csv -lms 500 > "$1" 2>&1 &
+  smi=$!
 }
 child=
 trap 'echo "stopped (time limit?) during the stage above" >> "$dest/summary.txt"; [ -n "$child" ] && kill $child
@@ -83,7 +91,25 @@ for stage in "$@"; do
     tune) run tune python3 "$repo/bench/tune_evidence.py" --out "$out/tune" ${TUNE_ARGS:-} ;;
     ablation) run ablation python3 "$repo/bench/precision_ablation.py" --out "$out/ablation" ${ABLATION_ARGS:-} ;;
     parity) run parity python3 "$repo/bench/compile_parity.py" --out "$out/parity.json" ${PARITY_ARGS:-} ;;
-    gap) run gap python3 "$repo/bench/tuned_gap.py" --json "$out/gap.json" ${GAP_ARGS:---compiled} ;;
+    gap) smi_log "$out/gap_clocks.csv"
+         run gap python3 "$repo/bench/tuned_gap.py" --json "$out/gap.json" ${GAP_ARGS:---compiled}
+         kill "$smi" 2> /dev/null ;;
+    gappar) smi_log "$out/gap_clocks.csv"; pids=(); t0=$SECONDS
+            n=$(nvidia-smi -L | wc -l); per=$(( $(nproc) / n ))
+            for i in $(seq 0 $((n - 1))); do
+              pin=(); command -v taskset > /dev/null && pin=(taskset -c "$((i * per))-$((i * per + per - 1))")
+              (cd /tmp && CUDA_VISIBLE_DEVICES=$i TORCHINDUCTOR_COMPILE_THREADS=$per exec "${pin[@]}" python3 \
+                  "$repo/bench/tuned_gap.py" --json "$out/gap$i.json" ${GAP_ARGS:---compiled}) > "$out/gap$i.log" 2>&1 &
+              pids+=($!)
+            done
+            child="${pids[*]}"
+            for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+            kill "$smi" 2> /dev/null
+            for i in $(seq 0 $((n - 1))); do
+              grep -h "against the plain loop" "$out/gap$i.log" | sed "s/^/gap$i: /" >> "$dest/summary.txt"
+            done
+            echo "gappar: $n GPUs, done in $((SECONDS - t0)) s" | tee -a "$dest/summary.txt"
+            pack ;;
     tunepar) pids=(); t0=$SECONDS; n=0
              for i in 0 1 2 3; do v="TUNE_ARGS_$i"; [ -n "${!v:-}" ] && n=$((n + 1)); done
              # Each process gets its own share of the cores (and inductor as many compile workers): eager steps

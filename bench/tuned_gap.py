@@ -10,9 +10,17 @@ Four loops of one recipe, each on its own copy of the model (compiled with --com
 ``controller-no-norm`` (the same with ``track_grad_norm=False``: what the gradient norm it measures costs) and
 ``alone`` (recipes.AppliedRecipe's plain loop: what a trial times). All step through ``train_step`` or the plain
 step, on the same batches. They are timed in interleaved rounds (medians: clock drift hits all
-alike), then each is profiled for --profile-steps steps: wall time, device busy time (the sum of its kernels'
-times: a gap with equal busy time is host time) and launches per step, the ops whose count or device time
-differs from ``alone``'s, and the Python functions that take the most host time (cProfile).
+alike; each round starts with another loop, so no loop always follows the same one), then each is profiled
+for --profile-steps steps: wall time, device busy time (the sum of its kernels' times: a gap with equal busy
+time is host time) and launches per step, the ops whose count or device time differs from ``alone``'s, and the
+Python functions that take the most host time (cProfile).
+
+A round is --round-steps steps, by default the controller's ``read_every`` (50): each controller round then
+holds one statistics step and one read, their cost spread over the steps as in training. Per round: the wall
+time, the host thread's CPU time (wall well above it: the host waited for the device; near it: the loop is
+host-bound, and the host's speed sets the step time) and the device's elapsed time between CUDA events. Each
+controller loop's ratio to the plain loop is given per round pair, as their median and as the geometric mean
+with a 95% bootstrap interval.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 from adaptive_amp import AdaptiveMixedPrecision, zoo
@@ -74,6 +83,15 @@ def _loops(zm, batches, compiled: bool, candidates, lr):
     return loops, tuned.tuning, keep
 
 
+def geometric_mean_ci(ratios, draws: int = 2000, seed: int = 0):
+    """The geometric mean of paired ratios and its 95% bootstrap interval (percentiles of resampled means)."""
+    logs = np.log(np.asarray(ratios, dtype=np.float64))
+    rng = np.random.default_rng(seed)
+    means = logs[rng.integers(0, len(logs), size=(draws, len(logs)))].mean(axis=1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(np.exp(logs.mean())), [float(np.exp(lo)), float(np.exp(hi))]
+
+
 def _profile(step, batches, n, cuda):
     ops, _, wall = profile_steps(lambda i: step(batches[i % len(batches)]), n, cuda)
     busy = sum(us for _, us in ops.values()) / 1e3
@@ -102,7 +120,7 @@ def main(argv=None) -> int:
     p.add_argument("--compiled", action="store_true")
     p.add_argument("--candidates", default="bf16,bf16-weights")
     p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--round-steps", type=int, default=10)
+    p.add_argument("--round-steps", type=int, default=50, help="steps a round (default: the controller's read_every)")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-4)
@@ -125,28 +143,42 @@ def main(argv=None) -> int:
             step(batches[i % len(batches)])
         _sync(cuda)
         print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-    times = {name: [] for name in loops}
+    times, host, device_ms = ({name: [] for name in loops} for _ in range(3))
+    names = list(loops)
     for r in range(args.rounds):
-        for name, step in loops.items():
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            step = loops[name]
             _sync(cuda)
-            t0 = time.perf_counter()
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+            t0, c0 = time.perf_counter(), time.thread_time()
+            if cuda:
+                events[0].record()
             for i in range(args.round_steps):
                 step(batches[i % len(batches)])
+            if cuda:
+                events[1].record()
+            c1 = time.thread_time()
             _sync(cuda)
             times[name].append((time.perf_counter() - t0) * 1e3 / args.round_steps)
+            host[name].append((c1 - c0) * 1e3 / args.round_steps)
+            if cuda:
+                device_ms[name].append(events[0].elapsed_time(events[1]) / args.round_steps)
     res = {"model": args.model if cuda else f"{family}-tiny", "compiled": args.compiled, "chosen": tuning.recipe.name,
            "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu", "loops": {}}
     ops = {}
     for name, step in loops.items():
         summary, ops[name] = _profile(step, batches, args.profile_steps, cuda)
-        res["loops"][name] = {"median_ms": statistics.median(times[name]), "round_ms": times[name], **summary,
-                              "host_top": _host_profile(step, batches, args.profile_steps, cuda)}
+        res["loops"][name] = {"median_ms": statistics.median(times[name]), "round_ms": times[name],
+                              "round_host_cpu_ms": host[name], "round_device_ms": device_ms[name] or None,
+                              **summary, "host_top": _host_profile(step, batches, args.profile_steps, cuda)}
     alone = res["loops"]["alone"]
     for name in ("tuned", "controller", "controller-no-norm"):
         # The rounds drift (24 to 43 ms a step within one call on an H200): each round's ratio to the plain
         # loop's round next to it cancels that; the device's busy time does not drift with the host.
         loop = res["loops"][name]
-        loop["round_ratio_to_alone"] = statistics.median(a / b for a, b in zip(times[name], times["alone"]))
+        ratios = [a / b for a, b in zip(times[name], times["alone"])]
+        loop["round_ratio_to_alone"] = statistics.median(ratios)
+        loop["mean_ratio_to_alone"], loop["mean_ratio_ci95"] = geometric_mean_ci(ratios)
         busy = alone["device_busy_ms"]  # (0 on the CPU: no kernels)
         loop["device_busy_ratio_to_alone"] = loop["device_busy_ms"] / busy if busy else None
         base, mine = ops["alone"], ops[name]
@@ -161,8 +193,13 @@ def main(argv=None) -> int:
               f"{r['launches']:.0f} launches a step", flush=True)
         if "round_ratio_to_alone" in r:
             busy = r["device_busy_ratio_to_alone"]
-            print(f"   against the plain loop: median round ratio {r['round_ratio_to_alone']:.3f}, device busy ratio "
+            lo, hi = r["mean_ratio_ci95"]
+            print(f"   against the plain loop: median round ratio {r['round_ratio_to_alone']:.3f}, geometric mean "
+                  f"{r['mean_ratio_to_alone']:.3f} [95% {lo:.3f}, {hi:.3f}], device busy ratio "
                   f"{'n/a' if busy is None else f'{busy:.3f}'}", flush=True)
+        print(f"   host CPU {statistics.median(r['round_host_cpu_ms']):.2f} ms/step (median round)"
+              + (f", device elapsed {statistics.median(r['round_device_ms']):.2f} ms/step" if r["round_device_ms"]
+                 else ""), flush=True)
         for k, (bc, bu), (mc, mu) in r.get("differs_from_alone", []):
             print(f"   {k[:80]:80} count {bc:6.1f} -> {mc:6.1f}  device {bu:9.1f} -> {mu:9.1f} us")
         print(r["host_top"], flush=True)

@@ -21,7 +21,8 @@ def test_four_loops_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
     assert res["chosen"] == "bf16-weights" and set(res["loops"]) == {"tuned", "controller", "controller-no-norm",
                                                                        "alone"}
     for loop in res["loops"].values():
-        assert len(loop["round_ms"]) == 2 and loop["median_ms"] > 0 and loop["launches"] > 0
+        assert len(loop["round_ms"]) == len(loop["round_host_cpu_ms"]) == 2 and loop["median_ms"] > 0
+        assert loop["launches"] > 0 and loop["round_device_ms"] is None and min(loop["round_host_cpu_ms"]) > 0
         assert "tottime" in loop["host_top"]
     # What the controllers run beyond the plain loop: no second pass for the gradient norm they track
     # (adaptive_amp.optim's step measures it; it was a _foreach_norm a step, 4% of a compiled Llama 1.1B's).
@@ -29,8 +30,18 @@ def test_four_loops_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
         extra = {op: (mine[0] - base[0]) for op, base, mine in res["loops"][name]["differs_from_alone"]}
         assert "aten::_foreach_norm" not in extra
     for name in ("tuned", "controller", "controller-no-norm"):
-        assert res["loops"][name]["round_ratio_to_alone"] > 0
+        loop = res["loops"][name]
+        assert loop["round_ratio_to_alone"] > 0 and loop["mean_ratio_ci95"][0] <= loop["mean_ratio_to_alone"] \
+            <= loop["mean_ratio_ci95"][1]
         assert res["loops"][name]["device_busy_ratio_to_alone"] is None  # no kernels on the CPU
     bare = {op: (mine[0] - base[0]) for op, base, mine in res["loops"]["controller-no-norm"]["differs_from_alone"]}
     assert "aten::_foreach_norm" not in bare
     assert "== alone: median" in capsys.readouterr().out
+
+
+def test_geometric_mean_and_its_bootstrap_interval():
+    gm = load_bench_script("tuned_gap").geometric_mean_ci
+    mean, (lo, hi) = gm([1.1] * 5)
+    assert mean == pytest.approx(1.1) and lo == pytest.approx(1.1) and hi == pytest.approx(1.1)
+    mean, (lo, hi) = gm([0.5, 2.0, 1.0, 1.0])
+    assert mean == pytest.approx(1.0) and lo < 1.0 < hi and lo >= 0.5 and hi <= 2.0
