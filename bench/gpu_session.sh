@@ -20,7 +20,8 @@
 #   parity    eager against compiled: logits, causality, gradients (bench/compile_parity.py, PARITY_ARGS)
 #   gap       where a tuned controller's step time goes against its recipe's plain loop (bench/tuned_gap.py,
 #             GAP_ARGS, default the compiled Llama 1.1B)
-#   gappar    the gap stage on every GPU at once (GAP_ARGS; per-GPU logs and JSON): more rounds in one call's time
+#   gappar    the gap stage on every GPU at once (GAP_ARGS, or GAP_ARGS_i for GPU i; per-GPU logs and JSON): more
+#             rounds in one call's time, or variants side by side
 #   tunepar   up to four bench/tune_evidence.py at once, one a GPU: TUNE_ARGS_0 ... TUNE_ARGS_3 (each set one
 #             runs, on GPU i; give each a --max-seconds that leaves the build's time and a margin)
 #   examples  examples/ and the README's example on the GPU
@@ -98,8 +99,9 @@ for stage in "$@"; do
             n=$(nvidia-smi -L | wc -l); per=$(( $(nproc) / n ))
             for i in $(seq 0 $((n - 1))); do
               pin=(); command -v taskset > /dev/null && pin=(taskset -c "$((i * per))-$((i * per + per - 1))")
+              v="GAP_ARGS_$i"
               (cd /tmp && CUDA_VISIBLE_DEVICES=$i TORCHINDUCTOR_COMPILE_THREADS=$per exec "${pin[@]}" python3 \
-                  "$repo/bench/tuned_gap.py" --json "$out/gap$i.json" ${GAP_ARGS:---compiled}) > "$out/gap$i.log" 2>&1 &
+                  "$repo/bench/tuned_gap.py" --json "$out/gap$i.json" ${!v:-${GAP_ARGS:---compiled}}) > "$out/gap$i.log" 2>&1 &
               pids+=($!)
             done
             child="${pids[*]}"

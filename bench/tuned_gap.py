@@ -49,7 +49,7 @@ def _sync(cuda):
         torch.cuda.synchronize()
 
 
-def _loops(zm, batches, compiled: bool, candidates, lr):
+def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None):
     """{name: step(batch)} of the tuned controller, the controller given its policy (with and without the
     gradient norm), and the recipe alone; the tuning's result; the controllers, kept alive."""
     def copy_of():
@@ -58,7 +58,8 @@ def _loops(zm, batches, compiled: bool, candidates, lr):
 
     loops, keep = {}, []
     m, fwd, opt = copy_of()
-    tuned = AdaptiveMixedPrecision(fwd, opt, policy="tune", progress=False,
+    amp_kwargs = amp_kwargs or {}
+    tuned = AdaptiveMixedPrecision(fwd, opt, policy="tune", progress=False, **amp_kwargs,
                                    tune=dict(batches=batches, loss_fn=zm.loss, candidates=candidates,
                                              progress=lambda s: print(s, flush=True)))
     recipe = tuned.tuning.recipe
@@ -69,7 +70,7 @@ def _loops(zm, batches, compiled: bool, candidates, lr):
         m, f, o = copy_of()
         # The optimizer as the tuned controller's: the recipe's conversion of the user's, without its casts.
         a = AdaptiveMixedPrecision(f, AppliedRecipe(recipe, m, o, precision=False).optimizer, policy=tuned.policy,
-                                   progress=False, **kwargs)
+                                   progress=False, **{**amp_kwargs, **kwargs})
         loops[name] = lambda b: a.train_step(lambda: zm.loss(f, b))
         keep.append(a)
 
@@ -98,8 +99,21 @@ def _profile(step, batches, n, cuda):
     return {"wall_ms": wall, "device_busy_ms": busy, "launches": sum(c for c, _ in ops.values())}, ops
 
 
+def _step_times(step, batches, n, cuda):
+    """Each of n steps' wall ms, unsynchronized (a host-bound loop's host time a step: statistics steps and
+    reads stand out)."""
+    _sync(cuda)
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        step(batches[i % len(batches)])
+        times.append((time.perf_counter() - t0) * 1e3)
+    _sync(cuda)
+    return times
+
+
 def _host_profile(step, batches, n, cuda, top=12):
-    """cProfile's functions with the most own host time, over n steps."""
+    """cProfile's functions with the most own host time, over n steps, and adaptive_amp's by cumulative time."""
     _sync(cuda)
     pr = cProfile.Profile()
     pr.enable()
@@ -109,6 +123,7 @@ def _host_profile(step, batches, n, cuda, top=12):
     pr.disable()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats("adaptive_amp", top)
     return s.getvalue()
 
 
@@ -124,6 +139,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--amp-kwargs", type=json.loads, default={}, metavar="JSON",
+                   help='the controllers\' options, e.g. \'{"layer_stats": false}\' or \'{"read_every": 1000}\'')
     p.add_argument("--cpu", action="store_true", help="the tiny model on the CPU (aten ops instead of kernels)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
@@ -135,7 +152,7 @@ def main(argv=None) -> int:
     zm = zoo.build(family, "tiny" if args.cpu else size, seed=0, device=device)
     batches = [zm.make_batch(2 if args.cpu else args.batch, seed=i, device=device,
                              seq_len=None if args.cpu else args.seq) for i in range(8)]
-    loops, tuning, _keep = _loops(zm, batches, args.compiled, args.candidates.split(","), args.lr)
+    loops, tuning, _keep = _loops(zm, batches, args.compiled, args.candidates.split(","), args.lr, args.amp_kwargs)
     print(tuning.table(), flush=True)
     for name, step in loops.items():  # warm-up: compiles (the controllers' statistics graph too)
         t0 = time.perf_counter()
@@ -170,7 +187,8 @@ def main(argv=None) -> int:
         summary, ops[name] = _profile(step, batches, args.profile_steps, cuda)
         res["loops"][name] = {"median_ms": statistics.median(times[name]), "round_ms": times[name],
                               "round_host_cpu_ms": host[name], "round_device_ms": device_ms[name] or None,
-                              **summary, "host_top": _host_profile(step, batches, args.profile_steps, cuda)}
+                              **summary, "step_ms": _step_times(step, batches, args.round_steps, cuda),
+                              "host_top": _host_profile(step, batches, args.round_steps, cuda)}
     alone = res["loops"]["alone"]
     for name in ("tuned", "controller", "controller-no-norm"):
         # The rounds drift (24 to 43 ms a step within one call on an H200): each round's ratio to the plain
@@ -197,6 +215,11 @@ def main(argv=None) -> int:
             print(f"   against the plain loop: median round ratio {r['round_ratio_to_alone']:.3f}, geometric mean "
                   f"{r['mean_ratio_to_alone']:.3f} [95% {lo:.3f}, {hi:.3f}], device busy ratio "
                   f"{'n/a' if busy is None else f'{busy:.3f}'}", flush=True)
+        steps = r["step_ms"]
+        top = sorted(range(len(steps)), key=lambda i: -steps[i])[:3]
+        print(f"   one round step by step: median {statistics.median(steps):.2f} ms, above it in all "
+              f"{sum(steps) - statistics.median(steps) * len(steps):.1f} ms; slowest "
+              + ", ".join(f"step {i} {steps[i]:.1f} ms" for i in top), flush=True)
         print(f"   host CPU {statistics.median(r['round_host_cpu_ms']):.2f} ms/step (median round)"
               + (f", device elapsed {statistics.median(r['round_device_ms']):.2f} ms/step" if r["round_device_ms"]
                  else ""), flush=True)

@@ -23,7 +23,7 @@ def test_four_loops_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
     for loop in res["loops"].values():
         assert len(loop["round_ms"]) == len(loop["round_host_cpu_ms"]) == 2 and loop["median_ms"] > 0
         assert loop["launches"] > 0 and loop["round_device_ms"] is None and min(loop["round_host_cpu_ms"]) > 0
-        assert "tottime" in loop["host_top"]
+        assert "tottime" in loop["host_top"] and len(loop["step_ms"]) == 2
     # What the controllers run beyond the plain loop: no second pass for the gradient norm they track
     # (adaptive_amp.optim's step measures it; it was a _foreach_norm a step, 4% of a compiled Llama 1.1B's).
     for name in ("tuned", "controller"):
@@ -45,3 +45,18 @@ def test_geometric_mean_and_its_bootstrap_interval():
     assert mean == pytest.approx(1.1) and lo == pytest.approx(1.1) and hi == pytest.approx(1.1)
     mean, (lo, hi) = gm([0.5, 2.0, 1.0, 1.0])
     assert mean == pytest.approx(1.0) and lo < 1.0 < hi and lo >= 0.5 and hi <= 2.0
+
+
+@pytest.mark.parametrize("layer_stats", [True, False])
+def test_the_controllers_take_the_options_given(tmp_path, layer_stats):
+    """--amp-kwargs reaches every controller loop: statistics at every step, with or without per-layer ones
+    (the statistics hooks' record() in the profile of each controller's round)."""
+    out = tmp_path / "gap.json"
+    kwargs = json.dumps({"read_every": 1, "layer_stats": layer_stats})
+    assert load_bench_script("tuned_gap").main(
+        ["--cpu", "--candidates", "bf16-weights", "--rounds", "1", "--round-steps", "2", "--warmup", "1",
+         "--profile-steps", "1", "--amp-kwargs", kwargs, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    for name in ("tuned", "controller", "controller-no-norm"):
+        assert ("(record)" in res["loops"][name]["host_top"]) == layer_stats
+    assert "(record)" not in res["loops"]["alone"]["host_top"]
