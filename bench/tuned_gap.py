@@ -113,7 +113,8 @@ def _step_times(step, batches, n, cuda):
 
 
 def _host_profile(step, batches, n, cuda, top=12):
-    """cProfile's functions with the most own host time, over n steps, and adaptive_amp's by cumulative time."""
+    """cProfile over n steps: its text (the functions with the most own host time, and adaptive_amp's by
+    cumulative time) and {function: (calls, own seconds)} per step."""
     _sync(cuda)
     pr = cProfile.Profile()
     pr.enable()
@@ -122,9 +123,20 @@ def _host_profile(step, batches, n, cuda, top=12):
     _sync(cuda)
     pr.disable()
     s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
-    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats("adaptive_amp", top)
-    return s.getvalue()
+    stats = pstats.Stats(pr, stream=s)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats("adaptive_amp", top)
+    own = {f"{path.split('site-packages/')[-1]}:{line}({fn})": (calls / n, seconds / n)
+           for (path, line, fn), (_, calls, seconds, _, _) in stats.stats.items()}
+    return s.getvalue(), own
+
+
+def host_diff(mine, base, top=20):
+    """The functions whose own host time a step differs most from `base`'s: [function, calls a step more,
+    own µs a step more]."""
+    rows = [[k, mine.get(k, (0, 0.0))[0] - base.get(k, (0, 0.0))[0],
+             (mine.get(k, (0, 0.0))[1] - base.get(k, (0, 0.0))[1]) * 1e6] for k in set(mine) | set(base)]
+    return sorted(rows, key=lambda r: -abs(r[2]))[:top]
 
 
 def main(argv=None) -> int:
@@ -182,13 +194,13 @@ def main(argv=None) -> int:
                 device_ms[name].append(events[0].elapsed_time(events[1]) / args.round_steps)
     res = {"model": args.model if cuda else f"{family}-tiny", "compiled": args.compiled, "chosen": tuning.recipe.name,
            "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu", "loops": {}}
-    ops = {}
+    ops, own = {}, {}
     for name, step in loops.items():
         summary, ops[name] = _profile(step, batches, args.profile_steps, cuda)
         res["loops"][name] = {"median_ms": statistics.median(times[name]), "round_ms": times[name],
                               "round_host_cpu_ms": host[name], "round_device_ms": device_ms[name] or None,
-                              **summary, "step_ms": _step_times(step, batches, args.round_steps, cuda),
-                              "host_top": _host_profile(step, batches, args.round_steps, cuda)}
+                              **summary, "step_ms": _step_times(step, batches, args.round_steps, cuda)}
+        res["loops"][name]["host_top"], own[name] = _host_profile(step, batches, args.round_steps, cuda)
     alone = res["loops"]["alone"]
     for name in ("tuned", "controller", "controller-no-norm"):
         # The rounds drift (24 to 43 ms a step within one call on an H200): each round's ratio to the plain
@@ -199,6 +211,8 @@ def main(argv=None) -> int:
         loop["mean_ratio_to_alone"], loop["mean_ratio_ci95"] = geometric_mean_ci(ratios)
         busy = alone["device_busy_ms"]  # (0 on the CPU: no kernels)
         loop["device_busy_ratio_to_alone"] = loop["device_busy_ms"] / busy if busy else None
+        # Host time under cProfile over a round (the statistics step and the read included), by function.
+        loop["host_differs_from_alone"] = host_diff(own[name], own["alone"])
         base, mine = ops["alone"], ops[name]
         res["loops"][name]["differs_from_alone"] = sorted(
             ([k, base.get(k, [0, 0.0]), mine.get(k, [0, 0.0])] for k in set(base) | set(mine)
@@ -225,6 +239,10 @@ def main(argv=None) -> int:
                  else ""), flush=True)
         for k, (bc, bu), (mc, mu) in r.get("differs_from_alone", []):
             print(f"   {k[:80]:80} count {bc:6.1f} -> {mc:6.1f}  device {bu:9.1f} -> {mu:9.1f} us")
+        if "host_differs_from_alone" in r:
+            print(f"   host, own time a step against the plain loop's (cProfile, {args.round_steps} steps):")
+            for k, calls, us in r["host_differs_from_alone"]:
+                print(f"   {us:+9.1f} us {calls:+8.2f} calls  {k[-110:]}")
         print(r["host_top"], flush=True)
     from torch._dynamo.utils import counters
 

@@ -34,6 +34,8 @@ def test_four_loops_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
         assert loop["round_ratio_to_alone"] > 0 and loop["mean_ratio_ci95"][0] <= loop["mean_ratio_to_alone"] \
             <= loop["mean_ratio_ci95"][1]
         assert res["loops"][name]["device_busy_ratio_to_alone"] is None  # no kernels on the CPU
+    host = res["loops"]["controller"]["host_differs_from_alone"]
+    assert host and all(len(row) == 3 and isinstance(row[0], str) for row in host)
     bare = {op: (mine[0] - base[0]) for op, base, mine in res["loops"]["controller-no-norm"]["differs_from_alone"]}
     assert "aten::_foreach_norm" not in bare
     assert "== alone: median" in capsys.readouterr().out
@@ -60,3 +62,12 @@ def test_the_controllers_take_the_options_given(tmp_path, layer_stats):
     for name in ("tuned", "controller", "controller-no-norm"):
         assert ("(record)" in res["loops"][name]["host_top"]) == layer_stats
     assert "(record)" not in res["loops"]["alone"]["host_top"]
+
+
+def test_host_diff_ranks_functions_by_own_time_a_step_against_the_plain_loop():
+    diff = load_bench_script("tuned_gap").host_diff
+    base = {"a": (1.0, 10e-6), "b": (2.0, 5e-6)}
+    mine = {"a": (1.0, 11e-6), "b": (2.0, 5e-6), "c": (3.0, 40e-6)}
+    rows = diff(mine, base, top=2)
+    assert [r[0] for r in rows] == ["c", "a"] and rows[0][1:] == [3.0, pytest.approx(40.0)]
+    assert rows[1][2] == pytest.approx(1.0) and diff(base, mine, top=1)[0][2] == pytest.approx(-40.0)
