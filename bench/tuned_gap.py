@@ -17,8 +17,8 @@ Python functions that take the most host time (cProfile).
 
 A round is --round-steps steps, by default the controller's ``read_every`` (50): each controller round then
 holds one statistics step and one read, their cost spread over the steps as in training. Per round: the wall
-time, the host thread's CPU time (wall well above it: the host waited for the device; near it: the loop is
-host-bound, and the host's speed sets the step time) and the device's elapsed time between CUDA events. Each
+time, the main thread's CPU time (the backward's launches run on autograd's thread and are not in it) and the
+device's elapsed time between CUDA events. Each
 controller loop's ratio to the plain loop is given per round pair, as their median and as the geometric mean
 with a 95% bootstrap interval.
 """
