@@ -181,6 +181,38 @@ def test_layer_stats_kind_is_checked():
         mon.record_layer_stats(0, "weights", _stats_of([[1.0]], ["a"], None))
 
 
+def test_layer_stats_keep_the_last_statistics_steps_in_memory_and_in_checkpoints():
+    """A long run's per-layer rows grew without bound, in host memory and in every checkpoint; the monitor keeps
+    the last layer_stats_history statistics steps (every kind of each), and a detection is unchanged."""
+    mon = StabilityMonitor(read_every=1, layer_stats_history=3)
+    for step in range(6):
+        for kind in ("activation", "gradient"):
+            mon.record_layer_stats(step, kind, _stats_of([[1.0, 2.0], [3.0]], ["a", "b"], "float16"))
+        feed(mon, [1.0], start=step)
+    assert [(ls.step, ls.kind) for ls in mon.layer_stats] == [(s, k) for s in (3, 4, 5)
+                                                             for k in ("activation", "gradient")]
+    state = mon.state_dict()
+    assert [d["step"] for d in state["layer_stats"]] == [3, 3, 4, 4, 5, 5]
+    shorter = StabilityMonitor(read_every=1, layer_stats_history=1)
+    shorter.load_state_dict(state)  # a checkpoint from a longer history: the newest kept
+    assert [ls.step for ls in shorter.layer_stats] == [5, 5]
+    everything = StabilityMonitor(read_every=1, layer_stats_history=None)
+    for step in range(150):
+        everything.record_layer_stats(step, "gradient", _stats_of([[1.0]], ["a"], None))
+        feed(everything, [1.0], start=step)
+    assert len(everything.layer_stats) == 150 and len(StabilityMonitor().layer_stats) == 0
+    # The overflow a layer makes is still found in the step that made it, after the history was cut.
+    mon.record_layer_stats(6, "activation", _stats_of([[1.0, 7e4], [3.0]], ["a", "b"], "float16"))
+    mon.record_layer_stats(6, "input", _stats_of([[1.0], [3.0]], ["a", "b"], None))
+    assert [e.layer for e in feed(mon, [1.0], start=6) if e.kind == "activation_overflow"] == ["a"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "10"])
+def test_layer_stats_history_refuses_what_is_not_a_count(bad):
+    with pytest.raises(ValueError, match="layer_stats_history"):
+        StabilityMonitor(layer_stats_history=bad)
+
+
 def test_loss_trend_and_variance_match_numpy():
     mon = StabilityMonitor(read_every=10, window=30)
     losses = [5.0 - 0.01 * i + 0.001 * (i % 3) for i in range(30)]
