@@ -20,7 +20,9 @@ holds one statistics step and one read, their cost spread over the steps as in t
 time, the main thread's CPU time (the backward's launches run on autograd's thread and are not in it) and the
 device's elapsed time between CUDA events. Each
 controller loop's ratio to the plain loop is given per round pair, as their median and as the geometric mean
-with a 95% bootstrap interval.
+with a 95% bootstrap interval. After the rounds, one more round of each loop is timed step by step, and one
+with the host time inside the controller's phases (PHASES: its step, the statistics gathered, the read and its
+copy to the host, the detectors, the adaptation), which is where a host-bound gap goes.
 """
 
 from __future__ import annotations
@@ -112,6 +114,54 @@ def _step_times(step, batches, n, cuda):
     return times
 
 
+#: The controller's host phases `phase_times` times: (owner, attribute, label). The statistics step's forward is
+#: the closure's call inside ``pressure.train_step`` on a statistics step (the "forward" phase on every step).
+PHASES = (("adaptive_amp.controller", "AdaptiveMixedPrecision.backward", "backward (forward's loss included)"),
+          ("adaptive_amp.controller", "AdaptiveMixedPrecision.step", "step (all of it)"),
+          ("adaptive_amp.controller", "AdaptiveMixedPrecision._record_gradient_stats", "gradient statistics"),
+          ("adaptive_amp.collect", "ActivationCollector.stats", "layer statistics gathered"),
+          ("adaptive_amp.monitor", "StabilityMonitor.read", "read (all of it)"),
+          ("adaptive_amp.monitor", "_to_host", "read: copy to the host (waits for the device)"),
+          ("adaptive_amp.monitor", "StabilityMonitor._detect", "read: detectors"),
+          ("adaptive_amp.controller", "AdaptiveMixedPrecision._adapt", "adapt after a read"),
+          ("adaptive_amp.controller", "AdaptiveMixedPrecision._judge", "judge a step's result"))
+
+
+def phase_times(step, batches, n, cuda):
+    """Host ms spent in each of PHASES over n steps of `step` (wall time inside the function, callees included;
+    no synchronization added), and the steps' total."""
+    import importlib
+
+    totals = {label: 0.0 for _, _, label in PHASES}
+    undo = []
+    for module_name, path, label in PHASES:
+        owner = importlib.import_module(module_name)
+        *outer, attr = path.split(".")
+        for name in outer:
+            owner = getattr(owner, name)
+        real = getattr(owner, attr)
+
+        def timed(*args, _real=real, _label=label, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                totals[_label] += (time.perf_counter() - t0) * 1e3
+        setattr(owner, attr, timed)
+        undo.append((owner, attr, real))
+    try:
+        _sync(cuda)
+        t0 = time.perf_counter()
+        for i in range(n):
+            step(batches[i % len(batches)])
+        _sync(cuda)
+        totals["all steps"] = (time.perf_counter() - t0) * 1e3
+    finally:
+        for owner, attr, real in reversed(undo):
+            setattr(owner, attr, real)
+    return totals
+
+
 def _host_profile(step, batches, n, cuda, top=12):
     """cProfile over n steps: its text (the functions with the most own host time, and adaptive_amp's by
     cumulative time) and {function: (calls, own seconds)} per step."""
@@ -199,7 +249,8 @@ def main(argv=None) -> int:
         summary, ops[name] = _profile(step, batches, args.profile_steps, cuda)
         res["loops"][name] = {"median_ms": statistics.median(times[name]), "round_ms": times[name],
                               "round_host_cpu_ms": host[name], "round_device_ms": device_ms[name] or None,
-                              **summary, "step_ms": _step_times(step, batches, args.round_steps, cuda)}
+                              **summary, "step_ms": _step_times(step, batches, args.round_steps, cuda),
+                              "phase_ms": phase_times(step, batches, args.round_steps, cuda)}
         res["loops"][name]["host_top"], own[name] = _host_profile(step, batches, args.round_steps, cuda)
     alone = res["loops"]["alone"]
     for name in ("tuned", "controller", "controller-no-norm"):
@@ -234,6 +285,8 @@ def main(argv=None) -> int:
         print(f"   one round step by step: median {statistics.median(steps):.2f} ms, above it in all "
               f"{sum(steps) - statistics.median(steps) * len(steps):.1f} ms; slowest "
               + ", ".join(f"step {i} {steps[i]:.1f} ms" for i in top), flush=True)
+        print("   host ms in the controller's phases over one round: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in r["phase_ms"].items() if v or k == "all steps"), flush=True)
         print(f"   host CPU {statistics.median(r['round_host_cpu_ms']):.2f} ms/step (median round)"
               + (f", device elapsed {statistics.median(r['round_device_ms']):.2f} ms/step" if r["round_device_ms"]
                  else ""), flush=True)

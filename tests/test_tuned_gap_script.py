@@ -61,7 +61,14 @@ def test_the_controllers_take_the_options_given(tmp_path, layer_stats):
     res = json.loads(out.read_text())
     for name in ("tuned", "controller", "controller-no-norm"):
         assert ("(record)" in res["loops"][name]["host_top"]) == layer_stats
+        # The controller's phases, timed on the host: a read every step, layer statistics when asked for.
+        phases = res["loops"][name]["phase_ms"]
+        assert phases["step (all of it)"] > 0 and phases["read (all of it)"] > 0 and phases["read: detectors"] > 0
+        assert (phases["layer statistics gathered"] > 0) == layer_stats
+        assert phases["read (all of it)"] < phases["all steps"]
     assert "(record)" not in res["loops"]["alone"]["host_top"]
+    alone = res["loops"]["alone"]["phase_ms"]
+    assert alone["all steps"] > 0 and not any(v for k, v in alone.items() if k != "all steps")
 
 
 def test_host_diff_ranks_functions_by_own_time_a_step_against_the_plain_loop():
