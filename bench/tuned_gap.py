@@ -114,9 +114,9 @@ def _step_times(step, batches, n, cuda):
     return times
 
 
-#: The controller's host phases `phase_times` times: (owner, attribute, label). The statistics step's forward is
-#: the closure's call inside ``pressure.train_step`` on a statistics step (the "forward" phase on every step).
-PHASES = (("adaptive_amp.controller", "AdaptiveMixedPrecision.backward", "backward (forward's loss included)"),
+#: The controller's host phases `phase_times` times: (owner, attribute, label). The forward (the closure, run
+#: inside the controller's autocast) is what "all steps" leaves besides backward and step.
+PHASES = (("adaptive_amp.controller", "AdaptiveMixedPrecision.backward", "backward"),
           ("adaptive_amp.controller", "AdaptiveMixedPrecision.step", "step (all of it)"),
           ("adaptive_amp.controller", "AdaptiveMixedPrecision._record_gradient_stats", "gradient statistics"),
           ("adaptive_amp.collect", "ActivationCollector.stats", "layer statistics gathered"),
