@@ -161,6 +161,11 @@ class ActivationCollector:
             out = first_tensor(output)
             if out is None or out.dtype not in STATS_DTYPES or out.numel() == 0:
                 return None
+            # Traced: every layer, islands too (they are left out after the graph, so that their set is not in
+            # its guards).
+            compiling = _compiling()
+            if not compiling and name in self.skip:
+                return None
             x = first_tensor(args)
             x = first_tensor(kwargs) if x is None else x
             ok = x is not None and x.dtype in STATS_DTYPES and x.numel() > 0
@@ -169,14 +174,9 @@ class ActivationCollector:
             # tensors as they are: the kernel reads strided tensors (channels_last natively, other views
             # through its own copy), so a compiled statistics step adds no copy to its graph.
             tensors = [out.detach(), x.detach()] if ok else [out.detach()]
-            if not _compiling():
-                if name in self.skip:
-                    return None
-                self.records.append((name, ops.tensor_stats(tensors, fmt=self.fmt).raw, ok))
-                return None
-            # Traced: every layer (islands are left out after the graph, so that their set is not in its
-            # guards), through the custom op.
-            self.records.append((name, stats_torch.tensor_stats_op(tensors, self.fmt), ok))
+            rows = stats_torch.tensor_stats_op(tensors, self.fmt) if compiling else \
+                ops.tensor_stats(tensors, fmt=self.fmt).raw
+            self.records.append((name, rows, ok))
             return None
         return record
 

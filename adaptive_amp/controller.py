@@ -88,6 +88,13 @@ def _tracking_grad_norm(optimizers):
             opt.track_grad_norm = was
 
 
+def _norm_of_norms(norms: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The L2 norm of several parts' norms (0-dim tensors of one device); None for none."""
+    if not norms:
+        return None
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+
 def _model_device(model: nn.Module) -> torch.device:
     for t in model.parameters():
         return t.device
@@ -142,7 +149,7 @@ class AdaptiveMixedPrecision:
             to diagnose it). In an eager model each layer is measured as it
             runs (one launch per layer), so a statistics step keeps no
             activation alive and peaks where an ordinary step does; a
-            compiled graph returns the layers' tensors to be measured after it.
+            compiled graph measures them the same way inside it.
         track_grad_norm: without loss scaling or clipping, measure the
             gradient norm every step anyway (no sync), for the monitor's
             gradient-norm detector. adaptive_amp.optim's optimizers measure
@@ -531,10 +538,8 @@ class AdaptiveMixedPrecision:
 
     def _stepped_grad_norm(self) -> Optional[torch.Tensor]:
         """The norm of all gradients from the norms the fused optimizers' steps measured."""
-        norms = [opt.last_grad_norm.to(self.device) for opt in self.optimizers if opt.last_grad_norm is not None]
-        if not norms:
-            return None
-        return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+        return _norm_of_norms([opt.last_grad_norm.to(self.device) for opt in self.optimizers
+                               if opt.last_grad_norm is not None])
 
     def _grad_norm(self) -> Optional[torch.Tensor]:
         """The L2 norm of all gradients, on the device (no sync): without loss scaling nothing else
@@ -550,9 +555,8 @@ class AdaptiveMixedPrecision:
         for g in grads:
             groups.setdefault((g.device, g.dtype), []).append(g)
         # In fp32 whatever the gradients' dtype: a bf16 norm is off by up to 0.4% (torch's get_total_norm).
-        norms = [torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32))).to(self.device)
-                 for gs in groups.values()]
-        return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+        return _norm_of_norms([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)))
+                               .to(self.device) for gs in groups.values()])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:

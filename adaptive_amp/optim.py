@@ -154,12 +154,11 @@ def _needs_bits(batches, stochastic_rounding):
     return stochastic_rounding and any(b is not None and BFLOAT16 in b.dtypes for b in batches)
 
 
-def _stats_buffers(numels, device, workspace_bytes=None):
+def _stats_buffers(numels, where: torch.device, workspace_bytes=None):
     """(grad_sumsq, workspace or None): this call's own output (one float32 per tensor) and, on CUDA, the
     workspace of its per-chunk partials. Allocations only, no launch."""
-    where = torch.device("cpu") if device == _native.CPU else torch.device("cuda", device)
     sumsq = torch.empty(len(numels), dtype=torch.float32, device=where)
-    if device == _native.CPU:
+    if where.type == "cpu":
         return sumsq, None
     nbytes = _C.optim_workspace_bytes(list(numels)) if workspace_bytes is None else workspace_bytes
     return sumsq, torch.empty(max(nbytes, 1), dtype=torch.uint8, device=where)
@@ -183,7 +182,8 @@ def _call(kind, batches, *, steps=(), steps_watch=(), first=(), lr, beta1=0.9, b
     s = o = 0
     if _needs_bits((pb, mb, vb), stochastic_rounding):
         s, o, so = _seed_offset(generator, seed, offset, device)
-    sumsq, workspace = _stats_buffers(pb.numels, device) if grad_sumsq else (None, None)
+    where = torch.device("cpu") if device == _native.CPU else torch.device("cuda", device)
+    sumsq, workspace = _stats_buffers(pb.numels, where) if grad_sumsq else (None, None)
     _C.optim_step(
         kind, pb.ptrs, pb.numels, pb.dtypes, gb.ptrs, gb.numels, gb.dtypes,
         mb.ptrs if mb else [], mb.numels if mb else [], mb.dtypes if mb else [],
@@ -545,7 +545,7 @@ class _Fused(torch.optim.Optimizer):
             gs = _device_scalar(grad_scale, "grad_scale", device)
             fi = _device_scalar(found_inf, "found_inf", device)
             so = _seed_offset(self.generator, None, None, device)[2] if dp.bits else None
-            sumsq, workspace = _stats_buffers(dp.numels, device, dp.workspace_bytes) if sums is not None \
+            sumsq, workspace = _stats_buffers(dp.numels, dp.where, dp.workspace_bytes) if sums is not None \
                 else (None, None)
             dp.native.launch(*hyper, gs.data_ptr() if gs is not None else 0, fi.data_ptr() if fi is not None else 0,
                              0, 0, so.data_ptr() if so is not None else 0, _stream(device), (gs, fi, so),

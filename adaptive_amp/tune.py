@@ -319,6 +319,20 @@ def host_copies(tensors: Sequence[torch.Tensor], pin: bool = False,
     return block, views
 
 
+def filled_host_copies(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None):
+    """:func:`host_copies` of `tensors` (converted to `dtype` when given), filled: the GPU tensors' copies
+    enqueued asynchronously, then one synchronization per device, so that the caller may change the tensors as
+    soon as this returns. Returns (block, views, the CUDA devices copied from)."""
+    templates = tensors if dtype is None else [torch.empty_like(t, dtype=dtype, device="meta") for t in tensors]
+    block, views = host_copies(templates, pin=any(t.is_cuda for t in tensors))
+    for v, t in zip(views, tensors):
+        v.copy_(t, non_blocking=t.is_cuda)
+    devices = {t.device for t in tensors if t.is_cuda}
+    for d in devices:
+        torch.cuda.synchronize(d)
+    return block, views, devices
+
+
 class Snapshot:
     """Parameters, buffers, gradients, optimizer state and hyperparameters, RNG states and train/eval mode,
     copied so that :meth:`restore` puts them back bitwise.
@@ -374,13 +388,8 @@ class Snapshot:
         strided = [(i, t) for i, t in unique if i in plain]
         saved = {i: (t.to("cpu", copy=True), t.device) for i, t in unique if i not in plain}
         if strided:
-            self.host, views = host_copies([t for _, t in strided], pin=any(t.is_cuda for _, t in strided))
-            for (i, t), v in zip(strided, views):
-                v.copy_(t, non_blocking=t.is_cuda)
-                saved[i] = (v, t.device)
-            self._host_devices = {t.device for _, t in strided if t.is_cuda}
-            for d in self._host_devices:
-                torch.cuda.synchronize(d)
+            self.host, views, self._host_devices = filled_host_copies([t for _, t in strided])
+            saved.update((i, (v, t.device)) for (i, t), v in zip(strided, views))
         return saved
 
     @staticmethod
@@ -573,12 +582,8 @@ def _reference_copies(grads: List[torch.Tensor]) -> _ReferenceGrads:
     rounding moves a cosine over many elements by far less than the 0.95 threshold's margin), in one block,
     pinned when they are on a GPU so that copying them back for each candidate is fast (a pinned allocation and
     a synchronous copy each cost as the snapshot's did)."""
-    templates = [torch.empty_like(g, dtype=torch.bfloat16, device="meta") for g in grads]
-    block, copies = host_copies(templates, pin=any(g.is_cuda for g in grads))
-    for c, g in zip(copies, grads):
-        c.copy_(g, non_blocking=g.is_cuda)
-    for d in {g.device for g in grads if g.is_cuda}:
-        torch.cuda.synchronize(d)  # one wait for all; then any stream may read the block, and it may go any time
+    # (After one wait for all, any stream may read the block, and it may go any time.)
+    block, copies, _ = filled_host_copies(grads, torch.bfloat16)
     return _ReferenceGrads(block, copies)
 
 
