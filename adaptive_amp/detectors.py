@@ -104,6 +104,29 @@ def robust_z(reference: np.ndarray, value: float, min_count: int) -> float:
     return _MAD_TO_SIGMA * (value - med) / mad
 
 
+def window_medians(x: np.ndarray, at, window: int):
+    """For each index i of `at`: the median and the maximum of the finite values among x[max(0, i - window):i]
+    (NaN where there are none), and their count. The same numbers as np.median and max of each window, in one
+    sort instead of one np.median call a step: a read hands the detectors every step since the last one."""
+    at = np.asarray(at, dtype=np.int64)
+    if at.size == 0 or window < 1:
+        empty = np.full(at.size, np.nan)
+        return empty, empty.copy(), np.zeros(at.size, np.int64)
+    padded = np.full(window + x.size, np.nan)
+    padded[window:] = np.where(np.isfinite(x), x, np.nan)
+    rows = np.sort(np.lib.stride_tricks.sliding_window_view(padded, window)[at], axis=1)  # NaN sorts last
+    count = np.isfinite(rows).sum(axis=1)
+    lo, hi = np.maximum(count - 1, 0) // 2, count // 2
+    take = np.arange(at.size)
+    a, b = rows[take, lo], rows[take, np.minimum(hi, window - 1)]
+    # np.median: the middle value, or the mean of the two middle ones ((a + b) / 2, as np.mean computes it)
+    median = np.where(lo == hi, a, (a + b) / 2)
+    top = rows[take, np.maximum(count - 1, 0)]
+    none = count == 0
+    median[none], top[none] = np.nan, np.nan
+    return median, top, count
+
+
 class Detector:
     """One kind of trouble. ``detect`` sees each read once, in step order."""
 
@@ -164,23 +187,24 @@ class LossSpike(Detector):
 
     def detect(self, view):
         events = []
-        for i in view.new:
+        new = view.new
+        medians, tops, counts = window_medians(view.loss, new, self.window)
+        for i, med, top, count in zip(new, medians.tolist(), tops.tolist(), counts.tolist()):
+            if count:
+                self._level = max(self._level, abs(med))
+            value = view.loss[i]
+            # Every condition of a spike must hold: the cheap ones first, the z-score (three medians) last.
+            if not count or not value > top or value - med < self.rel * max(abs(med), 1e-12) or \
+                    value - med < self.of_level * self._level:
+                continue
             ref = view.loss[max(0, i - self.window):i]
             ref = ref[np.isfinite(ref)]
-            value = view.loss[i]
-            if ref.size:
-                med = float(np.median(ref))
-                self._level = max(self._level, abs(med))
             log = value > 0 and ref.size and ref.min() > 0
             if log:
                 z = robust_z(np.log(ref), math.log(value), self.min_history)
             else:  # a loss that can be zero or negative: its noise need not scale with it
                 z = robust_z(ref, value, self.min_history)
             if z <= self.z:
-                continue
-            rise = value - med
-            if rise < self.rel * max(abs(med), 1e-12) or value <= float(ref.max()) or \
-                    rise < self.of_level * self._level:
                 continue
             events.append(Event(int(view.steps[i]), self.kind,
                                 f"loss {value:.4g} is {z:.1f} robust standard deviations"
@@ -279,6 +303,7 @@ class GradNormAnomaly(Detector):
         norm, found = view.grad_norm, view.found
         clipped = np.isfinite(view.max_grad_norm) if view.max_grad_norm is not None else np.zeros(len(norm), bool)
         usable = ~found & np.isfinite(norm) & (norm > 0)
+        kept = np.flatnonzero(usable)  # the usable steps' indices; a run is the last `need` of them up to i
         for i in view.new:
             if found[i] or math.isnan(norm[i]):
                 continue
@@ -293,7 +318,8 @@ class GradNormAnomaly(Detector):
                     continue
                 self._level = None
             need = self.persist if clipped[i] else 1
-            run = np.flatnonzero(usable[:i + 1])[-need:]
+            at = int(np.searchsorted(kept, i))  # (i is usable: kept[at] == i)
+            run = kept[max(0, at + 1 - need):at + 1]
             if run.size < need or not clipped[run].all() and need > 1:
                 continue
             first = int(run[0])
@@ -301,9 +327,11 @@ class GradNormAnomaly(Detector):
             ref = norm[lo:first][usable[lo:first]]
             if ref.size < self.min_history:
                 continue
-            med = float(np.median(ref))
             low = float(norm[run].min())
-            if low < self.factor * med or low <= float(ref.max()):
+            if low <= float(ref.max()):  # (before the median: most steps stop here)
+                continue
+            med = float(np.median(ref))
+            if low < self.factor * med:
                 continue
             z = robust_z(np.log(ref), math.log(low), self.min_history)
             if z <= self.z:
