@@ -199,16 +199,15 @@ class TensorStats:
         ``overflow_fraction``, ``underflow_fraction`` and ``risk``), in list
         order or sorted by a column; NaN sorts last."""
         d = self.to_dict()
-        rows = []
-        for i in range(self._count):
-            row = {"index": i, "name": self.names[i]}
-            row.update({k: v[i] for k, v in d.items()})
-            if self.fmt:
+        keys = ("index", "name") + tuple(d)
+        # (zip over the columns: a monitor read makes 600 of these rows on a 1B Llama, and a dict
+        # comprehension indexing every column was most of the read's host time)
+        rows = [dict(zip(keys, values)) for values in zip(range(self._count), self.names, *d.values())]
+        if self.fmt:
+            for row in rows:
                 n = row["numel"]
-                row["overflow_fraction"] = _fraction(row["overflow_count"], n)
-                row["underflow_fraction"] = _fraction(row["underflow_count"], n)
-                row["risk"] = row["overflow_fraction"] + row["underflow_fraction"]
-            rows.append(row)
+                over, under = _fraction(row["overflow_count"], n), _fraction(row["underflow_count"], n)
+                row["overflow_fraction"], row["underflow_fraction"], row["risk"] = over, under, over + under
         if sort_by == "default":
             sort_by = self.sort_by
         if sort_by is None:
