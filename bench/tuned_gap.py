@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -51,9 +52,14 @@ def _sync(cuda):
         torch.cuda.synchronize()
 
 
-def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None):
-    """{name: step(batch)} of the tuned controller, the controller given its policy (with and without the
-    gradient norm), and the recipe alone; the tuning's result; the controllers, kept alive."""
+#: The loops timed side by side: the tuned controller, the controller given its policy (with and without the
+#: gradient norm it measures), and the recipe alone.
+LOOPS = ("tuned", "controller", "controller-no-norm", "alone")
+
+
+def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=LOOPS):
+    """{name: step(batch)} of the LOOPS in `names` (the tuned one is always built: it holds the recipe); the
+    tuning's result; the controllers, kept alive."""
     def copy_of():
         m = copy.deepcopy(zm.model)
         return m, (torch.compile(m) if compiled else m), torch.optim.AdamW(m.parameters(), lr=lr)
@@ -76,9 +82,11 @@ def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None):
         loops[name] = lambda b: a.train_step(lambda: zm.loss(f, b))
         keep.append(a)
 
-    controller("controller")
-    # The same without the gradient norm it measures when nothing else does: what that norm costs.
-    controller("controller-no-norm", track_grad_norm=False)
+    if "controller" in names:
+        controller("controller")
+    if "controller-no-norm" in names:
+        # The same without the gradient norm it measures when nothing else does: what that norm costs.
+        controller("controller-no-norm", track_grad_norm=False)
 
     m3, fwd3, opt3 = copy_of()
     alone = AppliedRecipe(recipe, m3, opt3)
@@ -93,6 +101,30 @@ def geometric_mean_ci(ratios, draws: int = 2000, seed: int = 0):
     means = logs[rng.integers(0, len(logs), size=(draws, len(logs)))].mean(axis=1)
     lo, hi = np.percentile(means, [2.5, 97.5])
     return float(np.exp(logs.mean())), [float(np.exp(lo)), float(np.exp(hi))]
+
+
+class GcClock:
+    """The interpreter's garbage-collection pauses (gc.callbacks) while it is installed: ms and collections
+    by generation. A host-bound loop waits for every pause, and a loop that makes more objects collects more
+    often: the rounds' step-by-step spikes (tens of ms at random steps) may be these."""
+
+    def __init__(self):
+        self.ms, self.collections, self._t0 = 0.0, [0, 0, 0], None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self.collections[info["generation"]] += 1
+            self._t0 = None
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
 
 
 def _profile(step, batches, n, cuda):
@@ -196,7 +228,11 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--compiled", action="store_true")
     p.add_argument("--candidates", default="bf16,bf16-weights")
+    p.add_argument("--loops", default=",".join(LOOPS),
+                   help="the loops to time (alone and at least one other): fewer loops, more rounds of each")
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--rounds-seconds", type=float, default=None,
+                   help="stop starting rounds after this many seconds of them (--rounds is then the most)")
     p.add_argument("--round-steps", type=int, default=50, help="steps a round (default: the controller's read_every)")
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--profile-steps", type=int, default=5)
@@ -206,6 +242,10 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="the tiny model on the CPU (aten ops instead of kernels)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    names = args.loops.split(",")
+    if "alone" not in names or len(names) < 2 or set(names) - set(LOOPS) or len(set(names)) != len(names):
+        p.error(f"--loops: name 'alone' and at least one of {', '.join(LOOPS[:-1])}, each once "
+                f"(got {args.loops!r})")
     cuda = not args.cpu
     device = "cuda" if cuda else "cpu"
     if cuda and not torch.cuda.is_available():
@@ -214,7 +254,9 @@ def main(argv=None) -> int:
     zm = zoo.build(family, "tiny" if args.cpu else size, seed=0, device=device)
     batches = [zm.make_batch(2 if args.cpu else args.batch, seed=i, device=device,
                              seq_len=None if args.cpu else args.seq) for i in range(8)]
-    loops, tuning, _keep = _loops(zm, batches, args.compiled, args.candidates.split(","), args.lr, args.amp_kwargs)
+    loops, tuning, _keep = _loops(zm, batches, args.compiled, args.candidates.split(","), args.lr, args.amp_kwargs,
+                                  names)
+    loops = {name: loops[name] for name in LOOPS if name in names}
     print(tuning.table(), flush=True)
     for name, step in loops.items():  # warm-up: compiles (the controllers' statistics graph too)
         t0 = time.perf_counter()
@@ -223,8 +265,12 @@ def main(argv=None) -> int:
         _sync(cuda)
         print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
     times, host, device_ms = ({name: [] for name in loops} for _ in range(3))
+    gc_clocks = {name: GcClock() for name in loops}
     names = list(loops)
+    rounds_start = time.perf_counter()
     for r in range(args.rounds):
+        if args.rounds_seconds is not None and r and time.perf_counter() - rounds_start > args.rounds_seconds:
+            break
         for name in names[r % len(names):] + names[:r % len(names)]:
             step = loops[name]
             _sync(cuda)
@@ -232,8 +278,9 @@ def main(argv=None) -> int:
             t0, c0 = time.perf_counter(), time.thread_time()
             if cuda:
                 events[0].record()
-            for i in range(args.round_steps):
-                step(batches[i % len(batches)])
+            with gc_clocks[name]:
+                for i in range(args.round_steps):
+                    step(batches[i % len(batches)])
             if cuda:
                 events[1].record()
             c1 = time.thread_time()
@@ -249,11 +296,13 @@ def main(argv=None) -> int:
         summary, ops[name] = _profile(step, batches, args.profile_steps, cuda)
         res["loops"][name] = {"median_ms": statistics.median(times[name]), "round_ms": times[name],
                               "round_host_cpu_ms": host[name], "round_device_ms": device_ms[name] or None,
+                              "gc_ms_per_step": gc_clocks[name].ms / (len(times[name]) * args.round_steps),
+                              "gc_collections": gc_clocks[name].collections,
                               **summary, "step_ms": _step_times(step, batches, args.round_steps, cuda),
                               "phase_ms": phase_times(step, batches, args.round_steps, cuda)}
         res["loops"][name]["host_top"], own[name] = _host_profile(step, batches, args.round_steps, cuda)
     alone = res["loops"]["alone"]
-    for name in ("tuned", "controller", "controller-no-norm"):
+    for name in names[:-1]:
         # The rounds drift (24 to 43 ms a step within one call on an H200): each round's ratio to the plain
         # loop's round next to it cancels that; the device's busy time does not drift with the host.
         loop = res["loops"][name]
@@ -289,7 +338,8 @@ def main(argv=None) -> int:
             f"{k} {v:.1f}" for k, v in r["phase_ms"].items() if v or k == "all steps"), flush=True)
         print(f"   host CPU {statistics.median(r['round_host_cpu_ms']):.2f} ms/step (median round)"
               + (f", device elapsed {statistics.median(r['round_device_ms']):.2f} ms/step" if r["round_device_ms"]
-                 else ""), flush=True)
+                 else "") + f"; garbage collection {r['gc_ms_per_step']:.3f} ms/step (collections by generation "
+              f"{r['gc_collections']})", flush=True)
         for k, (bc, bu), (mc, mu) in r.get("differs_from_alone", []):
             print(f"   {k[:80]:80} count {bc:6.1f} -> {mc:6.1f}  device {bu:9.1f} -> {mu:9.1f} us")
         if "host_differs_from_alone" in r:

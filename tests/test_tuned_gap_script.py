@@ -24,6 +24,7 @@ def test_four_loops_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
         assert len(loop["round_ms"]) == len(loop["round_host_cpu_ms"]) == 2 and loop["median_ms"] > 0
         assert loop["launches"] > 0 and loop["round_device_ms"] is None and min(loop["round_host_cpu_ms"]) > 0
         assert "tottime" in loop["host_top"] and len(loop["step_ms"]) == 2
+        assert loop["gc_ms_per_step"] >= 0 and len(loop["gc_collections"]) == 3
     # What the controllers run beyond the plain loop: no second pass for the gradient norm they track
     # (adaptive_amp.optim's step measures it; it was a _foreach_norm a step, 4% of a compiled Llama 1.1B's).
     for name in ("tuned", "controller"):
@@ -78,3 +79,35 @@ def test_host_diff_ranks_functions_by_own_time_a_step_against_the_plain_loop():
     rows = diff(mine, base, top=2)
     assert [r[0] for r in rows] == ["c", "a"] and rows[0][1:] == [3.0, pytest.approx(40.0)]
     assert rows[1][2] == pytest.approx(1.0) and diff(base, mine, top=1)[0][2] == pytest.approx(-40.0)
+
+
+def test_gc_clock_times_the_collections_made_while_installed():
+    import gc
+
+    clock = load_bench_script("tuned_gap").GcClock()
+    with clock:
+        gc.collect(0)
+        gc.collect(2)
+    assert clock.collections == [1, 0, 1] and clock.ms > 0
+    gc.collect(1)  # after the block: not counted
+    assert clock.collections == [1, 0, 1] and clock not in gc.callbacks
+
+
+def test_two_loops_only_and_rounds_stopped_by_time(tmp_path):
+    """--loops tuned,alone times just those (more rounds of each in a call's time); --rounds-seconds stops
+    starting rounds once that much time went to them (the first round always runs)."""
+    out = tmp_path / "gap.json"
+    assert load_bench_script("tuned_gap").main(
+        ["--cpu", "--candidates", "bf16-weights", "--loops", "tuned,alone", "--rounds", "50", "--rounds-seconds",
+         "0", "--round-steps", "2", "--warmup", "1", "--profile-steps", "1", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert list(res["loops"]) == ["tuned", "alone"]
+    assert len(res["loops"]["tuned"]["round_ms"]) == len(res["loops"]["alone"]["round_ms"]) == 1
+    assert res["loops"]["tuned"]["mean_ratio_to_alone"] > 0
+
+
+@pytest.mark.parametrize("loops", ["tuned", "tuned,controller", "alone,alone", "tuned,alone,other"])
+def test_bad_loops_are_refused_naming_the_option(loops, capsys):
+    with pytest.raises(SystemExit):
+        load_bench_script("tuned_gap").main(["--cpu", "--loops", loops])
+    assert "--loops" in capsys.readouterr().err
