@@ -21,7 +21,8 @@
 #   gap       where a tuned controller's step time goes against its recipe's plain loop (bench/tuned_gap.py,
 #             GAP_ARGS, default the compiled Llama 1.1B)
 #   gappar    the gap stage on every GPU at once (GAP_ARGS, or GAP_ARGS_i for GPU i; per-GPU logs and JSON): more
-#             rounds in one call's time, or variants side by side
+#             rounds in one call's time, or variants side by side. GAP_GPUS="2 3": only those GPUs (each process
+#             pinned to its GPU's share of the cores, so other stages can run on the other GPUs and cores)
 #   tunepar   up to four bench/tune_evidence.py at once, one a GPU: TUNE_ARGS_0 ... TUNE_ARGS_3 (each set one
 #             runs, on GPU i; give each a --max-seconds that leaves the build's time and a margin)
 #   examples  examples/ and the README's example on the GPU
@@ -96,8 +97,8 @@ for stage in "$@"; do
          run gap python3 "$repo/bench/tuned_gap.py" --json "$out/gap.json" ${GAP_ARGS:---compiled}
          kill "$smi" 2> /dev/null ;;
     gappar) smi_log "$out/gap_clocks.csv"; pids=(); t0=$SECONDS
-            n=$(nvidia-smi -L | wc -l); per=$(( $(nproc) / n ))
-            for i in $(seq 0 $((n - 1))); do
+            n=$(nvidia-smi -L | wc -l); per=$(( $(nproc) / n )); gpus=${GAP_GPUS:-$(seq 0 $((n - 1)))}
+            for i in $gpus; do
               pin=(); command -v taskset > /dev/null && pin=(taskset -c "$((i * per))-$((i * per + per - 1))")
               v="GAP_ARGS_$i"
               (cd /tmp && CUDA_VISIBLE_DEVICES=$i TORCHINDUCTOR_COMPILE_THREADS=$per exec "${pin[@]}" python3 \
@@ -107,10 +108,10 @@ for stage in "$@"; do
             child="${pids[*]}"
             for pid in "${pids[@]}"; do wait "$pid" || status=1; done
             kill "$smi" 2> /dev/null
-            for i in $(seq 0 $((n - 1))); do
+            for i in $gpus; do
               grep -h "against the plain loop" "$out/gap$i.log" | sed "s/^/gap$i: /" >> "$dest/summary.txt"
             done
-            echo "gappar: $n GPUs, done in $((SECONDS - t0)) s" | tee -a "$dest/summary.txt"
+            echo "gappar: GPUs" $gpus", done in $((SECONDS - t0)) s" | tee -a "$dest/summary.txt"
             pack ;;
     tunepar) pids=(); t0=$SECONDS; n=0
              for i in 0 1 2 3; do v="TUNE_ARGS_$i"; [ -n "${!v:-}" ] && n=$((n + 1)); done
