@@ -122,6 +122,7 @@ class ActivationCollector:
             guard_hooks_under_compile()
         self._handles = [module.register_forward_hook(self._hook(name), with_kwargs=True) for name, module in layers]
         self._parked: Optional[list] = None  # [(hook dict, key, hook)] while the hooks are out of the modules
+        self._layouts: dict = {}  # see _layout
         self._park()
 
     def start(self, fmt: Optional[str] = None, skip=()) -> None:
@@ -193,18 +194,45 @@ class ActivationCollector:
         to the host."""
         from .stats import TensorStats
 
-        records = [r for r in self.take() if r[0] not in self.skip]
+        records = self.take()
         if not records:
             return None, None
-        # Each record's rows: its output's, then its input's when it has one.
-        out_rows = [raw[0:1] for _, raw, _ in records]
-        in_rows = [raw[1:2] for _, raw, has_input in records if has_input]
-        device = _native.device_of(out_rows[0])
+        rows = torch.cat([raw for _, raw, _ in records])  # each record's output row, then its input's if any
+        device = rows.device
+        out_names, out_at, in_names, in_at = self._layout(tuple((name, ok) for name, _, ok in records), device)
+        if not out_names:
+            return None, None
 
-        def joined(rows, names, fmt):
-            return TensorStats(torch.cat(rows), len(rows), fmt=fmt, names=names, framework="torch", device=device)
-        return (joined(out_rows, [n for n, _, _ in records], self.fmt),
-                joined(in_rows, [n for n, _, has_input in records if has_input], None) if in_rows else None)
+        def picked(at, names, fmt):
+            return TensorStats(rows.index_select(0, at), len(names), fmt=fmt, names=names, framework="torch",
+                               device=_native.device_of(rows))
+        return (picked(out_at, out_names, self.fmt), picked(in_at, in_names, None) if in_names else None)
+
+    def _layout(self, recorded, device):
+        """(output names, their rows' indices, input names, their rows' indices) of the rows of `recorded`
+        ((name, has input) pairs in forward order), islands left out; the indices on `device`.
+
+        Kept per layout: a statistics step records the same layers every time, and gathering the rows with
+        one index_select each replaced two slices a layer (3.5 ms of host time a statistics step on a 1B
+        Llama's 201 layers). Made once, since copying indices to a GPU waits for it."""
+        key = (recorded, self.skip, device)
+        layout = self._layouts.get(key)
+        if layout is None:
+            out_names, out_at, in_names, in_at, row = [], [], [], [], 0
+            for name, has_input in recorded:
+                if name not in self.skip:
+                    out_names.append(name)
+                    out_at.append(row)
+                    if has_input:
+                        in_names.append(name)
+                        in_at.append(row + 1)
+                row += 2 if has_input else 1
+            layout = (out_names, torch.tensor(out_at, dtype=torch.long, device=device), in_names,
+                      torch.tensor(in_at, dtype=torch.long, device=device))
+            if len(self._layouts) >= 4:  # (islands moved, another model's forward: a few layouts at most)
+                self._layouts.pop(next(iter(self._layouts)))
+            self._layouts[key] = layout
+        return layout
 
     def remove(self) -> None:
         """Remove the hooks (idempotent)."""

@@ -95,6 +95,35 @@ def test_layers_measured_in_their_hooks_give_the_statistics_of_the_whole_forward
     assert inputs.fmt is None and inputs.fields == expected_in.fields
 
 
+def test_collector_rows_follow_each_steps_islands():
+    # The rows' layout (which rows are outputs, which inputs, which layers left out) is kept per layout: a step
+    # with other islands gets its own, and each step's rows are that step's layers.
+    from adaptive_amp.collect import ActivationCollector
+    from adaptive_amp.layers import find_layers
+
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    batch = zm.make_batch(2, seed=1)
+    layers = find_layers(zm.model)
+    collector = ActivationCollector(layers)
+    seen = []
+    for skip in ([], [layers[0][0]], [], [layers[0][0], layers[2][0]], [layers[2][0]]):
+        collector.start(fmt="bfloat16", skip=skip)
+        with torch.no_grad():
+            zm.loss(zm.model, batch)
+        collector.stop()
+        outputs, inputs = collector.stats()
+        assert outputs.names == [n for n, _ in layers if n not in skip]
+        assert set(inputs.names) <= set(outputs.names)
+        seen.append((tuple(skip), outputs.raw.clone(), inputs.raw.clone(), outputs.names))
+    assert len(collector._layouts) == 4  # four different island sets
+    full, again = seen[0], seen[2]
+    assert torch.equal(full[1], again[1]) and torch.equal(full[2], again[2])  # the same forward, the same rows
+    for skip, out_raw, _, names in seen[1:]:  # a step with islands: the full step's rows of the other layers
+        keep = [i for i, n in enumerate(full[3]) if n not in skip]
+        assert torch.equal(out_raw.view(torch.int64), full[1][keep].view(torch.int64))
+    collector.remove()
+
+
 def _fp16_step(model, batch, zm, opt, scaler, device="cpu"):
     with torch.autocast(device, dtype=torch.float16):
         loss = zm.loss(model, batch)
