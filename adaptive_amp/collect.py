@@ -33,9 +33,11 @@ save (under CUDA autocast: the fp32 outputs of layer norms, the fp32 GELU
 outputs that feed an MLP's down projection, the projections' outputs
 added to the residual), more memory than the parameters at GPT-2's size,
 and a statistics step would raise the run's peak by that much. A compiled
-graph measures them the same way, inside the graph, through the kernel's
-custom op (stats_torch.py): the same launch and the same rows, and the
-graph returns the rows, not the tensors.
+graph measures them inside the graph, through the kernel's custom op
+(stats_torch.py): the same rows, and the graph returns the rows, not the
+tensors. There a call measures LAYERS_PER_CALL layers at once (the host
+cost is per call), and hooks on the model's children measure those left
+when each child returns, before the graph ends.
 
 Dynamo keeps its graphs on the forward's code object, shared by every
 instance of a model class (and, for transformers' decorated forwards, by
@@ -60,6 +62,12 @@ from . import _native, ops, stats_torch
 
 #: Dtypes tensor_stats reads; other outputs (integer ids, fp64) are not recorded.
 STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: Layers a compiled statistics step measures with one custom-op call. Each call costs tens of microseconds
+#: on the host (the dispatcher, the op's wrapper, the launch), and a 1B Llama has 201 layers: one call a layer
+#: made a compiled statistics step 20-25 ms longer on an H200, a host-bound step. A layer's tensors wait for
+#: their call, at most this many layers' (most of which autograd keeps anyway).
+LAYERS_PER_CALL = 8
 
 
 def first_tensor(value) -> Optional[torch.Tensor]:
@@ -112,7 +120,7 @@ class ActivationCollector:
         collector.remove()                    # the model's hooks are as before
     """
 
-    def __init__(self, layers: Sequence[Tuple[str, nn.Module]]):
+    def __init__(self, layers: Sequence[Tuple[str, nn.Module]], root: Optional[nn.Module] = None):
         self.active = False
         self.fmt: Optional[str] = None
         self.skip: frozenset = frozenset()
@@ -121,6 +129,13 @@ class ActivationCollector:
         if layers:
             guard_hooks_under_compile()
         self._handles = [module.register_forward_hook(self._hook(name), with_kwargs=True) for name, module in layers]
+        # Layers a compiled forward has recorded and not yet measured (see LAYERS_PER_CALL). The rest are measured
+        # when each of `root`'s (the model's) children returns: inside the model's graph, whose end is a child's.
+        # (The model's own hooks run outside its graph.) Left over without a root: after the graph, by stop().
+        self._waiting: List[tuple] = []
+        if layers and root is not None:
+            self._handles += [child.register_forward_hook(lambda module, args, output: self._measure_waiting())
+                              for child in root.children()]
         self._parked: Optional[list] = None  # [(hook dict, key, hook)] while the hooks are out of the modules
         self._layouts: dict = {}  # see _layout
         self._park()
@@ -128,12 +143,14 @@ class ActivationCollector:
     def start(self, fmt: Optional[str] = None, skip=()) -> None:
         """Record from the next forward: outputs counted against `fmt`; layers named in `skip` (islands) not."""
         self.records.clear()
+        self._waiting.clear()
         self.fmt, self.skip = fmt, frozenset(skip)
         self._unpark()
         self.active = True
 
     def stop(self) -> None:
         """Stop recording; the hooks leave the modules until the next :meth:`start`."""
+        self._measure_waiting()
         self.active = False
         self._park()
 
@@ -174,18 +191,35 @@ class ActivationCollector:
             # input's format counts are computed too and not shown (its TensorStats has no format). The
             # tensors as they are: the kernel reads strided tensors (channels_last natively, other views
             # through its own copy), so a compiled statistics step adds no copy to its graph.
-            tensors = [out.detach(), x.detach()] if ok else [out.detach()]
-            rows = stats_torch.tensor_stats_op(tensors, self.fmt) if compiling else \
-                ops.tensor_stats(tensors, fmt=self.fmt).raw
-            self.records.append((name, rows, ok))
+            tensors = (out.detach(), x.detach()) if ok else (out.detach(),)
+            if compiling:
+                self._waiting.append((name, tensors, ok))
+                if len(self._waiting) >= LAYERS_PER_CALL:
+                    self._measure_waiting()
+            else:
+                self._measure_waiting()  # (layers a graph before a graph break left waiting: forward order)
+                self.records.append(((name,), ops.tensor_stats(tensors, fmt=self.fmt).raw, (ok,)))
             return None
         return record
 
+    def _measure_waiting(self) -> None:
+        """One tensor_stats call for the layers waiting: a record of their names, rows and inputs."""
+        if not self.active or not self._waiting:
+            return
+        waiting = list(self._waiting)
+        self._waiting.clear()  # (the same list object: a compiled graph must find the list it traced)
+        tensors = [t for _, ts, _ in waiting for t in ts]
+        rows = stats_torch.tensor_stats_op(tensors, self.fmt) if _compiling() else \
+            ops.tensor_stats(tensors, fmt=self.fmt).raw
+        self.records.append((tuple(n for n, _, _ in waiting), rows, tuple(ok for _, _, ok in waiting)))
+
     def take(self) -> List[object]:
-        """The records since the last take, in forward order; the collector starts empty again."""
+        """The records since the last take, in forward order; the collector starts empty again. A record is
+        (layer names, their rows, whether each has an input row): each layer's output row, then its input's."""
         # The same list object, emptied: a compiled graph that appends to it must find the list it traced.
         records = list(self.records)
         self.records.clear()
+        self._waiting.clear()
         return records
 
     def stats(self):
@@ -199,7 +233,8 @@ class ActivationCollector:
             return None, None
         rows = torch.cat([raw for _, raw, _ in records])  # each record's output row, then its input's if any
         device = rows.device
-        out_names, out_at, in_names, in_at = self._layout(tuple((name, ok) for name, _, ok in records), device)
+        recorded = tuple((name, ok) for names, _, oks in records for name, ok in zip(names, oks))
+        out_names, out_at, in_names, in_at = self._layout(recorded, device)
         if not out_names:
             return None, None
 

@@ -207,7 +207,7 @@ class AdaptiveMixedPrecision:
 
         # Registered now, before any compiled call of the model (policy="tune" makes some), so that its graphs
         # trace them.
-        self._collector = ActivationCollector(self.layers)
+        self._collector = ActivationCollector(self.layers, root=self._module)
         self.tuning = None  # policy="tune": the TuneResult (trials, A/B table)
         self._tune_options = tune
         # A MemoryGuard (adaptive_amp.pressure): lighter recipes under memory pressure or out of memory.

@@ -413,10 +413,11 @@ def test_statistics_when_a_graph_of_the_class_was_compiled_before_the_controller
 
 @pytest.mark.parametrize("family", ["gpt2", "resnet"])
 def test_compiled_statistics_graph_returns_rows_not_activations(family):
-    """A compiled statistics step measures each layer inside its graph (the kernel's custom op) and returns only
-    its rows besides what an ordinary step's graph returns: returning the layers' tensors kept them alive until
+    """A compiled statistics step measures each layer inside its graph (the kernel's custom op, a call for several
+    layers) and returns only their rows besides what an ordinary step's graph returns: returning the layers' tensors kept them alive until
     the forward ended, 2.3 to 4.2 GiB above an ordinary step on GPT-2 medium (8x1024, H200). The rows are the
     eager step's."""
+    from adaptive_amp.collect import LAYERS_PER_CALL
     from adaptive_amp.stats import FIELDS
 
     outputs = []  # per graph compiled: the example values it returns
@@ -433,7 +434,10 @@ def test_compiled_statistics_graph_returns_rows_not_activations(family):
     assert stats_steps(amp) == stats_steps(eager) == [0] and graph_breaks() == {} and compiled == [1, 2]
     statistics_graph, ordinary_graph = outputs
     rows = [v for v in statistics_graph if v.dtype == torch.float64]
-    assert rows and all(v.shape[0] in (1, 2) and v.shape[1] == len(FIELDS) for v in rows)
+    assert rows and all(1 <= v.shape[0] <= 2 * LAYERS_PER_CALL and v.shape[1] == len(FIELDS) for v in rows)
+    # A custom-op call for up to LAYERS_PER_CALL layers, not one a layer: a call's host cost made the compiled
+    # statistics step of a 1B Llama (201 layers) 20-25 ms longer on an H200.
+    assert len(rows) < len(amp.layers) / 2, (len(rows), len(amp.layers))
     shapes = [(tuple(v.shape), v.dtype) for v in statistics_graph if v.dtype != torch.float64]
     assert shapes == [(tuple(v.shape), v.dtype) for v in ordinary_graph]
     for a, b in zip(eager.monitor.layer_stats, amp.monitor.layer_stats):
