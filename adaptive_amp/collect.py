@@ -187,7 +187,8 @@ class ActivationCollector:
             x = first_tensor(args)
             x = first_tensor(kwargs) if x is None else x
             ok = x is not None and x.dtype in STATS_DTYPES and x.numel() > 0
-            # Measured now, so the forward keeps no tensor for us (see the module docstring). One launch: the
+            # Measured now (eager) or within LAYERS_PER_CALL layers (traced), so the forward keeps no tensor for
+            # us past that (see the module docstring). One launch: the
             # input's format counts are computed too and not shown (its TensorStats has no format). The
             # tensors as they are: the kernel reads strided tensors (channels_last natively, other views
             # through its own copy), so a compiled statistics step adds no copy to its graph.

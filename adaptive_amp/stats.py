@@ -201,7 +201,7 @@ class TensorStats:
         d = self.to_dict()
         keys = ("index", "name") + tuple(d)
         # (zip over the columns: a monitor read makes 600 of these rows on a 1B Llama, and a dict
-        # comprehension indexing every column was most of the read's host time)
+        # comprehension indexing every column took twice as long)
         rows = [dict(zip(keys, values)) for values in zip(range(self._count), self.names, *d.values())]
         if self.fmt:
             for row in rows:

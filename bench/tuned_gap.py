@@ -8,8 +8,8 @@ Four loops of one recipe, each on its own copy of the model (compiled with --com
 ``tuned`` (``AdaptiveMixedPrecision(..., policy="tune", tune=dict(candidates=...))``; its choice is the recipe),
 ``controller`` (the controller given that recipe's policy and an optimizer made as the recipe makes it),
 ``controller-no-norm`` (the same with ``track_grad_norm=False``: what the gradient norm it measures costs) and
-``alone`` (recipes.AppliedRecipe's plain loop: what a trial times). All step through ``train_step`` or the plain
-step, on the same batches. They are timed in interleaved rounds (medians: clock drift hits all
+``alone`` (recipes.AppliedRecipe's plain loop: what a trial times); ``--loops tuned,alone`` times only those
+(more round pairs in a call's time). All step through ``train_step`` or the plain step, on the same batches. They are timed in interleaved rounds (medians: clock drift hits all
 alike; each round starts with another loop, so no loop always follows the same one), then each is profiled
 for --profile-steps steps: wall time, device busy time (the sum of its kernels' times: a gap with equal busy
 time is host time) and launches per step, the ops whose count or device time differs from ``alone``'s, and the
@@ -106,7 +106,7 @@ def geometric_mean_ci(ratios, draws: int = 2000, seed: int = 0):
 class GcClock:
     """The interpreter's garbage-collection pauses (gc.callbacks) while it is installed: ms and collections
     by generation. A host-bound loop waits for every pause, and a loop that makes more objects collects more
-    often: the rounds' step-by-step spikes (tens of ms at random steps) may be these."""
+    often. (On the compiled Llama 1.1B, H200: 0.01 ms a step, no full collection; not the gap.)"""
 
     def __init__(self):
         self.ms, self.collections, self._t0 = 0.0, [0, 0, 0], None
