@@ -160,7 +160,7 @@ def hook_cost(steps, device):
             amp._collector = type(hooks)([])  # an empty collector: the same code path, no hooks on the model
             hooks.remove()
         if label == "hooks_again":
-            amp._collector = type(amp._collector)(find_layers(zm.model))
+            amp._collector = type(amp._collector)(find_layers(zm.model), root=zm.model)
         times = []
         for i in range(steps + 3):
             _sync(device)
