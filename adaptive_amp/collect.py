@@ -233,15 +233,15 @@ class ActivationCollector:
         if not records:
             return None, None
         rows = torch.cat([raw for _, raw, _ in records])  # each record's output row, then its input's if any
-        device = rows.device
         recorded = tuple((name, ok) for names, _, oks in records for name, ok in zip(names, oks))
-        out_names, out_at, in_names, in_at = self._layout(recorded, device)
+        out_names, out_at, in_names, in_at = self._layout(recorded, rows.device)
         if not out_names:
             return None, None
+        device = _native.device_of(rows)
 
         def picked(at, names, fmt):
             return TensorStats(rows.index_select(0, at), len(names), fmt=fmt, names=names, framework="torch",
-                               device=_native.device_of(rows))
+                               device=device)
         return (picked(out_at, out_names, self.fmt), picked(in_at, in_names, None) if in_names else None)
 
     def _layout(self, recorded, device):
