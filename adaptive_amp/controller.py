@@ -462,11 +462,14 @@ class AdaptiveMixedPrecision:
         self._step += 1
         # After everything this step launches (the scale update, the monitor's copy of the scale).
         result = self._result(results) if scaling else StepResult(True)
-        self._add_events(self.monitor.poll(step))
+        read_due = self.adapt and self._adapts() and self.monitor.read_due(step)
+        if read_due:
+            self._add_events(self.monitor.read())  # the adaptation below judges this window's history now
+        else:
+            self._add_events(self.monitor.poll(step))  # a read's copy is taken during the next step
         # The previous step's deferred result: its work finished while this step's was launched, so the read
         # waits for nothing this step queued. Judged before this step, in step order.
         self._judge_pending()
-        read_due = self.adapt and self._adapts() and self.monitor.read_due(step)
         if result.deferred and not read_due:
             self._pending = (step, result, watched)
         else:

@@ -21,8 +21,8 @@ time, the main thread's CPU time (the backward's launches run on autograd's thre
 device's elapsed time between CUDA events. Each
 controller loop's ratio to the plain loop is given per round pair, as their median and as the geometric mean
 with a 95% bootstrap interval. After the rounds, one more round of each loop is timed step by step, and one
-with the host time inside the controller's phases (PHASES: its step, the statistics gathered, the read and its
-copy to the host, the detectors, the adaptation), which is where a host-bound gap goes.
+with the host time inside the controller's phases (PHASES: its step, the statistics gathered, the read (its copy
+to the host queued, then taken a step later), the detectors, the adaptation), which is where a host-bound gap goes.
 """
 
 from __future__ import annotations
@@ -152,8 +152,10 @@ PHASES = (("adaptive_amp.controller", "AdaptiveMixedPrecision.backward", "backwa
           ("adaptive_amp.controller", "AdaptiveMixedPrecision.step", "step (all of it)"),
           ("adaptive_amp.controller", "AdaptiveMixedPrecision._record_gradient_stats", "gradient statistics"),
           ("adaptive_amp.collect", "ActivationCollector.stats", "layer statistics gathered"),
-          ("adaptive_amp.monitor", "StabilityMonitor.read", "read (all of it)"),
-          ("adaptive_amp.monitor", "_to_host", "read: copy to the host (waits for the device)"),
+          ("adaptive_amp.monitor", "StabilityMonitor.poll", "poll, reads included"),
+          ("adaptive_amp.monitor", "StabilityMonitor.read", "read at once (an adapting controller's)"),
+          ("adaptive_amp.monitor", "_HostCopy.__init__", "read: copy to the host queued"),
+          ("adaptive_amp.monitor", "_HostCopy.values", "read: copy taken (waits for the device)"),
           ("adaptive_amp.monitor", "StabilityMonitor._detect", "read: detectors"),
           ("adaptive_amp.controller", "AdaptiveMixedPrecision._adapt", "adapt after a read"),
           ("adaptive_amp.controller", "AdaptiveMixedPrecision._judge", "judge a step's result"))

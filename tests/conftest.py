@@ -48,6 +48,14 @@ def device(request):
     return request.param
 
 
+def defer_reads(monkeypatch):
+    """The monitor's reads of host values deferred to the next poll, as its reads from a CUDA device are (the
+    one device-dependent switch), so that CPU tests run the logic of a read in flight."""
+    from adaptive_amp import monitor
+
+    monkeypatch.setattr(monitor._HostCopy, "deferred", property(lambda self: self._values is None))
+
+
 _INT_VIEW = {
     torch.float32: torch.int32,
     torch.float16: torch.int16,

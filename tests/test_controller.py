@@ -24,6 +24,7 @@ from adaptive_amp.controller import AdaptiveMixedPrecision
 from adaptive_amp.hardware import Capabilities
 from adaptive_amp.policy import PrecisionPolicy
 from adaptive_amp.step_result import StepResult
+from conftest import defer_reads
 
 FP16 = "params=float32,compute=float16,loss_scale=dynamic:65536"
 CPU_BF16 = Capabilities(device_type="cpu", name="test cpu with bf16", bf16=True, fp16=True)
@@ -357,6 +358,52 @@ def test_resume_from_checkpoint_continues_bitwise(split, fused, device):
     assert [e.to_dict() for e in a0.events] == [e.to_dict() for e in a1.events]
     assert a0.scaler.get_scale() == a1.scaler.get_scale()
     assert str(a0.monitor.history()["loss"]) == str(a1.monitor.history()["loss"])  # NaN-aware
+
+
+def _nan_losses_run(split, device, steps=30):
+    """A float32 controller (nothing adapts, so its reads are deferred from a CUDA device), read_every 10, NaN
+    losses recorded at steps 12 and 25 (their gradients zero); a checkpoint loaded into fresh objects before step
+    `split`. Returns the model, the controller and how many events it had after each step."""
+    def fresh(seed):
+        torch.manual_seed(seed)
+        model = Planted(amplify=1.0).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        return model, opt, AdaptiveMixedPrecision(model, opt, policy="float32", capabilities=CPU_NO_BF16,
+                                                  read_every=10)
+
+    model, opt, amp = fresh(0)
+    x, y = regression(256, device=device)
+    seen = []
+    for i in range(steps):
+        if i == split:
+            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "amp": amp.state_dict()})
+            model, opt, amp = fresh(123)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            amp.load_state_dict(saved["amp"])
+        with amp.autocast():
+            loss = nn.functional.mse_loss(model(x[:16]), y[:16])
+        amp.backward(loss * 0.0 + float("nan") if i in (12, 25) else loss)
+        amp.step()
+        amp.zero_grad()
+        seen.append(len(amp.events))
+    amp.report(plots=False)  # reads the last, partial window
+    return model, amp, seen
+
+
+# At 10 and 20 the read of the window before is in flight.
+@pytest.mark.parametrize("split", [10, 20, 23])
+def test_deferred_reads_report_a_step_later_and_resume_identically(split, device, monkeypatch):
+    if device == "cpu":
+        defer_reads(monkeypatch)  # (from a CUDA device reads are deferred anyway)
+    m0, a0, seen0 = _nan_losses_run(None, device)
+    m1, a1, seen1 = _nan_losses_run(split, device)
+    for p, q in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(p, q)
+    assert [(e.kind, e.step) for e in a0.events] == [("nan_loss", 12), ("nan_loss", 25)]
+    assert [e.to_dict() for e in a0.events] == [e.to_dict() for e in a1.events]
+    # Step 19 ends the window that holds step 12: its read is taken, and the event known, during step 20.
+    assert seen0 == seen1 and seen0[19] == 0 and seen0[20] == 1 and seen0[-1] == 1
 
 
 def test_load_state_dict_refuses_bad_states_and_changes_nothing():

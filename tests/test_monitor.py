@@ -11,6 +11,7 @@ import torch
 from adaptive_amp import tensor_stats
 from adaptive_amp.detectors import GradNormAnomaly
 from adaptive_amp.monitor import Event, StabilityMonitor
+from conftest import defer_reads, requires_cuda
 
 
 def feed(mon, losses, *, start=0, found=None, scale=None, norm=None, clip=None, as_tensors=True):
@@ -34,6 +35,7 @@ def noisy(n, seed=0, level=2.0, spread=0.05):
 
 def kinds(events):
     return [e.kind for e in events]
+
 
 
 def test_reads_happen_on_schedule_and_history_has_report_format():
@@ -224,35 +226,93 @@ def test_loss_trend_and_variance_match_numpy():
     assert mon.loss_trend(window=10) == pytest.approx(np.polyfit(np.arange(20, 30), losses[20:], 1)[0], rel=1e-9)
 
 
-def test_state_dict_mid_window_continues_identically():
-    def run(split):
-        mon = StabilityMonitor(read_every=7, window=20, min_history=5)
-        rng = np.random.default_rng(3)
-        losses = (2 + 0.05 * rng.standard_normal(60)).tolist()
-        losses[33] = 9.0
-        losses[41] = math.nan
-        found = (rng.random(60) < 0.3).astype(int).tolist()
-        scale = [2.0 ** (6 - i // 6) for i in range(60)]
-        for step in range(60):
-            if step == split:
-                state = mon.state_dict()
-                mon = StabilityMonitor(read_every=7, window=20, min_history=5)
-                mon.load_state_dict(state)
-            if step % 10 == 0:
-                mon.record_layer_stats(step, "activation", _stats_of([[1.0, 7e4 * (step % 20 == 0)]], ["l"],
-                                                                     "float16"))
-            mon.record_step(step, loss=torch.tensor(losses[step]), found_inf=torch.tensor(float(found[step])),
-                            scale=torch.tensor(scale[step]))
-            mon.poll(step)
-        mon.read()
-        return mon.history(), [e.to_dict() for e in mon.events]
+def _spiky_run(split=None, read_every=7):
+    """60 steps with a loss spike, a NaN loss, a collapsing scale and overflowing statistics; a checkpoint
+    taken and loaded into a fresh monitor before step `split`. Returns the history, the events and, per step,
+    the events its poll returned."""
+    mon = StabilityMonitor(read_every=read_every, window=20, min_history=5)
+    rng = np.random.default_rng(3)
+    losses = (2 + 0.05 * rng.standard_normal(60)).tolist()
+    losses[33] = 9.0
+    losses[41] = math.nan
+    found = (rng.random(60) < 0.3).astype(int).tolist()
+    scale = [2.0 ** (6 - i // 6) for i in range(60)]
+    polled = []
+    for step in range(60):
+        if step == split:
+            state = mon.state_dict()
+            mon = StabilityMonitor(read_every=read_every, window=20, min_history=5)
+            mon.load_state_dict(state)
+        if step % 10 == 0:
+            mon.record_layer_stats(step, "activation", _stats_of([[1.0, 7e4 * (step % 20 == 0)]], ["l"],
+                                                                 "float16"))
+        mon.record_step(step, loss=torch.tensor(losses[step]), found_inf=torch.tensor(float(found[step])),
+                        scale=torch.tensor(scale[step]))
+        polled.append([e.to_dict() for e in mon.poll(step)])
+    mon.read()
+    return mon.history(), [e.to_dict() for e in mon.events], polled
 
-    h0, e0 = run(split=None)
-    h1, e1 = run(split=24)  # 24 % 7 != 0: values pending at the split
+
+# 24 % 7 != 0: values pending at the split; at 28 the read of step 27's window is still in flight when deferred.
+@pytest.mark.parametrize("split", [24, 28])
+@pytest.mark.parametrize("deferred", [False, True])
+def test_state_dict_mid_window_continues_identically(split, deferred, monkeypatch):
+    if deferred:
+        defer_reads(monkeypatch)
+    h0, e0, p0 = _spiky_run()
+    h1, e1, p1 = _spiky_run(split=split)
     assert np.array_equal(np.array(h0["loss"]), np.array(h1["loss"]), equal_nan=True)
     assert h0["scale"] == h1["scale"] and h0["found_inf"] == h1["found_inf"]
-    assert e0 == e1
+    assert e0 == e1 and p0 == p1  # the same events, returned by the same polls
     assert {"loss_spike", "nan_loss", "scale_collapse", "activation_overflow"} <= set(e["kind"] for e in e0)
+
+
+def test_a_deferred_read_is_taken_at_the_next_poll_with_the_same_history_and_events(monkeypatch):
+    h0, e0, p0 = _spiky_run()
+    defer_reads(monkeypatch)
+    h1, e1, p1 = _spiky_run()
+    assert str(h0) == str(h1) and e0 == e1  # (str: NaN-aware)
+    # Each read's events come from the poll after the one that ended its window.
+    assert p1 == [[]] + p0[:-1] and any(p0[6::7])
+
+
+def test_a_read_in_flight_is_history_only_once_taken_and_its_steps_stay_recorded(monkeypatch):
+    defer_reads(monkeypatch)
+    mon = StabilityMonitor(read_every=4)
+    feed(mon, [1.0, 2.0, 3.0, 4.0])
+    assert mon.steps_recorded == 0 and mon._in_flight is not None  # step 3 ended the window: copy queued
+    with pytest.raises(ValueError, match="step 3 is not after"):  # the steps in flight count as recorded
+        mon.record_step(3, loss=1.0)
+    feed(mon, [5.0], start=4)
+    assert mon.history()["loss"] == [1.0, 2.0, 3.0, 4.0] and mon._in_flight is None
+    feed(mon, [6.0, 7.0, 8.0], start=5)  # step 7 ends the next window, in flight again
+    assert mon.read() == [] and mon.history()["loss"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_a_cuda_read_waits_for_nothing_at_its_window_and_equals_the_host_read():
+    cuda, host = StabilityMonitor(read_every=4), StabilityMonitor(read_every=4)
+    losses = [1.0, 2.0, float("inf"), 4.0, 5.0, 6.0, 7.0, 8.0]
+    for step, value in enumerate(losses):
+        for mon, device in ((cuda, "cuda"), (host, "cpu")):
+            t = torch.randn(1000, generator=torch.Generator().manual_seed(step)) * (7e4 if step == 0 else 1.0)
+            t = t.to(device)
+            mon.record_layer_stats(step, "activation", tensor_stats([t], fmt="float16", names=["l"]))
+            mon.record_step(step, loss=torch.tensor(value, device=device),
+                            scale=torch.tensor(2.0 ** step, device=device))
+        if step == 3:
+            torch.cuda._sleep(2_000_000_000)  # about a second of device work queued before the read
+        polled = cuda.poll(step)
+        host.poll(step)
+        if step == 3:
+            # poll returned with the device still busy: the read queued its copy and did not wait for it.
+            assert not torch.cuda.current_stream().query() and polled == [] and cuda.steps_recorded == 0
+    for mon in (cuda, host):
+        mon.read()
+    assert str(cuda.history()) == str(host.history())
+    assert [e.to_dict() for e in cuda.events] == [e.to_dict() for e in host.events]
+    assert {"nan_loss", "activation_overflow"} <= {e.kind for e in cuda.events}
 
 
 def test_bad_state_dict_is_refused_and_changes_nothing():

@@ -64,9 +64,10 @@ def test_the_controllers_take_the_options_given(tmp_path, layer_stats):
         assert ("(record)" in res["loops"][name]["host_top"]) == layer_stats
         # The controller's phases, timed on the host: a read every step, layer statistics when asked for.
         phases = res["loops"][name]["phase_ms"]
-        assert phases["step (all of it)"] > 0 and phases["read (all of it)"] > 0 and phases["read: detectors"] > 0
+        assert phases["step (all of it)"] > 0 and phases["poll, reads included"] > 0 and phases["read: detectors"] > 0
+        assert phases["read: copy to the host queued"] > 0 and phases["read: copy taken (waits for the device)"] > 0
         assert (phases["layer statistics gathered"] > 0) == layer_stats
-        assert phases["read (all of it)"] < phases["all steps"]
+        assert phases["poll, reads included"] < phases["all steps"]
     assert "(record)" not in res["loops"]["alone"]["host_top"]
     alone = res["loops"]["alone"]["phase_ms"]
     assert alone["all steps"] > 0 and not any(v for k, v in alone.items() if k != "all steps")
