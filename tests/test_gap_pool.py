@@ -1,0 +1,65 @@
+"""bench/gap_pool.py: tuned_gap.py results pooled over processes and calls."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import load_bench_script
+
+
+def _result(path, tuned, alone, tuned_host, alone_host):
+    loops = {"tuned": {"round_ms": tuned, "round_host_cpu_ms": tuned_host},
+             "alone": {"round_ms": alone, "round_host_cpu_ms": alone_host}}
+    path.write_text(json.dumps({"loops": loops}))
+    return str(path)
+
+
+def test_the_pool_is_the_geometric_mean_of_every_pair_and_one_file_is_tuned_gaps_own(tmp_path):
+    gp, tg = load_bench_script("gap_pool"), load_bench_script("tuned_gap")
+    rng = np.random.default_rng(0)
+    alone = [rng.uniform(24, 60, n).tolist() for n in (40, 25)]
+    tuned = [(np.asarray(a) * np.exp(rng.normal(0.02, 0.1, len(a)))).tolist() for a in alone]
+    host = [(rng.uniform(15, 17, len(a)).tolist(), rng.uniform(14, 16, len(a)).tolist()) for a in alone]
+    paths = [_result(tmp_path / f"gap{i}.json", tuned[i], alone[i], *host[i]) for i in range(2)]
+    res = gp.pool(paths)
+    logs = np.log(np.concatenate(tuned) / np.concatenate(alone))
+    se = logs.std(ddof=1) / math.sqrt(len(logs))
+    assert res["pooled"]["pairs"] == 65
+    assert res["pooled"]["ratio"] == pytest.approx(math.exp(logs.mean()), rel=1e-12)
+    assert res["pooled"]["ci95"] == pytest.approx([math.exp(logs.mean() - 1.96 * se), math.exp(logs.mean() + 1.96 * se)])
+    diff = np.concatenate([np.asarray(t) - np.asarray(a) for t, a in host])
+    assert res["pooled"]["host_ms"] == pytest.approx(diff.mean()) and res["pooled"]["host_ms"] > 0.5
+    # One file's ratio is the geometric mean tuned_gap.py prints, and its interval is close to the bootstrap's.
+    ratios = np.asarray(tuned[0]) / np.asarray(alone[0])
+    mean, (lo, hi) = tg.geometric_mean_ci(ratios.tolist())
+    one = res["files"][paths[0]]
+    assert one["ratio"] == pytest.approx(mean, rel=1e-12)
+    assert one["ci95"] == pytest.approx([lo, hi], rel=0.01)
+
+
+def test_bad_input_is_refused_naming_the_file_or_the_loop(tmp_path, capsys):
+    gp = load_bench_script("gap_pool")
+    path = _result(tmp_path / "gap0.json", [1.0, 2.0], [1.0, 2.0], [1.0, 1.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="no 'controller' and 'alone' loops"):
+        gp.pool([path], loop="controller")
+    with pytest.raises(ValueError, match="paths"):
+        gp.pool([])
+    with pytest.raises(ValueError, match="given more than once"):
+        gp.pool([path, path])
+    with pytest.raises(SystemExit) as exc:
+        gp.main([path, "--loop", "controller"])
+    assert exc.value.code == 2 and "gap0.json" in capsys.readouterr().err
+
+
+def test_the_command_line_prints_each_file_and_the_pool(tmp_path, capsys):
+    gp = load_bench_script("gap_pool")
+    path = _result(tmp_path / "gap0.json", [31.0, 33.0, 30.0], [30.0, 32.0, 30.5], [16.0, 16.5, 15.0],
+                   [15.0, 15.5, 15.5])
+    other = _result(tmp_path / "gap1.json", [30.0, 31.0], [30.0, 30.0], [15.0, 15.0], [15.0, 15.0])
+    assert gp.main([path, other, "--json", str(tmp_path / "pool.json")]) == 0
+    out = capsys.readouterr().out
+    assert "pooled: 5 pairs" in out and "gap0.json: 3 pairs" in out and "gap1.json: 2 pairs" in out
+    assert json.loads((tmp_path / "pool.json").read_text())["pooled"]["pairs"] == 5
