@@ -448,7 +448,10 @@ class _HostCopy:
     read costs a handful of launches and one copy however many steps it covers.
     From a CUDA device the copy goes to pinned memory with an event behind it
     (as StepResult's): :meth:`values` waits for that event only, never for work
-    queued after the copy. From elsewhere the copy is done when this is made.
+    queued after the copy. (The first read allocates that memory, and
+    cudaMallocHost synchronizes the device: that read waits, once. Later reads
+    reuse the memory through torch's caching host allocator.) From elsewhere the
+    copy is done when this is made.
     """
 
     def __init__(self, pending, pending_stats):
