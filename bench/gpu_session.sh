@@ -20,6 +20,8 @@
 #   parity    eager against compiled: logits, causality, gradients (bench/compile_parity.py, PARITY_ARGS)
 #   gap       where a tuned controller's step time goes against its recipe's plain loop (bench/tuned_gap.py,
 #             GAP_ARGS, default the compiled Llama 1.1B)
+#   guards    what dynamo's hook guards (which the first controller turns on) cost a compiled forward on this
+#             host's CPU (bench/hook_guard_cost.py: host work, the 1.1B Llama's 22 layers at tiny widths)
 #   gappar    the gap stage on every GPU at once (GAP_ARGS, or GAP_ARGS_i for GPU i; per-GPU logs and JSON): more
 #             rounds in one call's time, or variants side by side. GAP_GPUS="2 3": only those GPUs (each process
 #             pinned to its GPU's share of the cores, so other stages can run on the other GPUs and cores)
@@ -96,6 +98,7 @@ for stage in "$@"; do
     gap) smi_log "$out/gap_clocks.csv"
          run gap python3 "$repo/bench/tuned_gap.py" --json "$out/gap.json" ${GAP_ARGS:---compiled}
          kill "$smi" 2> /dev/null ;;
+    guards) run guards python3 "$repo/bench/hook_guard_cost.py" --json "$out/guards.json" ${GUARDS_ARGS:-} ;;
     gappar) smi_log "$out/gap_clocks.csv"; pids=(); t0=$SECONDS
             n=$(nvidia-smi -L | wc -l); per=$(( $(nproc) / n )); gpus=${GAP_GPUS:-$(seq 0 $((n - 1)))}
             for i in $gpus; do

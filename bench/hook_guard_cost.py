@@ -1,0 +1,99 @@
+"""What dynamo's hook guards cost a compiled model's call on this host (issue 21's wall-clock gap).
+
+The first ActivationCollector turns them on for the process (``torch._dynamo.config.skip_nnmodule_hook_guards =
+False``, adaptive_amp/collect.py says why): every graph traced from then on checks each module's hook
+dictionaries at every call. bench/tuned_gap.py's plain loop runs in the controllers' process and pays them too,
+so its ratio leaves them out; a training loop without a controller does not pay them. They are host work whose
+cost grows with the modules, not with the widths, so a Llama with the 1.1B's 22 layers at tiny widths on the CPU
+measures it for the 1.1B on the same host.
+
+    python bench/hook_guard_cost.py [--layers 22] [--backend inductor] [--json PATH]
+
+One compiled forward (training mode, with autograd) is timed in rounds, with the guards off and on in turn
+(dynamo reset between), several times; the medians and their difference are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def build(layers: int):
+    """A Llama with the 1.1B's module structure (32 heads, 4 key/value heads) at tiny widths, and a batch."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                                   num_attention_heads=32, num_key_value_heads=4, vocab_size=128,
+                                   max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).train(), torch.randint(0, 128, (1, 16))
+
+
+def time_calls(model, ids, guards: bool, backend: str, rounds: int, calls: int):
+    """ms a compiled forward call, per round, traced with the hook guards on or off."""
+    from torch._dynamo import config
+
+    torch._dynamo.reset()
+    saved = config.skip_nnmodule_hook_guards
+    config.skip_nnmodule_hook_guards = not guards
+    try:
+        forward = torch.compile(model, backend=backend)
+        for _ in range(3):  # tracing and compiling are not the call
+            forward(input_ids=ids).logits.sum()
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                forward(input_ids=ids).logits.sum()
+            times.append((time.perf_counter() - t0) / calls * 1e3)
+        return times
+    finally:
+        config.skip_nnmodule_hook_guards = saved
+        torch._dynamo.reset()
+
+
+def measure(layers: int = 22, backend: str = "inductor", rounds: int = 15, calls: int = 50, repeats: int = 2):
+    model, ids = build(layers)
+    times = {"off": [], "on": []}
+    for _ in range(repeats):  # in turn, so that drift hits both
+        for state in ("off", "on"):
+            times[state] += time_calls(model, ids, state == "on", backend, rounds, calls)
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    return {"layers": layers, "modules": sum(1 for _ in model.modules()), "backend": backend,
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "guards_off_ms": off, "guards_on_ms": on, "guards_us_a_call": (on - off) * 1e3,
+            "round_ms": times}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=22, help="decoder layers (the 1.1B Llama has 22)")
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--calls", type=int, default=50, help="forward calls a round")
+    p.add_argument("--repeats", type=int, default=2, help="times each state is timed, in turn")
+    p.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (the guards are one thread)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    for name in ("layers", "rounds", "calls", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    torch.set_num_threads(args.threads)
+    res = measure(args.layers, args.backend, args.rounds, args.calls, args.repeats)
+    print(f"{res['modules']} modules ({res['layers']} layers), {res['backend']}: a compiled forward call takes "
+          f"{res['guards_off_ms']:.3f} ms without the hook guards and {res['guards_on_ms']:.3f} ms with them: "
+          f"{res['guards_us_a_call']:+.0f} us a call")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
