@@ -9,13 +9,18 @@ measures it for the 1.1B on the same host.
 
     python bench/hook_guard_cost.py [--layers 22] [--backend inductor] [--json PATH]
 
-One compiled forward (training mode, with autograd) is timed in rounds, with the guards off and on in turn
-(dynamo reset between), several times; the medians and their difference are printed.
+One compiled forward (training mode, with autograd; --inference: eval mode under no_grad) is timed in rounds,
+with the guards off and on in turn (dynamo reset between), several times; the medians and their difference are
+printed. On this project's 2-core CPU machine (2026-11-27, a virtual machine, noisy) a training forward of the
+22-layer Llama (293 modules) paid +0.64 ms with the guards (eager backend, 10 turns) and +0.62 ms (inductor, 4
+turns), an inference forward +0.42 ms (inductor, 3 turns); each of the 19 turns' differences was positive
+(0.01 to 2.7 ms). bench/results/session17/cpu_hook_guards/ has them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -35,37 +40,41 @@ def build(layers: int):
     return transformers.LlamaForCausalLM(cfg).train(), torch.randint(0, 128, (1, 16))
 
 
-def time_calls(model, ids, guards: bool, backend: str, rounds: int, calls: int):
-    """ms a compiled forward call, per round, traced with the hook guards on or off."""
+def time_calls(model, ids, guards: bool, backend: str, rounds: int, calls: int, inference: bool = False):
+    """ms a compiled forward call, per round, traced with the hook guards on or off (`inference`: in eval mode
+    under no_grad; else in training mode with autograd, as a training step calls it)."""
     from torch._dynamo import config
 
     torch._dynamo.reset()
     saved = config.skip_nnmodule_hook_guards
     config.skip_nnmodule_hook_guards = not guards
+    model.train(not inference)
     try:
-        forward = torch.compile(model, backend=backend)
-        for _ in range(3):  # tracing and compiling are not the call
-            forward(input_ids=ids).logits.sum()
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(calls):
+        with torch.no_grad() if inference else contextlib.nullcontext():
+            forward = torch.compile(model, backend=backend)
+            for _ in range(3):  # tracing and compiling are not the call
                 forward(input_ids=ids).logits.sum()
-            times.append((time.perf_counter() - t0) / calls * 1e3)
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    forward(input_ids=ids).logits.sum()
+                times.append((time.perf_counter() - t0) / calls * 1e3)
         return times
     finally:
         config.skip_nnmodule_hook_guards = saved
         torch._dynamo.reset()
 
 
-def measure(layers: int = 22, backend: str = "inductor", rounds: int = 15, calls: int = 50, repeats: int = 2):
+def measure(layers: int = 22, backend: str = "inductor", rounds: int = 15, calls: int = 50, repeats: int = 2,
+            inference: bool = False):
     model, ids = build(layers)
     times = {"off": [], "on": []}
     for _ in range(repeats):  # in turn, so that drift hits both
         for state in ("off", "on"):
-            times[state] += time_calls(model, ids, state == "on", backend, rounds, calls)
+            times[state] += time_calls(model, ids, state == "on", backend, rounds, calls, inference)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    return {"layers": layers, "modules": sum(1 for _ in model.modules()), "backend": backend,
+    return {"layers": layers, "modules": sum(1 for _ in model.modules()), "backend": backend, "inference": inference,
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "guards_off_ms": off, "guards_on_ms": on, "guards_us_a_call": (on - off) * 1e3,
             "round_ms": times}
@@ -79,13 +88,14 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=50, help="forward calls a round")
     p.add_argument("--repeats", type=int, default=2, help="times each state is timed, in turn")
     p.add_argument("--threads", type=int, default=1, help="torch's intra-op threads (the guards are one thread)")
+    p.add_argument("--inference", action="store_true", help="eval mode under no_grad (default: a training forward)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     for name in ("layers", "rounds", "calls", "repeats", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
-    res = measure(args.layers, args.backend, args.rounds, args.calls, args.repeats)
+    res = measure(args.layers, args.backend, args.rounds, args.calls, args.repeats, args.inference)
     print(f"{res['modules']} modules ({res['layers']} layers), {res['backend']}: a compiled forward call takes "
           f"{res['guards_off_ms']:.3f} ms without the hook guards and {res['guards_on_ms']:.3f} ms with them: "
           f"{res['guards_us_a_call']:+.0f} us a call")

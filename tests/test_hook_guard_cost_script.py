@@ -10,14 +10,17 @@ from conftest import load_bench_script
 pytest.importorskip("transformers")
 
 
-def test_both_states_are_timed_and_dynamos_setting_is_left_as_it_was(tmp_path, capsys):
+@pytest.mark.parametrize("inference", [False, True])
+def test_both_states_are_timed_and_dynamos_setting_is_left_as_it_was(inference, tmp_path, capsys):
     from torch._dynamo import config
 
     before = config.skip_nnmodule_hook_guards
     path = tmp_path / "guards.json"
     assert load_bench_script("hook_guard_cost").main(["--layers", "2", "--backend", "eager", "--rounds", "2",
-                                                      "--calls", "3", "--repeats", "1", "--json", str(path)]) == 0
+                                                      "--calls", "3", "--repeats", "1", "--json", str(path)]
+                                                     + ["--inference"] * inference) == 0
     res = json.loads(path.read_text())
+    assert res["inference"] is inference
     assert res["layers"] == 2 and res["modules"] > 20  # a Llama's modules: embeddings, norms, projections
     assert len(res["round_ms"]["off"]) == len(res["round_ms"]["on"]) == 2
     assert res["guards_off_ms"] > 0 and res["guards_on_ms"] > 0
