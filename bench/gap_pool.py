@@ -2,7 +2,7 @@
 several processes or calls (issue 21's 3% target on the host-bound compiled Llama needs hundreds of pairs: the
 log ratio of one pair has a standard deviation of about 0.11 on an H200).
 
-    python bench/gap_pool.py bench/results/session17/*/g/gap*.json [--loop tuned]
+    python bench/gap_pool.py bench/results/session17/*/g/gap*.json [--loop tuned] [--baseline alone|plain]
 
 Per file and pooled: the round pairs, the geometric mean of the paired ratios with its 95% interval (the mean of
 the log ratios plus or minus 1.96 standard errors; with this many pairs a bootstrap gives the same), and the
@@ -20,11 +20,13 @@ import sys
 import numpy as np
 
 
-def pairs(result: dict, loop: str):
-    """(log ratios, main-thread CPU ms differences) of `loop`'s rounds against the plain loop's beside them."""
-    if loop not in result.get("loops", {}) or "alone" not in result.get("loops", {}):
-        raise ValueError(f"no {loop!r} and 'alone' loops in this result (loops: {sorted(result.get('loops', {}))})")
-    a, b = result["loops"][loop], result["loops"]["alone"]
+def pairs(result: dict, loop: str, baseline: str = "alone"):
+    """(log ratios, main-thread CPU ms differences) of `loop`'s rounds against the `baseline` loop's beside them
+    ("alone": the plain loop in the controllers' process; "plain": in its own, tuned_gap.py --plain-process)."""
+    loops = result.get("loops", {})
+    if loop not in loops or baseline not in loops:
+        raise ValueError(f"no {loop!r} and {baseline!r} loops in this result (loops: {sorted(loops)})")
+    a, b = loops[loop], loops[baseline]
     logs = np.log(np.asarray(a["round_ms"], dtype=np.float64) / np.asarray(b["round_ms"], dtype=np.float64))
     host = np.asarray(a["round_host_cpu_ms"], dtype=np.float64) - np.asarray(b["round_host_cpu_ms"], dtype=np.float64)
     return logs, host
@@ -41,7 +43,7 @@ def summary(logs: np.ndarray, host: np.ndarray) -> dict:
             "host_ms_se": float(np.std(host, ddof=1) / math.sqrt(n)) if n > 1 else math.nan}
 
 
-def pool(paths, loop: str = "tuned") -> dict:
+def pool(paths, loop: str = "tuned", baseline: str = "alone") -> dict:
     """{"files": {path: summary}, "pooled": summary, "file_means_sd": sd of the per-file mean log ratios}."""
     if not paths:
         raise ValueError("paths: give at least one tuned_gap.py JSON result")
@@ -52,7 +54,7 @@ def pool(paths, loop: str = "tuned") -> dict:
     for path in paths:
         with open(path) as f:
             try:
-                logs, host = pairs(json.load(f), loop)
+                logs, host = pairs(json.load(f), loop, baseline)
             except ValueError as exc:
                 raise ValueError(f"{path}: {exc}") from None
         files[path] = summary(logs, host)
@@ -73,16 +75,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", help="tuned_gap.py --json results")
     p.add_argument("--loop", default="tuned", help="the controller loop compared with the plain loop")
+    p.add_argument("--baseline", default="alone", choices=("alone", "plain"),
+                   help="the plain loop in the controllers' process (alone) or in its own (plain: --plain-process)")
     p.add_argument("--json", default=None, help="also write the pool here")
     args = p.parse_args(argv)
     try:
-        res = pool(args.paths, args.loop)
+        res = pool(args.paths, args.loop, args.baseline)
     except (OSError, ValueError) as exc:
         p.error(str(exc))
     for path, s in res["files"].items():
         print(_line(path, s))
     print(_line("pooled", res["pooled"]))
-    print(f"per-file mean log ratios: sd {res['file_means_sd']:.4f} (pooled pairs' sd {res['pooled']['log_ratio_sd']:.3f})")
+    print(f"per-file mean log ratios: sd {res['file_means_sd']:.4f} "
+          f"(pooled pairs' sd {res['pooled']['log_ratio_sd']:.3f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

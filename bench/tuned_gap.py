@@ -9,7 +9,10 @@ Four loops of one recipe, each on its own copy of the model (compiled with --com
 ``controller`` (the controller given that recipe's policy and an optimizer made as the recipe makes it),
 ``controller-no-norm`` (the same with ``track_grad_norm=False``: what the gradient norm it measures costs) and
 ``alone`` (recipes.AppliedRecipe's plain loop: what a trial times); ``--loops tuned,alone`` times only those
-(more round pairs in a call's time). All step through ``train_step`` or the plain step, on the same batches. They are timed in interleaved rounds (medians: clock drift hits all
+(more round pairs in a call's time). ``--plain-process`` adds ``plain``: the plain loop in a process of its own,
+which never made a controller, so it lacks the dynamo hook guards the controllers' process pays (see
+PlainProcess); every loop's ratio to it is the whole cost of the controller. All step through ``train_step``
+or the plain step, on the same batches. They are timed in interleaved rounds (medians: clock drift hits all
 alike; each round starts with another loop, so no loop always follows the same one), then each is profiled
 for --profile-steps steps: wall time, device busy time (the sum of its kernels' times: a gap with equal busy
 time is host time) and launches per step, the ops whose count or device time differs from ``alone``'s, and the
@@ -127,6 +130,90 @@ class GcClock:
         gc.callbacks.remove(self)
 
 
+def timed_round(step, batches, n, cuda, gc_clock):
+    """One round of n steps: (wall ms, the main thread's CPU ms, the device's elapsed ms or None) a step."""
+    _sync(cuda)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
+    t0, c0 = time.perf_counter(), time.thread_time()
+    if cuda:
+        events[0].record()
+    with gc_clock:
+        for i in range(n):
+            step(batches[i % len(batches)])
+    if cuda:
+        events[1].record()
+    c1 = time.thread_time()
+    _sync(cuda)
+    return ((time.perf_counter() - t0) * 1e3 / n, (c1 - c0) * 1e3 / n,
+            events[0].elapsed_time(events[1]) / n if cuda else None)
+
+
+def _plain_child(conn, spec):
+    """The recipe's plain loop in a process that never made a controller, so its compiled graphs have no
+    hook guards (see PlainProcess). Times a round whenever the parent asks."""
+    torch.set_num_threads(spec["threads"])  # as the parent's (a spawned process starts with torch's default)
+    torch.manual_seed(0)
+    cuda = spec["device"] == "cuda"
+    zm = zoo.build(spec["family"], spec["size"], seed=0, device=spec["device"])  # the parent's weights
+    batches = [zm.make_batch(spec["batch"], seed=i, device=spec["device"], seq_len=spec["seq"]) for i in range(8)]
+    fwd = torch.compile(zm.model) if spec["compiled"] else zm.model
+    plain = AppliedRecipe(spec["recipe"], zm.model, torch.optim.AdamW(zm.model.parameters(), lr=spec["lr"]))
+
+    def step(b):
+        return plain.train_step(lambda: zm.loss(fwd, b))
+
+    from torch._dynamo import config
+
+    for i in range(spec["warmup"]):
+        step(batches[i % len(batches)])
+    _sync(cuda)
+    conn.send({"hook_guards": not config.skip_nnmodule_hook_guards})
+    clock = GcClock()
+    while conn.recv() == "round":
+        conn.send(timed_round(step, batches, spec["round_steps"], cuda, clock))
+    conn.send({"gc_ms": clock.ms, "gc_collections": clock.collections})
+
+
+class PlainProcess:
+    """The recipe's plain loop, as a user runs it without a controller, in a process of its own on the same
+    device, its rounds taken in turn with the parent's.
+
+    The first controller turns on dynamo's hook guards for its whole process (adaptive_amp/collect.py says why),
+    so the plain loop beside it ("alone") pays them too: every compiled call checks each module's hook
+    dictionaries, about 0.6 ms a training forward of a 22-layer Llama on a CPU (bench/hook_guard_cost.py). A
+    loop without a controller does not. This process never makes one: its ratio is the controller's whole cost.
+    The parent waits while it runs a round, and it waits while the parent runs one.
+    """
+
+    def __init__(self, spec):
+        import multiprocessing
+
+        # Spawned (CUDA cannot fork): the child finds _plain_child by its module's name, as this script's main
+        # module or as `tuned_gap` imported from bench/ (not as a module loaded from its path alone).
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_plain_child, args=(child, spec), daemon=True)
+        self._proc.start()
+        self.info = self._recv()  # after its warm-up
+
+    def _recv(self):
+        while not self._conn.poll(5.0):
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the plain loop's process died (exit code {self._proc.exitcode}); its "
+                                   "error is above")
+        return self._conn.recv()
+
+    def round(self):
+        self._conn.send("round")
+        return self._recv()
+
+    def close(self) -> dict:
+        self._conn.send("stop")
+        info = self._recv()
+        self._proc.join(60)
+        return info
+
+
 def _profile(step, batches, n, cuda):
     ops, _, wall = profile_steps(lambda i: step(batches[i % len(batches)]), n, cuda)
     busy = sum(us for _, us in ops.values()) / 1e3
@@ -241,6 +328,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--amp-kwargs", type=json.loads, default={}, metavar="JSON",
                    help='the controllers\' options, e.g. \'{"layer_stats": false}\' or \'{"read_every": 1000}\'')
+    p.add_argument("--plain-process", action="store_true",
+                   help="also time the recipe's plain loop in a process of its own, without the dynamo hook "
+                        "guards a controller turns on (loop 'plain'; rounds only)")
     p.add_argument("--cpu", action="store_true", help="the tiny model on the CPU (aten ops instead of kernels)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
@@ -266,31 +356,32 @@ def main(argv=None) -> int:
             step(batches[i % len(batches)])
         _sync(cuda)
         print(f"warm-up {name}: {time.perf_counter() - t0:.1f} s", flush=True)
-    times, host, device_ms = ({name: [] for name in loops} for _ in range(3))
+    plain = None
+    if args.plain_process:
+        t0 = time.perf_counter()
+        plain = PlainProcess({"family": family, "size": "tiny" if args.cpu else size, "device": device,
+                              "batch": 2 if args.cpu else args.batch, "seq": None if args.cpu else args.seq,
+                              "compiled": args.compiled, "lr": args.lr, "recipe": tuning.recipe,
+                              "warmup": args.warmup, "round_steps": args.round_steps,
+                              "threads": torch.get_num_threads()})
+        print(f"warm-up plain (its own process): {time.perf_counter() - t0:.1f} s; {plain.info}", flush=True)
+    timed = list(loops) + (["plain"] if plain else [])
+    times, host, device_ms = ({name: [] for name in timed} for _ in range(3))
     gc_clocks = {name: GcClock() for name in loops}
-    names = list(loops)
     rounds_start = time.perf_counter()
     for r in range(args.rounds):
         if args.rounds_seconds is not None and r and time.perf_counter() - rounds_start > args.rounds_seconds:
             break
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            step = loops[name]
-            _sync(cuda)
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
-            t0, c0 = time.perf_counter(), time.thread_time()
-            if cuda:
-                events[0].record()
-            with gc_clocks[name]:
-                for i in range(args.round_steps):
-                    step(batches[i % len(batches)])
-            if cuda:
-                events[1].record()
-            c1 = time.thread_time()
-            _sync(cuda)
-            times[name].append((time.perf_counter() - t0) * 1e3 / args.round_steps)
-            host[name].append((c1 - c0) * 1e3 / args.round_steps)
-            if cuda:
-                device_ms[name].append(events[0].elapsed_time(events[1]) / args.round_steps)
+        for name in timed[r % len(timed):] + timed[:r % len(timed)]:
+            if name == "plain":
+                wall, cpu_ms, dev = plain.round()
+            else:
+                wall, cpu_ms, dev = timed_round(loops[name], batches, args.round_steps, cuda, gc_clocks[name])
+            times[name].append(wall)
+            host[name].append(cpu_ms)
+            if dev is not None:
+                device_ms[name].append(dev)
+    names = list(loops)
     res = {"model": args.model if cuda else f"{family}-tiny", "compiled": args.compiled, "chosen": tuning.recipe.name,
            "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu", "loops": {}}
     ops, own = {}, {}
@@ -303,6 +394,15 @@ def main(argv=None) -> int:
                               **summary, "step_ms": _step_times(step, batches, args.round_steps, cuda),
                               "phase_ms": phase_times(step, batches, args.round_steps, cuda)}
         res["loops"][name]["host_top"], own[name] = _host_profile(step, batches, args.round_steps, cuda)
+    if plain:
+        res["loops"]["plain"] = {"median_ms": statistics.median(times["plain"]), "round_ms": times["plain"],
+                                 "round_host_cpu_ms": host["plain"], "round_device_ms": device_ms["plain"] or None,
+                                 **plain.info, **plain.close()}
+        for name in names:  # alone's too: what the hook guards cost the plain loop
+            ratios = [a / b for a, b in zip(times[name], times["plain"])]
+            mean, ci = geometric_mean_ci(ratios)
+            res["loops"][name]["to_plain"] = {"round_ratio": statistics.median(ratios), "mean_ratio": mean,
+                                              "ci95": ci}
     alone = res["loops"]["alone"]
     for name in names[:-1]:
         # The rounds drift (24 to 43 ms a step within one call on an H200): each round's ratio to the plain
@@ -322,6 +422,10 @@ def main(argv=None) -> int:
              or abs(base.get(k, [0, 0.0])[1] - mine.get(k, [0, 0.0])[1]) > 20.0),
             key=lambda row: -abs(row[2][1] - row[1][1]))[:25]
     for name, r in res["loops"].items():
+        if name == "plain":
+            print(f"== plain (its own process, hook guards {r['hook_guards']}): median {r['median_ms']:.2f} ms/step "
+                  f"(rounds {', '.join(f'{t:.1f}' for t in r['round_ms'])})", flush=True)
+            continue
         print(f"== {name}: median {r['median_ms']:.2f} ms/step (rounds {', '.join(f'{t:.1f}' for t in r['round_ms'])});"
               f" profiled wall {r['wall_ms']:.2f} ms, device busy {r['device_busy_ms']:.2f} ms, "
               f"{r['launches']:.0f} launches a step", flush=True)
@@ -331,6 +435,11 @@ def main(argv=None) -> int:
             print(f"   against the plain loop: median round ratio {r['round_ratio_to_alone']:.3f}, geometric mean "
                   f"{r['mean_ratio_to_alone']:.3f} [95% {lo:.3f}, {hi:.3f}], device busy ratio "
                   f"{'n/a' if busy is None else f'{busy:.3f}'}", flush=True)
+        if "to_plain" in r:
+            lo, hi = r["to_plain"]["ci95"]
+            print(f"   against the plain loop in its own process: median round ratio "
+                  f"{r['to_plain']['round_ratio']:.3f}, geometric mean {r['to_plain']['mean_ratio']:.3f} "
+                  f"[95% {lo:.3f}, {hi:.3f}]", flush=True)
         steps = r["step_ms"]
         top = sorted(range(len(steps)), key=lambda i: -steps[i])[:3]
         print(f"   one round step by step: median {statistics.median(steps):.2f} ms, above it in all "

@@ -29,7 +29,8 @@ def test_the_pool_is_the_geometric_mean_of_every_pair_and_one_file_is_tuned_gaps
     se = logs.std(ddof=1) / math.sqrt(len(logs))
     assert res["pooled"]["pairs"] == 65
     assert res["pooled"]["ratio"] == pytest.approx(math.exp(logs.mean()), rel=1e-12)
-    assert res["pooled"]["ci95"] == pytest.approx([math.exp(logs.mean() - 1.96 * se), math.exp(logs.mean() + 1.96 * se)])
+    bounds = [math.exp(logs.mean() - 1.96 * se), math.exp(logs.mean() + 1.96 * se)]
+    assert res["pooled"]["ci95"] == pytest.approx(bounds)
     diff = np.concatenate([np.asarray(t) - np.asarray(a) for t, a in host])
     assert res["pooled"]["host_ms"] == pytest.approx(diff.mean()) and res["pooled"]["host_ms"] > 0.5
     # One file's ratio is the geometric mean tuned_gap.py prints, and its interval is close to the bootstrap's.
@@ -38,6 +39,19 @@ def test_the_pool_is_the_geometric_mean_of_every_pair_and_one_file_is_tuned_gaps
     one = res["files"][paths[0]]
     assert one["ratio"] == pytest.approx(mean, rel=1e-12)
     assert one["ci95"] == pytest.approx([lo, hi], rel=0.01)
+
+
+def test_the_baseline_may_be_the_plain_loop_in_its_own_process(tmp_path):
+    gp = load_bench_script("gap_pool")
+    path = tmp_path / "gap0.json"
+    loops = {"tuned": {"round_ms": [33.0, 31.0], "round_host_cpu_ms": [16.0, 16.0]},
+             "alone": {"round_ms": [32.0, 30.0], "round_host_cpu_ms": [15.5, 15.5]},
+             "plain": {"round_ms": [30.0, 29.0], "round_host_cpu_ms": [15.0, 15.0]}}
+    path.write_text(json.dumps({"loops": loops}))
+    res = gp.pool([str(path)], baseline="plain")
+    assert res["pooled"]["ratio"] == pytest.approx(math.sqrt(33.0 / 30.0 * 31.0 / 29.0))
+    assert res["pooled"]["host_ms"] == pytest.approx(1.0)
+    assert gp.pool([str(path)], loop="alone", baseline="plain")["pooled"]["ratio"] > 1  # the guards' cost
 
 
 def test_bad_input_is_refused_naming_the_file_or_the_loop(tmp_path, capsys):

@@ -4,6 +4,7 @@ mode: the tiny Llama, aten ops in place of kernels."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from conftest import load_bench_script
@@ -112,3 +113,27 @@ def test_bad_loops_are_refused_naming_the_option(loops, capsys):
     with pytest.raises(SystemExit):
         load_bench_script("tuned_gap").main(["--cpu", "--loops", loops])
     assert "--loops" in capsys.readouterr().err
+
+
+def test_the_plain_loop_in_its_own_process_has_no_hook_guards_and_takes_its_turn(tmp_path, monkeypatch):
+    """--plain-process: the recipe's plain loop in a spawned process that made no controller (so no dynamo hook
+    guards), its rounds in turn with the others; each loop's ratio to it."""
+    import importlib
+    import os
+
+    # Spawned processes find the child's function by module name: import the script as `tuned_gap`.
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "bench"))
+    monkeypatch.delitem(sys.modules, "tuned_gap", raising=False)
+    script = importlib.import_module("tuned_gap")
+    out = tmp_path / "gap.json"
+    assert script.main(["--cpu", "--candidates", "bf16-weights", "--loops", "tuned,alone", "--plain-process",
+                        "--rounds", "3", "--round-steps", "2", "--warmup", "1", "--profile-steps", "1",
+                        "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    plain = res["loops"]["plain"]
+    assert plain["hook_guards"] is False  # the parent's controllers turned them on for the parent only
+    assert len(plain["round_ms"]) == len(plain["round_host_cpu_ms"]) == 3 and min(plain["round_ms"]) > 0
+    for name in ("tuned", "alone"):
+        assert len(res["loops"][name]["round_ms"]) == 3
+        lo, hi = res["loops"][name]["to_plain"]["ci95"]
+        assert lo <= res["loops"][name]["to_plain"]["mean_ratio"] <= hi
