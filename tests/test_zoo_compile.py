@@ -28,6 +28,7 @@ from adaptive_amp.hardware import Capabilities  # noqa: E402
 from adaptive_amp.adjust import DynamicPrecisionAdjuster  # noqa: E402
 from adaptive_amp.layers import find_layers  # noqa: E402
 from adaptive_amp.policy import PrecisionPolicy  # noqa: E402
+from conftest import defer_reads  # noqa: E402
 
 CPU_BF16 = Capabilities(device_type="cpu", name="test cpu with bf16", bf16=True, fp16=True)
 FP16 = "params=float32,compute=float16,loss_scale=dynamic:65536"
@@ -188,6 +189,28 @@ def test_statistics_of_every_zoo_family_compiled(family):
     names = {r["name"] for ls in amp.monitor.layer_stats if ls.kind == "activation" for r in ls.rows}
     assert not any("_orig_mod" in n for n in names) and names <= {n for n, _ in find_layers(zoo.build(family).model)}
     assert graph_breaks() == {} and compiled == [1, 2, 2, 2]  # a statistics graph, another graph, nothing more
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("order", ["eager", "after"])
+def test_deferred_reads_of_zoo_models_hold_what_immediate_reads_hold(family, order, monkeypatch):
+    """A read taken at the next step (as from a CUDA device; forced here) reads the same history and layer
+    statistics as one taken at once, eager and compiled; the window that ends the run is still in flight."""
+    def run():
+        fresh_dynamo()
+        amp = train(zoo.build(family), order, BF16, 6, read_every=2)[0]
+        in_flight = amp.monitor.steps_recorded
+        amp.events.extend(amp.monitor.read())
+        return amp, in_flight
+
+    at_once, recorded = run()
+    defer_reads(monkeypatch)
+    deferred, recorded_deferred = run()
+    assert (recorded, recorded_deferred) == (6, 4)  # step 5 ended a window: its copy is queued, not taken
+    assert str(deferred.monitor.history()) == str(at_once.monitor.history())
+    assert [(ls.step, ls.kind, ls.rows) for ls in deferred.monitor.layer_stats] == \
+        [(ls.step, ls.kind, ls.rows) for ls in at_once.monitor.layer_stats]
+    assert [e.to_dict() for e in deferred.events] == [e.to_dict() for e in at_once.events]
 
 
 def test_auto_policy_analyzes_a_compiled_model():
