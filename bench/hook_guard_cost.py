@@ -30,12 +30,15 @@ import torch
 
 
 def build(layers: int):
-    """A Llama with the 1.1B's module structure (32 heads, 4 key/value heads) at tiny widths, and a batch."""
+    """The zoo's 1.1B Llama (its heads and key/value heads) with `layers` layers at tiny widths, and a batch."""
     import transformers
 
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                                   num_attention_heads=32, num_key_value_heads=4, vocab_size=128,
-                                   max_position_embeddings=64, use_cache=False)
+    from adaptive_amp.zoo.hf import LLAMA_SIZES
+
+    shape = {k: v for k, v in LLAMA_SIZES["large"].items() if k != "seq_len"}
+    shape.update(hidden_size=128, intermediate_size=256, num_hidden_layers=layers, vocab_size=128,
+                 max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(**shape, use_cache=False)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).train(), torch.randint(0, 128, (1, 16))
 
