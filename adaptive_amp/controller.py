@@ -398,13 +398,19 @@ class AdaptiveMixedPrecision:
             return
         outputs, inputs = collector.stats()  # rows in forward order; eager layers were measured as they ran
         if outputs is None:
-            if self.layers and not self._warned_no_records:
+            if collector.missed:
+                # (every time: the hook guards are on from now on, so this happens at most once a process)
+                warnings.warn(f"AdaptiveMixedPrecision: no layer statistics at step {self._step}: a compiled graph "
+                              "traced without this controller's hooks ran (one traced from another instance of the "
+                              "model's class, e.g. a teacher or EMA copy compiled after the controller), or the "
+                              "model did not run inside amp.autocast(). Dynamo's hook guards are now on for this "
+                              "process, so graphs tell models with and without hooks apart; compiled graphs were "
+                              "dropped and recompile at their next call. The next statistics steps record.",
+                              stacklevel=3)
+            elif self.layers and not self._warned_no_records:
                 self._warned_no_records = True
                 warnings.warn(f"AdaptiveMixedPrecision: no layer statistics at step {self._step}: the model did "
-                              "not run inside amp.autocast(), or it is a compiled model whose graph skipped the "
-                              "statistics hooks (torch._dynamo.config.skip_nnmodule_hook_guards was set back to "
-                              "True after this controller was created: leave it False, then call "
-                              "torch._dynamo.reset())", stacklevel=3)
+                              "not run inside amp.autocast()", stacklevel=3)
             return
         self.monitor.record_layer_stats(self._step, "activation", outputs)
         if inputs is not None:

@@ -21,6 +21,17 @@ import torch  # noqa: E402
 import adaptive_amp
 
 
+@pytest.fixture(autouse=True)
+def _dynamo_hook_guards_restored():
+    """A controller that missed a statistics step turns dynamo's hook guards on for the process
+    (adaptive_amp/collect.py): each test starts with the setting the one before it found."""
+    from torch._dynamo import config
+
+    saved = config.skip_nnmodule_hook_guards
+    yield
+    config.skip_nnmodule_hook_guards = saved
+
+
 def cuda_ok() -> bool:
     """True when adaptive_amp's CUDA kernels and torch's CUDA are both usable."""
     try:

@@ -181,6 +181,24 @@ def test_the_input_cast_of_bf16_pure_leaves_a_call_without_float_inputs_alone():
     assert kwargs["pixels"]["left"].dtype == torch.bfloat16 and kwargs["ids"] is ids
 
 
+def test_an_eager_model_without_statistics_steps_carries_no_hook_of_ours(gpt2):
+    """layer_stats=False: no statistics step ever shows the collector that the model runs eagerly; its first
+    forward does, and the hooks leave the modules after it."""
+    zm, batches = gpt2
+    model = zm.model.__class__(zm.config)
+    model.load_state_dict(zm.model.state_dict())
+    amp = AdaptiveMixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-4), policy="float32",
+                                 layer_stats=False, progress=False)
+    ours = {h.id for h in amp._collector._handles}
+    carried = []
+    for i in range(2):
+        carried.append(sum(k in ours for m in model.modules() for k in m._forward_hooks))
+        amp.train_step(lambda: zm.loss(model, batches[i]))
+    carried.append(sum(k in ours for m in model.modules() for k in m._forward_hooks))
+    assert carried == [len(ours), 0, 0]
+    amp.remove()
+
+
 def test_layers_carry_no_hook_of_ours_between_statistics_steps(gpt2):
     """An eager module call with a forward hook takes nn.Module's general path (~3 us a layer on the host):
     between statistics steps the collector's hooks are out of the modules, and a statistics step has them."""

@@ -194,7 +194,8 @@ def test_controller_bf16_cast_of_a_model_compiled_before_drops_its_graphs(monkey
     resets = []
     real_reset = torch.compiler.reset
     monkeypatch.setattr(torch.compiler, "reset", lambda: (resets.append(1), real_reset()))
-    # Hook guards already on (as after any earlier controller in the process): their one-time reset is not this.
+    # With dynamo's hook guards on, the statistics collector does not drop the graphs traced before it (see
+    # adaptive_amp/collect.py): that reset is not the one this test is about.
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
         amp = AdaptiveMixedPrecision(compiled, optim.AdamW(zm.model.parameters(), lr=1e-3), policy="bf16-pure",
                                      capabilities=CPU, progress=False)

@@ -37,7 +37,8 @@ DECISIONS = ("promote", "demote", "switch_compute", "diagnose")
 
 
 def fresh_dynamo():
-    """Dynamo as a new process has it (the first controller turns its hook guards on for the process)."""
+    """Dynamo as a new process has it (a controller turns its hook guards on for the process when a compiled graph
+    without its hooks ran: adaptive_amp/collect.py)."""
     torch._dynamo.reset()
     torch._dynamo.config.skip_nnmodule_hook_guards = True
     counters.clear()
@@ -189,6 +190,7 @@ def test_statistics_of_every_zoo_family_compiled(family):
     names = {r["name"] for ls in amp.monitor.layer_stats if ls.kind == "activation" for r in ls.rows}
     assert not any("_orig_mod" in n for n in names) and names <= {n for n, _ in find_layers(zoo.build(family).model)}
     assert graph_breaks() == {} and compiled == [1, 2, 2, 2]  # a statistics graph, another graph, nothing more
+    assert torch._dynamo.config.skip_nnmodule_hook_guards  # no hook guards needed (adaptive_amp/collect.py)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -431,7 +433,97 @@ def test_statistics_when_a_graph_of_the_class_was_compiled_before_the_controller
     assert stats_steps(amp) == [0]
     rows = {r["name"] for ls in amp.monitor.layer_stats if ls.kind == "activation" for r in ls.rows}
     assert len(rows) >= 0.9 * len(amp.layers), (sorted(rows), amp.layers)
-    assert not torch._dynamo.config.skip_nnmodule_hook_guards
+    # The graphs traced before were dropped when the controller came: dynamo's hook guards (a cost at every
+    # compiled call of the process) stayed off.
+    assert torch._dynamo.config.skip_nnmodule_hook_guards
+
+
+def hooks_in(model, amp) -> int:
+    """How many of the controller's layers carry one of its hooks now."""
+    ours = {h.id for h in amp._collector._handles}
+    return sum(any(k in ours for k in model.get_submodule(name)._forward_hooks) for name, _ in amp.layers)
+
+
+def steps_of(amp, model_at, steps, *, also=None):
+    """Train `steps` steps of a zoo model: `model_at(step)` is the module to call; `also(step, batch)` runs
+    inside the controller's autocast after the model (another model's step). Returns warnings' messages."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(steps):
+            zm, model = model_at(i)
+            batch = zm.make_batch(2, seed=i)
+            with amp.autocast():
+                loss = zm.loss(model, batch)
+                if also is not None:
+                    also(i, batch)
+            amp.backward(loss)
+            amp.step()
+            amp.zero_grad()
+    return [str(w.message) for w in caught if "no layer statistics" in str(w.message)]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_compiled_model_keeps_its_hooks_and_no_hook_guards(family):
+    """A compiled model's hooks stay in between statistics steps (parked, a graph traced meanwhile would lack
+    them) and dynamo's hook guards stay off; an eager model's are parked once a statistics step saw it eager."""
+    fresh_dynamo()
+    zm = zoo.build(family, seed=0)
+    amp = AdaptiveMixedPrecision(zm.model, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
+                                 capabilities=CPU_BF16, progress=False, read_every=2)
+    compiled = torch.compile(zm.model, backend="aot_eager")
+    assert hooks_in(zm.model, amp) == len(amp.layers)  # until a statistics step has seen the model
+    assert steps_of(amp, lambda i: (zm, compiled), 3) == []
+    assert hooks_in(zm.model, amp) == len(amp.layers)
+    assert stats_steps(amp) == [0, 2] and torch._dynamo.config.skip_nnmodule_hook_guards
+    amp.remove()
+    assert hooks_in(zm.model, amp) == 0
+
+    other = zoo.build(family, seed=0)
+    amp = AdaptiveMixedPrecision(other.model, torch.optim.SGD(other.model.parameters(), lr=1e-3), policy=BF16,
+                                 capabilities=CPU_BF16, progress=False, read_every=2)
+    assert steps_of(amp, lambda i: (other, other.model), 1) == []
+    assert hooks_in(other.model, amp) == 0  # eager: parked after the statistics step
+    amp.remove()
+
+
+@pytest.mark.parametrize("first_compiled_step", [1, 2])
+def test_an_eager_model_compiled_later_keeps_its_statistics(first_compiled_step):
+    """Parked hooks after eager steps, then torch.compile: a graph traced at an ordinary step (1) lacks the
+    hooks, so the next statistics step first turns the hook guards on (and drops it); traced at a statistics
+    step (2), the graph has them and the guards stay off. No statistics step is lost, no warning."""
+    fresh_dynamo()
+    zm = zoo.build("gpt2", seed=0)
+    amp = AdaptiveMixedPrecision(zm.model, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
+                                 capabilities=CPU_BF16, progress=False, read_every=2)
+    compiled = torch.compile(zm.model, backend="aot_eager")
+    assert steps_of(amp, lambda i: (zm, zm.model if i < first_compiled_step else compiled), 6) == []
+    assert stats_steps(amp) == [0, 2, 4]
+    rows = [len(ls.rows) for ls in amp.monitor.layer_stats if ls.kind == "activation"]
+    assert rows == [rows[0]] * 3
+    assert torch._dynamo.config.skip_nnmodule_hook_guards == (first_compiled_step == 2)
+    amp.remove()
+
+
+def test_a_copy_compiled_after_the_controller_costs_one_statistics_step():
+    """A trained copy of the model's class, compiled after the controller and run in its autocast, traces a
+    graph without our hooks that dynamo (without hook guards) then also runs for our model: that statistics
+    step records nothing; the controller warns, turns the hook guards on, and the next ones record."""
+    fresh_dynamo()
+    zm = zoo.build("gpt2", seed=0)
+    twin = copy.deepcopy(zm.model)
+    amp = AdaptiveMixedPrecision(zm.model, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
+                                 capabilities=CPU_BF16, progress=False, read_every=2)
+    compiled, twin_compiled = torch.compile(zm.model, backend="aot_eager"), torch.compile(twin, backend="aot_eager")
+
+    def twin_step(i, batch):
+        if i >= 1:
+            zm.loss(twin_compiled, batch).backward()
+
+    missed = steps_of(amp, lambda i: (zm, compiled), 6, also=twin_step)
+    assert len(missed) == 1 and "at step 2" in missed[0] and "hook guards are now on" in missed[0]
+    assert stats_steps(amp) == [0, 4] and not torch._dynamo.config.skip_nnmodule_hook_guards
+    assert hooks_in(zm.model, amp) == 0  # with the guards, graphs tell parked hooks apart: parked again
+    amp.remove()
 
 
 @pytest.mark.parametrize("family", ["gpt2", "resnet"])
