@@ -10,11 +10,11 @@ Four loops of one recipe, each on its own copy of the model (compiled with --com
 ``controller-no-norm`` (the same with ``track_grad_norm=False``: what the gradient norm it measures costs) and
 ``alone`` (recipes.AppliedRecipe's plain loop: what a trial times); ``--loops tuned,alone`` times only those
 (more round pairs in a call's time). ``--plain-process`` adds ``plain``: the plain loop in a process of its own,
-which never made a controller, so it lacks the dynamo hook guards the controllers' process pays (see
-PlainProcess); every loop's ratio to it is the whole cost of the controller. All step through ``train_step``
-or the plain step, on the same batches. They are timed in interleaved rounds (medians: clock drift hits all
-alike; each round starts with another loop, so no loop always follows the same one), then each is profiled
-for --profile-steps steps: wall time, device busy time (the sum of its kernels' times: a gap with equal busy
+which never made a controller (see PlainProcess); every loop's ratio to it is the whole cost of the controller,
+costs it adds to its process included. All step through ``train_step`` or the plain step, on the same
+batches. They are timed in interleaved rounds (medians: clock drift hits all alike; the rounds take every order
+of the loops in turn, so each loop follows each other as often), then each is profiled for --profile-steps
+steps: wall time, device busy time (the sum of its kernels' times: a gap with equal busy
 time is host time) and launches per step, the ops whose count or device time differs from ``alone``'s, and the
 Python functions that take the most host time (cProfile).
 
@@ -35,6 +35,7 @@ import copy
 import cProfile
 import gc
 import io
+import itertools
 import json
 import pstats
 import statistics
@@ -45,7 +46,7 @@ import numpy as np
 import torch
 
 from adaptive_amp import AdaptiveMixedPrecision, zoo
-from adaptive_amp.bench.e2e import MODELS
+from adaptive_amp.bench.e2e import MODELS, own_class
 from adaptive_amp.bench.op_profile import profile_steps
 from adaptive_amp.recipes import AppliedRecipe
 
@@ -92,7 +93,7 @@ def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=L
         controller("controller-no-norm", track_grad_norm=False)
 
     m3, fwd3, opt3 = copy_of()
-    alone = AppliedRecipe(recipe, m3, opt3)
+    alone = AppliedRecipe(recipe, own_class(m3), opt3)  # (its graphs apart from the controllers' models')
     loops["alone"] = lambda b, r=alone, f=fwd3: r.train_step(lambda: zm.loss(f, b))
     return loops, tuned.tuning, keep
 
@@ -149,8 +150,8 @@ def timed_round(step, batches, n, cuda, gc_clock):
 
 
 def _plain_child(conn, spec):
-    """The recipe's plain loop in a process that never made a controller, so its compiled graphs have no
-    hook guards (see PlainProcess). Times a round whenever the parent asks."""
+    """The recipe's plain loop in a process that never made a controller (see PlainProcess). Times a round
+    whenever the parent asks."""
     torch.set_num_threads(spec["threads"])  # as the parent's (a spawned process starts with torch's default)
     torch.manual_seed(0)
     cuda = spec["device"] == "cuda"
@@ -178,11 +179,13 @@ class PlainProcess:
     """The recipe's plain loop, as a user runs it without a controller, in a process of its own on the same
     device, its rounds taken in turn with the parent's.
 
-    The first controller turns on dynamo's hook guards for its whole process (adaptive_amp/collect.py says why),
-    so the plain loop beside it ("alone") pays them too: every compiled call checks each module's hook
-    dictionaries, about 0.6 ms a training forward of a 22-layer Llama on a CPU (bench/hook_guard_cost.py). A
-    loop without a controller does not. This process never makes one: its ratio is the controller's whole cost.
-    The parent waits while it runs a round, and it waits while the parent runs one.
+    What a controller costs its whole process, the plain loop beside it ("alone") pays too. Until 2026-11-27
+    the first controller turned on dynamo's hook guards for the process: every compiled call checked each
+    module's hook dictionaries, +0.66 ms a training forward of a 22-layer Llama on an H200 host's CPU
+    (bench/hook_guard_cost.py). A controller now turns them on only when it missed a statistics step
+    (adaptive_amp/collect.py), and the parent reports whether they are on; this process never makes a
+    controller, so its ratio is the controller's whole cost. The parent waits while it runs a round, and it
+    waits while the parent runs one.
     """
 
     def __init__(self, spec):
@@ -366,13 +369,16 @@ def main(argv=None) -> int:
                               "threads": torch.get_num_threads()})
         print(f"warm-up plain (its own process): {time.perf_counter() - t0:.1f} s; {plain.info}", flush=True)
     timed = list(loops) + (["plain"] if plain else [])
+    # Every order in turn, so that each loop follows each other one as often (with three loops, rotating one
+    # order made "tuned" follow the other process's "plain" in two rounds of three, "alone" in one).
+    orders = list(itertools.permutations(timed))
     times, host, device_ms = ({name: [] for name in timed} for _ in range(3))
     gc_clocks = {name: GcClock() for name in loops}
     rounds_start = time.perf_counter()
     for r in range(args.rounds):
         if args.rounds_seconds is not None and r and time.perf_counter() - rounds_start > args.rounds_seconds:
             break
-        for name in timed[r % len(timed):] + timed[:r % len(timed)]:
+        for name in orders[r % len(orders)]:
             if name == "plain":
                 wall, cpu_ms, dev = plain.round()
             else:
@@ -382,8 +388,14 @@ def main(argv=None) -> int:
             if dev is not None:
                 device_ms[name].append(dev)
     names = list(loops)
+    from torch._dynamo import config
+
     res = {"model": args.model if cuda else f"{family}-tiny", "compiled": args.compiled, "chosen": tuning.recipe.name,
-           "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu", "loops": {}}
+           "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
+           # on if a controller missed a statistics step (a graph without its hooks ran): then every loop pays them
+           "hook_guards": not config.skip_nnmodule_hook_guards, "loops": {}}
+    print(f"dynamo's hook guards in this process after the rounds: {'on' if res['hook_guards'] else 'off'}",
+          flush=True)
     ops, own = {}, {}
     for name, step in loops.items():
         summary, ops[name] = _profile(step, batches, args.profile_steps, cuda)

@@ -131,7 +131,7 @@ def test_the_plain_loop_in_its_own_process_has_no_hook_guards_and_takes_its_turn
                         "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     plain = res["loops"]["plain"]
-    assert plain["hook_guards"] is False  # the parent's controllers turned them on for the parent only
+    assert plain["hook_guards"] is False
     assert len(plain["round_ms"]) == len(plain["round_host_cpu_ms"]) == 3 and min(plain["round_ms"]) > 0
     for name in ("tuned", "alone"):
         assert len(res["loops"][name]["round_ms"]) == 3
