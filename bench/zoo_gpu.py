@@ -138,6 +138,8 @@ def run_one(name, mode, order, steps, backend, device, tiny=False):
                       if e.kind in ("promote", "demote", "switch_compute", "diagnose")],
         "skipped_steps": int(sum(found)), "stats_steps": stats_steps, "graphs_after_step": graphs_after,
         "graph_breaks": dict(counters["graph_break"]), "losses": losses,
+        # on only if a controller of this process missed a statistics step (adaptive_amp/collect.py)
+        "hook_guards": not torch._dynamo.config.skip_nnmodule_hook_guards,
         "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
     }
     amp.remove()
