@@ -9,23 +9,40 @@ compiled model first runs and (``torch._dynamo.config.skip_nnmodule_hook_guards`
 on by default) does not notice hooks added or removed later, so hooks added
 per step would never run in a compiled model.
 
-Under ``torch.compile`` the hooks are traced like the rest of the forward;
-``active`` is a plain bool that dynamo guards, so a compiled model gets two
-graphs per policy, each compiled once: one for statistics steps, which also
-returns each layer's statistics rows (appended to ``records`` after the graph
-runs, as dynamo replays list mutations), and one for the other steps, in
-which the hooks leave no trace. No graph break.
-
-Between statistics steps the hooks of an eager model are parked: taken out
-of the modules' hook dictionaries (same keys, same functions) and put back
-by :meth:`ActivationCollector.start`. An eager module call with a hook takes
+Between statistics steps the hooks are parked: taken out of the modules'
+hook dictionaries (same keys, same functions) and put back by
+:meth:`ActivationCollector.start`. An eager module call with a hook takes
 ``nn.Module``'s general path, about 3 µs a layer on the host, which an eager
-GPT-2 small step (host-bound on an H200) would pay at every step. A compiled
-model's hooks stay in: without dynamo's hook guards a graph traced while they
-were parked would have none and would still run at statistics steps. So the
-hooks stay in from creation until a hook runs eagerly; from then on they
-are parked between statistics steps, unless a statistics step recorded
-through a compiled graph.
+GPT-2 small step (host-bound on an H200) would pay at every step.
+
+Under ``torch.compile`` the hooks are traced like the rest of the forward.
+A compiled model gets two graphs per policy, each compiled once: one for
+statistics steps, which also returns each layer's statistics rows (appended
+to ``records`` after the graph runs, as dynamo replays list mutations), and
+one for the other steps, traced with the hooks parked, which has nothing of
+them. No graph break. Dynamo must not run the second at a statistics step,
+and by default (``torch._dynamo.config.skip_nnmodule_hook_guards``) its
+guards do not check the modules' hook dictionaries. So a statistics step
+flips torch's autocast weight-cache flag (``torch.set_autocast_cache_enabled``)
+until :meth:`ActivationCollector.stop`: dynamo guards it in every graph, so
+a graph traced at another step (or before the collector existed, or from
+another instance of the model's class: dynamo keeps graphs on the forward's
+code object, shared by every instance, and for transformers' decorated
+forwards by many classes) does not run at a statistics step, and the one
+traced there has our hooks. The flag changes no value and no compiled
+graph: the cache only spares an eager forward casting a weight it uses
+twice in one autocast region a second time.
+Dynamo's hook guards would also tell the graphs apart, but they check each
+module's hook dictionaries at every compiled call of every model of the
+process: +0.66 ms a training forward of a 22-layer Llama on an H200 host's
+CPU (bench/hook_guard_cost.py), 2.6% of the 1.1B Llama's compiled step.
+Keeping the hooks in instead costs about as much (+0.87 ms on a CPU, the
+eager backend): dynamo then checks every hook's closure at every call. A graph without our hooks can still run at a
+statistics step if it was traced inside one (another model of the class run
+inside the controller's autocast there); the step then records nothing, and
+the collector turns the hook guards on for the process and drops dynamo's
+graphs (:func:`guard_hooks_under_compile`; the controller warns): that
+step's statistics are lost, the next ones record.
 
 In an eager model a hook measures its layer at once (one ``tensor_stats``
 launch for the layer's output and input) and keeps only that statistics
@@ -40,25 +57,6 @@ graph measures them inside the graph, through the kernel's custom op
 tensors. There a call measures LAYERS_PER_CALL layers at once (the host
 cost is per call), and hooks on the model's children measure those left
 when each child returns, before the graph ends.
-
-Dynamo keeps its graphs on the forward's code object, shared by every
-instance of a model class (and, for transformers' decorated forwards, by
-many classes), and by default (``skip_nnmodule_hook_guards``) its graphs do
-not check the modules' hooks: a graph traced without our hooks (before the
-collector, from a plain copy, a teacher or an EMA model compiled after it,
-or from the model while its hooks were parked) is then reused by our model,
-and records nothing. Dynamo's hook guards would tell them apart, but they
-check each module's hook dictionaries at every compiled call, for every
-compiled model of the process: +0.66 ms a training forward of a 22-layer
-Llama on an H200 host's CPU (bench/hook_guard_cost.py), 2.6% of the 1.1B
-Llama's compiled step. So they stay off, and the collector makes such
-graphs rare and notices them: it drops the graphs traced before it
-(``torch.compiler.reset()``, at creation: other compiled models recompile
-at their next call); it parks only eager models; if a graph was traced
-while its hooks were parked, it turns the hook guards on (and drops the
-graphs) before the next statistics step; and if a statistics step of a
-process that compiles recorded no layer, it does the same after it (the
-controller warns): that step's statistics are lost, the next ones record.
 """
 
 from __future__ import annotations
@@ -69,7 +67,6 @@ import torch
 from torch import nn
 
 from . import _native, ops, stats_torch
-from .adjust import forget_compiled_graphs
 
 #: Dtypes tensor_stats reads; other outputs (integer ids, fp64) are not recorded.
 STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -118,6 +115,8 @@ def guard_hooks_under_compile() -> None:
     the module's docstring: what a collector does when a graph without its hooks may run)."""
     from torch._dynamo import config
 
+    from .adjust import forget_compiled_graphs
+
     if hooks_guarded():
         return
     config.skip_nnmodule_hook_guards = False
@@ -151,8 +150,6 @@ class ActivationCollector:
         self.skip: frozenset = frozenset()
         self.records: List[object] = []
         self.names = tuple(name for name, _ in layers)
-        if layers and not hooks_guarded():
-            forget_compiled_graphs()  # graphs traced before have none of our hooks (see the module's docstring)
         self._handles = [module.register_forward_hook(self._hook(name), with_kwargs=True) for name, module in layers]
         # Layers a compiled forward has recorded and not yet measured (see LAYERS_PER_CALL). The rest are measured
         # when each of `root`'s (the model's) children returns: inside the model's graph, whose end is a child's.
@@ -162,55 +159,41 @@ class ActivationCollector:
             self._handles += [child.register_forward_hook(lambda module, args, output: self._measure_waiting())
                               for child in root.children()]
         self._parked: Optional[list] = None  # [(hook dict, key, hook)] while the hooks are out of the modules
-        self._graphs_at_park = 0  # graphs_traced() when the hooks were parked
         self._layouts: dict = {}  # see _layout
-        # Whether a hook has run eagerly (at any step), and whether a compiled graph recorded statistics.
-        self._ran_eagerly = self._ran_compiled = False
-        self._eager_layers = 0  # this statistics step's layers recorded eagerly
+        self._cache_flag: Optional[bool] = None  # the autocast cache flag start() flipped, until stop()
         #: Whether the last statistics step recorded no layer in a process that compiles, and so turned dynamo's
         #: hook guards on (see the module's docstring).
         self.missed = False
-        if self._may_park():
-            self._park()
+        self._park()
 
     def start(self, fmt: Optional[str] = None, skip=()) -> None:
-        """Record from the next forward: outputs counted against `fmt`; layers named in `skip` (islands) not."""
+        """Record from the next forward: outputs counted against `fmt`; layers named in `skip` (islands) not.
+        Until :meth:`stop`, the autocast cache flag is flipped (see the module's docstring)."""
         self.records.clear()
         self._waiting.clear()
         self.fmt, self.skip = fmt, frozenset(skip)
-        self._eager_layers = 0
-        if self._parked is not None and not hooks_guarded() and graphs_traced() != self._graphs_at_park:
-            guard_hooks_under_compile()  # a graph traced while the hooks were out has none of them
         self._unpark()
+        if self._cache_flag is None:
+            self._cache_flag = torch.is_autocast_cache_enabled()
+            torch.set_autocast_cache_enabled(not self._cache_flag)
         self.active = True
 
     def stop(self) -> None:
-        """Stop recording; an eager model's hooks leave the modules until the next :meth:`start`."""
+        """Stop recording; the hooks leave the modules until the next :meth:`start`."""
         self._measure_waiting()
-        if self.active:
-            self._judge()
-        self.active = False
-        if self._may_park():
-            self._park()
-
-    def _judge(self) -> None:
-        """What this statistics step showed: whether the layers recorded eagerly or through a compiled graph, or
-        whether a graph without our hooks ran instead of ours (none recorded: hook guards on, see the module's
-        docstring)."""
-        recorded = sum(len(names) for names, _, _ in self.records)
-        self.missed = False
-        if recorded > self._eager_layers:
-            self._ran_compiled = True
-        elif recorded:
-            self._ran_eagerly = True
-        elif set(self.names) - self.skip and graphs_traced() and not hooks_guarded():
+        if self._cache_flag is not None:
+            torch.set_autocast_cache_enabled(self._cache_flag)
+            self._cache_flag = None
+        if self.active and not self.records and set(self.names) - self.skip and graphs_traced() \
+                and not hooks_guarded():
+            # A graph traced without our hooks, in a statistics step's state, ran for our model (see the module's
+            # docstring): from now on dynamo tells graphs with and without them apart.
             guard_hooks_under_compile()
             self.missed = True
-
-    def _may_park(self) -> bool:
-        """Without hook guards, only a model seen running eagerly, and never recording compiled, is parked: a
-        graph traced while the hooks are parked has none of them, and start() must then turn the guards on."""
-        return hooks_guarded() or (self._ran_eagerly and not self._ran_compiled)
+        else:
+            self.missed = False
+        self.active = False
+        self._park()
 
     def _park(self) -> None:
         if self._parked is not None:
@@ -222,7 +205,6 @@ class ActivationCollector:
                 if hooks is not None and h.id in hooks:
                     parked.append((hooks, h.id, hooks.pop(h.id)))
         self._parked = parked
-        self._graphs_at_park = graphs_traced()
 
     def _unpark(self) -> None:
         if self._parked is None:
@@ -234,8 +216,6 @@ class ActivationCollector:
     def _hook(self, name: str):
         def record(module, args, kwargs, output):
             if not self.active:
-                if not _compiling():  # (a constant when traced: a graph carries neither the test nor the flag)
-                    self._ran_eagerly = True
                 return None
             out = first_tensor(output)
             if out is None or out.dtype not in STATS_DTYPES or out.numel() == 0:
@@ -261,7 +241,6 @@ class ActivationCollector:
             else:
                 self._measure_waiting()  # (layers a graph before a graph break left waiting: forward order)
                 self.records.append(((name,), ops.tensor_stats(tensors, fmt=self.fmt).raw, (ok,)))
-                self._eager_layers += 1
             return None
         return record
 
@@ -334,6 +313,9 @@ class ActivationCollector:
 
     def remove(self) -> None:
         """Remove the hooks (idempotent)."""
+        if self._cache_flag is not None:  # (removed between start and stop)
+            torch.set_autocast_cache_enabled(self._cache_flag)
+            self._cache_flag = None
         self._unpark()
         for h in self._handles:
             h.remove()

@@ -402,11 +402,11 @@ class AdaptiveMixedPrecision:
                 # (every time: the hook guards are on from now on, so this happens at most once a process)
                 warnings.warn(f"AdaptiveMixedPrecision: no layer statistics at step {self._step}: a compiled graph "
                               "traced without this controller's hooks ran (one traced from another instance of the "
-                              "model's class, e.g. a teacher or EMA copy compiled after the controller), or the "
-                              "model did not run inside amp.autocast(). Dynamo's hook guards are now on for this "
-                              "process, so graphs tell models with and without hooks apart; compiled graphs were "
-                              "dropped and recompile at their next call. The next statistics steps record.",
-                              stacklevel=3)
+                              "model's class run inside amp.autocast() at a statistics step, e.g. a teacher or EMA "
+                              "copy), or the model did not run inside amp.autocast(). Dynamo's hook guards are now "
+                              "on for this process, so graphs tell models with and without hooks apart; compiled "
+                              "graphs were dropped and recompile at their next call. The next statistics steps "
+                              "record.", stacklevel=3)
             elif self.layers and not self._warned_no_records:
                 self._warned_no_records = True
                 warnings.warn(f"AdaptiveMixedPrecision: no layer statistics at step {self._step}: the model did "

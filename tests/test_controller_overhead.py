@@ -182,8 +182,8 @@ def test_the_input_cast_of_bf16_pure_leaves_a_call_without_float_inputs_alone():
 
 
 def test_an_eager_model_without_statistics_steps_carries_no_hook_of_ours(gpt2):
-    """layer_stats=False: no statistics step ever shows the collector that the model runs eagerly; its first
-    forward does, and the hooks leave the modules after it."""
+    """layer_stats=False: the collector's hooks are out of the modules from the controller's creation on (no
+    statistics step ever puts them back), so no step pays nn.Module's general path."""
     zm, batches = gpt2
     model = zm.model.__class__(zm.config)
     model.load_state_dict(zm.model.state_dict())
@@ -195,7 +195,7 @@ def test_an_eager_model_without_statistics_steps_carries_no_hook_of_ours(gpt2):
         carried.append(sum(k in ours for m in model.modules() for k in m._forward_hooks))
         amp.train_step(lambda: zm.loss(model, batches[i]))
     carried.append(sum(k in ours for m in model.modules() for k in m._forward_hooks))
-    assert carried == [len(ours), 0, 0]
+    assert ours and carried == [0, 0, 0]
     amp.remove()
 
 
