@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from adaptive_amp import AdaptiveMixedPrecision, zoo
-from adaptive_amp.bench.e2e import MODELS, own_class
+from adaptive_amp.bench.e2e import MODELS
 from adaptive_amp.bench.op_profile import profile_steps
 from adaptive_amp.recipes import AppliedRecipe
 
@@ -93,7 +93,7 @@ def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=L
         controller("controller-no-norm", track_grad_norm=False)
 
     m3, fwd3, opt3 = copy_of()
-    alone = AppliedRecipe(recipe, own_class(m3), opt3)  # (its graphs apart from the controllers' models')
+    alone = AppliedRecipe(recipe, m3, opt3)
     loops["alone"] = lambda b, r=alone, f=fwd3: r.train_step(lambda: zm.loss(f, b))
     return loops, tuned.tuning, keep
 

@@ -54,8 +54,8 @@ def test_controller_statistics_step_peak_is_the_plain_loops(recipe, compiled):
                 loop.step(batches[1])
     controller.amp.remove()
     assert controller.amp.monitor._pending_stats, "the controller's step collected no statistics"
-    # The plain twin's graphs (e2e.own_class) never ran for the controller's model: no missed statistics step
-    # turned dynamo's hook guards on.
+    # The plain twin's graphs (traced without our hooks) never ran for the controller's model at a statistics
+    # step: no missed step turned dynamo's hook guards on (adaptive_amp/collect.py).
     assert torch._dynamo.config.skip_nnmodule_hook_guards
     assert live.peak("plain") > 0
     assert live.peak("controller") <= live.peak("plain") + STATS_BYTES, (

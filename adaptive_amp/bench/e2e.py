@@ -131,16 +131,6 @@ def _plain(zm, model, fwd, device: str, dtype: Optional[torch.dtype], scaler, sr
     return step
 
 
-def own_class(model: torch.nn.Module) -> torch.nn.Module:
-    """`model`, now of a subclass of its class of its own (the same code), in place. Without dynamo's hook
-    guards (adaptive_amp/collect.py) a graph traced from a plain model may also run for a controller's model of
-    the same class at its statistics steps, where their other guards agree; the controller then turns the guards
-    on for the process, and both loops pay them. A user's loop has one model; a benchmark's plain twin in the
-    controller's process takes its own class, which dynamo's type guard tells apart."""
-    model.__class__ = type(type(model).__name__, (type(model),), {})
-    return model
-
-
 def build_loops(recipe: str, zm, device: str, compiled: bool, sample) -> List[_Loop]:
     """The loops of a recipe: one plain loop, or (plain twin, controller) for adaptive_amp's recipes."""
     from ..controller import AdaptiveMixedPrecision
@@ -188,7 +178,7 @@ def build_loops(recipe: str, zm, device: str, compiled: bool, sample) -> List[_L
 
     # The plain twin of the controller's policy: the same dtypes, islands and loss scaling (our GradScaler).
     p = amp.policy
-    mp = own_class(fresh())
+    mp = fresh()
     if sr:
         cast_for_policy(mp, p)
         policy_hooks(mp, p)  # bf16-pure: inputs cast to bf16; bf16-weights: embeddings return fp32
