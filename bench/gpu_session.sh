@@ -20,8 +20,9 @@
 #   parity    eager against compiled: logits, causality, gradients (bench/compile_parity.py, PARITY_ARGS)
 #   gap       where a tuned controller's step time goes against its recipe's plain loop (bench/tuned_gap.py,
 #             GAP_ARGS, default the compiled Llama 1.1B)
-#   guards    what dynamo's hook guards (which the first controller turns on) cost a compiled forward on this
-#             host's CPU (bench/hook_guard_cost.py: host work, the 1.1B Llama's 22 layers at tiny widths)
+#   guards    what dynamo's hook guards (a controller turns them on after a missed statistics step) cost a
+#             compiled forward on this host's CPU (bench/hook_guard_cost.py: host work, the 1.1B Llama's 22 layers
+#             at tiny widths)
 #   gappar    the gap stage on every GPU at once (GAP_ARGS, or GAP_ARGS_i for GPU i; per-GPU logs and JSON): more
 #             rounds in one call's time, or variants side by side. GAP_GPUS="2 3": only those GPUs (each process
 #             pinned to its GPU's share of the cores, so other stages can run on the other GPUs and cores)

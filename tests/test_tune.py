@@ -194,11 +194,8 @@ def test_controller_bf16_cast_of_a_model_compiled_before_drops_its_graphs(monkey
     resets = []
     real_reset = torch.compiler.reset
     monkeypatch.setattr(torch.compiler, "reset", lambda: (resets.append(1), real_reset()))
-    # With dynamo's hook guards on, the statistics collector does not drop the graphs traced before it (see
-    # adaptive_amp/collect.py): that reset is not the one this test is about.
-    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
-        amp = AdaptiveMixedPrecision(compiled, optim.AdamW(zm.model.parameters(), lr=1e-3), policy="bf16-pure",
-                                     capabilities=CPU, progress=False)
+    amp = AdaptiveMixedPrecision(compiled, optim.AdamW(zm.model.parameters(), lr=1e-3), policy="bf16-pure",
+                                 capabilities=CPU, progress=False)
     assert resets and all(p.dtype == torch.bfloat16 for p in zm.model.parameters())
     with torch.no_grad():
         torch.testing.assert_close(zm.loss(compiled, batch), zm.loss(zm.model, batch), rtol=1e-2, atol=0)
