@@ -312,10 +312,8 @@ class ActivationCollector:
         return layout
 
     def remove(self) -> None:
-        """Remove the hooks (idempotent)."""
-        if self._cache_flag is not None:  # (removed between start and stop)
-            torch.set_autocast_cache_enabled(self._cache_flag)
-            self._cache_flag = None
+        """Remove the hooks (idempotent). Removed between start and stop, the next stop still gives the autocast
+        cache flag back."""
         self._unpark()
         for h in self._handles:
             h.remove()

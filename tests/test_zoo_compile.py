@@ -480,6 +480,32 @@ def test_compiled_model_parks_its_hooks_without_hook_guards(family):
     amp.remove()
 
 
+def test_a_statistics_step_flips_the_users_autocast_cache_flag_and_gives_it_back():
+    """Whatever the user set, a statistics step's forward runs with the other value (the only state dynamo sees
+    differ from an ordinary step's) and every step ends with the user's; a controller removed mid-step too."""
+    torch.set_autocast_cache_enabled(False)
+    try:
+        zm = zoo.build("gpt2", seed=0)
+        amp = AdaptiveMixedPrecision(zm.model, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
+                                     capabilities=CPU_BF16, progress=False, read_every=2)
+        seen = []
+        for i in range(4):
+            with amp.autocast():
+                seen.append(torch.is_autocast_cache_enabled())
+                loss = zm.loss(zm.model, zm.make_batch(2, seed=i))
+            seen.append(torch.is_autocast_cache_enabled())
+            amp.backward(loss)
+            amp.step()
+            amp.zero_grad()
+        assert seen == [True, False, False, False, True, False, False, False]  # statistics at steps 0 and 2
+        with amp.autocast():  # step 4, a statistics step
+            assert torch.is_autocast_cache_enabled()
+            amp.remove()
+        assert not torch.is_autocast_cache_enabled()
+    finally:
+        torch.set_autocast_cache_enabled(True)
+
+
 @pytest.mark.parametrize("first_compiled_step", [1, 2])
 def test_an_eager_model_compiled_later_keeps_its_statistics(first_compiled_step):
     """Eager steps, then torch.compile, its first call at an ordinary step (1) or a statistics step (2): every
