@@ -153,6 +153,10 @@ def _plain_child(conn, spec):
     """The recipe's plain loop in a process that never made a controller (see PlainProcess). Times a round
     whenever the parent asks."""
     torch.set_num_threads(spec["threads"])  # as the parent's (a spawned process starts with torch's default)
+    from torch._dynamo import config as dynamo_config
+
+    for k, v in spec.get("dynamo_config", {}).items():
+        setattr(dynamo_config, k, v)
     torch.manual_seed(0)
     cuda = spec["device"] == "cuda"
     zm = zoo.build(spec["family"], spec["size"], seed=0, device=spec["device"])  # the parent's weights
@@ -163,12 +167,11 @@ def _plain_child(conn, spec):
     def step(b):
         return plain.train_step(lambda: zm.loss(fwd, b))
 
-    from torch._dynamo import config
-
     for i in range(spec["warmup"]):
         step(batches[i % len(batches)])
     _sync(cuda)
-    conn.send({"hook_guards": not config.skip_nnmodule_hook_guards})
+    conn.send({"hook_guards": not dynamo_config.skip_nnmodule_hook_guards,
+               "dynamo_config": {k: getattr(dynamo_config, k) for k in spec.get("dynamo_config", {})}})
     clock = GcClock()
     while conn.recv() == "round":
         conn.send(timed_round(step, batches, spec["round_steps"], cuda, clock))
@@ -332,8 +335,11 @@ def main(argv=None) -> int:
     p.add_argument("--amp-kwargs", type=json.loads, default={}, metavar="JSON",
                    help='the controllers\' options, e.g. \'{"layer_stats": false}\' or \'{"read_every": 1000}\'')
     p.add_argument("--plain-process", action="store_true",
-                   help="also time the recipe's plain loop in a process of its own, without the dynamo hook "
-                        "guards a controller turns on (loop 'plain'; rounds only)")
+                   help="also time the recipe's plain loop in a process of its own, which never made a controller "
+                        "(loop 'plain'; rounds only)")
+    p.add_argument("--dynamo-config", type=json.loads, default={}, metavar="JSON",
+                   help="torch._dynamo.config settings for every loop (the plain process's too), e.g. "
+                        "'{\"use_recursive_dict_tags_for_guards\": false}'")
     p.add_argument("--cpu", action="store_true", help="the tiny model on the CPU (aten ops instead of kernels)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
@@ -341,6 +347,16 @@ def main(argv=None) -> int:
     if "alone" not in names or len(names) < 2 or set(names) - set(LOOPS) or len(set(names)) != len(names):
         p.error(f"--loops: name 'alone' and at least one of {', '.join(LOOPS[:-1])}, each once "
                 f"(got {args.loops!r})")
+    from torch._dynamo import config as dynamo_config
+
+    if not isinstance(args.dynamo_config, dict):
+        p.error(f"--dynamo-config: a JSON object of torch._dynamo.config names to values (got "
+                f"{args.dynamo_config!r})")
+    unknown = [k for k in args.dynamo_config if not hasattr(dynamo_config, k)]
+    if unknown:
+        p.error(f"--dynamo-config: torch {torch.__version__}'s torch._dynamo.config has no {', '.join(unknown)}")
+    for k, v in args.dynamo_config.items():
+        setattr(dynamo_config, k, v)
     cuda = not args.cpu
     device = "cuda" if cuda else "cpu"
     if cuda and not torch.cuda.is_available():
@@ -366,7 +382,7 @@ def main(argv=None) -> int:
                               "batch": 2 if args.cpu else args.batch, "seq": None if args.cpu else args.seq,
                               "compiled": args.compiled, "lr": args.lr, "recipe": tuning.recipe,
                               "warmup": args.warmup, "round_steps": args.round_steps,
-                              "threads": torch.get_num_threads()})
+                              "threads": torch.get_num_threads(), "dynamo_config": args.dynamo_config})
         print(f"warm-up plain (its own process): {time.perf_counter() - t0:.1f} s; {plain.info}", flush=True)
     timed = list(loops) + (["plain"] if plain else [])
     # Every order in turn, so that each loop follows each other one as often (with three loops, rotating one
@@ -388,12 +404,11 @@ def main(argv=None) -> int:
             if dev is not None:
                 device_ms[name].append(dev)
     names = list(loops)
-    from torch._dynamo import config
-
     res = {"model": args.model if cuda else f"{family}-tiny", "compiled": args.compiled, "chosen": tuning.recipe.name,
            "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
            # on if a controller missed a statistics step (a graph without its hooks ran): then every loop pays them
-           "hook_guards": not config.skip_nnmodule_hook_guards, "loops": {}}
+           "hook_guards": not dynamo_config.skip_nnmodule_hook_guards, "dynamo_config": args.dynamo_config,
+           "loops": {}}
     print(f"dynamo's hook guards in this process after the rounds: {'on' if res['hook_guards'] else 'off'}",
           flush=True)
     ops, own = {}, {}

@@ -115,6 +115,13 @@ def test_bad_loops_are_refused_naming_the_option(loops, capsys):
     assert "--loops" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ['{"no_such_setting": 1}', '[1]'])
+def test_bad_dynamo_config_is_refused_naming_the_option(value, capsys):
+    with pytest.raises(SystemExit):
+        load_bench_script("tuned_gap").main(["--cpu", "--dynamo-config", value])
+    assert "--dynamo-config" in capsys.readouterr().err
+
+
 def test_the_plain_loop_in_its_own_process_has_no_hook_guards_and_takes_its_turn(tmp_path, monkeypatch):
     """--plain-process: the recipe's plain loop in a spawned process that made no controller (so no dynamo hook
     guards), its rounds in turn with the others; each loop's ratio to it."""
@@ -126,12 +133,20 @@ def test_the_plain_loop_in_its_own_process_has_no_hook_guards_and_takes_its_turn
     monkeypatch.delitem(sys.modules, "tuned_gap", raising=False)
     script = importlib.import_module("tuned_gap")
     out = tmp_path / "gap.json"
+    from torch._dynamo import config
+
+    # A dynamo setting for every loop, the child's too (a CPU run compiles nothing: any setting will do).
+    setting = not config.use_recursive_dict_tags_for_guards
+    monkeypatch.setattr(config, "use_recursive_dict_tags_for_guards", config.use_recursive_dict_tags_for_guards)
     assert script.main(["--cpu", "--candidates", "bf16-weights", "--loops", "tuned,alone", "--plain-process",
                         "--rounds", "3", "--round-steps", "2", "--warmup", "1", "--profile-steps", "1",
+                        "--dynamo-config", json.dumps({"use_recursive_dict_tags_for_guards": setting}),
                         "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     plain = res["loops"]["plain"]
     assert plain["hook_guards"] is False
+    assert res["dynamo_config"] == plain["dynamo_config"] == {"use_recursive_dict_tags_for_guards": setting}
+    assert config.use_recursive_dict_tags_for_guards == setting
     assert len(plain["round_ms"]) == len(plain["round_host_cpu_ms"]) == 3 and min(plain["round_ms"]) > 0
     for name in ("tuned", "alone"):
         assert len(res["loops"][name]["round_ms"]) == 3
