@@ -135,18 +135,21 @@ def test_the_plain_loop_in_its_own_process_has_no_hook_guards_and_takes_its_turn
     out = tmp_path / "gap.json"
     from torch._dynamo import config
 
-    # A dynamo setting for every loop, the child's too (a CPU run compiles nothing: any setting will do).
-    setting = not config.use_recursive_dict_tags_for_guards
-    monkeypatch.setattr(config, "use_recursive_dict_tags_for_guards", config.use_recursive_dict_tags_for_guards)
-    assert script.main(["--cpu", "--candidates", "bf16-weights", "--loops", "tuned,alone", "--plain-process",
-                        "--rounds", "3", "--round-steps", "2", "--warmup", "1", "--profile-steps", "1",
-                        "--dynamo-config", json.dumps({"use_recursive_dict_tags_for_guards": setting}),
-                        "--json", str(out)]) == 0
+    # A dynamo setting for every loop, the child's too (a CPU run compiles nothing: any setting will do). Put
+    # back by hand: pytest's monkeypatch deletes a torch config entry when it undoes (later compiles then fail).
+    before = config.use_recursive_dict_tags_for_guards
+    try:
+        assert script.main(["--cpu", "--candidates", "bf16-weights", "--loops", "tuned,alone", "--plain-process",
+                            "--rounds", "3", "--round-steps", "2", "--warmup", "1", "--profile-steps", "1",
+                            "--dynamo-config", json.dumps({"use_recursive_dict_tags_for_guards": not before}),
+                            "--json", str(out)]) == 0
+        assert config.use_recursive_dict_tags_for_guards == (not before)
+    finally:
+        config.use_recursive_dict_tags_for_guards = before
     res = json.loads(out.read_text())
     plain = res["loops"]["plain"]
     assert plain["hook_guards"] is False
-    assert res["dynamo_config"] == plain["dynamo_config"] == {"use_recursive_dict_tags_for_guards": setting}
-    assert config.use_recursive_dict_tags_for_guards == setting
+    assert res["dynamo_config"] == plain["dynamo_config"] == {"use_recursive_dict_tags_for_guards": not before}
     assert len(plain["round_ms"]) == len(plain["round_host_cpu_ms"]) == 3 and min(plain["round_ms"]) > 0
     for name in ("tuned", "alone"):
         assert len(res["loops"][name]["round_ms"]) == 3
