@@ -119,6 +119,13 @@ def compile_settings() -> _CompileSettings:
     return _CompileSettings()
 
 
+def graphs_traced() -> int:
+    """Graphs dynamo has traced in this process so far (a count that only grows)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 def forget_compiled_graphs() -> None:
     """Drop every dynamo graph (``torch.compiler.reset()``), if any was traced in this process: once parameters
     changed dtype in place (recipes.cast_parameters), or guards changed (collect.guard_hooks_under_compile).
@@ -128,9 +135,7 @@ def forget_compiled_graphs() -> None:
     parameters then runs on their bf16 memory. Measured: tuning a compiled GPT-2 on an H200 (torch 2.11)
     stopped with an illegal memory access in such a graph (its fp32 read of a bf16 weight). With no graph
     left there is none to reuse wrongly; compiled models recompile at their next call."""
-    from torch._dynamo.utils import counters
-
-    if counters["stats"]["unique_graphs"]:  # something was compiled in this process
+    if graphs_traced():  # something was compiled in this process
         torch.compiler.reset()
 
 

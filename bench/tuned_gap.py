@@ -149,14 +149,20 @@ def timed_round(step, batches, n, cuda, gc_clock):
             events[0].elapsed_time(events[1]) / n if cuda else None)
 
 
+def apply_dynamo_config(settings: dict) -> dict:
+    """Set torch._dynamo.config's `settings` (--dynamo-config); returns them as dynamo now has them."""
+    from torch._dynamo import config
+
+    for k, v in settings.items():
+        setattr(config, k, v)
+    return {k: getattr(config, k) for k in settings}
+
+
 def _plain_child(conn, spec):
     """The recipe's plain loop in a process that never made a controller (see PlainProcess). Times a round
     whenever the parent asks."""
     torch.set_num_threads(spec["threads"])  # as the parent's (a spawned process starts with torch's default)
-    from torch._dynamo import config as dynamo_config
-
-    for k, v in spec.get("dynamo_config", {}).items():
-        setattr(dynamo_config, k, v)
+    applied = apply_dynamo_config(spec.get("dynamo_config", {}))
     torch.manual_seed(0)
     cuda = spec["device"] == "cuda"
     zm = zoo.build(spec["family"], spec["size"], seed=0, device=spec["device"])  # the parent's weights
@@ -170,8 +176,9 @@ def _plain_child(conn, spec):
     for i in range(spec["warmup"]):
         step(batches[i % len(batches)])
     _sync(cuda)
-    conn.send({"hook_guards": not dynamo_config.skip_nnmodule_hook_guards,
-               "dynamo_config": {k: getattr(dynamo_config, k) for k in spec.get("dynamo_config", {})}})
+    from torch._dynamo import config
+
+    conn.send({"hook_guards": not config.skip_nnmodule_hook_guards, "dynamo_config": applied})
     clock = GcClock()
     while conn.recv() == "round":
         conn.send(timed_round(step, batches, spec["round_steps"], cuda, clock))
@@ -355,8 +362,7 @@ def main(argv=None) -> int:
     unknown = [k for k in args.dynamo_config if not hasattr(dynamo_config, k)]
     if unknown:
         p.error(f"--dynamo-config: torch {torch.__version__}'s torch._dynamo.config has no {', '.join(unknown)}")
-    for k, v in args.dynamo_config.items():
-        setattr(dynamo_config, k, v)
+    apply_dynamo_config(args.dynamo_config)
     cuda = not args.cpu
     device = "cuda" if cuda else "cpu"
     if cuda and not torch.cuda.is_available():
@@ -425,7 +431,7 @@ def main(argv=None) -> int:
         res["loops"]["plain"] = {"median_ms": statistics.median(times["plain"]), "round_ms": times["plain"],
                                  "round_host_cpu_ms": host["plain"], "round_device_ms": device_ms["plain"] or None,
                                  **plain.info, **plain.close()}
-        for name in names:  # alone's too: what the hook guards cost the plain loop
+        for name in names:  # alone's too: what the controllers cost the plain loop beside them
             ratios = [a / b for a, b in zip(times[name], times["plain"])]
             mean, ci = geometric_mean_ci(ratios)
             res["loops"][name]["to_plain"] = {"round_ratio": statistics.median(ratios), "mean_ratio": mean,
