@@ -4,10 +4,12 @@ Llama 1.1B ran at 44.9 ms a step, the bf16-weights plain loop at 31.0 ms, in sep
     python bench/tuned_gap.py [--model llama-1b] [--compiled] [--candidates bf16,bf16-weights] [--json PATH]
     python bench/tuned_gap.py --cpu --compiled    # the tiny Llama on the CPU (tests/test_tuned_gap_script.py)
 
-Four loops of one recipe, each on its own copy of the model (compiled with --compiled):
+Five loops of one recipe, each on its own copy of the model (compiled with --compiled) but one:
 ``tuned`` (``AdaptiveMixedPrecision(..., policy="tune", tune=dict(candidates=...))``; its choice is the recipe),
 ``controller`` (the controller given that recipe's policy and an optimizer made as the recipe makes it),
-``controller-no-norm`` (the same with ``track_grad_norm=False``: what the gradient norm it measures costs) and
+``controller-no-norm`` (the same with ``track_grad_norm=False``: what the gradient norm it measures costs),
+``tuned-model-plain`` (the plain step on the tuned controller's own model and optimizer, not through the
+controller: the controller's per-step code told from the state its model runs in) and
 ``alone`` (recipes.AppliedRecipe's plain loop: what a trial times); ``--loops tuned,alone`` times only those
 (more round pairs in a call's time). ``--plain-process`` adds ``plain``: the plain loop in a process of its own,
 which never made a controller (see PlainProcess); every loop's ratio to it is the whole cost of the controller,
@@ -20,8 +22,8 @@ Python functions that take the most host time (cProfile).
 
 A round is --round-steps steps, by default the controller's ``read_every`` (50): each controller round then
 holds one statistics step and one read, their cost spread over the steps as in training. Per round: the wall
-time, the main thread's CPU time (the backward's launches run on autograd's thread and are not in it) and the
-device's elapsed time between CUDA events. Each
+time, the main thread's CPU time (the whole, and in the loop's forward and in ``Tensor.backward``: PhaseClock)
+and the device's elapsed time between CUDA events. Each
 controller loop's ratio to the plain loop is given per round pair, as their median and as the geometric mean
 with a 95% bootstrap interval. After the rounds, one more round of each loop is timed step by step, and one
 with the host time inside the controller's phases (PHASES: its step, the statistics gathered, the read (its copy
@@ -41,11 +43,12 @@ import pstats
 import statistics
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 import torch
 
-from adaptive_amp import AdaptiveMixedPrecision, zoo
+from adaptive_amp import AdaptiveMixedPrecision, GradScaler, zoo
 from adaptive_amp.bench.e2e import MODELS
 from adaptive_amp.bench.op_profile import profile_steps
 from adaptive_amp.recipes import AppliedRecipe
@@ -57,8 +60,9 @@ def _sync(cuda):
 
 
 #: The loops timed side by side: the tuned controller, the controller given its policy (with and without the
-#: gradient norm it measures), and the recipe alone.
-LOOPS = ("tuned", "controller", "controller-no-norm", "alone")
+#: gradient norm it measures), the plain loop stepping the tuned controller's own model and optimizer, and the
+#: recipe alone.
+LOOPS = ("tuned", "controller", "controller-no-norm", "tuned-model-plain", "alone")
 
 
 def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=LOOPS):
@@ -75,15 +79,32 @@ def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=L
                                    tune=dict(batches=batches, loss_fn=zm.loss, candidates=candidates,
                                              progress=lambda s: print(s, flush=True)))
     recipe = tuned.tuning.recipe
-    loops["tuned"] = lambda b, a=tuned, f=fwd: a.train_step(lambda: zm.loss(f, b))
+    loss = _clocked("forward", zm.loss)
+    loops["tuned"] = lambda b, a=tuned, f=fwd: a.train_step(lambda: loss(f, b))
     keep.append(tuned)
+    if "tuned-model-plain" in names:
+        # The plain loop's step (as AppliedRecipe.train_step) on the tuned controller's model and optimizer,
+        # not through the controller: tells the controller's own per-step work from what the model, its graphs
+        # and its optimizer carry from being tuned and controlled. (It trains the same model as "tuned", in
+        # other rounds: only the timing matters.)
+        scaler = GradScaler(next(m.parameters()).device.type, enabled=False)
+
+        def tuned_model_plain(b, a=tuned, f=fwd, o=tuned.optimizers[0]):
+            with a.adjuster.autocast():
+                value = loss(f, b)
+            scaler.scale(value).backward()
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad(set_to_none=True)
+            return value.detach()
+        loops["tuned-model-plain"] = tuned_model_plain
 
     def controller(name, **kwargs):
         m, f, o = copy_of()
         # The optimizer as the tuned controller's: the recipe's conversion of the user's, without its casts.
         a = AdaptiveMixedPrecision(f, AppliedRecipe(recipe, m, o, precision=False).optimizer, policy=tuned.policy,
                                    progress=False, **{**amp_kwargs, **kwargs})
-        loops[name] = lambda b: a.train_step(lambda: zm.loss(f, b))
+        loops[name] = lambda b: a.train_step(lambda: loss(f, b))
         keep.append(a)
 
     if "controller" in names:
@@ -94,8 +115,15 @@ def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=L
 
     m3, fwd3, opt3 = copy_of()
     alone = AppliedRecipe(recipe, m3, opt3)
-    loops["alone"] = lambda b, r=alone, f=fwd3: r.train_step(lambda: zm.loss(f, b))
+    loops["alone"] = lambda b, r=alone, f=fwd3: r.train_step(lambda: loss(f, b))
     return loops, tuned.tuning, keep
+
+
+def _paired_difference(mine, base) -> dict:
+    """The mean of round-paired differences and its standard error."""
+    d = [a - b for a, b in zip(mine, base)]
+    se = statistics.stdev(d) / len(d) ** 0.5 if len(d) > 1 else float("nan")
+    return {"mean": statistics.fmean(d), "se": se, "pairs": len(d)}
 
 
 def geometric_mean_ci(ratios, draws: int = 2000, seed: int = 0):
@@ -129,6 +157,39 @@ class GcClock:
 
     def __exit__(self, *exc):
         gc.callbacks.remove(self)
+
+
+class PhaseClock:
+    """The main thread's CPU ms in the loops' forward (their closure) and backward (``Tensor.backward``)
+    while entered: with the round's whole CPU time, where a loop's host time goes (the rest is its optimizer
+    step and its own code). The two loops run the same compiled graphs, so a difference in their forward or
+    backward is not the controller's code but the state it runs them in."""
+
+    current: Optional["PhaseClock"] = None
+
+    def __init__(self):
+        self.ms = {"forward": 0.0, "backward": 0.0}
+
+    def __enter__(self):
+        PhaseClock.current = self
+        return self
+
+    def __exit__(self, *exc):
+        PhaseClock.current = None
+
+
+def _clocked(phase: str, fn):
+    """`fn`, its main-thread CPU time added to the entered PhaseClock's `phase`."""
+    def run(*args, **kwargs):
+        clock = PhaseClock.current
+        if clock is None:
+            return fn(*args, **kwargs)
+        t0 = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clock.ms[phase] += (time.thread_time() - t0) * 1e3
+    return run
 
 
 def timed_round(step, batches, n, cuda, gc_clock):
@@ -396,19 +457,29 @@ def main(argv=None) -> int:
     orders = list(itertools.permutations(timed))
     times, host, device_ms = ({name: [] for name in timed} for _ in range(3))
     gc_clocks = {name: GcClock() for name in loops}
+    phase_cpu = {name: {"forward": [], "backward": []} for name in loops}  # main-thread CPU ms a step, by round
     rounds_start = time.perf_counter()
-    for r in range(args.rounds):
-        if args.rounds_seconds is not None and r and time.perf_counter() - rounds_start > args.rounds_seconds:
-            break
-        for name in orders[r % len(orders)]:
-            if name == "plain":
-                wall, cpu_ms, dev = plain.round()
-            else:
-                wall, cpu_ms, dev = timed_round(loops[name], batches, args.round_steps, cuda, gc_clocks[name])
-            times[name].append(wall)
-            host[name].append(cpu_ms)
-            if dev is not None:
-                device_ms[name].append(dev)
+    backward = torch.Tensor.backward
+    torch.Tensor.backward = _clocked("backward", backward)
+    try:
+        for r in range(args.rounds):
+            if args.rounds_seconds is not None and r and time.perf_counter() - rounds_start > args.rounds_seconds:
+                break
+            for name in orders[r % len(orders)]:
+                if name == "plain":
+                    wall, cpu_ms, dev = plain.round()
+                else:
+                    with PhaseClock() as clock:
+                        wall, cpu_ms, dev = timed_round(loops[name], batches, args.round_steps, cuda,
+                                                        gc_clocks[name])
+                    for phase, ms in clock.ms.items():
+                        phase_cpu[name][phase].append(ms / args.round_steps)
+                times[name].append(wall)
+                host[name].append(cpu_ms)
+                if dev is not None:
+                    device_ms[name].append(dev)
+    finally:
+        torch.Tensor.backward = backward
     names = list(loops)
     res = {"model": args.model if cuda else f"{family}-tiny", "compiled": args.compiled, "chosen": tuning.recipe.name,
            "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -422,6 +493,8 @@ def main(argv=None) -> int:
         summary, ops[name] = _profile(step, batches, args.profile_steps, cuda)
         res["loops"][name] = {"median_ms": statistics.median(times[name]), "round_ms": times[name],
                               "round_host_cpu_ms": host[name], "round_device_ms": device_ms[name] or None,
+                              "round_forward_cpu_ms": phase_cpu[name]["forward"],
+                              "round_backward_cpu_ms": phase_cpu[name]["backward"],
                               "gc_ms_per_step": gc_clocks[name].ms / (len(times[name]) * args.round_steps),
                               "gc_collections": gc_clocks[name].collections,
                               **summary, "step_ms": _step_times(step, batches, args.round_steps, cuda),
@@ -446,6 +519,16 @@ def main(argv=None) -> int:
         loop["mean_ratio_to_alone"], loop["mean_ratio_ci95"] = geometric_mean_ci(ratios)
         busy = alone["device_busy_ms"]  # (0 on the CPU: no kernels)
         loop["device_busy_ratio_to_alone"] = loop["device_busy_ms"] / busy if busy else None
+        # The main thread's CPU a step against the plain loop's, by phase, paired by round: same graphs, so a
+        # difference in forward or backward is the state they run in, in "rest" the controller's own code.
+        loop["cpu_ms_more_than_alone"] = {
+            phase: _paired_difference(rounds(loop), rounds(alone))
+            for phase, rounds in (("all", lambda l: l["round_host_cpu_ms"]),
+                                  ("forward", lambda l: l["round_forward_cpu_ms"]),
+                                  ("backward", lambda l: l["round_backward_cpu_ms"]),
+                                  ("rest", lambda l: [a - f - b for a, f, b in zip(
+                                      l["round_host_cpu_ms"], l["round_forward_cpu_ms"],
+                                      l["round_backward_cpu_ms"])]))}
         # Host time under cProfile over a round (the statistics step and the read included), by function.
         loop["host_differs_from_alone"] = host_diff(own[name], own["alone"])
         base, mine = ops["alone"], ops[name]
@@ -484,6 +567,12 @@ def main(argv=None) -> int:
               + (f", device elapsed {statistics.median(r['round_device_ms']):.2f} ms/step" if r["round_device_ms"]
                  else "") + f"; garbage collection {r['gc_ms_per_step']:.3f} ms/step (collections by generation "
               f"{r['gc_collections']})", flush=True)
+        fwd, bwd = statistics.median(r["round_forward_cpu_ms"]), statistics.median(r["round_backward_cpu_ms"])
+        print(f"   main thread CPU a step (median round): forward {fwd:.2f} ms, backward {bwd:.2f} ms", flush=True)
+        if "cpu_ms_more_than_alone" in r:
+            print("   main thread CPU a step more than the plain loop's (mean of round pairs, its standard error): "
+                  + ", ".join(f"{phase} {d['mean']:+.2f} ({d['se']:.2f}) ms"
+                              for phase, d in r["cpu_ms_more_than_alone"].items()), flush=True)
         for k, (bc, bu), (mc, mu) in r.get("differs_from_alone", []):
             print(f"   {k[:80]:80} count {bc:6.1f} -> {mc:6.1f}  device {bu:9.1f} -> {mu:9.1f} us")
         if "host_differs_from_alone" in r:
