@@ -4,12 +4,14 @@ Llama 1.1B ran at 44.9 ms a step, the bf16-weights plain loop at 31.0 ms, in sep
     python bench/tuned_gap.py [--model llama-1b] [--compiled] [--candidates bf16,bf16-weights] [--json PATH]
     python bench/tuned_gap.py --cpu --compiled    # the tiny Llama on the CPU (tests/test_tuned_gap_script.py)
 
-Five loops of one recipe, each on its own copy of the model (compiled with --compiled) but one:
+Seven loops of one recipe, on copies of the model (compiled with --compiled):
 ``tuned`` (``AdaptiveMixedPrecision(..., policy="tune", tune=dict(candidates=...))``; its choice is the recipe),
 ``controller`` (the controller given that recipe's policy and an optimizer made as the recipe makes it),
 ``controller-no-norm`` (the same with ``track_grad_norm=False``: what the gradient norm it measures costs),
 ``tuned-model-plain`` (the plain step on the tuned controller's own model and optimizer, not through the
-controller: the controller's per-step code told from the state its model runs in) and
+controller: the controller's per-step code told from the state its model runs in; ``tuned-model-amp-autocast``
+the same with its forward in the controller's ``autocast()``, ``tuned-model-amp-step`` with the controller's
+backward, step and zero_grad) and
 ``alone`` (recipes.AppliedRecipe's plain loop: what a trial times); ``--loops tuned,alone`` times only those
 (more round pairs in a call's time). ``--plain-process`` adds ``plain``: the plain loop in a process of its own,
 which never made a controller (see PlainProcess); every loop's ratio to it is the whole cost of the controller,
@@ -42,6 +44,7 @@ import json
 import pstats
 import statistics
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -60,9 +63,11 @@ def _sync(cuda):
 
 
 #: The loops timed side by side: the tuned controller, the controller given its policy (with and without the
-#: gradient norm it measures), the plain loop stepping the tuned controller's own model and optimizer, and the
-#: recipe alone.
-LOOPS = ("tuned", "controller", "controller-no-norm", "tuned-model-plain", "alone")
+#: gradient norm it measures), the plain loop stepping the tuned controller's own model and optimizer (as it is,
+#: with its forward in the controller's autocast(), with the controller's backward and step), and the recipe
+#: alone.
+LOOPS = ("tuned", "controller", "controller-no-norm", "tuned-model-plain", "tuned-model-amp-autocast",
+         "tuned-model-amp-step", "alone")
 
 
 def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=LOOPS):
@@ -82,22 +87,44 @@ def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=L
     loss = _clocked("forward", zm.loss)
     loops["tuned"] = lambda b, a=tuned, f=fwd: a.train_step(lambda: loss(f, b))
     keep.append(tuned)
-    if "tuned-model-plain" in names:
-        # The plain loop's step (as AppliedRecipe.train_step) on the tuned controller's model and optimizer,
-        # not through the controller: tells the controller's own per-step work from what the model, its graphs
-        # and its optimizer carry from being tuned and controlled. (It trains the same model as "tuned", in
-        # other rounds: only the timing matters.)
-        scaler = GradScaler(next(m.parameters()).device.type, enabled=False)
+    # The plain loop's step (as AppliedRecipe.train_step) on the tuned controller's model and optimizer, not
+    # through the controller, and with one of the controller's parts each: tells the controller's own per-step
+    # work from what the model, its graphs and its optimizer carry from being tuned and controlled. (They train
+    # the same model as "tuned", in other rounds: only the timing matters.)
+    scaler = GradScaler(next(m.parameters()).device.type, enabled=False)
 
-        def tuned_model_plain(b, a=tuned, f=fwd, o=tuned.optimizers[0]):
+    def plain_rest(value, o=tuned.optimizers[0]):
+        """The plain step after its forward (as AppliedRecipe.train_step), on the tuned controller's optimizer."""
+        scaler.scale(value).backward()
+        scaler.step(o)
+        scaler.update()
+        o.zero_grad(set_to_none=True)
+        return value.detach()
+
+    if "tuned-model-plain" in names:
+        def tuned_model_plain(b, a=tuned, f=fwd):
             with a.adjuster.autocast():
                 value = loss(f, b)
-            scaler.scale(value).backward()
-            scaler.step(o)
-            scaler.update()
-            o.zero_grad(set_to_none=True)
-            return value.detach()
+            return plain_rest(value)
         loops["tuned-model-plain"] = tuned_model_plain
+    if "tuned-model-amp-autocast" in names:
+        # The forward in the controller's autocast() (its statistics step included, when its step count is at
+        # one: once a round at most, since this loop does not count steps), the rest plain.
+        def tuned_model_amp_autocast(b, a=tuned, f=fwd):
+            with a.autocast():
+                value = loss(f, b)
+            return plain_rest(value)
+        loops["tuned-model-amp-autocast"] = tuned_model_amp_autocast
+    if "tuned-model-amp-step" in names:
+        # The forward in the policy's autocast alone, then the controller's backward, step and zero_grad.
+        def tuned_model_amp_step(b, a=tuned, f=fwd):
+            with a.adjuster.autocast():
+                value = loss(f, b)
+            a.backward(value)
+            a.step()
+            a.zero_grad(set_to_none=True)
+            return value.detach()
+        loops["tuned-model-amp-step"] = tuned_model_amp_step
 
     def controller(name, **kwargs):
         m, f, o = copy_of()
@@ -190,6 +217,18 @@ def _clocked(phase: str, fn):
         finally:
             clock.ms[phase] += (time.thread_time() - t0) * 1e3
     return run
+
+
+#: The CUDA caching allocator's counts a round's difference is kept of: device allocations and frees (each a
+#: driver call; a free synchronizes the device), retries after a failed allocation, and synchronizations.
+ALLOCATOR_COUNTS = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+
+def _allocator_counts(cuda) -> dict:
+    if not cuda:
+        return {k: 0 for k in ALLOCATOR_COUNTS}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}
 
 
 def timed_round(step, batches, n, cuda, gc_clock):
@@ -296,15 +335,17 @@ def _profile(step, batches, n, cuda):
 
 def _step_times(step, batches, n, cuda):
     """Each of n steps' wall ms, unsynchronized (a host-bound loop's host time a step: statistics steps and
-    reads stand out)."""
+    reads stand out), and the main thread's CPU ms in each step's forward."""
     _sync(cuda)
-    times = []
+    times, forward = [], []
     for i in range(n):
-        t0 = time.perf_counter()
-        step(batches[i % len(batches)])
-        times.append((time.perf_counter() - t0) * 1e3)
+        with PhaseClock() as clock:
+            t0 = time.perf_counter()
+            step(batches[i % len(batches)])
+            times.append((time.perf_counter() - t0) * 1e3)
+        forward.append(clock.ms["forward"])
     _sync(cuda)
-    return times
+    return times, forward
 
 
 #: The controller's host phases `phase_times` times: (owner, attribute, label). The forward (the closure, run
@@ -458,6 +499,8 @@ def main(argv=None) -> int:
     times, host, device_ms = ({name: [] for name in timed} for _ in range(3))
     gc_clocks = {name: GcClock() for name in loops}
     phase_cpu = {name: {"forward": [], "backward": []} for name in loops}  # main-thread CPU ms a step, by round
+    allocator = {name: {} for name in loops}  # the CUDA caching allocator's counts over the rounds
+    threads = sorted(t.name for t in threading.enumerate())  # Python threads besides the main one take its GIL
     rounds_start = time.perf_counter()
     backward = torch.Tensor.backward
     torch.Tensor.backward = _clocked("backward", backward)
@@ -469,11 +512,14 @@ def main(argv=None) -> int:
                 if name == "plain":
                     wall, cpu_ms, dev = plain.round()
                 else:
+                    before = _allocator_counts(cuda)
                     with PhaseClock() as clock:
                         wall, cpu_ms, dev = timed_round(loops[name], batches, args.round_steps, cuda,
                                                         gc_clocks[name])
                     for phase, ms in clock.ms.items():
                         phase_cpu[name][phase].append(ms / args.round_steps)
+                    for k, v in _allocator_counts(cuda).items():
+                        allocator[name][k] = allocator[name].get(k, 0) + v - before[k]
                 times[name].append(wall)
                 host[name].append(cpu_ms)
                 if dev is not None:
@@ -485,19 +531,21 @@ def main(argv=None) -> int:
            "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
            # on if a controller missed a statistics step (a graph without its hooks ran): then every loop pays them
            "hook_guards": not dynamo_config.skip_nnmodule_hook_guards, "dynamo_config": args.dynamo_config,
-           "loops": {}}
-    print(f"dynamo's hook guards in this process after the rounds: {'on' if res['hook_guards'] else 'off'}",
-          flush=True)
+           "threads": threads, "loops": {}}
+    print(f"dynamo's hook guards in this process after the rounds: {'on' if res['hook_guards'] else 'off'}; "
+          f"Python threads: {', '.join(threads)}", flush=True)
     ops, own = {}, {}
     for name, step in loops.items():
         summary, ops[name] = _profile(step, batches, args.profile_steps, cuda)
         res["loops"][name] = {"median_ms": statistics.median(times[name]), "round_ms": times[name],
                               "round_host_cpu_ms": host[name], "round_device_ms": device_ms[name] or None,
+                              "allocator_counts": allocator[name],
                               "round_forward_cpu_ms": phase_cpu[name]["forward"],
                               "round_backward_cpu_ms": phase_cpu[name]["backward"],
                               "gc_ms_per_step": gc_clocks[name].ms / (len(times[name]) * args.round_steps),
                               "gc_collections": gc_clocks[name].collections,
-                              **summary, "step_ms": _step_times(step, batches, args.round_steps, cuda),
+                              **summary, **dict(zip(("step_ms", "step_forward_cpu_ms"),
+                                                    _step_times(step, batches, args.round_steps, cuda))),
                               "phase_ms": phase_times(step, batches, args.round_steps, cuda)}
         res["loops"][name]["host_top"], own[name] = _host_profile(step, batches, args.round_steps, cuda)
     if plain:
@@ -568,7 +616,10 @@ def main(argv=None) -> int:
                  else "") + f"; garbage collection {r['gc_ms_per_step']:.3f} ms/step (collections by generation "
               f"{r['gc_collections']})", flush=True)
         fwd, bwd = statistics.median(r["round_forward_cpu_ms"]), statistics.median(r["round_backward_cpu_ms"])
-        print(f"   main thread CPU a step (median round): forward {fwd:.2f} ms, backward {bwd:.2f} ms", flush=True)
+        print(f"   main thread CPU a step (median round): forward {fwd:.2f} ms, backward {bwd:.2f} ms; in the round "
+              f"step by step, forwards {statistics.median(r['step_forward_cpu_ms']):.2f} ms (median), "
+              f"{max(r['step_forward_cpu_ms']):.2f} ms (most); allocator over the rounds: {r['allocator_counts']}",
+              flush=True)
         if "cpu_ms_more_than_alone" in r:
             print("   main thread CPU a step more than the plain loop's (mean of round pairs, its standard error): "
                   + ", ".join(f"{phase} {d['mean']:+.2f} ({d['se']:.2f}) ms"

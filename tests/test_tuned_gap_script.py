@@ -23,18 +23,23 @@ def test_five_loops_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
          "--profile-steps", "1", "--json", str(out)]) == 0
     assert torch.Tensor.backward is backward  # the rounds' clock on it is taken off
     res = json.loads(out.read_text())
-    assert res["chosen"] == "bf16-weights" and list(res["loops"]) == ["tuned", "controller", "controller-no-norm",
-                                                                        "tuned-model-plain", "alone"]
+    assert res["chosen"] == "bf16-weights" and list(res["loops"]) == [
+        "tuned", "controller", "controller-no-norm", "tuned-model-plain", "tuned-model-amp-autocast",
+        "tuned-model-amp-step", "alone"]
+    assert "MainThread" in res["threads"]
     for loop in res["loops"].values():
         assert len(loop["round_ms"]) == len(loop["round_host_cpu_ms"]) == 2 and loop["median_ms"] > 0
         assert loop["launches"] > 0 and loop["round_device_ms"] is None and min(loop["round_host_cpu_ms"]) > 0
-        assert "tottime" in loop["host_top"] and len(loop["step_ms"]) == 2
+        assert "tottime" in loop["host_top"] and len(loop["step_ms"]) == len(loop["step_forward_cpu_ms"]) == 2
+        assert min(loop["step_forward_cpu_ms"]) > 0 and set(loop["allocator_counts"]) == {
+            "num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams"}
         assert loop["gc_ms_per_step"] >= 0 and len(loop["gc_collections"]) == 3
         # The main thread's CPU in the forward and the backward (both run on it on the CPU), within the round's.
         for fwd, bwd, whole in zip(loop["round_forward_cpu_ms"], loop["round_backward_cpu_ms"],
                                    loop["round_host_cpu_ms"]):
             assert fwd > 0 and bwd > 0 and fwd + bwd < whole * 1.01
-    for name in ("tuned", "controller", "controller-no-norm", "tuned-model-plain"):
+    for name in ("tuned", "controller", "controller-no-norm", "tuned-model-plain", "tuned-model-amp-autocast",
+                 "tuned-model-amp-step"):
         more = res["loops"][name]["cpu_ms_more_than_alone"]
         assert set(more) == {"all", "forward", "backward", "rest"} and all(d["pairs"] == 2 for d in more.values())
         assert more["all"]["mean"] == pytest.approx(
