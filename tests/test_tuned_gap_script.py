@@ -61,6 +61,22 @@ def test_five_loops_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
     assert "== alone: median" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("n", range(1, 8))
+def test_round_orders_balance_places_and_predecessors(n):
+    """Each loop takes each place in a round, and directly follows each other loop, equally often (with every
+    permutation in turn, five loops' first 24 rounds all began with the same loop)."""
+    from collections import Counter
+
+    names = [f"loop{i}" for i in range(n)]
+    orders = load_bench_script("tuned_gap").balanced_orders(names)
+    assert len(orders) == (n if n % 2 == 0 else 2 * n) and all(sorted(o) == names for o in orders)
+    places = Counter((name, i) for o in orders for i, name in enumerate(o))
+    assert set(places.values()) == {len(orders) // n}
+    if n > 1:
+        follows = Counter(pair for o in orders for pair in zip(o, o[1:]))
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
+
+
 def test_geometric_mean_and_its_bootstrap_interval():
     gm = load_bench_script("tuned_gap").geometric_mean_ci
     mean, (lo, hi) = gm([1.1] * 5)
