@@ -4,14 +4,15 @@ Llama 1.1B ran at 44.9 ms a step, the bf16-weights plain loop at 31.0 ms, in sep
     python bench/tuned_gap.py [--model llama-1b] [--compiled] [--candidates bf16,bf16-weights] [--json PATH]
     python bench/tuned_gap.py --cpu --compiled    # the tiny Llama on the CPU (tests/test_tuned_gap_script.py)
 
-Seven loops of one recipe, on copies of the model (compiled with --compiled):
+Eight loops of one recipe, on copies of the model (compiled with --compiled):
 ``tuned`` (``AdaptiveMixedPrecision(..., policy="tune", tune=dict(candidates=...))``; its choice is the recipe),
 ``controller`` (the controller given that recipe's policy and an optimizer made as the recipe makes it),
 ``controller-no-norm`` (the same with ``track_grad_norm=False``: what the gradient norm it measures costs),
 ``tuned-model-plain`` (the plain step on the tuned controller's own model and optimizer, not through the
 controller: the controller's per-step code told from the state its model runs in; ``tuned-model-amp-autocast``
 the same with its forward in the controller's ``autocast()``, ``tuned-model-amp-step`` with the controller's
-backward, step and zero_grad) and
+backward, step and zero_grad, ``tuned-model-amp-parts`` with all of them: ``tuned`` but for
+``pressure.train_step``'s retry loop) and
 ``alone`` (recipes.AppliedRecipe's plain loop: what a trial times); ``--loops tuned,alone`` times only those
 (more round pairs in a call's time). ``--plain-process`` adds ``plain``: the plain loop in a process of its own,
 which never made a controller (see PlainProcess); every loop's ratio to it is the whole cost of the controller,
@@ -66,7 +67,7 @@ def _sync(cuda):
 #: with its forward in the controller's autocast(), with the controller's backward and step), and the recipe
 #: alone.
 LOOPS = ("tuned", "controller", "controller-no-norm", "tuned-model-plain", "tuned-model-amp-autocast",
-         "tuned-model-amp-step", "alone")
+         "tuned-model-amp-step", "tuned-model-amp-parts", "alone")
 
 
 def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=LOOPS):
@@ -124,6 +125,17 @@ def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=L
             a.zero_grad(set_to_none=True)
             return value.detach()
         loops["tuned-model-amp-step"] = tuned_model_amp_step
+    if "tuned-model-amp-parts" in names:
+        # Every part of the controller's step, called here as pressure.train_step calls them (without its
+        # out-of-memory retry loop): "tuned" but for that wrapper.
+        def tuned_model_amp_parts(b, a=tuned, f=fwd):
+            with a.autocast():
+                value = loss(f, b)
+            a.backward(value)
+            a.step()
+            a.zero_grad(set_to_none=True)
+            return value.detach()
+        loops["tuned-model-amp-parts"] = tuned_model_amp_parts
 
     def controller(name, **kwargs):
         m, f, o = copy_of()

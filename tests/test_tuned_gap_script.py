@@ -25,7 +25,7 @@ def test_five_loops_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["chosen"] == "bf16-weights" and list(res["loops"]) == [
         "tuned", "controller", "controller-no-norm", "tuned-model-plain", "tuned-model-amp-autocast",
-        "tuned-model-amp-step", "alone"]
+        "tuned-model-amp-step", "tuned-model-amp-parts", "alone"]
     assert "MainThread" in res["threads"]
     for loop in res["loops"].values():
         assert len(loop["round_ms"]) == len(loop["round_host_cpu_ms"]) == 2 and loop["median_ms"] > 0
@@ -39,7 +39,7 @@ def test_five_loops_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
                                    loop["round_host_cpu_ms"]):
             assert fwd > 0 and bwd > 0 and fwd + bwd < whole * 1.01
     for name in ("tuned", "controller", "controller-no-norm", "tuned-model-plain", "tuned-model-amp-autocast",
-                 "tuned-model-amp-step"):
+                 "tuned-model-amp-step", "tuned-model-amp-parts"):
         more = res["loops"][name]["cpu_ms_more_than_alone"]
         assert set(more) == {"all", "forward", "backward", "rest"} and all(d["pairs"] == 2 for d in more.values())
         assert more["all"]["mean"] == pytest.approx(
