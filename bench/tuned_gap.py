@@ -88,7 +88,7 @@ def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=L
     loops["tuned"] = lambda b, a=tuned, f=fwd: a.train_step(lambda: loss(f, b))
     keep.append(tuned)
     # The plain loop's step (as AppliedRecipe.train_step) on the tuned controller's model and optimizer, not
-    # through the controller, and with one of the controller's parts each: tells the controller's own per-step
+    # through the controller, and with some or all of the controller's parts: tells the controller's own per-step
     # work from what the model, its graphs and its optimizer carry from being tuned and controlled. (They train
     # the same model as "tuned", in other rounds: only the timing matters.)
     scaler = GradScaler(next(m.parameters()).device.type, enabled=False)
@@ -101,41 +101,27 @@ def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=L
         o.zero_grad(set_to_none=True)
         return value.detach()
 
-    if "tuned-model-plain" in names:
-        def tuned_model_plain(b, a=tuned, f=fwd):
-            with a.adjuster.autocast():
-                value = loss(f, b)
-            return plain_rest(value)
-        loops["tuned-model-plain"] = tuned_model_plain
-    if "tuned-model-amp-autocast" in names:
-        # The forward in the controller's autocast() (its statistics step included, when its step count is at
-        # one: once a round at most, since this loop does not count steps), the rest plain.
-        def tuned_model_amp_autocast(b, a=tuned, f=fwd):
-            with a.autocast():
-                value = loss(f, b)
-            return plain_rest(value)
-        loops["tuned-model-amp-autocast"] = tuned_model_amp_autocast
-    if "tuned-model-amp-step" in names:
-        # The forward in the policy's autocast alone, then the controller's backward, step and zero_grad.
-        def tuned_model_amp_step(b, a=tuned, f=fwd):
-            with a.adjuster.autocast():
-                value = loss(f, b)
-            a.backward(value)
-            a.step()
-            a.zero_grad(set_to_none=True)
-            return value.detach()
-        loops["tuned-model-amp-step"] = tuned_model_amp_step
-    if "tuned-model-amp-parts" in names:
-        # Every part of the controller's step, called here as pressure.train_step calls them (without its
-        # out-of-memory retry loop): "tuned" but for that wrapper.
-        def tuned_model_amp_parts(b, a=tuned, f=fwd):
-            with a.autocast():
-                value = loss(f, b)
-            a.backward(value)
-            a.step()
-            a.zero_grad(set_to_none=True)
-            return value.detach()
-        loops["tuned-model-amp-parts"] = tuned_model_amp_parts
+    def amp_rest(value, a=tuned):
+        """The controller's backward, step and zero_grad after a forward (as pressure.train_step calls them)."""
+        a.backward(value)
+        a.step()
+        a.zero_grad(set_to_none=True)
+        return value.detach()
+
+    # name: (the forward's context, the rest of the step). The controller's autocast() holds a statistics step
+    # when its step count is at one: with the plain rest, which does not count steps, once a round at most.
+    # "tuned-model-amp-parts" is "tuned" but for pressure.train_step's out-of-memory retry loop.
+    variants = {"tuned-model-plain": (tuned.adjuster.autocast, plain_rest),
+                "tuned-model-amp-autocast": (tuned.autocast, plain_rest),
+                "tuned-model-amp-step": (tuned.adjuster.autocast, amp_rest),
+                "tuned-model-amp-parts": (tuned.autocast, amp_rest)}
+    for name, (context, rest) in variants.items():
+        if name in names:
+            def tuned_model_step(b, context=context, rest=rest, f=fwd):
+                with context():
+                    value = loss(f, b)
+                return rest(value)
+            loops[name] = tuned_model_step
 
     def controller(name, **kwargs):
         m, f, o = copy_of()
