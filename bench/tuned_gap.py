@@ -64,8 +64,8 @@ def _sync(cuda):
 
 #: The loops timed side by side: the tuned controller, the controller given its policy (with and without the
 #: gradient norm it measures), the plain loop stepping the tuned controller's own model and optimizer (as it is,
-#: with its forward in the controller's autocast(), with the controller's backward and step), and the recipe
-#: alone.
+#: with its forward in the controller's autocast(), with the controller's backward and step, with both), and
+#: the recipe alone.
 LOOPS = ("tuned", "controller", "controller-no-norm", "tuned-model-plain", "tuned-model-amp-autocast",
          "tuned-model-amp-step", "tuned-model-amp-parts", "alone")
 
@@ -203,7 +203,7 @@ class GcClock:
 class PhaseClock:
     """The main thread's CPU ms in the loops' forward (their closure) and backward (``Tensor.backward``)
     while entered: with the round's whole CPU time, where a loop's host time goes (the rest is its optimizer
-    step and its own code). The two loops run the same compiled graphs, so a difference in their forward or
+    step and its own code). The loops run the same compiled graphs, so a difference in their forward or
     backward is not the controller's code but the state it runs them in."""
 
     current: Optional["PhaseClock"] = None
