@@ -54,6 +54,7 @@ import torch
 from adaptive_amp import AdaptiveMixedPrecision, GradScaler, zoo
 from adaptive_amp.bench.e2e import MODELS
 from adaptive_amp.bench.op_profile import profile_steps
+from adaptive_amp.collect import hooks_guarded
 from adaptive_amp.recipes import AppliedRecipe
 
 
@@ -158,6 +159,12 @@ def balanced_orders(names) -> list:
     if n % 2:
         rows += [row[::-1] for row in rows]
     return [tuple(names[i] for i in row) for row in rows]
+
+
+def _cpu_phases(loop: dict) -> dict:
+    """A loop's main-thread CPU ms a step, by round: all of it, its forward, its backward and the rest."""
+    whole, fwd, bwd = loop["round_host_cpu_ms"], loop["round_forward_cpu_ms"], loop["round_backward_cpu_ms"]
+    return {"all": whole, "forward": fwd, "backward": bwd, "rest": [a - f - b for a, f, b in zip(whole, fwd, bwd)]}
 
 
 def _paired_difference(mine, base) -> dict:
@@ -290,9 +297,7 @@ def _plain_child(conn, spec):
     for i in range(spec["warmup"]):
         step(batches[i % len(batches)])
     _sync(cuda)
-    from torch._dynamo import config
-
-    conn.send({"hook_guards": not config.skip_nnmodule_hook_guards, "dynamo_config": applied})
+    conn.send({"hook_guards": hooks_guarded(), "dynamo_config": applied})
     clock = GcClock()
     while conn.recv() == "round":
         conn.send(timed_round(step, batches, spec["round_steps"], cuda, clock))
@@ -545,7 +550,7 @@ def main(argv=None) -> int:
     res = {"model": args.model if cuda else f"{family}-tiny", "compiled": args.compiled, "chosen": tuning.recipe.name,
            "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
            # on if a controller missed a statistics step (a graph without its hooks ran): then every loop pays them
-           "hook_guards": not dynamo_config.skip_nnmodule_hook_guards, "dynamo_config": args.dynamo_config,
+           "hook_guards": hooks_guarded(), "dynamo_config": args.dynamo_config,
            "threads": threads, "loops": {}}
     print(f"dynamo's hook guards in this process after the rounds: {'on' if res['hook_guards'] else 'off'}; "
           f"Python threads: {', '.join(threads)}", flush=True)
@@ -584,14 +589,8 @@ def main(argv=None) -> int:
         loop["device_busy_ratio_to_alone"] = loop["device_busy_ms"] / busy if busy else None
         # The main thread's CPU a step against the plain loop's, by phase, paired by round: same graphs, so a
         # difference in forward or backward is the state they run in, in "rest" the controller's own code.
-        loop["cpu_ms_more_than_alone"] = {
-            phase: _paired_difference(rounds(loop), rounds(alone))
-            for phase, rounds in (("all", lambda l: l["round_host_cpu_ms"]),
-                                  ("forward", lambda l: l["round_forward_cpu_ms"]),
-                                  ("backward", lambda l: l["round_backward_cpu_ms"]),
-                                  ("rest", lambda l: [a - f - b for a, f, b in zip(
-                                      l["round_host_cpu_ms"], l["round_forward_cpu_ms"],
-                                      l["round_backward_cpu_ms"])]))}
+        mine, base = _cpu_phases(loop), _cpu_phases(alone)
+        loop["cpu_ms_more_than_alone"] = {phase: _paired_difference(mine[phase], base[phase]) for phase in mine}
         # Host time under cProfile over a round (the statistics step and the read included), by function.
         loop["host_differs_from_alone"] = host_diff(own[name], own["alone"])
         base, mine = ops["alone"], ops[name]

@@ -52,6 +52,7 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from adaptive_amp import zoo  # noqa: E402
+from adaptive_amp.collect import hooks_guarded  # noqa: E402
 from adaptive_amp.controller import AdaptiveMixedPrecision  # noqa: E402
 from adaptive_amp.layers import find_layers  # noqa: E402
 
@@ -139,7 +140,7 @@ def run_one(name, mode, order, steps, backend, device, tiny=False):
         "skipped_steps": int(sum(found)), "stats_steps": stats_steps, "graphs_after_step": graphs_after,
         "graph_breaks": dict(counters["graph_break"]), "losses": losses,
         # on only if a controller of this process missed a statistics step (adaptive_amp/collect.py)
-        "hook_guards": not torch._dynamo.config.skip_nnmodule_hook_guards,
+        "hook_guards": hooks_guarded(),
         "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
     }
     amp.remove()

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
-def test_five_loops_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
+def test_every_loop_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
     import torch
 
     backward = torch.Tensor.backward
