@@ -41,7 +41,9 @@ import cProfile
 import gc
 import io
 import json
+import os
 import pstats
+import resource
 import statistics
 import sys
 import threading
@@ -211,12 +213,24 @@ class PhaseClock:
     """The main thread's CPU ms in the loops' forward (their closure) and backward (``Tensor.backward``)
     while entered: with the round's whole CPU time, where a loop's host time goes (the rest is its optimizer
     step and its own code). The loops run the same compiled graphs, so a difference in their forward or
-    backward is not the controller's code but the state it runs them in."""
+    backward is not the controller's code but the state it runs them in.
+
+    Around each forward it also takes what tells a slower host from more host work and from a device that
+    waits: the main thread's context switches in it (voluntary: it blocked; involuntary: it was preempted),
+    the time of a fixed piece of Python just before it (``cpu_probe``: the core's speed then, not the
+    forward's work), and with ``cuda`` two CUDA events, so that the device's elapsed time splits into each
+    forward's span and the span from one forward's end to the next one's start (backward, optimizer step,
+    the loop's own work). The same kernels run in both spans of every loop, so a longer span is device time
+    spent waiting for the host."""
 
     current: Optional["PhaseClock"] = None
 
-    def __init__(self):
+    def __init__(self, cuda: bool = False):
         self.ms = {"forward": 0.0, "backward": 0.0}
+        self.cuda = cuda
+        self.switches = [0, 0]  # the main thread's voluntary and involuntary context switches in the forwards
+        self.probe_us: list = []
+        self.events: list = []  # (start, end) of each forward, on the current stream
 
     def __enter__(self):
         PhaseClock.current = self
@@ -225,18 +239,55 @@ class PhaseClock:
     def __exit__(self, *exc):
         PhaseClock.current = None
 
+    def device_spans(self):
+        """After a synchronization: the device's mean ms a step in the forwards, and between one forward's
+        end and the next one's start (None without CUDA events or with fewer than two forwards)."""
+        if len(self.events) < 2:
+            return None, None
+        fwd = statistics.fmean(a.elapsed_time(b) for a, b in self.events)
+        between = statistics.fmean(self.events[i][1].elapsed_time(self.events[i + 1][0])
+                                   for i in range(len(self.events) - 1))
+        return fwd, between
+
+
+def cpu_probe(n: int = 400) -> float:
+    """µs of a fixed piece of pure Python: how fast the core runs the main thread at that moment."""
+    t0 = time.perf_counter_ns()
+    x = 0
+    for i in range(n):
+        x += i * i
+    return (time.perf_counter_ns() - t0) / 1e3
+
+
+def _switches():
+    r = resource.getrusage(resource.RUSAGE_THREAD)
+    return r.ru_nvcsw, r.ru_nivcsw
+
 
 def _clocked(phase: str, fn):
-    """`fn`, its main-thread CPU time added to the entered PhaseClock's `phase`."""
+    """`fn`, its main-thread CPU time added to the entered PhaseClock's `phase` (and for the forward, what
+    PhaseClock takes around it)."""
     def run(*args, **kwargs):
         clock = PhaseClock.current
         if clock is None:
             return fn(*args, **kwargs)
+        forward = phase == "forward"
+        if forward:
+            clock.probe_us.append(cpu_probe())
+            sw = _switches()
+            if clock.cuda:
+                events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                events[0].record()
         t0 = time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
             clock.ms[phase] += (time.thread_time() - t0) * 1e3
+            if forward:
+                if clock.cuda:
+                    events[1].record()
+                    clock.events.append(events)
+                clock.switches = [c + b - a for c, a, b in zip(clock.switches, sw, _switches())]
     return run
 
 
@@ -468,6 +519,9 @@ def main(argv=None) -> int:
     p.add_argument("--dynamo-config", type=json.loads, default={}, metavar="JSON",
                    help="torch._dynamo.config settings for every loop (the plain process's too), e.g. "
                         "'{\"use_recursive_dict_tags_for_guards\": false}'")
+    p.add_argument("--pin-main", action="store_true",
+                   help="pin the main thread to one core for the rounds (the other threads keep theirs): whether "
+                        "the scheduler moving it between cores makes the difference")
     p.add_argument("--cpu", action="store_true", help="the tiny model on the CPU (aten ops instead of kernels)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
@@ -519,6 +573,17 @@ def main(argv=None) -> int:
     times, host, device_ms = ({name: [] for name in timed} for _ in range(3))
     gc_clocks = {name: GcClock() for name in loops}
     phase_cpu = {name: {"forward": [], "backward": []} for name in loops}  # main-thread CPU ms a step, by round
+    # By round: the device's ms a step in the forwards and between them, the CPU probe's median µs, and the
+    # main thread's voluntary and involuntary context switches a step in the forwards (PhaseClock).
+    spans = {name: {"forward": [], "between": []} for name in loops}
+    probe = {name: [] for name in loops}
+    switches = {name: {"voluntary": [], "involuntary": []} for name in loops}
+    cores = os.sched_getaffinity(0)
+    if args.pin_main:
+        # The main thread only (Linux applies it to the calling thread); after the warm-up, so the threads
+        # made there (autograd's, inductor's) keep every core. Given back after the rounds.
+        os.sched_setaffinity(0, {min(cores)})
+        print(f"main thread pinned to core {min(cores)} for the rounds", flush=True)
     allocator = {name: {} for name in loops}  # the CUDA caching allocator's counts over the rounds
     threads = sorted(t.name for t in threading.enumerate())  # Python threads besides the main one take its GIL
     rounds_start = time.perf_counter()
@@ -533,11 +598,18 @@ def main(argv=None) -> int:
                     wall, cpu_ms, dev = plain.round()
                 else:
                     before = _allocator_counts(cuda)
-                    with PhaseClock() as clock:
+                    with PhaseClock(cuda) as clock:
                         wall, cpu_ms, dev = timed_round(loops[name], batches, args.round_steps, cuda,
                                                         gc_clocks[name])
                     for phase, ms in clock.ms.items():
                         phase_cpu[name][phase].append(ms / args.round_steps)
+                    fwd_span, between = clock.device_spans()  # (timed_round synchronized at its end)
+                    if fwd_span is not None:
+                        spans[name]["forward"].append(fwd_span)
+                        spans[name]["between"].append(between)
+                    probe[name].append(statistics.median(clock.probe_us))
+                    for kind, count in zip(switches[name], clock.switches):
+                        switches[name][kind].append(count / args.round_steps)
                     for k, v in _allocator_counts(cuda).items():
                         allocator[name][k] = allocator[name].get(k, 0) + v - before[k]
                 times[name].append(wall)
@@ -546,6 +618,7 @@ def main(argv=None) -> int:
                     device_ms[name].append(dev)
     finally:
         torch.Tensor.backward = backward
+        os.sched_setaffinity(0, cores)
     names = list(loops)
     res = {"model": args.model if cuda else f"{family}-tiny", "compiled": args.compiled, "chosen": tuning.recipe.name,
            "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -562,6 +635,10 @@ def main(argv=None) -> int:
                               "allocator_counts": allocator[name],
                               "round_forward_cpu_ms": phase_cpu[name]["forward"],
                               "round_backward_cpu_ms": phase_cpu[name]["backward"],
+                              "round_forward_device_ms": spans[name]["forward"] or None,
+                              "round_between_device_ms": spans[name]["between"] or None,
+                              "round_probe_us": probe[name],
+                              "round_forward_switches": switches[name],
                               "gc_ms_per_step": gc_clocks[name].ms / (len(times[name]) * args.round_steps),
                               "gc_collections": gc_clocks[name].collections,
                               **summary, **dict(zip(("step_ms", "step_forward_cpu_ms"),
@@ -591,6 +668,15 @@ def main(argv=None) -> int:
         # difference in forward or backward is the state they run in, in "rest" the controller's own code.
         mine, base = _cpu_phases(loop), _cpu_phases(alone)
         loop["cpu_ms_more_than_alone"] = {phase: _paired_difference(mine[phase], base[phase]) for phase in mine}
+        # The device's spans (same kernels in each): a longer one waited for the host. The probe: a slower core.
+        if loop["round_forward_device_ms"]:
+            loop["device_ms_more_than_alone"] = {
+                span: _paired_difference(loop[f"round_{span}_device_ms"], alone[f"round_{span}_device_ms"])
+                for span in ("forward", "between")}
+        loop["probe_us_more_than_alone"] = _paired_difference(loop["round_probe_us"], alone["round_probe_us"])
+        loop["forward_switches_more_than_alone"] = {
+            kind: _paired_difference(loop["round_forward_switches"][kind], alone["round_forward_switches"][kind])
+            for kind in ("voluntary", "involuntary")}
         # Host time under cProfile over a round (the statistics step and the read included), by function.
         loop["host_differs_from_alone"] = host_diff(own[name], own["alone"])
         base, mine = ops["alone"], ops[name]
@@ -634,10 +720,23 @@ def main(argv=None) -> int:
               f"step by step, forwards {statistics.median(r['step_forward_cpu_ms']):.2f} ms (median), "
               f"{max(r['step_forward_cpu_ms']):.2f} ms (most); allocator over the rounds: {r['allocator_counts']}",
               flush=True)
+        print(f"   the forwards (median round): CPU probe {statistics.median(r['round_probe_us']):.1f} us; context "
+              "switches a step " + ", ".join(f"{k} {statistics.median(v):.2f}"
+                                             for k, v in r["round_forward_switches"].items())
+              + ("" if not r["round_forward_device_ms"] else
+                 f"; device ms a step in the forwards {statistics.median(r['round_forward_device_ms']):.2f}, "
+                 f"between them {statistics.median(r['round_between_device_ms']):.2f}"), flush=True)
         if "cpu_ms_more_than_alone" in r:
             print("   main thread CPU a step more than the plain loop's (mean of round pairs, its standard error): "
                   + ", ".join(f"{phase} {d['mean']:+.2f} ({d['se']:.2f}) ms"
                               for phase, d in r["cpu_ms_more_than_alone"].items()), flush=True)
+            more = [f"CPU probe {r['probe_us_more_than_alone']['mean']:+.2f} "
+                    f"({r['probe_us_more_than_alone']['se']:.2f}) us"]
+            more += [f"{kind} switches {d['mean']:+.2f} ({d['se']:.2f})"
+                     for kind, d in r["forward_switches_more_than_alone"].items()]
+            more += [f"device {span} {d['mean']:+.2f} ({d['se']:.2f}) ms"
+                     for span, d in r.get("device_ms_more_than_alone", {}).items()]
+            print("   more than the plain loop's, a step: " + ", ".join(more), flush=True)
         for k, (bc, bu), (mc, mu) in r.get("differs_from_alone", []):
             print(f"   {k[:80]:80} count {bc:6.1f} -> {mc:6.1f}  device {bu:9.1f} -> {mu:9.1f} us")
         if "host_differs_from_alone" in r:

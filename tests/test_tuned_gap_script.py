@@ -38,12 +38,19 @@ def test_every_loop_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
         for fwd, bwd, whole in zip(loop["round_forward_cpu_ms"], loop["round_backward_cpu_ms"],
                                    loop["round_host_cpu_ms"]):
             assert fwd > 0 and bwd > 0 and fwd + bwd < whole * 1.01
+        # Around the forwards: the CPU probe, the context switches a step, no device spans on the CPU.
+        assert len(loop["round_probe_us"]) == 2 and min(loop["round_probe_us"]) > 0
+        assert loop["round_forward_device_ms"] is None and loop["round_between_device_ms"] is None
+        assert all(len(v) == 2 and min(v) >= 0 for v in loop["round_forward_switches"].values())
     for name in ("tuned", "controller", "controller-no-norm", "tuned-model-plain", "tuned-model-amp-autocast",
                  "tuned-model-amp-step", "tuned-model-amp-parts"):
         more = res["loops"][name]["cpu_ms_more_than_alone"]
         assert set(more) == {"all", "forward", "backward", "rest"} and all(d["pairs"] == 2 for d in more.values())
         assert more["all"]["mean"] == pytest.approx(
             more["forward"]["mean"] + more["backward"]["mean"] + more["rest"]["mean"], abs=1e-6)
+        loop = res["loops"][name]
+        assert loop["probe_us_more_than_alone"]["pairs"] == 2 and "device_ms_more_than_alone" not in loop
+        assert set(loop["forward_switches_more_than_alone"]) == {"voluntary", "involuntary"}
     # What the controllers run beyond the plain loop: no second pass for the gradient norm they track
     # (adaptive_amp.optim's step measures it; it was a _foreach_norm a step, 4% of a compiled Llama 1.1B's).
     for name in ("tuned", "controller"):
@@ -117,6 +124,22 @@ def test_host_diff_ranks_functions_by_own_time_a_step_against_the_plain_loop():
     assert rows[1][2] == pytest.approx(1.0) and diff(base, mine, top=1)[0][2] == pytest.approx(-40.0)
 
 
+def test_device_spans_split_the_elapsed_time_at_the_forwards():
+    """PhaseClock.device_spans: the mean of each forward's span and of the spans from one forward's end to the
+    next one's start (events here are times in ms, as CUDA events' elapsed_time gives them)."""
+    class At:
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, later):
+            return later.t - self.t
+
+    clock = load_bench_script("tuned_gap").PhaseClock()
+    assert clock.device_spans() == (None, None)
+    clock.events = [(At(0.0), At(10.0)), (At(30.0), At(42.0)), (At(60.0), At(71.0))]
+    assert clock.device_spans() == (pytest.approx(11.0), pytest.approx(19.0))
+
+
 def test_gc_clock_times_the_collections_made_while_installed():
     import gc
 
@@ -129,13 +152,19 @@ def test_gc_clock_times_the_collections_made_while_installed():
     assert clock.collections == [1, 0, 1] and clock not in gc.callbacks
 
 
-def test_two_loops_only_and_rounds_stopped_by_time(tmp_path):
+def test_two_loops_only_and_rounds_stopped_by_time(tmp_path, capsys):
     """--loops tuned,alone times just those (more rounds of each in a call's time); --rounds-seconds stops
-    starting rounds once that much time went to them (the first round always runs)."""
+    starting rounds once that much time went to them (the first round always runs). --pin-main pins the main
+    thread to one core for the rounds only."""
+    import os
+
+    cores = os.sched_getaffinity(0)
     out = tmp_path / "gap.json"
     assert load_bench_script("tuned_gap").main(
         ["--cpu", "--candidates", "bf16-weights", "--loops", "tuned,alone", "--rounds", "50", "--rounds-seconds",
-         "0", "--round-steps", "2", "--warmup", "1", "--profile-steps", "1", "--json", str(out)]) == 0
+         "0", "--round-steps", "2", "--warmup", "1", "--profile-steps", "1", "--pin-main", "--json", str(out)]) == 0
+    assert f"main thread pinned to core {min(cores)} for the rounds" in capsys.readouterr().out
+    assert os.sched_getaffinity(0) == cores
     res = json.loads(out.read_text())
     assert list(res["loops"]) == ["tuned", "alone"]
     assert len(res["loops"]["tuned"]["round_ms"]) == len(res["loops"]["alone"]["round_ms"]) == 1
