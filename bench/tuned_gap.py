@@ -225,9 +225,10 @@ class PhaseClock:
 
     current: Optional["PhaseClock"] = None
 
-    def __init__(self, cuda: bool = False):
+    def __init__(self, cuda: bool = False, around: bool = True):
         self.ms = {"forward": 0.0, "backward": 0.0}
         self.cuda = cuda
+        self.around = around  # False: the CPU clocks alone (--bare-forward)
         self.switches = [0, 0]  # the main thread's voluntary and involuntary context switches in the forwards
         self.probe_us: list = []
         self.events: list = []  # (start, end) of each forward, on the current stream
@@ -271,7 +272,7 @@ def _clocked(phase: str, fn):
         clock = PhaseClock.current
         if clock is None:
             return fn(*args, **kwargs)
-        forward = phase == "forward"
+        forward = phase == "forward" and clock.around
         if forward:
             clock.probe_us.append(cpu_probe())
             sw = _switches()
@@ -522,6 +523,9 @@ def main(argv=None) -> int:
     p.add_argument("--pin-main", action="store_true",
                    help="pin the main thread to one core for the rounds (the other threads keep theirs): whether "
                         "the scheduler moving it between cores makes the difference")
+    p.add_argument("--bare-forward", action="store_true",
+                   help="around each forward only its CPU clock, as until 2026-11-27 (no probe, context switches or "
+                        "CUDA events): whether taking them changes what is measured")
     p.add_argument("--cpu", action="store_true", help="the tiny model on the CPU (aten ops instead of kernels)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
@@ -598,7 +602,7 @@ def main(argv=None) -> int:
                     wall, cpu_ms, dev = plain.round()
                 else:
                     before = _allocator_counts(cuda)
-                    with PhaseClock(cuda) as clock:
+                    with PhaseClock(cuda, around=not args.bare_forward) as clock:
                         wall, cpu_ms, dev = timed_round(loops[name], batches, args.round_steps, cuda,
                                                         gc_clocks[name])
                     for phase, ms in clock.ms.items():
@@ -607,9 +611,10 @@ def main(argv=None) -> int:
                     if fwd_span is not None:
                         spans[name]["forward"].append(fwd_span)
                         spans[name]["between"].append(between)
-                    probe[name].append(statistics.median(clock.probe_us))
-                    for kind, count in zip(switches[name], clock.switches):
-                        switches[name][kind].append(count / args.round_steps)
+                    if clock.around:
+                        probe[name].append(statistics.median(clock.probe_us))
+                        for kind, count in zip(switches[name], clock.switches):
+                            switches[name][kind].append(count / args.round_steps)
                     for k, v in _allocator_counts(cuda).items():
                         allocator[name][k] = allocator[name].get(k, 0) + v - before[k]
                 times[name].append(wall)
@@ -637,8 +642,8 @@ def main(argv=None) -> int:
                               "round_backward_cpu_ms": phase_cpu[name]["backward"],
                               "round_forward_device_ms": spans[name]["forward"] or None,
                               "round_between_device_ms": spans[name]["between"] or None,
-                              "round_probe_us": probe[name],
-                              "round_forward_switches": switches[name],
+                              "round_probe_us": probe[name] or None,
+                              "round_forward_switches": switches[name] if probe[name] else None,
                               "gc_ms_per_step": gc_clocks[name].ms / (len(times[name]) * args.round_steps),
                               "gc_collections": gc_clocks[name].collections,
                               **summary, **dict(zip(("step_ms", "step_forward_cpu_ms"),
@@ -673,10 +678,11 @@ def main(argv=None) -> int:
             loop["device_ms_more_than_alone"] = {
                 span: _paired_difference(loop[f"round_{span}_device_ms"], alone[f"round_{span}_device_ms"])
                 for span in ("forward", "between")}
-        loop["probe_us_more_than_alone"] = _paired_difference(loop["round_probe_us"], alone["round_probe_us"])
-        loop["forward_switches_more_than_alone"] = {
-            kind: _paired_difference(loop["round_forward_switches"][kind], alone["round_forward_switches"][kind])
-            for kind in ("voluntary", "involuntary")}
+        if loop["round_probe_us"]:
+            loop["probe_us_more_than_alone"] = _paired_difference(loop["round_probe_us"], alone["round_probe_us"])
+            loop["forward_switches_more_than_alone"] = {
+                kind: _paired_difference(loop["round_forward_switches"][kind], alone["round_forward_switches"][kind])
+                for kind in ("voluntary", "involuntary")}
         # Host time under cProfile over a round (the statistics step and the read included), by function.
         loop["host_differs_from_alone"] = host_diff(own[name], own["alone"])
         base, mine = ops["alone"], ops[name]
@@ -720,23 +726,24 @@ def main(argv=None) -> int:
               f"step by step, forwards {statistics.median(r['step_forward_cpu_ms']):.2f} ms (median), "
               f"{max(r['step_forward_cpu_ms']):.2f} ms (most); allocator over the rounds: {r['allocator_counts']}",
               flush=True)
-        print(f"   the forwards (median round): CPU probe {statistics.median(r['round_probe_us']):.1f} us; context "
-              "switches a step " + ", ".join(f"{k} {statistics.median(v):.2f}"
-                                             for k, v in r["round_forward_switches"].items())
-              + ("" if not r["round_forward_device_ms"] else
-                 f"; device ms a step in the forwards {statistics.median(r['round_forward_device_ms']):.2f}, "
-                 f"between them {statistics.median(r['round_between_device_ms']):.2f}"), flush=True)
+        if r["round_probe_us"]:
+            print(f"   the forwards (median round): CPU probe {statistics.median(r['round_probe_us']):.1f} us; context "
+                  "switches a step " + ", ".join(f"{k} {statistics.median(v):.2f}"
+                                                 for k, v in r["round_forward_switches"].items())
+                  + ("" if not r["round_forward_device_ms"] else
+                     f"; device ms a step in the forwards {statistics.median(r['round_forward_device_ms']):.2f}, "
+                     f"between them {statistics.median(r['round_between_device_ms']):.2f}"), flush=True)
         if "cpu_ms_more_than_alone" in r:
             print("   main thread CPU a step more than the plain loop's (mean of round pairs, its standard error): "
                   + ", ".join(f"{phase} {d['mean']:+.2f} ({d['se']:.2f}) ms"
                               for phase, d in r["cpu_ms_more_than_alone"].items()), flush=True)
-            more = [f"CPU probe {r['probe_us_more_than_alone']['mean']:+.2f} "
-                    f"({r['probe_us_more_than_alone']['se']:.2f}) us"]
+            more = [f"CPU probe {d['mean']:+.2f} ({d['se']:.2f}) us" for d in [r.get("probe_us_more_than_alone")] if d]
             more += [f"{kind} switches {d['mean']:+.2f} ({d['se']:.2f})"
-                     for kind, d in r["forward_switches_more_than_alone"].items()]
+                     for kind, d in r.get("forward_switches_more_than_alone", {}).items()]
             more += [f"device {span} {d['mean']:+.2f} ({d['se']:.2f}) ms"
                      for span, d in r.get("device_ms_more_than_alone", {}).items()]
-            print("   more than the plain loop's, a step: " + ", ".join(more), flush=True)
+            if more:
+                print("   more than the plain loop's, a step: " + ", ".join(more), flush=True)
         for k, (bc, bu), (mc, mu) in r.get("differs_from_alone", []):
             print(f"   {k[:80]:80} count {bc:6.1f} -> {mc:6.1f}  device {bu:9.1f} -> {mu:9.1f} us")
         if "host_differs_from_alone" in r:

@@ -155,16 +155,21 @@ def test_gc_clock_times_the_collections_made_while_installed():
 def test_two_loops_only_and_rounds_stopped_by_time(tmp_path, capsys):
     """--loops tuned,alone times just those (more rounds of each in a call's time); --rounds-seconds stops
     starting rounds once that much time went to them (the first round always runs). --pin-main pins the main
-    thread to one core for the rounds only."""
+    thread to one core for the rounds only; --bare-forward takes only the forward's CPU time around it."""
     import os
 
     cores = os.sched_getaffinity(0)
     out = tmp_path / "gap.json"
     assert load_bench_script("tuned_gap").main(
         ["--cpu", "--candidates", "bf16-weights", "--loops", "tuned,alone", "--rounds", "50", "--rounds-seconds",
-         "0", "--round-steps", "2", "--warmup", "1", "--profile-steps", "1", "--pin-main", "--json", str(out)]) == 0
+         "0", "--round-steps", "2", "--warmup", "1", "--profile-steps", "1", "--pin-main", "--bare-forward",
+         "--json", str(out)]) == 0
     assert f"main thread pinned to core {min(cores)} for the rounds" in capsys.readouterr().out
     assert os.sched_getaffinity(0) == cores
+    # --bare-forward: the forward's CPU clock only.
+    tuned = json.loads(out.read_text())["loops"]["tuned"]
+    assert tuned["round_probe_us"] is None and tuned["round_forward_switches"] is None
+    assert "probe_us_more_than_alone" not in tuned and min(tuned["round_forward_cpu_ms"]) > 0
     res = json.loads(out.read_text())
     assert list(res["loops"]) == ["tuned", "alone"]
     assert len(res["loops"]["tuned"]["round_ms"]) == len(res["loops"]["alone"]["round_ms"]) == 1
