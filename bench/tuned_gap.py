@@ -73,7 +73,7 @@ LOOPS = ("tuned", "controller", "controller-no-norm", "tuned-model-plain", "tune
          "tuned-model-amp-step", "tuned-model-amp-parts", "alone")
 
 
-def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=LOOPS):
+def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=LOOPS, tune_kwargs=None):
     """{name: step(batch)} of the LOOPS in `names` (the tuned one is always built: it holds the recipe); the
     tuning's result; the controllers, kept alive."""
     def copy_of():
@@ -85,7 +85,7 @@ def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=L
     amp_kwargs = amp_kwargs or {}
     tuned = AdaptiveMixedPrecision(fwd, opt, policy="tune", progress=False, **amp_kwargs,
                                    tune=dict(batches=batches, loss_fn=zm.loss, candidates=candidates,
-                                             progress=lambda s: print(s, flush=True)))
+                                             progress=lambda s: print(s, flush=True), **(tune_kwargs or {})))
     recipe = tuned.tuning.recipe
     loss = _clocked("forward", zm.loss)
     loops["tuned"] = lambda b, a=tuned, f=fwd: a.train_step(lambda: loss(f, b))
@@ -514,6 +514,9 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--amp-kwargs", type=json.loads, default={}, metavar="JSON",
                    help='the controllers\' options, e.g. \'{"layer_stats": false}\' or \'{"read_every": 1000}\'')
+    p.add_argument("--tune-kwargs", type=json.loads, default={}, metavar="JSON",
+                   help='the tuning\'s options (AdaptivePrecisionSelector.tune), e.g. \'{"steps": 4, "rounds": 2}\': '
+                        "a shorter tuning, so that a larger batch fits a call")
     p.add_argument("--plain-process", action="store_true",
                    help="also time the recipe's plain loop in a process of its own, which never made a controller "
                         "(loop 'plain'; rounds only)")
@@ -550,8 +553,10 @@ def main(argv=None) -> int:
     zm = zoo.build(family, "tiny" if args.cpu else size, seed=0, device=device)
     batches = [zm.make_batch(2 if args.cpu else args.batch, seed=i, device=device,
                              seq_len=None if args.cpu else args.seq) for i in range(8)]
+    if not isinstance(args.tune_kwargs, dict):
+        p.error(f"--tune-kwargs: a JSON object of the tuning's options (got {args.tune_kwargs!r})")
     loops, tuning, _keep = _loops(zm, batches, args.compiled, args.candidates.split(","), args.lr, args.amp_kwargs,
-                                  names)
+                                  names, args.tune_kwargs)
     loops = {name: loops[name] for name in LOOPS if name in names}
     print(tuning.table(), flush=True)
     for name, step in loops.items():  # warm-up: compiles (the controllers' statistics graph too)

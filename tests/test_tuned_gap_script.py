@@ -163,7 +163,7 @@ def test_two_loops_only_and_rounds_stopped_by_time(tmp_path, capsys):
     assert load_bench_script("tuned_gap").main(
         ["--cpu", "--candidates", "bf16-weights", "--loops", "tuned,alone", "--rounds", "50", "--rounds-seconds",
          "0", "--round-steps", "2", "--warmup", "1", "--profile-steps", "1", "--pin-main", "--bare-forward",
-         "--json", str(out)]) == 0
+         "--tune-kwargs", '{"steps": 4, "rounds": 2}', "--json", str(out)]) == 0
     assert f"main thread pinned to core {min(cores)} for the rounds" in capsys.readouterr().out
     assert os.sched_getaffinity(0) == cores
     # --bare-forward: the forward's CPU clock only.
@@ -188,6 +188,16 @@ def test_bad_dynamo_config_is_refused_naming_the_option(value, capsys):
     with pytest.raises(SystemExit):
         load_bench_script("tuned_gap").main(["--cpu", "--dynamo-config", value])
     assert "--dynamo-config" in capsys.readouterr().err
+
+
+def test_bad_tune_kwargs_are_refused_naming_the_option(capsys):
+    with pytest.raises(SystemExit):
+        load_bench_script("tuned_gap").main(["--cpu", "--tune-kwargs", "[4]"])
+    assert "--tune-kwargs" in capsys.readouterr().err
+    # The options reach the tuning, which names a bad one.
+    with pytest.raises(ValueError, match="rounds"):
+        load_bench_script("tuned_gap").main(["--cpu", "--candidates", "bf16-weights", "--tune-kwargs",
+                                             '{"rounds": 0}'])
 
 
 def test_the_plain_loop_in_its_own_process_has_no_hook_guards_and_takes_its_turn(tmp_path, monkeypatch):
