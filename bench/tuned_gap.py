@@ -26,9 +26,11 @@ Python functions that take the most host time (cProfile).
 A round is --round-steps steps, by default the controller's ``read_every`` (50): each controller round then
 holds one statistics step and one read, their cost spread over the steps as in training. Per round: the wall
 time, the main thread's CPU time (the whole, and in the loop's forward and in ``Tensor.backward``: PhaseClock)
-and the device's elapsed time between CUDA events. Each
-controller loop's ratio to the plain loop is given per round pair, as their median and as the geometric mean
-with a 95% bootstrap interval. After the rounds, one more round of each loop is timed step by step, and one
+and the device's elapsed time between CUDA events; around each forward, the core's speed (a fixed piece of
+Python timed just before it), the main thread's context switches and the device's time split into the forwards
+and the spans between them (``--bare-forward`` leaves only the CPU clock; ``--pin-main`` pins the main thread to
+one core). Each controller loop's ratio to the plain loop is given per round pair, as their median and as the
+geometric mean with a 95% bootstrap interval. After the rounds, one more round of each loop is timed step by step, and one
 with the host time inside the controller's phases (PHASES: its step, the statistics gathered, the read (its copy
 to the host queued, then taken a step later), the detectors, the adaptation), which is where a host-bound gap goes.
 """
@@ -544,6 +546,8 @@ def main(argv=None) -> int:
     unknown = [k for k in args.dynamo_config if not hasattr(dynamo_config, k)]
     if unknown:
         p.error(f"--dynamo-config: torch {torch.__version__}'s torch._dynamo.config has no {', '.join(unknown)}")
+    if not isinstance(args.tune_kwargs, dict):
+        p.error(f"--tune-kwargs: a JSON object of the tuning's options (got {args.tune_kwargs!r})")
     apply_dynamo_config(args.dynamo_config)
     cuda = not args.cpu
     device = "cuda" if cuda else "cpu"
@@ -553,8 +557,6 @@ def main(argv=None) -> int:
     zm = zoo.build(family, "tiny" if args.cpu else size, seed=0, device=device)
     batches = [zm.make_batch(2 if args.cpu else args.batch, seed=i, device=device,
                              seq_len=None if args.cpu else args.seq) for i in range(8)]
-    if not isinstance(args.tune_kwargs, dict):
-        p.error(f"--tune-kwargs: a JSON object of the tuning's options (got {args.tune_kwargs!r})")
     loops, tuning, _keep = _loops(zm, batches, args.compiled, args.candidates.split(","), args.lr, args.amp_kwargs,
                                   names, args.tune_kwargs)
     loops = {name: loops[name] for name in LOOPS if name in names}
