@@ -226,6 +226,7 @@ class AdaptiveMixedPrecision:
             raise
         self._tf32_before = self._apply_tf32(self.policy.tf32)
         self._warned_no_records = False
+        self._removed = False  # remove() ran: a statistics step it ends early has nothing to warn about
 
         self.events: List[Event] = []
         self.policy_history: List[tuple] = [(0, str(self.policy))]
@@ -348,6 +349,7 @@ class AdaptiveMixedPrecision:
     def remove(self) -> None:
         """Take the policy off the model (islands unwrapped, TF32 settings restored). A model whose policy kept
         parameters in bf16 ("bf16-pure", "bf16-weights") keeps them: they are the only copy."""
+        self._removed = True
         self._undo_setup()
         if self._tf32_before is not None:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32_before
@@ -394,8 +396,8 @@ class AdaptiveMixedPrecision:
                 yield
         finally:
             collector.stop()
-        if not collect:
-            return
+        if not collect or self._removed:
+            return  # (removed inside the block: its hooks and records went with it)
         outputs, inputs = collector.stats()  # rows in forward order; eager layers were measured as they ran
         if outputs is None:
             if collector.missed:

@@ -506,6 +506,28 @@ def test_a_statistics_step_flips_the_users_autocast_cache_flag_and_gives_it_back
         torch.set_autocast_cache_enabled(True)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_controller_removed_inside_a_statistics_step_warns_nothing(family, mode):
+    """remove() inside the controller's autocast at a statistics step, after the model ran: the step's records
+    go with the hooks, and no "no layer statistics" warning blames the user's loop for it."""
+    fresh_dynamo()
+    zm = zoo.build(family, seed=0)
+    model = torch.compile(zm.model, backend="aot_eager") if mode == "compiled" else zm.model
+    amp = AdaptiveMixedPrecision(model, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
+                                 capabilities=CPU_BF16, progress=False, read_every=2)
+    assert steps_of(amp, lambda i: (zm, model), 2) == []  # a statistics step (0), then an ordinary one
+    assert stats_steps(amp) == [0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with amp.autocast():  # step 2, a statistics step
+            zm.loss(model, zm.make_batch(2, seed=2))
+            amp.remove()
+    assert [str(w.message) for w in caught if "no layer statistics" in str(w.message)] == []
+    assert torch.is_autocast_cache_enabled()  # the user's flag, given back
+    assert stats_steps(amp) == [0] and hooks_in(zm.model, amp) == 0
+
+
 @pytest.mark.parametrize("first_compiled_step", [1, 2])
 def test_an_eager_model_compiled_later_keeps_its_statistics(first_compiled_step):
     """Eager steps, then torch.compile, its first call at an ordinary step (1) or a statistics step (2): every
