@@ -4,8 +4,10 @@ Llama 1.1B ran at 44.9 ms a step, the bf16-weights plain loop at 31.0 ms, in sep
     python bench/tuned_gap.py [--model llama-1b] [--compiled] [--candidates bf16,bf16-weights] [--json PATH]
     python bench/tuned_gap.py --cpu --compiled    # the tiny Llama on the CPU (tests/test_tuned_gap_script.py)
 
-Eight loops of one recipe, on copies of the model (compiled with --compiled):
+Ten loops of one recipe, on copies of the model (compiled with --compiled):
 ``tuned`` (``AdaptiveMixedPrecision(..., policy="tune", tune=dict(candidates=...))``; its choice is the recipe),
+``tuned-no-stats`` and ``tuned-no-norm`` (the same controller, model and graphs, with its per-layer statistics
+or its gradient norm turned off for its steps: what each costs),
 ``controller`` (the controller given that recipe's policy and an optimizer made as the recipe makes it),
 ``controller-no-norm`` (the same with ``track_grad_norm=False``: what the gradient norm it measures costs),
 ``tuned-model-plain`` (the plain step on the tuned controller's own model and optimizer, not through the
@@ -71,8 +73,11 @@ def _sync(cuda):
 #: gradient norm it measures), the plain loop stepping the tuned controller's own model and optimizer (as it is,
 #: with its forward in the controller's autocast(), with the controller's backward and step, with both), and
 #: the recipe alone.
-LOOPS = ("tuned", "controller", "controller-no-norm", "tuned-model-plain", "tuned-model-amp-autocast",
-         "tuned-model-amp-step", "tuned-model-amp-parts", "alone")
+LOOPS = ("tuned", "tuned-no-stats", "tuned-no-norm", "controller", "controller-no-norm", "tuned-model-plain",
+         "tuned-model-amp-autocast", "tuned-model-amp-step", "tuned-model-amp-parts", "alone")
+#: The tuned controller's own settings turned off for its steps in these loops' rounds (same model, graphs and
+#: optimizer as "tuned"): what its per-layer statistics and its gradient norm cost.
+TOGGLED = {"tuned-no-stats": "layer_stats", "tuned-no-norm": "track_grad_norm"}
 
 
 def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=LOOPS, tune_kwargs=None):
@@ -92,6 +97,15 @@ def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=L
     loss = _clocked("forward", zm.loss)
     loops["tuned"] = lambda b, a=tuned, f=fwd: a.train_step(lambda: loss(f, b))
     keep.append(tuned)
+    for name, setting in TOGGLED.items():
+        def toggled_step(b, a=tuned, f=fwd, setting=setting):
+            was = getattr(a, setting)
+            setattr(a, setting, False)
+            try:
+                return a.train_step(lambda: loss(f, b))
+            finally:
+                setattr(a, setting, was)
+        loops[name] = toggled_step
     # The plain loop's step (as AppliedRecipe.train_step) on the tuned controller's model and optimizer, not
     # through the controller, and with some or all of the controller's parts: tells the controller's own per-step
     # work from what the model, its graphs and its optimizer carry from being tuned and controlled. (They train
@@ -692,6 +706,9 @@ def main(argv=None) -> int:
                 for kind in ("voluntary", "involuntary")}
         # Host time under cProfile over a round (the statistics step and the read included), by function.
         loop["host_differs_from_alone"] = host_diff(own[name], own["alone"])
+        if "tuned-model-plain" in own and name != "tuned-model-plain":
+            # The same model and graphs: what is left is the controller's own code.
+            loop["host_differs_from_model_plain"] = host_diff(own[name], own["tuned-model-plain"])
         base, mine = ops["alone"], ops[name]
         res["loops"][name]["differs_from_alone"] = sorted(
             ([k, base.get(k, [0, 0.0]), mine.get(k, [0, 0.0])] for k in set(base) | set(mine)
@@ -756,6 +773,11 @@ def main(argv=None) -> int:
         if "host_differs_from_alone" in r:
             print(f"   host, own time a step against the plain loop's (cProfile, {args.round_steps} steps):")
             for k, calls, us in r["host_differs_from_alone"]:
+                print(f"   {us:+9.1f} us {calls:+8.2f} calls  {k[-110:]}")
+        if "host_differs_from_model_plain" in r:
+            print(f"   host, own time a step against the plain step on the same model (cProfile, {args.round_steps} "
+                  "steps):")
+            for k, calls, us in r["host_differs_from_model_plain"]:
                 print(f"   {us:+9.1f} us {calls:+8.2f} calls  {k[-110:]}")
         print(r["host_top"], flush=True)
     from torch._dynamo.utils import counters

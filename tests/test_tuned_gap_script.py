@@ -4,6 +4,7 @@ mode: the tiny Llama, aten ops in place of kernels."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -24,8 +25,8 @@ def test_every_loop_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
     assert torch.Tensor.backward is backward  # the rounds' clock on it is taken off
     res = json.loads(out.read_text())
     assert res["chosen"] == "bf16-weights" and list(res["loops"]) == [
-        "tuned", "controller", "controller-no-norm", "tuned-model-plain", "tuned-model-amp-autocast",
-        "tuned-model-amp-step", "tuned-model-amp-parts", "alone"]
+        "tuned", "tuned-no-stats", "tuned-no-norm", "controller", "controller-no-norm", "tuned-model-plain",
+        "tuned-model-amp-autocast", "tuned-model-amp-step", "tuned-model-amp-parts", "alone"]
     assert "MainThread" in res["threads"]
     for loop in res["loops"].values():
         assert len(loop["round_ms"]) == len(loop["round_host_cpu_ms"]) == 2 and loop["median_ms"] > 0
@@ -42,8 +43,8 @@ def test_every_loop_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
         assert len(loop["round_probe_us"]) == 2 and min(loop["round_probe_us"]) > 0
         assert loop["round_forward_device_ms"] is None and loop["round_between_device_ms"] is None
         assert all(len(v) == 2 and min(v) >= 0 for v in loop["round_forward_switches"].values())
-    for name in ("tuned", "controller", "controller-no-norm", "tuned-model-plain", "tuned-model-amp-autocast",
-                 "tuned-model-amp-step", "tuned-model-amp-parts"):
+    for name in ("tuned", "tuned-no-stats", "tuned-no-norm", "controller", "controller-no-norm", "tuned-model-plain",
+                 "tuned-model-amp-autocast", "tuned-model-amp-step", "tuned-model-amp-parts"):
         more = res["loops"][name]["cpu_ms_more_than_alone"]
         assert set(more) == {"all", "forward", "backward", "rest"} and all(d["pairs"] == 2 for d in more.values())
         assert more["all"]["mean"] == pytest.approx(
@@ -63,6 +64,10 @@ def test_every_loop_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
         assert res["loops"][name]["device_busy_ratio_to_alone"] is None  # no kernels on the CPU
     host = res["loops"]["controller"]["host_differs_from_alone"]
     assert host and all(len(row) == 3 and isinstance(row[0], str) for row in host)
+    # Against the plain step on the same model: every loop but that one and the plain loop itself.
+    same = [name for name, loop in res["loops"].items() if "host_differs_from_model_plain" in loop]
+    assert same == [name for name in res["loops"] if name not in ("tuned-model-plain", "alone")]
+    assert all(len(row) == 3 for row in res["loops"]["tuned"]["host_differs_from_model_plain"])
     bare = {op: (mine[0] - base[0]) for op, base, mine in res["loops"]["controller-no-norm"]["differs_from_alone"]}
     assert "aten::_foreach_norm" not in bare
     assert "== alone: median" in capsys.readouterr().out
@@ -110,9 +115,38 @@ def test_the_controllers_take_the_options_given(tmp_path, layer_stats):
         assert phases["read: copy to the host queued"] > 0 and phases["read: copy taken (waits for the device)"] > 0
         assert (phases["layer statistics gathered"] > 0) == layer_stats
         assert phases["poll, reads included"] < phases["all steps"]
+    # The tuned controller with its statistics turned off for the loop's steps records none.
+    assert "(record)" not in res["loops"]["tuned-no-stats"]["host_top"]
+    assert res["loops"]["tuned-no-stats"]["phase_ms"]["layer statistics gathered"] == 0
     assert "(record)" not in res["loops"]["alone"]["host_top"]
     alone = res["loops"]["alone"]["phase_ms"]
     assert alone["all steps"] > 0 and not any(v for k, v in alone.items() if k != "all steps")
+
+
+def test_the_toggled_loops_turn_a_setting_off_for_their_steps_only():
+    """tuned-no-norm steps the tuned controller without its gradient norm (none recorded for its steps), and
+    tuned-no-stats without its per-layer statistics (none at a statistics step); each gives the setting back."""
+    from adaptive_amp import zoo
+
+    script = load_bench_script("tuned_gap")
+    zm = zoo.build("llama", "tiny", seed=0)
+    batches = [zm.make_batch(2, seed=i) for i in range(2)]
+    loops, _, (tuned,) = script._loops(zm, batches, False, ["bf16-weights"], 1e-4, {"read_every": 1},
+                                       names=("tuned", "tuned-no-stats", "tuned-no-norm", "alone"),
+                                       tune_kwargs={"steps": 2, "rounds": 1, "timed_steps": 1})
+    assert tuned.monitor.stats_every == 1 and tuned.layer_stats and tuned.track_grad_norm
+    steps = {}
+    for name in ("tuned-no-norm", "tuned-no-stats", "tuned"):
+        steps[name] = tuned.step_count
+        loops[name](batches[0])
+        assert tuned.layer_stats and tuned.track_grad_norm  # given back
+    tuned.monitor.read()
+    history = tuned.monitor.history()
+    norm = dict(zip(history["step"], history["grad_norm"]))
+    assert math.isnan(norm[steps["tuned-no-norm"]])  # (none recorded)
+    assert norm[steps["tuned-no-stats"]] > 0 and norm[steps["tuned"]] > 0
+    with_stats = {ls.step for ls in tuned.monitor.layer_stats}
+    assert steps["tuned-no-stats"] not in with_stats and {steps["tuned-no-norm"], steps["tuned"]} <= with_stats
 
 
 def test_host_diff_ranks_functions_by_own_time_a_step_against_the_plain_loop():
