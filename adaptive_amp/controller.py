@@ -134,6 +134,12 @@ class AdaptiveMixedPrecision:
             AdaptivePrecisionSelector.select takes them).
         adapt: let the controller change the policy while training runs.
         read_every: steps between reads of the monitor (one transfer each).
+        stats_every: steps between per-layer statistics steps (default: every
+            fourth read window, 200 steps with the default ``read_every``).
+            Where the host bounds the step, a statistics step costs about half
+            an ordinary step more (16-27 ms on the 35 ms step of a compiled
+            Llama 1.1B at 4x256 tokens, H200). An overflow is diagnosed at once
+            whatever this is: the steps after it collect statistics.
         storm_rate, scale_floor: what counts as an overflow storm over a read
             window (overflows the per-step diagnosis could not cure).
         max_promotions: promotion rounds before switching compute instead.
@@ -144,7 +150,7 @@ class AdaptiveMixedPrecision:
         include, exclude: which modules are layers (analyzed, watched, and
             promoted to islands): by default every module that owns weights;
             name patterns and/or module types (see adaptive_amp.layers).
-        layer_stats: collect per-layer statistics every ``read_every`` steps
+        layer_stats: collect per-layer statistics every ``stats_every`` steps
             (False: only at the step after an overflow or a policy change,
             to diagnose it). In an eager model each layer is measured as it
             runs (one launch per layer), so a statistics step keeps no
@@ -167,7 +173,8 @@ class AdaptiveMixedPrecision:
 
     def __init__(self, model: nn.Module, optimizer_or_optimizers, policy: Union[str, PrecisionPolicy] = "auto",
                  sample_inputs=None, *, loss_fn=None, capabilities: Optional[Capabilities] = None, overrides=None,
-                 adapt: bool = True, read_every: int = 50, storm_rate: float = 0.25, scale_floor: float = 1.0,
+                 adapt: bool = True, read_every: int = 50, stats_every: Optional[int] = None,
+                 storm_rate: float = 0.25, scale_floor: float = 1.0,
                  max_promotions: int = 2, switch_compute: bool = True, demote_after: Optional[int] = None,
                  include: Selector = None, exclude: Selector = None, layer_stats: bool = True,
                  track_grad_norm: bool = True,
@@ -202,8 +209,15 @@ class AdaptiveMixedPrecision:
         self.layer_stats = bool(layer_stats)
         self.track_grad_norm = bool(track_grad_norm)
         self._scaler_kwargs = dict(scaler_kwargs or {})
-        self.monitor = monitor or StabilityMonitor(read_every=read_every, overflow_rate=storm_rate,
-                                                   scale_floor=scale_floor)
+        if monitor is not None and stats_every is not None:
+            raise ValueError("stats_every: the monitor given has its own; pass stats_every to its StabilityMonitor "
+                             "instead")
+        if stats_every is not None and (isinstance(stats_every, bool) or not isinstance(stats_every, int)
+                                        or stats_every < 1):
+            raise ValueError(f"stats_every must be an int >= 1 (steps between statistics steps) or None (every "
+                             f"fourth read window), got {stats_every!r}")
+        self.monitor = monitor or StabilityMonitor(read_every=read_every, stats_every=stats_every or 4 * read_every,
+                                                   overflow_rate=storm_rate, scale_floor=scale_floor)
 
         # Registered now, before any compiled call of the model (policy="tune" makes some), so that its graphs
         # trace them.

@@ -473,7 +473,9 @@ class _HostCopy:
             if isinstance(value, torch.Tensor):
                 groups = by_device.setdefault(value.device, {})
                 group = groups.setdefault(value.dtype, [])
-                group.append(value.detach().reshape(-1)[0])
+                # (A read covers read_every steps of values: no op where none is needed.)
+                value = value if value.dim() == 0 else value.reshape(-1)[0]
+                group.append(value.detach() if value.requires_grad else value)
                 return ("dev", value.device, value.dtype, len(group) - 1)
             return ("host", None if value is None else float(value))
 

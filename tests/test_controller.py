@@ -772,3 +772,43 @@ def test_train_step_clears_the_gradients_and_matches_the_manual_loop(compiled):
 
     for a, b in zip(run(manual=False), run(manual=True)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs, stats_at", [({"read_every": 2}, [0, 8]), ({"read_every": 2, "stats_every": 3},
+                                                                             [0, 3, 6, 9]),
+                                              ({}, [0])])
+def test_statistics_steps_follow_stats_every_by_default_every_fourth_read_window(kwargs, stats_at):
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    amp = AdaptiveMixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), policy="float32", progress=False,
+                                 **kwargs)
+    assert amp.monitor.stats_every == kwargs.get("stats_every", 4 * kwargs.get("read_every", 50))
+    for _ in range(10):
+        with amp.autocast():
+            loss = m(torch.randn(4, 8)).pow(2).mean()
+        amp.backward(loss)
+        amp.step()
+        amp.zero_grad()
+    amp.monitor.read()
+    assert sorted({ls.step for ls in amp.monitor.layer_stats if ls.kind == "activation"}) == stats_at
+    assert sorted({ls.step for ls in amp.monitor.layer_stats if ls.kind == "gradient"}) == stats_at
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"stats_every": 0}, "stats_every must be an int >= 1"),
+    ({"stats_every": True}, "stats_every must be an int >= 1"),
+    ({"stats_every": 2.5}, "stats_every must be an int >= 1"),
+    ({"stats_every": 10, "monitor": "given"}, "stats_every: the monitor given has its own"),
+])
+def test_bad_stats_every_is_refused_by_name_and_leaves_the_model_as_it_was(kwargs, match):
+    from adaptive_amp import StabilityMonitor
+
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    before = _model_state(zm.model)
+    if kwargs.get("monitor") == "given":
+        kwargs = {**kwargs, "monitor": StabilityMonitor(read_every=5)}
+    with pytest.raises(ValueError, match=match):
+        AdaptiveMixedPrecision(zm.model, torch.optim.AdamW(zm.model.parameters()), policy="float32", progress=False,
+                               **kwargs)
+    after = _model_state(zm.model)
+    assert after[1] == before[1] and after[0].keys() == before[0].keys()
+    assert all(torch.equal(after[0][k][1], v) for k, (_, v) in before[0].items())

@@ -207,7 +207,7 @@ def test_layers_carry_no_hook_of_ours_between_statistics_steps(gpt2):
     model.load_state_dict(zm.model.state_dict())
     before = {name: len(m._forward_hooks) for name, m in model.named_modules()}
     amp = AdaptiveMixedPrecision(model, torch.optim.AdamW(model.parameters(), lr=1e-4), policy="float32",
-                                 read_every=4, progress=False)
+                                 read_every=4, stats_every=4, progress=False)
     seen = []
 
     def count_ours(module, args, output):  # a hook of the test's own, on the first layer: it stays

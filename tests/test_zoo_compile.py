@@ -107,7 +107,7 @@ PLANTED = "transformer.h.0.attn.c_proj"
 @pytest.fixture(scope="module")
 def planted_eager():
     """The planted GPT-2's run in eager mode: what every compiled run must reproduce."""
-    amp, losses, _ = train(planted_gpt2(), "eager", FP16, 24, read_every=4, demote_after=8)
+    amp, losses, _ = train(planted_gpt2(), "eager", FP16, 24, read_every=4, stats_every=4, demote_after=8)
     return amp, losses
 
 
@@ -116,7 +116,7 @@ def test_promotion_and_demotion_on_compiled_gpt2_match_eager(order, planted_eage
     eager, eager_losses = planted_eager
     assert [k for _, k, layer in decisions(eager) if layer == PLANTED][:3] == ["promote", "demote", "promote"]
     fresh_dynamo()
-    amp, losses, compiled = train(planted_gpt2(), order, FP16, 24, read_every=4, demote_after=8)
+    amp, losses, compiled = train(planted_gpt2(), order, FP16, 24, read_every=4, stats_every=4, demote_after=8)
     assert decisions(amp) == decisions(eager)
     assert amp.policy_history == eager.policy_history
     assert stats_steps(amp) == stats_steps(eager) and stats_steps(amp, "input") == stats_steps(eager, "input")
@@ -158,9 +158,11 @@ def test_island_protects_the_backward_of_a_compiled_model():
 def test_promotion_and_switch_on_compiled_llama(max_promotions):
     """Compiled before wrapping: the planted Llama is cured by promoting down_proj; with no promotion
     allowed, compute switches to bf16 instead. The same decisions as eager."""
-    eager = train(planted_llama(), "eager", FP16, 12, read_every=4, max_promotions=max_promotions)[0]
+    eager = train(planted_llama(), "eager", FP16, 12, read_every=4, stats_every=4,
+                  max_promotions=max_promotions)[0]
     fresh_dynamo()
-    amp, _, compiled = train(planted_llama(), "before", FP16, 12, read_every=4, max_promotions=max_promotions)
+    amp, _, compiled = train(planted_llama(), "before", FP16, 12, read_every=4, stats_every=4,
+                             max_promotions=max_promotions)
     assert decisions(amp) == decisions(eager)
     if max_promotions:
         promoted_at, kind, layer = decisions(amp)[0]
@@ -177,9 +179,9 @@ def test_promotion_and_switch_on_compiled_llama(max_promotions):
 @pytest.mark.parametrize("family", list(zoo.FAMILIES))
 def test_statistics_of_every_zoo_family_compiled(family):
     """Per-layer statistics at every statistics step of a compiled model, the same rows as eager."""
-    eager = train(zoo.build(family), "eager", BF16, 4, read_every=2)[0]
+    eager = train(zoo.build(family), "eager", BF16, 4, read_every=2, stats_every=2)[0]
     fresh_dynamo()
-    amp, _, compiled = train(zoo.build(family), "after", BF16, 4, read_every=2)
+    amp, _, compiled = train(zoo.build(family), "after", BF16, 4, read_every=2, stats_every=2)
     assert stats_steps(amp) == stats_steps(eager) == [0, 2]
     for a, b in zip(eager.monitor.layer_stats, amp.monitor.layer_stats):
         assert (a.step, a.kind) == (b.step, b.kind)
@@ -200,7 +202,7 @@ def test_deferred_reads_of_zoo_models_hold_what_immediate_reads_hold(family, ord
     statistics as one taken at once, eager and compiled; the window that ends the run is still in flight."""
     def run():
         fresh_dynamo()
-        amp = train(zoo.build(family), order, BF16, 6, read_every=2)[0]
+        amp = train(zoo.build(family), order, BF16, 6, read_every=2, stats_every=2)[0]
         in_flight = amp.monitor.steps_recorded
         amp.events.extend(amp.monitor.read())
         return amp, in_flight
@@ -241,7 +243,7 @@ def test_auto_policy_analyzes_a_compiled_model():
 def test_islands_name_layers_the_same_compiled_and_eager(island):
     zm = zoo.build("gpt2")
     fresh_dynamo()
-    amp, _, compiled = train(zm, "before", f"{BF16},islands={island}", 4, read_every=2)
+    amp, _, compiled = train(zm, "before", f"{BF16},islands={island}", 4, read_every=2, stats_every=2)
     expected = ("lm_head",) if "lm_head" in island else ("transformer.h.0.mlp.c_proj", "transformer.h.1.mlp.c_proj")
     assert amp.adjuster.islands == expected
     assert amp.policy.islands == (island.replace("_orig_mod.", ""),)
@@ -257,7 +259,7 @@ def test_bf16_pure_compiled():
     opt = optim.AdamW(zm.model.parameters(), lr=1e-3, stochastic_rounding=True)
     before = [p.detach().clone() for p in zm.model.parameters()]
     fresh_dynamo()
-    amp, losses, compiled = train(zm, "after", "bf16-pure", 4, opt=opt, read_every=2)
+    amp, losses, compiled = train(zm, "after", "bf16-pure", 4, opt=opt, read_every=2, stats_every=2)
     assert all(p.dtype == torch.bfloat16 for p in zm.model.parameters())
     assert all(not torch.equal(a.to(p.dtype), p) for a, p in zip(before, zm.model.parameters()))  # all stepped
     assert stats_steps(amp) == [0, 2] and all(torch.isfinite(torch.tensor(losses)))
@@ -276,7 +278,7 @@ def test_bf16_weights_on_every_zoo_family(family, order):
     opt = optim.AdamW(zm.model.parameters(), lr=1e-3, stochastic_rounding=True)
     matmul = {id(p) for _, m in matmul_layers(zm.model) for p in m.parameters(recurse=False)}
     fresh_dynamo()
-    amp, losses, compiled = train(zm, order, "bf16-weights", 4, opt=opt, read_every=2)
+    amp, losses, compiled = train(zm, order, "bf16-weights", 4, opt=opt, read_every=2, stats_every=2)
     assert str(amp.policy) == "params=bfloat16,compute=bfloat16,scope=matmul"
     assert matmul and {p.dtype for p in zm.model.parameters() if id(p) in matmul} == {torch.bfloat16}
     assert {p.dtype for p in zm.model.parameters() if id(p) not in matmul} <= {torch.float32}
@@ -332,7 +334,7 @@ def test_bf16_weights_with_an_island_keeps_its_weights_in_fp32(family, order):
     handle = module.register_forward_hook(lambda m, args, out: outputs.append(out.dtype)) if order == "eager" else None
     fresh_dynamo()
     amp, losses, compiled = train(zm, order, f"params=bfloat16,compute=bfloat16,scope=matmul,islands={island}", 3,
-                                  opt=opt, read_every=2)
+                                  opt=opt, read_every=2, stats_every=2)
     assert amp.adjuster.islands == (island,)
     assert {p.dtype for p in module.parameters()} == {torch.float32}
     assert order != "eager" or (outputs and set(outputs) == {torch.float32})
@@ -384,7 +386,7 @@ def test_bf16_weights_grad_norm_is_exact_without_a_second_pass(family, order, mo
     fresh_dynamo()
     model = torch.compile(zm.model, backend="aot_eager") if order == "after" else zm.model
     amp = AdaptiveMixedPrecision(model, opt, policy="bf16-weights", capabilities=CPU_BF16, progress=False,
-                                 read_every=2)
+                                 read_every=2, stats_every=2)
     dtypes_per_call, foreach_norm = [], torch._foreach_norm
 
     def spy(tensors, *args, **kwargs):
@@ -471,7 +473,7 @@ def test_compiled_model_parks_its_hooks_without_hook_guards(family):
     fresh_dynamo()
     zm = zoo.build(family, seed=0)
     amp = AdaptiveMixedPrecision(zm.model, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
-                                 capabilities=CPU_BF16, progress=False, read_every=2)
+                                 capabilities=CPU_BF16, progress=False, read_every=2, stats_every=2)
     compiled = torch.compile(zm.model, backend="aot_eager")
     assert steps_of(amp, lambda i: (zm, compiled), 5) == []
     assert hooks_in(zm.model, amp) == 0 and torch.is_autocast_cache_enabled()
@@ -487,7 +489,7 @@ def test_a_statistics_step_flips_the_users_autocast_cache_flag_and_gives_it_back
     try:
         zm = zoo.build("gpt2", seed=0)
         amp = AdaptiveMixedPrecision(zm.model, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
-                                     capabilities=CPU_BF16, progress=False, read_every=2)
+                                     capabilities=CPU_BF16, progress=False, read_every=2, stats_every=2)
         seen = []
         for i in range(4):
             with amp.autocast():
@@ -515,7 +517,7 @@ def test_a_controller_removed_inside_a_statistics_step_warns_nothing(family, mod
     zm = zoo.build(family, seed=0)
     model = torch.compile(zm.model, backend="aot_eager") if mode == "compiled" else zm.model
     amp = AdaptiveMixedPrecision(model, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
-                                 capabilities=CPU_BF16, progress=False, read_every=2)
+                                 capabilities=CPU_BF16, progress=False, read_every=2, stats_every=2)
     assert steps_of(amp, lambda i: (zm, model), 2) == []  # a statistics step (0), then an ordinary one
     assert stats_steps(amp) == [0]
     with warnings.catch_warnings(record=True) as caught:
@@ -535,7 +537,7 @@ def test_an_eager_model_compiled_later_keeps_its_statistics(first_compiled_step)
     fresh_dynamo()
     zm = zoo.build("gpt2", seed=0)
     amp = AdaptiveMixedPrecision(zm.model, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
-                                 capabilities=CPU_BF16, progress=False, read_every=2)
+                                 capabilities=CPU_BF16, progress=False, read_every=2, stats_every=2)
     compiled = torch.compile(zm.model, backend="aot_eager")
     assert steps_of(amp, lambda i: (zm, zm.model if i < first_compiled_step else compiled), 6) == []
     assert stats_steps(amp) == [0, 2, 4]
@@ -554,7 +556,7 @@ def test_a_plain_copy_trained_beside_the_controller_shares_no_graph_with_it():
     twin = copy.deepcopy(zm.model)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=1e-3)
     amp = AdaptiveMixedPrecision(zm.model, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
-                                 capabilities=CPU_BF16, progress=False, read_every=2)
+                                 capabilities=CPU_BF16, progress=False, read_every=2, stats_every=2)
     compiled, twin_compiled = torch.compile(zm.model, backend="aot_eager"), torch.compile(twin, backend="aot_eager")
     for i in range(5):
         with torch.autocast("cpu", dtype=torch.bfloat16):  # the plain loop first, as in a benchmark's round
@@ -576,7 +578,7 @@ def test_a_copy_trained_inside_the_controllers_autocast_costs_one_statistics_ste
     zm = zoo.build("gpt2", seed=0)
     twin = copy.deepcopy(zm.model)
     amp = AdaptiveMixedPrecision(zm.model, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
-                                 capabilities=CPU_BF16, progress=False, read_every=2)
+                                 capabilities=CPU_BF16, progress=False, read_every=2, stats_every=2)
     compiled, twin_compiled = torch.compile(zm.model, backend="aot_eager"), torch.compile(twin, backend="aot_eager")
 
     def twin_step(i, batch):

@@ -155,7 +155,7 @@ def test_controller_watches_every_layer_by_name(zm):
     """Per-layer statistics name every layer that returns a float tensor (GPT-2's Conv1D included)."""
     opt = torch.optim.SGD(zm.model.parameters(), lr=1e-3)
     amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16", capabilities=CPU_BF16,
-                                 read_every=1)
+                                 read_every=1, stats_every=1)
     for step in range(2):
         with amp.autocast():
             loss = zm.loss(zm.model, zm.make_batch(2, seed=step))
