@@ -20,9 +20,11 @@ Peak memory of a loop is its static memory (parameters, optimizer state,
 what its first steps left allocated) plus the largest transient of its
 rounds, so that the two loops of a pair, alive together, are each charged
 only for their own. The analysis of ``auto`` runs before the warm-up and
-is in neither part. On the GPU the timed steps include the controller's
-statistics step 50 (per-layer statistics every 50 steps), so its peak is
-that of a statistics step when that is the higher.
+is in neither part. On the GPU the timed steps (5-64) include the monitor's
+read at step 49 but none of the controller's statistics steps (every 200
+steps by default; step 0 is in the warm-up): they cost what the default
+cadence costs, a statistics step about once in 200, and a statistics
+step's own memory peak is not in the table.
 
 Each row keeps its rounds' times (``round_ms``); a controller row also keeps
 the ratio of each round pair (``pair_ratios``: the two rounds ran one after
