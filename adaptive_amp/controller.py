@@ -62,7 +62,7 @@ from .collect import STATS_DTYPES as _STATS_DTYPES, ActivationCollector
 from .layers import Selector, find_layers, unwrap_model
 from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
-from .monitor import Event, StabilityMonitor, builtin_values
+from .monitor import Event, StabilityMonitor, SumsOfSquares, builtin_values
 from .optim import _Fused
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
 from .recipes import cast_for_policy, policy_hooks
@@ -561,10 +561,12 @@ class AdaptiveMixedPrecision:
 
         return train_step(self, closure, max_grad_norm, norm_type)
 
-    def _stepped_grad_norm(self) -> Optional[torch.Tensor]:
-        """The norm of all gradients from the norms the fused optimizers' steps measured."""
-        return _norm_of_norms([opt.last_grad_norm.to(self.device) for opt in self.optimizers
-                               if opt.last_grad_norm is not None])
+    def _stepped_grad_norm(self) -> Optional[SumsOfSquares]:
+        """The norm of all gradients, as the per-tensor sums of squares the fused optimizers' steps measured:
+        the monitor's read sums them, so the step launches nothing for it (summing them took two launches a
+        step, about 0.1 ms of host time under cProfile on the H100 host of the twenty-first session)."""
+        parts = [t for opt in self.optimizers for t in (opt._grad_sums or ())]
+        return SumsOfSquares(parts) if parts else None
 
     def _grad_norm(self) -> Optional[torch.Tensor]:
         """The L2 norm of all gradients, on the device (no sync): without loss scaling nothing else

@@ -133,7 +133,10 @@ class StabilityMonitor:
         spikes by whether they last.
 
         Tensors are kept by reference until the next read: pass ones that are
-        not modified in place afterwards (clone the scaler's scale). A DTensor
+        not modified in place afterwards (clone the scaler's scale). A
+        gradient norm may also come as :class:`SumsOfSquares` (the per-tensor
+        sums of squares an adaptive_amp.optim step measured): the read sums
+        them, so a step launches nothing for its norm. A DTensor
         (FSDP2: torch's clip returns the total norm as a replicated one) is
         kept as its global value: a replicated one's local tensor, a partial
         or sharded one reduced or gathered (a collective: every rank records
@@ -411,6 +414,17 @@ def builtin_values(obj):
     return obj
 
 
+class SumsOfSquares:
+    """A gradient norm still in parts: 1-D float tensors of per-tensor sums of squares (any devices), as
+    adaptive_amp.optim's steps measure them. The monitor's read copies them with everything else and takes
+    ``sqrt(sum)`` on the host, in float64."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts):
+        self.parts = list(parts)
+
+
 def _plain(value):
     """A plain tensor for a DTensor: its global value, so that every rank records the same number
     (full_tensor: a replicated one's local tensor, without communication)."""
@@ -470,6 +484,13 @@ class _HostCopy:
         slots = []
 
         def put(value):
+            if isinstance(value, SumsOfSquares):
+                at = []
+                for part in value.parts:
+                    parts = stat_parts.setdefault(part.device, [])
+                    parts.append(part.detach().reshape(-1))
+                    at.append((part.device, len(parts) - 1))
+                return ("sums", at)
             if isinstance(value, torch.Tensor):
                 groups = by_device.setdefault(value.device, {})
                 group = groups.setdefault(value.dtype, [])
@@ -529,6 +550,8 @@ class _HostCopy:
                 at += n
 
         def scalar(slot):
+            if slot[0] == "sums":
+                return math.sqrt(sum(float(np.sum(stat_host[at], dtype=np.float64)) for at in slot[1]))
             return slot[1] if slot[0] == "host" else float(scalars[(slot[1], slot[2])][slot[3]])
 
         columns = {c: [scalar(s[c]) for s in slots] for c in _COLUMNS}

@@ -365,7 +365,18 @@ class _Fused(torch.optim.Optimizer):
     _moment_keys: tuple = ()
     _kind = _ADAMW
     track_grad_norm = False  # set per instance (the constructor's argument)
-    last_grad_norm: Optional[Tensor] = None
+    # The last tracked step's per-tensor sums of squares (one tensor a device plan) and their norm, taken from
+    # them when first asked for: a training loop that reads the norm later (the controller's monitor sums them
+    # at its read) spares two launches a step.
+    _grad_sums: Optional[List[Tensor]] = None
+    _grad_norm: Optional[Tensor] = None
+
+    @property
+    def last_grad_norm(self) -> Optional[Tensor]:
+        """The L2 norm of the gradients the last step with ``track_grad_norm`` used (see :meth:`step`)."""
+        if self._grad_norm is None and self._grad_sums:
+            self._grad_norm = _norm_of(self._grad_sums)
+        return self._grad_norm
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -423,7 +434,8 @@ class _Fused(torch.optim.Optimizer):
         With ``track_grad_norm``, ``last_grad_norm`` becomes the L2 norm of every gradient the step used
         (after the GradScaler's unscale), measured by the step's own pass: a 0-dim float32 tensor of the
         first gradient's device, read without a sync; NaN when the step was skipped, None when no param had
-        a gradient."""
+        a gradient. It is summed from the step's per-tensor sums of squares when first read (two small launches
+        on the current stream)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -434,7 +446,7 @@ class _Fused(torch.optim.Optimizer):
             _check_lr(group["lr"])
             self._step_group(group, self._hyper(group), grad_scale, found_inf, sums)
         if sums is not None:
-            self.last_grad_norm = _norm_of(sums)
+            self._grad_sums, self._grad_norm = sums, None
         return loss
 
     @staticmethod

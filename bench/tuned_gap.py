@@ -320,11 +320,13 @@ def _allocator_counts(cuda) -> dict:
     return {k: stats.get(k, 0) for k in ALLOCATOR_COUNTS}
 
 
-def timed_round(step, batches, n, cuda, gc_clock):
-    """One round of n steps: (wall ms, the main thread's CPU ms, the device's elapsed ms or None) a step."""
+def timed_round(step, batches, n, cuda, gc_clock, other_threads=None):
+    """One round of n steps: (wall ms, the main thread's CPU ms, the device's elapsed ms or None) a step. With
+    a list for `other_threads`, appends the CPU ms a step of the process's other threads (autograd's device
+    thread runs the backward's host work there)."""
     _sync(cuda)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
-    t0, c0 = time.perf_counter(), time.thread_time()
+    t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
     if cuda:
         events[0].record()
     with gc_clock:
@@ -332,7 +334,9 @@ def timed_round(step, batches, n, cuda, gc_clock):
             step(batches[i % len(batches)])
     if cuda:
         events[1].record()
-    c1 = time.thread_time()
+    c1, p1 = time.thread_time(), time.process_time()
+    if other_threads is not None:
+        other_threads.append(((p1 - p0) - (c1 - c0)) * 1e3 / n)
     _sync(cuda)
     return ((time.perf_counter() - t0) * 1e3 / n, (c1 - c0) * 1e3 / n,
             events[0].elapsed_time(events[1]) / n if cuda else None)
@@ -610,6 +614,7 @@ def main(argv=None) -> int:
         os.sched_setaffinity(0, {min(cores)})
         print(f"main thread pinned to core {min(cores)} for the rounds", flush=True)
     allocator = {name: {} for name in loops}  # the CUDA caching allocator's counts over the rounds
+    other_cpu = {name: [] for name in loops}  # the other threads' CPU ms a step (the backward's host work), by round
     threads = sorted(t.name for t in threading.enumerate())  # Python threads besides the main one take its GIL
     rounds_start = time.perf_counter()
     backward = torch.Tensor.backward
@@ -625,7 +630,7 @@ def main(argv=None) -> int:
                     before = _allocator_counts(cuda)
                     with PhaseClock(cuda, around=not args.bare_forward) as clock:
                         wall, cpu_ms, dev = timed_round(loops[name], batches, args.round_steps, cuda,
-                                                        gc_clocks[name])
+                                                        gc_clocks[name], other_cpu[name])
                     for phase, ms in clock.ms.items():
                         phase_cpu[name][phase].append(ms / args.round_steps)
                     fwd_span, between = clock.device_spans()  # (timed_round synchronized at its end)
@@ -661,6 +666,7 @@ def main(argv=None) -> int:
                               "allocator_counts": allocator[name],
                               "round_forward_cpu_ms": phase_cpu[name]["forward"],
                               "round_backward_cpu_ms": phase_cpu[name]["backward"],
+                              "round_other_threads_cpu_ms": other_cpu[name],
                               "round_forward_device_ms": spans[name]["forward"] or None,
                               "round_between_device_ms": spans[name]["between"] or None,
                               "round_probe_us": probe[name] or None,
@@ -694,6 +700,8 @@ def main(argv=None) -> int:
         # difference in forward or backward is the state they run in, in "rest" the controller's own code.
         mine, base = _cpu_phases(loop), _cpu_phases(alone)
         loop["cpu_ms_more_than_alone"] = {phase: _paired_difference(mine[phase], base[phase]) for phase in mine}
+        loop["other_threads_cpu_ms_more_than_alone"] = _paired_difference(loop["round_other_threads_cpu_ms"],
+                                                                          alone["round_other_threads_cpu_ms"])
         # The device's spans (same kernels in each): a longer one waited for the host. The probe: a slower core.
         if loop["round_forward_device_ms"]:
             loop["device_ms_more_than_alone"] = {
@@ -761,6 +769,9 @@ def main(argv=None) -> int:
             print("   main thread CPU a step more than the plain loop's (mean of round pairs, its standard error): "
                   + ", ".join(f"{phase} {d['mean']:+.2f} ({d['se']:.2f}) ms"
                               for phase, d in r["cpu_ms_more_than_alone"].items()), flush=True)
+            d = r["other_threads_cpu_ms_more_than_alone"]
+            print(f"   the other threads' CPU a step more than the plain loop's: {d['mean']:+.2f} ({d['se']:.2f}) ms",
+                  flush=True)
             more = [f"CPU probe {d['mean']:+.2f} ({d['se']:.2f}) us" for d in [r.get("probe_us_more_than_alone")] if d]
             more += [f"{kind} switches {d['mean']:+.2f} ({d['se']:.2f})"
                      for kind, d in r.get("forward_switches_more_than_alone", {}).items()]

@@ -10,7 +10,7 @@ import torch
 
 from adaptive_amp import tensor_stats
 from adaptive_amp.detectors import GradNormAnomaly
-from adaptive_amp.monitor import Event, StabilityMonitor
+from adaptive_amp.monitor import Event, StabilityMonitor, SumsOfSquares
 from conftest import defer_reads, requires_cuda
 
 
@@ -488,3 +488,31 @@ def test_state_dict_loads_with_weights_only_after_detectors_fired():
     again = StabilityMonitor(read_every=4, scale_floor=2.0)
     again.load_state_dict(state)
     assert again.state_dict() == mon.state_dict()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_a_gradient_norm_given_as_sums_of_squares_is_summed_at_the_read(device):
+    """SumsOfSquares (an adaptive_amp.optim step's per-tensor sums, in parts): the read's norm is sqrt of their
+    float64 sum; NaN and inf at the first and last element carry through; the state_dict of a pending one
+    holds the norm."""
+    gen = torch.Generator().manual_seed(0)
+    sums = [torch.rand(n, generator=gen).to(device) * 10 for n in (201, 1, 7)]
+    expected = math.sqrt(sum(float(s.double().sum()) for s in sums))
+    first_nan = sums[0].clone()
+    first_nan[0] = float("nan")
+    last_inf = sums[2].clone()
+    last_inf[-1] = float("inf")
+    mon = StabilityMonitor(read_every=10)
+    mon.record_step(0, loss=torch.tensor(1.0, device=device), grad_norm=SumsOfSquares(sums))
+    mon.record_step(1, grad_norm=SumsOfSquares([first_nan]))
+    mon.record_step(2, grad_norm=SumsOfSquares([sums[1], last_inf]))
+    state = mon.state_dict()
+    assert state["pending"][0][1]["grad_norm"] == pytest.approx(expected, rel=1e-12)
+    mon.read()
+    norms = mon.history()["grad_norm"]
+    assert norms[0] == pytest.approx(expected, rel=1e-12)
+    assert math.isnan(norms[1]) and norms[2] == math.inf
+    again = StabilityMonitor(read_every=10)
+    again.load_state_dict(state)
+    again.read()
+    assert again.history()["grad_norm"][0] == pytest.approx(expected, rel=1e-12)

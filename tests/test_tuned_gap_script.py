@@ -42,6 +42,8 @@ def test_every_loop_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
         # Around the forwards: the CPU probe, the context switches a step, no device spans on the CPU.
         assert len(loop["round_probe_us"]) == 2 and min(loop["round_probe_us"]) > 0
         assert loop["round_forward_device_ms"] is None and loop["round_between_device_ms"] is None
+        # The other threads' CPU (on the CPU the backward runs on the main thread: little or none).
+        assert len(loop["round_other_threads_cpu_ms"]) == 2 and min(loop["round_other_threads_cpu_ms"]) > -1.0
         assert all(len(v) == 2 and min(v) >= 0 for v in loop["round_forward_switches"].values())
     for name in ("tuned", "tuned-no-stats", "tuned-no-norm", "controller", "controller-no-norm", "tuned-model-plain",
                  "tuned-model-amp-autocast", "tuned-model-amp-step", "tuned-model-amp-parts"):
@@ -51,6 +53,7 @@ def test_every_loop_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
             more["forward"]["mean"] + more["backward"]["mean"] + more["rest"]["mean"], abs=1e-6)
         loop = res["loops"][name]
         assert loop["probe_us_more_than_alone"]["pairs"] == 2 and "device_ms_more_than_alone" not in loop
+        assert loop["other_threads_cpu_ms_more_than_alone"]["pairs"] == 2
         assert set(loop["forward_switches_more_than_alone"]) == {"voluntary", "involuntary"}
     # What the controllers run beyond the plain loop: no second pass for the gradient norm they track
     # (adaptive_amp.optim's step measures it; it was a _foreach_norm a step, 4% of a compiled Llama 1.1B's).
@@ -102,7 +105,7 @@ def test_the_controllers_take_the_options_given(tmp_path, layer_stats):
     """--amp-kwargs reaches every controller loop: statistics at every step, with or without per-layer ones
     (the statistics hooks' record() in the profile of each controller's round)."""
     out = tmp_path / "gap.json"
-    kwargs = json.dumps({"read_every": 1, "layer_stats": layer_stats})
+    kwargs = json.dumps({"read_every": 1, "stats_every": 1, "layer_stats": layer_stats})
     assert load_bench_script("tuned_gap").main(
         ["--cpu", "--candidates", "bf16-weights", "--rounds", "1", "--round-steps", "2", "--warmup", "1",
          "--profile-steps", "1", "--amp-kwargs", kwargs, "--json", str(out)]) == 0
@@ -131,8 +134,8 @@ def test_the_toggled_loops_turn_a_setting_off_for_their_steps_only():
     script = load_bench_script("tuned_gap")
     zm = zoo.build("llama", "tiny", seed=0)
     batches = [zm.make_batch(2, seed=i) for i in range(2)]
-    loops, _, (tuned,) = script._loops(zm, batches, False, ["bf16-weights"], 1e-4, {"read_every": 1},
-                                       names=("tuned", "tuned-no-stats", "tuned-no-norm", "alone"),
+    loops, _, (tuned,) = script._loops(zm, batches, False, ["bf16-weights"], 1e-4,
+                                       {"read_every": 1, "stats_every": 1}, names=("tuned", "tuned-no-stats", "tuned-no-norm", "alone"),
                                        tune_kwargs={"steps": 2, "rounds": 1, "timed_steps": 1})
     assert tuned.monitor.stats_every == 1 and tuned.layer_stats and tuned.track_grad_norm
     steps = {}

@@ -411,6 +411,9 @@ def test_bf16_weights_grad_norm_is_exact_without_a_second_pass(family, order, mo
     assert not dtypes_per_call
     assert not opt.track_grad_norm  # switched on for the controller's steps only
     assert amp.monitor.history()["grad_norm"] == pytest.approx(expected, rel=1e-5)
+    # The monitor's read summed the step's sums of squares: nothing asked the optimizer for its norm, which it
+    # still gives when asked.
+    assert opt._grad_norm is None and float(opt.last_grad_norm) == pytest.approx(expected[-1], rel=1e-5)
     amp.remove()
 
 
