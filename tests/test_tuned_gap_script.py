@@ -135,7 +135,8 @@ def test_the_toggled_loops_turn_a_setting_off_for_their_steps_only():
     zm = zoo.build("llama", "tiny", seed=0)
     batches = [zm.make_batch(2, seed=i) for i in range(2)]
     loops, _, (tuned,) = script._loops(zm, batches, False, ["bf16-weights"], 1e-4,
-                                       {"read_every": 1, "stats_every": 1}, names=("tuned", "tuned-no-stats", "tuned-no-norm", "alone"),
+                                       {"read_every": 1, "stats_every": 1},
+                                       names=("tuned", "tuned-no-stats", "tuned-no-norm", "alone"),
                                        tune_kwargs={"steps": 2, "rounds": 1, "timed_steps": 1})
     assert tuned.monitor.stats_every == 1 and tuned.layer_stats and tuned.track_grad_norm
     steps = {}
