@@ -68,7 +68,7 @@ from adaptive_amp.bench._dist_exit import finish  # noqa: E402
 from adaptive_amp.distributed import CollectiveAdaptiveMixedPrecision  # noqa: E402
 
 POLICY = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval=1000"
-CONTROLLER = dict(read_every=2, storm_rate=0.25, progress=False)
+CONTROLLER = dict(read_every=2, stats_every=2, storm_rate=0.25, progress=False)
 INJECT_STEPS = (0, 1)
 INJECT_RANK = 1
 GRAD_INF_STEP = 5  # torch DDP sections: an inf in rank 1's gradient alone

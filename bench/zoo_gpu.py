@@ -10,7 +10,7 @@ configuration compiled before the controller wraps it, the others after).
 
 Every run: a fresh model with random weights on the GPU, ``policy="auto"`` with
 ``sample_inputs`` (the analysis runs, on the compiled model when compiled),
-``read_every=4``, ``--steps`` steps of AdamW. GPT-2 and Llama get an overflow
+``read_every=4`` and ``stats_every=4``, ``--steps`` steps of AdamW. GPT-2 and Llama get an overflow
 planted in one layer (its weights scaled so that its fp32 output reaches 1e6)
 and compute forced to fp16 with no islands, so promotion must find the layer;
 the others train in the selected policy (bf16 on an H100/H200). Checks, each
@@ -97,7 +97,7 @@ def run_one(name, mode, order, steps, backend, device, tiny=False):
     overrides = {"compute_dtype": "float16", "islands": ()} if planted else None
     amp = AdaptiveMixedPrecision(model, opt, policy="auto", sample_inputs=zm.inputs(sample),
                                  loss_fn=zm.output_loss(sample), overrides=overrides, read_every=READ_EVERY,
-                                 progress=False)
+                                 stats_every=READ_EVERY, progress=False)
     if mode == "compiled" and order == "after":
         model = torch.compile(zm.model, backend=backend)
     losses, graphs_after = [], []

@@ -36,8 +36,8 @@ that move the loss most, and "within 5% of fp32" would measure the schedule).
 (gpt2, llama, bert, t5, vit, resnet), nothing planted, ``--steps`` steps under
 AdaptiveMixedPrecision in fp16 (``params=float32,compute=float16``: our
 dynamic loss scaling) and in bf16 (``params=float32,compute=bfloat16``), eager,
-with the controller's defaults (``read_every=50``: statistics and reads every
-50 steps; the monitor's default detectors); AdamW at 3e-4, a linear warm-up
+with the controller's defaults (reads every 50 steps, per-layer statistics every
+200 since the twenty-first session, every 50 before; the monitor's default detectors); AdamW at 3e-4, a linear warm-up
 over the first 5% of the steps, clipping at 1.0. The "small" configurations at a small
 workload (token models 8 sequences of 128 tokens, ViT 8 images of 224 pixels,
 the ResNet 32 images of 64 pixels), so that twelve runs of 2000 steps fit a
