@@ -774,9 +774,11 @@ def test_train_step_clears_the_gradients_and_matches_the_manual_loop(compiled):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kwargs, stats_at", [({"read_every": 2}, [0, 8]), ({"read_every": 2, "stats_every": 3},
-                                                                             [0, 3, 6, 9]),
-                                              ({}, [0])])
+@pytest.mark.parametrize("kwargs, stats_at", [
+    ({"read_every": 2}, [0, 8]),
+    ({"read_every": 2, "stats_every": 3}, [0, 3, 6, 9]),
+    ({}, [0]),
+])
 def test_statistics_steps_follow_stats_every_by_default_every_fourth_read_window(kwargs, stats_at):
     m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     amp = AdaptiveMixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), policy="float32", progress=False,

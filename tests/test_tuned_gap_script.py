@@ -42,8 +42,8 @@ def test_every_loop_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
         # Around the forwards: the CPU probe, the context switches a step, no device spans on the CPU.
         assert len(loop["round_probe_us"]) == 2 and min(loop["round_probe_us"]) > 0
         assert loop["round_forward_device_ms"] is None and loop["round_between_device_ms"] is None
-        # The other threads' CPU (on the CPU the backward runs on the main thread: little or none).
-        assert len(loop["round_other_threads_cpu_ms"]) == 2 and min(loop["round_other_threads_cpu_ms"]) > -1.0
+        # The other threads' CPU (process minus main thread; the clocks are read microseconds apart).
+        assert len(loop["round_other_threads_cpu_ms"]) == 2 and min(loop["round_other_threads_cpu_ms"]) > -0.01
         assert all(len(v) == 2 and min(v) >= 0 for v in loop["round_forward_switches"].values())
     for name in ("tuned", "tuned-no-stats", "tuned-no-norm", "controller", "controller-no-norm", "tuned-model-plain",
                  "tuned-model-amp-autocast", "tuned-model-amp-step", "tuned-model-amp-parts"):
