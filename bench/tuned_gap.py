@@ -26,9 +26,10 @@ time is host time) and launches per step, the ops whose count or device time dif
 Python functions that take the most host time (cProfile).
 
 A round is --round-steps steps, by default the controller's ``read_every`` (50): each controller round then
-holds one statistics step and one read, their cost spread over the steps as in training. Per round: the wall
-time, the main thread's CPU time (the whole, and in the loop's forward and in ``Tensor.backward``: PhaseClock)
-and the device's elapsed time between CUDA events; around each forward, the core's speed (a fixed piece of
+holds one read, and one round in four a statistics step (every 200 steps by default), their cost spread over
+the steps as in training. Per round: the wall time, the main thread's CPU time (the whole, and in the loop's
+forward, in ``Tensor.backward`` and in its optimizers' ``step``: PhaseClock), the other threads' CPU time
+(autograd's device thread runs the backward's host work) and the device's elapsed time between CUDA events; around each forward, the core's speed (a fixed piece of
 Python timed just before it), the main thread's context switches and the device's time split into the forwards
 and the spans between them (``--bare-forward`` leaves only the CPU clock; ``--pin-main`` pins the main thread to
 one core). Each controller loop's ratio to the plain loop is given per round pair, as their median and as the
@@ -82,7 +83,7 @@ TOGGLED = {"tuned-no-stats": "layer_stats", "tuned-no-norm": "track_grad_norm"}
 
 def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=LOOPS, tune_kwargs=None):
     """{name: step(batch)} of the LOOPS in `names` (the tuned one is always built: it holds the recipe); the
-    tuning's result; the controllers, kept alive."""
+    tuning's result; the controllers and the plain loop's AppliedRecipe, kept alive."""
     def copy_of():
         m = copy.deepcopy(zm.model)
         return m, (torch.compile(m) if compiled else m), torch.optim.AdamW(m.parameters(), lr=lr)
@@ -158,6 +159,7 @@ def _loops(zm, batches, compiled: bool, candidates, lr, amp_kwargs=None, names=L
 
     m3, fwd3, opt3 = copy_of()
     alone = AppliedRecipe(recipe, m3, opt3)
+    keep.append(alone)
     loops["alone"] = lambda b, r=alone, f=fwd3: r.train_step(lambda: loss(f, b))
     return loops, tuned.tuning, keep
 
@@ -180,9 +182,12 @@ def balanced_orders(names) -> list:
 
 
 def _cpu_phases(loop: dict) -> dict:
-    """A loop's main-thread CPU ms a step, by round: all of it, its forward, its backward and the rest."""
+    """A loop's main-thread CPU ms a step, by round: all of it, its forward, its backward, the rest, and of the
+    rest its optimizer step (the two loops that share an optimizer run the same step: a difference there is
+    the state it runs in, not the controller's code)."""
     whole, fwd, bwd = loop["round_host_cpu_ms"], loop["round_forward_cpu_ms"], loop["round_backward_cpu_ms"]
-    return {"all": whole, "forward": fwd, "backward": bwd, "rest": [a - f - b for a, f, b in zip(whole, fwd, bwd)]}
+    return {"all": whole, "forward": fwd, "backward": bwd, "rest": [a - f - b for a, f, b in zip(whole, fwd, bwd)],
+            "optimizer": loop["round_optimizer_cpu_ms"]}
 
 
 def _paired_difference(mine, base) -> dict:
@@ -226,8 +231,8 @@ class GcClock:
 
 
 class PhaseClock:
-    """The main thread's CPU ms in the loops' forward (their closure) and backward (``Tensor.backward``)
-    while entered: with the round's whole CPU time, where a loop's host time goes (the rest is its optimizer
+    """The main thread's CPU ms in the loops' forward (their closure), backward (``Tensor.backward``) and
+    optimizer step (their optimizers' ``step``, part of the rest) while entered: with the round's whole CPU time, where a loop's host time goes (the rest is its optimizer
     step and its own code). The loops run the same compiled graphs, so a difference in their forward or
     backward is not the controller's code but the state it runs them in.
 
@@ -242,7 +247,7 @@ class PhaseClock:
     current: Optional["PhaseClock"] = None
 
     def __init__(self, cuda: bool = False, around: bool = True):
-        self.ms = {"forward": 0.0, "backward": 0.0}
+        self.ms = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         self.cuda = cuda
         self.around = around  # False: the CPU clocks alone (--bare-forward)
         self.switches = [0, 0]  # the main thread's voluntary and involuntary context switches in the forwards
@@ -601,7 +606,8 @@ def main(argv=None) -> int:
     orders = balanced_orders(timed)
     times, host, device_ms = ({name: [] for name in timed} for _ in range(3))
     gc_clocks = {name: GcClock() for name in loops}
-    phase_cpu = {name: {"forward": [], "backward": []} for name in loops}  # main-thread CPU ms a step, by round
+    # Main-thread CPU ms a step, by round.
+    phase_cpu = {name: {"forward": [], "backward": [], "optimizer": []} for name in loops}
     # By round: the device's ms a step in the forwards and between them, the CPU probe's median µs, and the
     # main thread's voluntary and involuntary context switches a step in the forwards (PhaseClock).
     spans = {name: {"forward": [], "between": []} for name in loops}
@@ -619,6 +625,12 @@ def main(argv=None) -> int:
     rounds_start = time.perf_counter()
     backward = torch.Tensor.backward
     torch.Tensor.backward = _clocked("backward", backward)
+    # The optimizers' step, clocked on their classes as the backward is on Tensor (torch's Optimizer wraps each
+    # class's step once, for its hooks; the clock goes around that and comes off after the rounds).
+    steps = {cls: cls.__dict__.get("step") for cls in {type(o) for k in _keep for o in
+                                                        (k.optimizers if hasattr(k, "optimizers") else [k.optimizer])}}
+    for cls in steps:
+        cls.step = _clocked("optimizer", cls.step)
     try:
         for r in range(args.rounds):
             if args.rounds_seconds is not None and r and time.perf_counter() - rounds_start > args.rounds_seconds:
@@ -649,6 +661,11 @@ def main(argv=None) -> int:
                     device_ms[name].append(dev)
     finally:
         torch.Tensor.backward = backward
+        for cls, step in steps.items():
+            if step is None:
+                del cls.step  # (it was inherited)
+            else:
+                cls.step = step
         os.sched_setaffinity(0, cores)
     names = list(loops)
     res = {"model": args.model if cuda else f"{family}-tiny", "compiled": args.compiled, "chosen": tuning.recipe.name,
@@ -666,6 +683,7 @@ def main(argv=None) -> int:
                               "allocator_counts": allocator[name],
                               "round_forward_cpu_ms": phase_cpu[name]["forward"],
                               "round_backward_cpu_ms": phase_cpu[name]["backward"],
+                              "round_optimizer_cpu_ms": phase_cpu[name]["optimizer"],
                               "round_other_threads_cpu_ms": other_cpu[name],
                               "round_forward_device_ms": spans[name]["forward"] or None,
                               "round_between_device_ms": spans[name]["between"] or None,

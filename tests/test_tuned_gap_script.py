@@ -22,7 +22,10 @@ def test_every_loop_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
     assert load_bench_script("tuned_gap").main(
         ["--cpu", "--candidates", "bf16-weights", "--rounds", "2", "--round-steps", "2", "--warmup", "1",
          "--profile-steps", "1", "--json", str(out)]) == 0
-    assert torch.Tensor.backward is backward  # the rounds' clock on it is taken off
+    assert torch.Tensor.backward is backward  # the rounds' clocks on it and on the optimizers are taken off
+    from adaptive_amp.optim import AdamW
+
+    assert AdamW.step.__qualname__ != "_clocked.<locals>.run"
     res = json.loads(out.read_text())
     assert res["chosen"] == "bf16-weights" and list(res["loops"]) == [
         "tuned", "tuned-no-stats", "tuned-no-norm", "controller", "controller-no-norm", "tuned-model-plain",
@@ -36,9 +39,9 @@ def test_every_loop_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
             "num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams"}
         assert loop["gc_ms_per_step"] >= 0 and len(loop["gc_collections"]) == 3
         # The main thread's CPU in the forward and the backward (both run on it on the CPU), within the round's.
-        for fwd, bwd, whole in zip(loop["round_forward_cpu_ms"], loop["round_backward_cpu_ms"],
-                                   loop["round_host_cpu_ms"]):
-            assert fwd > 0 and bwd > 0 and fwd + bwd < whole * 1.01
+        for fwd, bwd, opt, whole in zip(loop["round_forward_cpu_ms"], loop["round_backward_cpu_ms"],
+                                        loop["round_optimizer_cpu_ms"], loop["round_host_cpu_ms"]):
+            assert fwd > 0 and bwd > 0 and opt > 0 and fwd + bwd + opt < whole * 1.01
         # Around the forwards: the CPU probe, the context switches a step, no device spans on the CPU.
         assert len(loop["round_probe_us"]) == 2 and min(loop["round_probe_us"]) > 0
         assert loop["round_forward_device_ms"] is None and loop["round_between_device_ms"] is None
@@ -48,7 +51,8 @@ def test_every_loop_of_the_tuned_recipe_timed_and_profiled(tmp_path, capsys):
     for name in ("tuned", "tuned-no-stats", "tuned-no-norm", "controller", "controller-no-norm", "tuned-model-plain",
                  "tuned-model-amp-autocast", "tuned-model-amp-step", "tuned-model-amp-parts"):
         more = res["loops"][name]["cpu_ms_more_than_alone"]
-        assert set(more) == {"all", "forward", "backward", "rest"} and all(d["pairs"] == 2 for d in more.values())
+        assert set(more) == {"all", "forward", "backward", "rest", "optimizer"}
+        assert all(d["pairs"] == 2 for d in more.values())
         assert more["all"]["mean"] == pytest.approx(
             more["forward"]["mean"] + more["backward"]["mean"] + more["rest"]["mean"], abs=1e-6)
         loop = res["loops"][name]
@@ -134,10 +138,10 @@ def test_the_toggled_loops_turn_a_setting_off_for_their_steps_only():
     script = load_bench_script("tuned_gap")
     zm = zoo.build("llama", "tiny", seed=0)
     batches = [zm.make_batch(2, seed=i) for i in range(2)]
-    loops, _, (tuned,) = script._loops(zm, batches, False, ["bf16-weights"], 1e-4,
-                                       {"read_every": 1, "stats_every": 1},
-                                       names=("tuned", "tuned-no-stats", "tuned-no-norm", "alone"),
-                                       tune_kwargs={"steps": 2, "rounds": 1, "timed_steps": 1})
+    loops, _, (tuned, _alone) = script._loops(zm, batches, False, ["bf16-weights"], 1e-4,
+                                              {"read_every": 1, "stats_every": 1},
+                                              names=("tuned", "tuned-no-stats", "tuned-no-norm", "alone"),
+                                              tune_kwargs={"steps": 2, "rounds": 1, "timed_steps": 1})
     assert tuned.monitor.stats_every == 1 and tuned.layer_stats and tuned.track_grad_norm
     steps = {}
     for name in ("tuned-no-norm", "tuned-no-stats", "tuned"):
