@@ -2,7 +2,7 @@
 several processes or calls (issue 21's 3% target on the host-bound compiled Llama needs hundreds of pairs: the
 log ratio of one pair has a standard deviation of about 0.11 on an H200).
 
-    python bench/gap_pool.py bench/results/session17/*/g/gap*.json [--loop tuned] [--baseline alone|plain]
+    python bench/gap_pool.py bench/results/session17/*/g/gap*.json [--loop tuned] [--baseline alone|plain|LOOP]
 
 Per file and pooled: the round pairs, the geometric mean of the paired ratios with its 95% interval (the mean of
 the log ratios plus or minus 1.96 standard errors; with this many pairs a bootstrap gives the same), and the
@@ -75,8 +75,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", help="tuned_gap.py --json results")
     p.add_argument("--loop", default="tuned", help="the controller loop compared with the plain loop")
-    p.add_argument("--baseline", default="alone", choices=("alone", "plain"),
-                   help="the plain loop in the controllers' process (alone) or in its own (plain: --plain-process)")
+    p.add_argument("--baseline", default="alone",
+                   help="the loop compared against: the plain loop in the controllers' process (alone, the "
+                        "default), in its own (plain: --plain-process), or any other, e.g. tuned-model-plain "
+                        "(the plain step on the tuned controller's own model)")
     p.add_argument("--json", default=None, help="also write the pool here")
     args = p.parse_args(argv)
     try:

@@ -77,3 +77,21 @@ def test_the_command_line_prints_each_file_and_the_pool(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "pooled: 5 pairs" in out and "gap0.json: 3 pairs" in out and "gap1.json: 2 pairs" in out
     assert json.loads((tmp_path / "pool.json").read_text())["pooled"]["pairs"] == 5
+
+
+def test_the_command_line_takes_any_loop_as_the_baseline(tmp_path, capsys):
+    """--baseline tuned-model-plain: the controller against the plain step on its own model, as RESULTS pools
+    it; a loop a file lacks is refused naming the loops it has."""
+    gp = load_bench_script("gap_pool")
+    path = tmp_path / "gap0.json"
+    loops = {"tuned": {"round_ms": [33.0, 31.0], "round_host_cpu_ms": [16.0, 16.0]},
+             "tuned-model-plain": {"round_ms": [32.0, 30.0], "round_host_cpu_ms": [15.5, 15.5]},
+             "alone": {"round_ms": [34.0, 33.0], "round_host_cpu_ms": [17.0, 17.0]}}
+    path.write_text(json.dumps({"loops": loops}))
+    out = tmp_path / "pool.json"
+    assert gp.main([str(path), "--baseline", "tuned-model-plain", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["pooled"]["ratio"] == pytest.approx(math.sqrt(33.0 / 32.0 * 31.0 / 30.0))
+    assert "pooled: 2 pairs" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        gp.main([str(path), "--baseline", "plain"])
+    assert exc.value.code == 2 and "tuned-model-plain" in capsys.readouterr().err
