@@ -488,7 +488,9 @@ class _HostCopy:
                 at = []
                 for part in value.parts:
                     parts = stat_parts.setdefault(part.device, [])
-                    parts.append(part.detach().reshape(-1))
+                    # (As an optimizer's step makes them: 1-D, no autograd history; no op for those.)
+                    flat = part if part.dim() == 1 else part.reshape(-1)
+                    parts.append(flat.detach() if flat.requires_grad else flat)
                     at.append((part.device, len(parts) - 1))
                 return ("sums", at)
             if isinstance(value, torch.Tensor):

@@ -29,13 +29,14 @@ A round is --round-steps steps, by default the controller's ``read_every`` (50):
 holds one read, and one round in four a statistics step (every 200 steps by default), their cost spread over
 the steps as in training. Per round: the wall time, the main thread's CPU time (the whole, and in the loop's
 forward, in ``Tensor.backward`` and in its optimizers' ``step``: PhaseClock), the other threads' CPU time
-(autograd's device thread runs the backward's host work) and the device's elapsed time between CUDA events; around each forward, the core's speed (a fixed piece of
-Python timed just before it), the main thread's context switches and the device's time split into the forwards
-and the spans between them (``--bare-forward`` leaves only the CPU clock; ``--pin-main`` pins the main thread to
-one core). Each controller loop's ratio to the plain loop is given per round pair, as their median and as the
-geometric mean with a 95% bootstrap interval. After the rounds, one more round of each loop is timed step by step, and one
-with the host time inside the controller's phases (PHASES: its step, the statistics gathered, the read (its copy
-to the host queued, then taken a step later), the detectors, the adaptation), which is where a host-bound gap goes.
+(autograd's device thread runs the backward's host work) and the device's elapsed time between CUDA events;
+around each forward, the core's speed (a fixed piece of Python timed just before it), the main thread's context
+switches and the device's time split into the forwards and the spans between them (``--bare-forward`` leaves
+only the CPU clock; ``--pin-main`` pins the main thread to one core). Each controller loop's ratio to the plain
+loop is given per round pair, as their median and as the geometric mean with a 95% bootstrap interval. After the
+rounds, one more round of each loop is timed step by step, and one with the host time inside the controller's
+phases (PHASES: its step, the statistics gathered, the read (its copy to the host queued, then taken a step
+later), the detectors, the adaptation), which is where a host-bound gap goes.
 """
 
 from __future__ import annotations
@@ -232,9 +233,10 @@ class GcClock:
 
 class PhaseClock:
     """The main thread's CPU ms in the loops' forward (their closure), backward (``Tensor.backward``) and
-    optimizer step (their optimizers' ``step``, part of the rest) while entered: with the round's whole CPU time, where a loop's host time goes (the rest is its optimizer
-    step and its own code). The loops run the same compiled graphs, so a difference in their forward or
-    backward is not the controller's code but the state it runs them in.
+    optimizer step (their optimizers' ``step``, part of the rest) while entered: with the round's whole CPU
+    time, where a loop's host time goes (the rest is its optimizer step and its own code). The loops run the
+    same compiled graphs, so a difference in their forward or backward is not the controller's code but the state
+    it runs them in.
 
     Around each forward it also takes what tells a slower host from more host work and from a device that
     waits: the main thread's context switches in it (voluntary: it blocked; involuntary: it was preempted),
@@ -799,15 +801,12 @@ def main(argv=None) -> int:
                 print("   more than the plain loop's, a step: " + ", ".join(more), flush=True)
         for k, (bc, bu), (mc, mu) in r.get("differs_from_alone", []):
             print(f"   {k[:80]:80} count {bc:6.1f} -> {mc:6.1f}  device {bu:9.1f} -> {mu:9.1f} us")
-        if "host_differs_from_alone" in r:
-            print(f"   host, own time a step against the plain loop's (cProfile, {args.round_steps} steps):")
-            for k, calls, us in r["host_differs_from_alone"]:
-                print(f"   {us:+9.1f} us {calls:+8.2f} calls  {k[-110:]}")
-        if "host_differs_from_model_plain" in r:
-            print(f"   host, own time a step against the plain step on the same model (cProfile, {args.round_steps} "
-                  "steps):")
-            for k, calls, us in r["host_differs_from_model_plain"]:
-                print(f"   {us:+9.1f} us {calls:+8.2f} calls  {k[-110:]}")
+        for key, against in (("host_differs_from_alone", "the plain loop's"),
+                             ("host_differs_from_model_plain", "the plain step on the same model")):
+            if key in r:
+                print(f"   host, own time a step against {against} (cProfile, {args.round_steps} steps):")
+                for k, calls, us in r[key]:
+                    print(f"   {us:+9.1f} us {calls:+8.2f} calls  {k[-110:]}")
         print(r["host_top"], flush=True)
     from torch._dynamo.utils import counters
 

@@ -13,6 +13,7 @@ minutes on a 2-core CPU. test_inductor_* and tests/test_zoo.py compile with indu
 from __future__ import annotations
 
 import copy
+import math
 
 import warnings
 
@@ -669,3 +670,20 @@ def test_policy_autocast_compiles_without_the_autograd_cache():
         assert torch._functorch.config.enable_autograd_cache is False
         assert torch._functorch.config.backward_pass_autocast == "off"
     assert torch._functorch.config.enable_autograd_cache == before
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("order", ["eager", "after"])
+def test_default_statistics_come_every_fourth_read_window_on_zoo_models(family, order):
+    """stats_every's default (4 x read_every) on real model code, eager and compiled: per-layer statistics at
+    steps 0 and 8 of 10 with read_every=2, every layer named as the eager model names it."""
+    fresh_dynamo()
+    zm = zoo.build(family, seed=0)
+    amp, losses, _ = train(zm, order, BF16, 10, read_every=2)
+    amp.monitor.read()
+    assert amp.monitor.stats_every == 8 and all(math.isfinite(x) for x in losses)
+    for kind in ("activation", "gradient"):
+        assert sorted({ls.step for ls in amp.monitor.layer_stats if ls.kind == kind}) == [0, 8], kind
+    rows = [ls for ls in amp.monitor.layer_stats if ls.kind == "activation"]
+    assert rows and not any("_orig_mod" in row["name"] for ls in rows for row in ls.rows)
+    amp.remove()
