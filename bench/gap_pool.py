@@ -8,6 +8,9 @@ Per file and pooled: the round pairs, the geometric mean of the paired ratios wi
 the log ratios plus or minus 1.96 standard errors; with this many pairs a bootstrap gives the same), and the
 main thread's CPU time a step, loop minus plain loop, with its standard error. The pool treats every pair as
 independent; the spread of the per-file means says whether the processes differ more than that (printed too).
+With several files the pool also gives the interval between processes: each file's mean log ratio counts as one
+measurement (Student's t with files - 1 degrees of freedom). It is the wider one when the processes differ by more
+than their pairs' scatter explains, and with few files it is wide however many pairs each has.
 """
 
 from __future__ import annotations
@@ -18,6 +21,21 @@ import math
 import sys
 
 import numpy as np
+
+
+#: Student's t, two-sided 95%, for 1 to 30 degrees of freedom (beyond 30, the Cornish-Fisher expansion below).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """The two-sided 95% quantile of Student's t with `df` degrees of freedom."""
+    if df < 1:
+        raise ValueError(f"df: at least 1 degree of freedom, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
 def pairs(result: dict, loop: str, baseline: str = "alone"):
@@ -44,7 +62,8 @@ def summary(logs: np.ndarray, host: np.ndarray) -> dict:
 
 
 def pool(paths, loop: str = "tuned", baseline: str = "alone") -> dict:
-    """{"files": {path: summary}, "pooled": summary, "file_means_sd": sd of the per-file mean log ratios}."""
+    """{"files": {path: summary}, "pooled": summary, "file_means_sd": sd of the per-file mean log ratios,
+    "between_files": the geometric mean of the per-file means with its 95% t interval (None for one file)}."""
     if not paths:
         raise ValueError("paths: give at least one tuned_gap.py JSON result")
     twice = sorted({p for p in paths if list(paths).count(p) > 1})
@@ -60,9 +79,15 @@ def pool(paths, loop: str = "tuned", baseline: str = "alone") -> dict:
         files[path] = summary(logs, host)
         all_logs.append(logs)
         all_host.append(host)
-    means = [float(np.mean(x)) for x in all_logs]
+    means = np.asarray([float(np.mean(x)) for x in all_logs])
+    between = None
+    if len(means) > 1:
+        half = t975(len(means) - 1) * float(np.std(means, ddof=1)) / math.sqrt(len(means))
+        mid = float(np.mean(means))
+        between = {"files": len(means), "ratio": math.exp(mid), "ci95": [math.exp(mid - half), math.exp(mid + half)]}
     return {"files": files, "pooled": summary(np.concatenate(all_logs), np.concatenate(all_host)),
-            "file_means_sd": float(np.std(means, ddof=1)) if len(means) > 1 else math.nan}
+            "file_means_sd": float(np.std(means, ddof=1)) if len(means) > 1 else math.nan,
+            "between_files": between}
 
 
 def _line(name: str, s: dict) -> str:
@@ -90,6 +115,10 @@ def main(argv=None) -> int:
     print(_line("pooled", res["pooled"]))
     print(f"per-file mean log ratios: sd {res['file_means_sd']:.4f} "
           f"(pooled pairs' sd {res['pooled']['log_ratio_sd']:.3f})")
+    if res["between_files"]:
+        b = res["between_files"]
+        print(f"between processes (each file's mean one measurement): {b['files']} files, {b['ratio']:.3f} "
+              f"[95% {b['ci95'][0]:.3f}, {b['ci95'][1]:.3f}]")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

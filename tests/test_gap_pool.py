@@ -95,3 +95,38 @@ def test_the_command_line_takes_any_loop_as_the_baseline(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         gp.main([str(path), "--baseline", "plain"])
     assert exc.value.code == 2 and "tuned-model-plain" in capsys.readouterr().err
+
+
+def test_the_interval_between_processes_counts_each_files_mean_once(tmp_path, capsys):
+    """Processes that differ by more than their pairs' scatter: the pooled pairs' interval is narrow, the one
+    between files (Student's t over the per-file means) is not; one file has none."""
+    gp = load_bench_script("gap_pool")
+    rng = np.random.default_rng(1)
+    paths, means = [], []
+    for i, shift in enumerate((0.0, 0.03, 0.06)):
+        alone = rng.uniform(30, 40, 60)
+        tuned = alone * np.exp(shift + rng.normal(0, 0.01, 60))
+        paths.append(_result(tmp_path / f"gap{i}.json", tuned.tolist(), alone.tolist(), [1.0] * 60, [1.0] * 60))
+        means.append(np.log(tuned / alone).mean())
+    res = gp.pool(paths)
+    half = 4.303 * np.std(means, ddof=1) / math.sqrt(3)  # t for 2 degrees of freedom
+    between = res["between_files"]
+    assert between["files"] == 3
+    assert between["ratio"] == pytest.approx(math.exp(np.mean(means)), rel=1e-12)
+    assert between["ci95"] == pytest.approx([math.exp(np.mean(means) - half), math.exp(np.mean(means) + half)])
+    pooled = res["pooled"]["ci95"]
+    assert between["ci95"][1] - between["ci95"][0] > 5 * (pooled[1] - pooled[0])
+    assert gp.main(paths) == 0
+    assert "between processes (each file's mean one measurement): 3 files" in capsys.readouterr().out
+    assert gp.pool(paths[:1])["between_files"] is None
+    gp.main(paths[:1])
+    assert "between processes" not in capsys.readouterr().out
+
+
+def test_students_t_quantiles():
+    gp = load_bench_script("gap_pool")
+    assert gp.t975(1) == 12.706 and gp.t975(5) == 2.571 and gp.t975(30) == 2.042
+    assert gp.t975(40) == pytest.approx(2.021, abs=0.001) and gp.t975(1000) == pytest.approx(1.962, abs=0.001)
+    assert gp.t975(31) < gp.t975(30)
+    with pytest.raises(ValueError, match="df"):
+        gp.t975(0)
