@@ -51,7 +51,11 @@ that keeps the loss and fits the memory budget.
    with bf16 weights under autocast (bf16-weights) 1.5% below it. bf16
    moments are chosen only when no agreeing candidate with fp32 moments fits
    the budget: they save memory, little time, and cost that Llama its 7%
-   (with state_margin=0 the fastest wins, whatever it keeps in bf16). When a
+   (with state_margin=0 the fastest wins, whatever it keeps in bf16). So once
+   the reference keeps fp32 moments (it fits and agrees with itself), a
+   candidate with bf16 moments cannot be chosen and is not tried: its probe
+   and trajectory (and, compiled, its compile) would be spent for nothing. It
+   is listed as skipped, with why. When a
    candidate does not fit
    the budget (or runs out of memory) and the model has repeated blocks, the
    same candidate with activation checkpointing is tried next.
@@ -836,6 +840,10 @@ class Tuner:
         try:
             while queue:
                 recipe = queue.pop(0)
+                why = self._cannot_win(recipe, reference, recipes)
+                if why is not None:
+                    self.skipped.append((recipe.name, why))
+                    continue
                 trial = Trial(recipe.name, recipe.to_dict(), recipe.safety)
                 recipes[recipe.name] = recipe
                 trials.append(trial)
@@ -885,6 +893,18 @@ class Tuner:
             self._free(collect=False)
             _restore_recompile_limit(dynamo_limit)
         return self._choose(trials, reference, recipes, time.perf_counter() - started)
+
+    def _cannot_win(self, recipe: Recipe, reference: Optional[Trial], recipes: Dict[str, Recipe]) -> Optional[str]:
+        """Why `recipe` need not run (None: it must): bf16 moments are chosen only when no agreeing candidate
+        with fp32 moments fits (:meth:`_eligible`), and a reference with fp32 moments is one. (Should the
+        reference run out of memory in a later timing round, the choice falls to the agreeing candidates that
+        ran, as it does for any candidate that fails there.)"""
+        if self.state_margin == 0 or recipe.moment_dtype != torch.bfloat16 or reference is None:
+            return None
+        if recipes[reference.name].moment_dtype not in (None, torch.float32):
+            return None
+        return (f"bf16 moments are chosen only when no candidate with fp32 moments fits, and the reference "
+                f"{reference.name} does (state_margin=0 tries it)")
 
     def _maybe_checkpoint(self, recipe: Recipe, trial: Trial, queue: List[Recipe], blocks: bool):
         if recipe.checkpoint or not self.checkpoint_when_needed:

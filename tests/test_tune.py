@@ -23,7 +23,7 @@ from adaptive_amp.pressure import MemoryGuard  # noqa: E402
 from adaptive_amp.recipes import (AppliedRecipe, cast_parameters, checkpoint_blocks, convert_optimizer,  # noqa: E402
                                   find_blocks, matmul_layers)
 from adaptive_amp.tune import (LossComparison, Snapshot, host_copies, parse_budget, plan_offsets,  # noqa: E402
-                               t_quantile)
+                               t_quantile, tuning_rows)
 
 from conftest import assert_bitwise_equal, requires_cuda  # noqa: E402
 
@@ -371,7 +371,7 @@ def test_tune_restores_everything_bitwise_and_records_every_trial():
                   candidates=["fp32", "bf16", "bf16-pure", "bf16-pure+bf16-moments", "float8"], **FAST)
     _assert_same(before, _everything(zm, opt))
     names = [t.name for t in result.trials]
-    assert names == ["fp32", "bf16", "bf16-pure", "bf16-pure+bf16-moments"]
+    assert names == ["fp32", "bf16", "bf16-pure"]  # bf16 moments could not be chosen (the next test)
     assert result.reference == "fp32"
     for t in result.trials:
         assert len(t.losses) == 3 and all(math.isfinite(v) for v in t.losses)
@@ -379,22 +379,45 @@ def test_tune_restores_everything_bitwise_and_records_every_trial():
         assert any(r.startswith(f"trial {t.name}:") for r in result.policy.reasons)
     assert any("float8" in r and "torchao" in r for r in result.policy.reasons)
     by = {t.name: t for t in result.trials}
-    # bf16 weights with bf16 moments hold 2 + 2 + 2*2 bytes a parameter, fp32 AdamW 4 + 4 + 2*4.
-    n = zm.num_parameters()
-    assert by["fp32"].state_bytes - by["bf16-pure+bf16-moments"].state_bytes == pytest.approx(8 * n, rel=0.02)
     assert by["bf16"].grad_cosine > 0.99 and by["bf16"].agrees
     chosen = result.chosen
     assert chosen.agrees and chosen.fits
     # The fastest agreeing trial, or one within tie (1%) of it; or, when the faster ones keep more in bf16,
     # one within state_margin (10%) of the next faster at each of at most three steps down in bf16 extent,
     # and its verdict says so (on this CPU the timings decide which).
-    # (bf16 moments are out of the race when an fp32-moment candidate fits: their verdict says so.)
-    racing = [t for t in result.trials if t.agrees and "keeps its moments in bf16" not in t.verdict]
+    racing = [t for t in result.trials if t.agrees]
     assert len(racing) == 3
     fastest = min(t.step_time_ms for t in racing)
     if chosen.step_time_ms > fastest * 1.01 + 1e-9:
         assert chosen.step_time_ms <= fastest * (1.1 * 1.01) ** 3 and "state_margin=10%" in chosen.verdict
     assert result.policy == result.recipe.policy
+
+
+def test_bf16_moments_are_tried_only_where_they_could_be_chosen():
+    """bf16 moments are chosen only when nothing with fp32 moments fits: with a reference that keeps fp32
+    moments their trial is skipped (a probe, a trajectory and, compiled, a compile saved), and the report says
+    why; with state_margin=0 (the fastest wins) and when nothing with fp32 moments fits the budget, they run."""
+    zm, opt, batches = _setup()
+    moments = "bf16-pure+bf16-moments"
+    result = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32", "bf16-pure", moments],
+                  **FAST)
+    assert [t.name for t in result.trials] == ["fp32", "bf16-pure"] and result.recipe.name != moments
+    why = dict(result.skipped)[moments]
+    assert "fp32 moments" in why and "reference fp32" in why and "state_margin=0" in why
+    assert f"trial {moments}: skipped: {why}" in result.policy.reasons
+    assert any(row["candidate"] == moments and row["verdict"] == "skipped: " + why
+               for row in tuning_rows(result.to_dict()))
+    # The fastest wins: tried, and bf16 moments hold 2 + 2 + 2*2 bytes a parameter, fp32 AdamW 4 + 4 + 2*4.
+    every = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32", "bf16-pure", moments],
+                 state_margin=0.0, **FAST)
+    by = {t.name: t for t in every.trials}
+    assert list(by) == ["fp32", "bf16-pure", moments] and not every.skipped
+    assert by["fp32"].state_bytes - by[moments].state_bytes == pytest.approx(8 * zm.num_parameters(), rel=0.02)
+    # Only bf16 moments fit the budget: nothing with fp32 moments fits, so they run, are the reference and chosen.
+    tight = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32", "bf16-pure", moments],
+                 memory_budget=by[moments].memory_bytes, checkpoint_when_needed=False, **FAST)
+    assert [t.name for t in tight.trials] == ["fp32", "bf16-pure", moments]
+    assert tight.reference == moments and tight.recipe.name == moments and not tight.skipped
 
 
 def test_offloaded_snapshot_copies_a_sparse_gradient_on_its_own():
