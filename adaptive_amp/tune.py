@@ -960,6 +960,12 @@ class Tuner:
                                f"({_bytes(self.budget)}); trials: " +
                                "; ".join(f"{t.name}: {t.error or t.verdict or 'does not fit'}" for t in trials) +
                                ". Raise memory_budget, use smaller batches, or add candidates ending in +ckpt")
+        if not ok:  # (the reference itself ran out of memory in a later timing round)
+            raise RuntimeError("tune: every candidate that agreed with the reference ran out of memory while "
+                               "timed; trials: " + "; ".join(f"{t.name}: {t.error or t.verdict or 'does not fit'}"
+                                                           for t in trials) +
+                               ". Raise memory_budget, use smaller batches, or add candidates ending in +ckpt")
+
         def pick(pool):
             fastest = min(pool, key=lambda t: t.step_time_ms)
             # A safer candidate within `tie` of the fastest takes it: the difference is within timing noise.

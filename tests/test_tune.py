@@ -698,6 +698,13 @@ def test_bf16_moments_are_chosen_for_memory_not_for_speed():
         "bf16-pure+bf16-moments"
 
 
+def test_no_agreeing_candidate_left_after_the_timing_rounds_is_a_clear_error():
+    # The reference fitted in its trajectory, then ran out of memory in a timing round (fits=False), and no other
+    # candidate agreed: the error says so and names every trial, instead of min() of nothing.
+    with pytest.raises(RuntimeError, match="ran out of memory while timed; trials: fp32: does not fit"):
+        _decided({"fp32": 100.0, "bf16": 90.0}, fits=("none",))
+
+
 # ---------------------------------------------------------------------------- memory pressure
 
 
