@@ -897,8 +897,8 @@ class Tuner:
     def _cannot_win(self, recipe: Recipe, reference: Optional[Trial], recipes: Dict[str, Recipe]) -> Optional[str]:
         """Why `recipe` need not run (None: it must): bf16 moments are chosen only when no agreeing candidate
         with fp32 moments fits (:meth:`_eligible`), and a reference with fp32 moments is one. (Should the
-        reference run out of memory in a later timing round, the choice falls to the agreeing candidates that
-        ran, as it does for any candidate that fails there.)"""
+        reference run out of memory in a later timing round, the choice falls to the other agreeing candidates
+        that ran, or is an error naming every trial when none is left.)"""
         if self.state_margin == 0 or recipe.moment_dtype != torch.bfloat16 or reference is None:
             return None
         if recipes[reference.name].moment_dtype not in (None, torch.float32):
