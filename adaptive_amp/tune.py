@@ -58,7 +58,9 @@ that keeps the loss and fits the memory budget.
    is listed as skipped, with why. When a
    candidate does not fit
    the budget (or runs out of memory) and the model has repeated blocks, the
-   same candidate with activation checkpointing is tried next.
+   same candidate with activation checkpointing is tried next. A trial whose
+   first step already takes more memory than the budget stops there (its peak
+   only grows over the steps): it has no step time and no loss comparison.
 
 Every trial, its numbers and why it was or was not chosen go into the
 returned policy's ``reasons`` and into :class:`TuneResult` (``table()``,
@@ -761,6 +763,8 @@ class Tuner:
                     a.optimizer.zero_grad(set_to_none=True)
                     if k:
                         timer.stop(start)
+                    if k == 0 and self._over_budget_already(trial, cuda):
+                        break  # (the peak only grows: the other steps would be spent for nothing)
                 trial.losses = [float(v) for v in torch.stack(losses).cpu()]
                 trial.step_times_ms.extend(timer.times_ms())
                 if cuda:
@@ -771,6 +775,20 @@ class Tuner:
             with self._phase("recipes applied and undone"):
                 a.undo()
         return out
+
+    def _over_budget_already(self, trial: Trial, cuda: bool) -> bool:
+        """After a trajectory's first step: whether the trial's memory so far is over the budget (it cannot fit,
+        and the trial stops there). On the CPU the measure is complete after that step; on CUDA the peak so far
+        (allocator bookkeeping: no synchronization)."""
+        if self.budget is None:
+            return False
+        if cuda:
+            trial.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+        over = trial.memory_bytes is not None and trial.memory_bytes > self.budget
+        if over:
+            trial.verdict = (f"does not fit the budget: its first step took {_bytes(trial.memory_bytes)} > "
+                             f"{_bytes(self.budget)} (stopped there)")
+        return over
 
     def _time_round(self, recipe: Recipe, trial: Trial, offset: int):
         self._restore()
@@ -865,6 +883,9 @@ class Tuner:
                 trial.fits = self.budget is None or trial.memory_bytes is None or trial.memory_bytes <= self.budget
                 if not trial.fits:
                     self._maybe_checkpoint(recipe, trial, queue, blocks)
+                    if len(trial.losses) < self.steps:  # stopped at its first step: no loss comparison
+                        trial.grad_cosine = out if reference is not None else None
+                        continue
                 if reference is None:
                     if trial.fits and all(math.isfinite(v) for v in trial.losses):
                         reference, ref_grads = trial, out

@@ -530,7 +530,7 @@ def test_bf16_weights_with_the_analysis_islands_is_a_candidate(family, compiled)
     amp.remove()
 
 
-def test_memory_budget_picks_what_fits_and_checkpoints_when_needed():
+def test_memory_budget_picks_what_fits_and_checkpoints_when_needed(tmp_path):
     zm, opt, batches = _setup()
     free = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32"], **FAST).trials[0]
     # Room for fp32's state and a third of its activations: only checkpointing makes fp32 fit.
@@ -538,8 +538,18 @@ def test_memory_budget_picks_what_fits_and_checkpoints_when_needed():
     result = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32"], memory_budget=budget, **FAST)
     by = {t.name: t for t in result.trials}
     assert not by["fp32"].fits and by["fp32+ckpt"].fits and result.recipe.name == "fp32+ckpt"
-    assert result.recipe.checkpoint and by["fp32+ckpt"].losses == by["fp32"].losses  # same numerics
-    assert "does not fit the budget" in by["fp32"].verdict
+    assert result.recipe.checkpoint and by["fp32+ckpt"].losses == free.losses  # same numerics
+    # Its first step already took more than the budget (on the CPU its whole measure): fp32 stopped there,
+    # with no step time and no loss comparison, and the report and the plot take it.
+    over = by["fp32"]
+    assert over.losses == free.losses[:1] and over.memory_bytes == free.memory_bytes > budget
+    assert over.step_time_ms is None and over.comparison is None and over.agrees is None
+    assert over.verdict.startswith("does not fit the budget: its first step took") and "stopped there" in over.verdict
+    row = next(r for r in tuning_rows(result.to_dict()) if r["candidate"] == "fp32")
+    assert row["ms/step"] is None and row["95% CI"] == "-" and row["verdict"] == over.verdict
+    assert "stopped there" in result.table()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert open(result.plot(str(tmp_path / "tune.png")), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(RuntimeError, match="no candidate ran and fit the memory budget"):
         tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32"], memory_budget=1000, **FAST)
 
@@ -896,6 +906,27 @@ def test_tune_on_cuda_measures_peak_memory_and_restores_bitwise():
     amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16", progress=False,
                                  memory_guard=guard)
     assert guard.headroom(amp) > 0
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_tune_on_cuda_stops_a_trial_whose_first_step_is_over_the_budget():
+    # The CUDA peak so far, read after the first step (allocator bookkeeping): fp32 is over a budget that
+    # bf16-pure fits, so it stops there and bf16-pure is the reference and the choice.
+    torch.cuda.init()
+    zm = zoo.build("gpt2", "tiny", seed=0, device="cuda")
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=3e-3)
+    batches = [zm.make_batch(4, seed=i, device="cuda") for i in range(3)]
+    free = {t.name: t for t in tune(zm.model, opt, batches, zm.loss, candidates=["fp32", "bf16-pure"], **FAST).trials}
+    assert free["bf16-pure"].peak_bytes < free["fp32"].peak_bytes
+    budget = (free["bf16-pure"].peak_bytes + free["fp32"].peak_bytes) // 2
+    result = tune(zm.model, opt, batches, zm.loss, candidates=["fp32", "bf16-pure"], memory_budget=budget,
+                  checkpoint_when_needed=False, **FAST)
+    by = {t.name: t for t in result.trials}
+    assert len(by["fp32"].losses) == 1 and by["fp32"].peak_bytes > budget and by["fp32"].step_time_ms is None
+    assert "stopped there" in by["fp32"].verdict
+    assert result.reference == "bf16-pure" and result.recipe.name == "bf16-pure"
+    assert len(by["bf16-pure"].losses) == FAST["steps"] and by["bf16-pure"].step_time_ms is not None
 
 
 @pytest.mark.cuda
