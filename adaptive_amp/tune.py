@@ -976,16 +976,13 @@ class Tuner:
         ok = self._eligible(ok, recipes)
         reasons = []
         where = getattr(self.capabilities, "name", str(self.device))
+        tried = ("; trials: " + "; ".join(f"{t.name}: {t.error or t.verdict or 'does not fit'}" for t in trials) +
+                 ". Raise memory_budget, use smaller batches, or add candidates ending in +ckpt")
         if reference is None:
-            raise RuntimeError("tune: no candidate ran and fit the memory budget "
-                               f"({_bytes(self.budget)}); trials: " +
-                               "; ".join(f"{t.name}: {t.error or t.verdict or 'does not fit'}" for t in trials) +
-                               ". Raise memory_budget, use smaller batches, or add candidates ending in +ckpt")
+            raise RuntimeError(f"tune: no candidate ran and fit the memory budget ({_bytes(self.budget)})" + tried)
         if not ok:  # (the reference itself ran out of memory in a later timing round)
-            raise RuntimeError("tune: every candidate that agreed with the reference ran out of memory while "
-                               "timed; trials: " + "; ".join(f"{t.name}: {t.error or t.verdict or 'does not fit'}"
-                                                           for t in trials) +
-                               ". Raise memory_budget, use smaller batches, or add candidates ending in +ckpt")
+            raise RuntimeError("tune: every candidate that agreed with the reference ran out of memory while timed"
+                               + tried)
 
         def pick(pool):
             fastest = min(pool, key=lambda t: t.step_time_ms)
