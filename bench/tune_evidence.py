@@ -297,7 +297,7 @@ def evidence(name, mode, args, device, ev: Evidence):
         snaps[s].restore()
 
     # First, so that it pays the process's first-tuning costs as a user's tuning does.
-    parts = set(args.parts.split(","))
+    parts = args.parts
     if args.cost_shape and mode == "eager" and "cost" in parts and ev.may_start(f"tuning cost at {args.cost_shape}", run, 60):
         cb, cl = (int(v) for v in args.cost_shape.lower().split("x"))
         big = stream(zm, cb, cl, 8, 0, device)
@@ -393,6 +393,21 @@ def _seed_list(text: str):
     return seeds
 
 
+PARTS = ("cost", "tuned", "torch", "alone", "seeds")
+
+
+def _parts(text: str) -> set:
+    """--parts: names from PARTS, or "none" (only the --budget and --oom-fraction runs)."""
+    names = text.split(",")
+    if names == ["none"]:
+        return set()
+    unknown = [n for n in names if n not in PARTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(repr, unknown))}: not a part; choose from "
+                                         f"{', '.join(PARTS)} (comma-separated), or none")
+    return set(names)
+
+
 def _caps(device):
     from adaptive_amp.hardware import HardwareDetector
 
@@ -410,9 +425,10 @@ def main(argv=None):
     p.add_argument("--spread-seeds", default=None, type=_seed_list, metavar="S,S,...",
                    help="the seeds of the seeds part (default 1 .. --seeds - 1)")
     p.add_argument("--alone-steps", type=int, default=200)
-    p.add_argument("--parts", default="cost,tuned,torch,alone,seeds",
+    p.add_argument("--parts", default="cost,tuned,torch,alone,seeds", type=_parts,
                    help="what to run, in this order: cost (with --cost-shape), tuned and torch (seed 0), alone, "
-                        "seeds (torch, then tuned, for every other seed)")
+                        "seeds (torch, then tuned, for every other seed); none: only the --budget and "
+                        "--oom-fraction runs")
     p.add_argument("--choice", default=None, help="the tuned recipe for --parts seeds without tuned (seed 0's)")
     p.add_argument("--cost-shape", default=None, help="BxL: also tune at this shape to measure the tuning's cost")
     p.add_argument("--max-seconds", type=float, default=520.0,

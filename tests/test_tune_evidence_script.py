@@ -57,3 +57,20 @@ def test_tune_evidence_spread_seeds_refuses_what_is_not_a_seed_list(bad, capsys)
     with pytest.raises(SystemExit):
         script.main(["--tiny", "--device", "cpu", "--spread-seeds", bad])
     assert "--spread-seeds" in capsys.readouterr().err
+
+
+def test_tune_evidence_parts_none_runs_only_the_budget(tmp_path):
+    script = load_bench_script("tune_evidence")
+    assert script.main(["--tiny", "--device", "cpu", "--train-steps", "4", "--tune-steps", "2", "--rounds", "1",
+                        "--parts", "none", "--budget", "1GiB", "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
+    assert not run["tuned"] and not run["torch_bf16"] and not run["alone"]
+    assert run["budget"]["tuning_seconds"] > 0 and len(run["budget"]["losses"]) == 4
+
+
+@pytest.mark.parametrize("bad", ["", "tuned,torches", "none,tuned"])
+def test_tune_evidence_parts_refuses_an_unknown_part(bad, capsys):
+    script = load_bench_script("tune_evidence")
+    with pytest.raises(SystemExit):
+        script.main(["--tiny", "--device", "cpu", "--parts", bad])
+    assert "--parts" in capsys.readouterr().err
