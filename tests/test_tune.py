@@ -885,13 +885,17 @@ def test_cli_tune(capsys, tmp_path):
         main(["tune", "--candidates", "fp64", "--steps", "2"])
 
 
-@pytest.mark.cuda
-@requires_cuda
-def test_tune_on_cuda_measures_peak_memory_and_restores_bitwise():
+def _cuda_gpt2():
     torch.cuda.init()
     zm = zoo.build("gpt2", "tiny", seed=0, device="cuda")
     opt = torch.optim.AdamW(zm.model.parameters(), lr=3e-3)
-    batches = [zm.make_batch(4, seed=i, device="cuda") for i in range(3)]
+    return zm, opt, [zm.make_batch(4, seed=i, device="cuda") for i in range(3)]
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_tune_on_cuda_measures_peak_memory_and_restores_bitwise():
+    zm, opt, batches = _cuda_gpt2()
     _train(zm, opt, batches, 1)
     before = _everything(zm, opt)
     torch.manual_seed(0)
@@ -913,10 +917,7 @@ def test_tune_on_cuda_measures_peak_memory_and_restores_bitwise():
 def test_tune_on_cuda_stops_a_trial_whose_first_step_is_over_the_budget():
     # The CUDA peak so far, read after the first step (allocator bookkeeping): fp32 is over a budget that
     # bf16-pure fits, so it stops there and bf16-pure is the reference and the choice.
-    torch.cuda.init()
-    zm = zoo.build("gpt2", "tiny", seed=0, device="cuda")
-    opt = torch.optim.AdamW(zm.model.parameters(), lr=3e-3)
-    batches = [zm.make_batch(4, seed=i, device="cuda") for i in range(3)]
+    zm, opt, batches = _cuda_gpt2()
     free = {t.name: t for t in tune(zm.model, opt, batches, zm.loss, candidates=["fp32", "bf16-pure"], **FAST).trials}
     assert free["bf16-pure"].peak_bytes < free["fp32"].peak_bytes
     budget = (free["bf16-pure"].peak_bytes + free["fp32"].peak_bytes) // 2

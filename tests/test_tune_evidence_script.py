@@ -51,12 +51,14 @@ def test_tune_evidence_spread_seeds_names_the_seeds_run(tmp_path):
     assert set(run["tuned"]) == {"3"} and set(run["torch_bf16"]) == {"3"}
 
 
-@pytest.mark.parametrize("bad", ["", "two", "1,-2"])
-def test_tune_evidence_spread_seeds_refuses_what_is_not_a_seed_list(bad, capsys):
+@pytest.mark.parametrize("option, bad", [("--spread-seeds", ""), ("--spread-seeds", "two"),
+                                         ("--spread-seeds", "1,-2"), ("--parts", ""), ("--parts", "tuned,torches"),
+                                         ("--parts", "none,tuned")])
+def test_tune_evidence_refuses_a_bad_seed_list_or_part_by_name(option, bad, capsys):
     script = load_bench_script("tune_evidence")
     with pytest.raises(SystemExit):
-        script.main(["--tiny", "--device", "cpu", "--spread-seeds", bad])
-    assert "--spread-seeds" in capsys.readouterr().err
+        script.main(["--tiny", "--device", "cpu", option, bad])
+    assert option in capsys.readouterr().err
 
 
 def test_tune_evidence_parts_none_runs_only_the_budget(tmp_path):
@@ -66,11 +68,3 @@ def test_tune_evidence_parts_none_runs_only_the_budget(tmp_path):
     run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
     assert not run["tuned"] and not run["torch_bf16"] and not run["alone"]
     assert run["budget"]["tuning_seconds"] > 0 and len(run["budget"]["losses"]) == 4
-
-
-@pytest.mark.parametrize("bad", ["", "tuned,torches", "none,tuned"])
-def test_tune_evidence_parts_refuses_an_unknown_part(bad, capsys):
-    script = load_bench_script("tune_evidence")
-    with pytest.raises(SystemExit):
-        script.main(["--tiny", "--device", "cpu", "--parts", bad])
-    assert "--parts" in capsys.readouterr().err
