@@ -763,7 +763,7 @@ class Tuner:
                     a.optimizer.zero_grad(set_to_none=True)
                     if k:
                         timer.stop(start)
-                    if k == 0 and self._over_budget_already(trial, cuda):
+                    if self._over_budget_already(trial, cuda, k + 1):
                         break  # (the peak only grows: the other steps would be spent for nothing)
                 trial.losses = [float(v) for v in torch.stack(losses).cpu()]
                 trial.step_times_ms.extend(timer.times_ms())
@@ -776,19 +776,21 @@ class Tuner:
                 a.undo()
         return out
 
-    def _over_budget_already(self, trial: Trial, cuda: bool) -> bool:
-        """After a trajectory's first step: whether the trial's memory so far is over the budget (it cannot fit,
-        and the trial stops there). On the CPU the measure is complete after that step; on CUDA the peak so far
-        (allocator bookkeeping: no synchronization)."""
-        if self.budget is None:
+    def _over_budget_already(self, trial: Trial, cuda: bool, done: int) -> bool:
+        """After `done` steps of a trajectory: whether the trial's memory so far is over the budget (it cannot
+        fit, and the trial stops there). On the CPU the measure is complete after the first step; on CUDA it is
+        the peak so far (allocator bookkeeping: no synchronization), which with an optimizer that has no state
+        yet reaches its full height only in the second step, when the moments exist during the backward."""
+        if self.budget is None or done >= self.steps:
+            return False
+        memory = int(torch.cuda.max_memory_allocated(self.device)) if cuda else trial.memory_bytes
+        if memory is None or memory <= self.budget:
             return False
         if cuda:
-            trial.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
-        over = trial.memory_bytes is not None and trial.memory_bytes > self.budget
-        if over:
-            trial.verdict = (f"does not fit the budget: its first step took {_bytes(trial.memory_bytes)} > "
-                             f"{_bytes(self.budget)} (stopped there)")
-        return over
+            trial.peak_bytes = memory
+        trial.verdict = (f"does not fit the budget: {_bytes(memory)} > {_bytes(self.budget)} after {done} of "
+                         f"{self.steps} steps (stopped there)")
+        return True
 
     def _time_round(self, recipe: Recipe, trial: Trial, offset: int):
         self._restore()
@@ -850,50 +852,11 @@ class Tuner:
             self.snapshot = Snapshot(self.model, [self.optimizer], offload=self.offload)
         self._allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         trials: List[Trial] = []
-        reference: Optional[Trial] = None
-        ref_grads = None
-        queue = list(self.recipes)
         recipes: Dict[str, Recipe] = {}
-        blocks = bool(find_blocks(self.model))
+        self._reference, self._ref_grads = None, None
+        passed_over: List[Recipe] = []  # skipped: they could not be chosen (see _cannot_win)
         try:
-            while queue:
-                recipe = queue.pop(0)
-                why = self._cannot_win(recipe, reference, recipes)
-                if why is not None:
-                    self.skipped.append((recipe.name, why))
-                    continue
-                trial = Trial(recipe.name, recipe.to_dict(), recipe.safety)
-                recipes[recipe.name] = recipe
-                trials.append(trial)
-                self.say(f"tune: trial {recipe.name}")
-                try:
-                    out = self._trajectory(recipe, trial, ref_grads)
-                except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is recorded, not fatal
-                    if not _is_oom(exc) and not isinstance(exc, (RuntimeError, ValueError, TypeError)):
-                        raise
-                    trial.error = ("out of memory" if _is_oom(exc) else type(exc).__name__) + f": {_short(exc)}"
-                    trial.fits = False if _is_oom(exc) else None
-                    self._free()
-                    if _is_oom(exc):
-                        self._maybe_checkpoint(recipe, trial, queue, blocks)
-                    continue
-                # No empty_cache between trials: the next trial would pay cudaMalloc again in its timed steps
-                # (on the H200 trials' first steps ran 10-30% slower than the same recipe alone; this is the
-                # likely cause), and the allocator frees cached blocks by itself before running out of memory.
-                trial.fits = self.budget is None or trial.memory_bytes is None or trial.memory_bytes <= self.budget
-                if not trial.fits:
-                    self._maybe_checkpoint(recipe, trial, queue, blocks)
-                    if len(trial.losses) < self.steps:  # stopped at its first step: no loss comparison
-                        trial.grad_cosine = out if reference is not None else None
-                        continue
-                if reference is None:
-                    if trial.fits and all(math.isfinite(v) for v in trial.losses):
-                        reference, ref_grads = trial, out
-                        trial.grad_cosine, trial.agrees = 1.0, True
-                        trial.comparison = LossComparison.of(trial.losses, trial.losses)
-                    continue
-                trial.grad_cosine = out
-                self._judge(trial, reference)
+            self._run_queue(list(self.recipes), trials, recipes, passed_over)
             contenders = self._contenders([t for t in trials if t.error is None and t.fits], recipes)
             if self.rounds > 1 and contenders:
                 self.say("tune: timing rounds for " + ", ".join(t.name for t in contenders))
@@ -908,18 +871,77 @@ class Tuner:
                         t.error, t.fits = f"out of memory while timed: {_short(exc)}", False
                         contenders.remove(t)
                         self._free()
+            if passed_over and not self._full_moments_left(trials, recipes):
+                # Every candidate with fp32 moments ran out of memory in a timing round: the ones passed over
+                # may be chosen after all.
+                names = {r.name for r in passed_over}
+                self.skipped = [(n, why) for n, why in self.skipped if n not in names]
+                self.say("tune: no candidate with fp32 moments is left; trials of " + ", ".join(sorted(names)))
+                self._run_queue(passed_over, trials, recipes, None)
         finally:
             self._restore()
-            self.snapshot = None
+            self.snapshot = self._ref_grads = None
             self._free(collect=False)
             _restore_recompile_limit(dynamo_limit)
-        return self._choose(trials, reference, recipes, time.perf_counter() - started)
+        return self._choose(trials, self._reference, recipes, time.perf_counter() - started)
+
+    def _run_queue(self, queue: List[Recipe], trials: List[Trial], recipes: Dict[str, Recipe],
+                   passed_over: Optional[List[Recipe]]):
+        """Each recipe's trial, in order (a +ckpt variant goes next after one that does not fit); the first
+        that fits with finite losses becomes the reference. With `passed_over` a list, recipes that could not
+        be chosen are skipped into it instead."""
+        blocks = bool(find_blocks(self.model))
+        while queue:
+            recipe = queue.pop(0)
+            why = None if passed_over is None else self._cannot_win(recipe, self._reference, recipes)
+            if why is not None:
+                self.skipped.append((recipe.name, why))
+                passed_over.append(recipe)
+                continue
+            trial = Trial(recipe.name, recipe.to_dict(), recipe.safety)
+            recipes[recipe.name] = recipe
+            trials.append(trial)
+            self.say(f"tune: trial {recipe.name}")
+            try:
+                out = self._trajectory(recipe, trial, self._ref_grads)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is recorded, not fatal
+                if not _is_oom(exc) and not isinstance(exc, (RuntimeError, ValueError, TypeError)):
+                    raise
+                trial.error = ("out of memory" if _is_oom(exc) else type(exc).__name__) + f": {_short(exc)}"
+                trial.fits = False if _is_oom(exc) else None
+                self._free()
+                if _is_oom(exc):
+                    self._maybe_checkpoint(recipe, trial, queue, blocks)
+                continue
+            # No empty_cache between trials: the next trial would pay cudaMalloc again in its timed steps
+            # (on the H200 trials' first steps ran 10-30% slower than the same recipe alone; this is the
+            # likely cause), and the allocator frees cached blocks by itself before running out of memory.
+            trial.fits = self.budget is None or trial.memory_bytes is None or trial.memory_bytes <= self.budget
+            if not trial.fits:
+                self._maybe_checkpoint(recipe, trial, queue, blocks)
+                if len(trial.losses) < self.steps:  # stopped over the budget: no loss comparison
+                    trial.grad_cosine = out if self._reference is not None else None
+                    continue
+            if self._reference is None:
+                if trial.fits and all(math.isfinite(v) for v in trial.losses):
+                    self._reference, self._ref_grads = trial, out
+                    trial.grad_cosine, trial.agrees = 1.0, True
+                    trial.comparison = LossComparison.of(trial.losses, trial.losses)
+                continue
+            trial.grad_cosine = out
+            self._judge(trial, self._reference)
+
+    @staticmethod
+    def _full_moments_left(trials: List[Trial], recipes: Dict[str, Recipe]) -> bool:
+        """Whether a trial with fp32 moments (or the optimizer's own) agrees, fits and was timed."""
+        return any(t.error is None and t.fits and t.agrees and t.step_time_ms is not None
+                   and recipes[t.name].moment_dtype in (None, torch.float32) for t in trials)
 
     def _cannot_win(self, recipe: Recipe, reference: Optional[Trial], recipes: Dict[str, Recipe]) -> Optional[str]:
         """Why `recipe` need not run (None: it must): bf16 moments are chosen only when no agreeing candidate
-        with fp32 moments fits (:meth:`_eligible`), and a reference with fp32 moments is one. (Should the
-        reference run out of memory in a later timing round, the choice falls to the other agreeing candidates
-        that ran, or is an error naming every trial when none is left.)"""
+        with fp32 moments fits (:meth:`_eligible`), and a reference with fp32 moments is one. (Should every
+        candidate with fp32 moments run out of memory in a later timing round, the recipes passed over run
+        then.)"""
         if self.state_margin == 0 or recipe.moment_dtype != torch.bfloat16 or reference is None:
             return None
         if recipes[reference.name].moment_dtype not in (None, torch.float32):
@@ -930,8 +952,9 @@ class Tuner:
     def _maybe_checkpoint(self, recipe: Recipe, trial: Trial, queue: List[Recipe], blocks: bool):
         if recipe.checkpoint or not self.checkpoint_when_needed:
             return
-        if not blocks:
-            trial.verdict = "does not fit; the model has no repeated blocks to checkpoint"
+        if not blocks:  # (after where a trial stopped over the budget, when it says so)
+            trial.verdict = (f"{trial.verdict}; " if trial.verdict else "does not fit; ") + \
+                "the model has no repeated blocks to checkpoint"
             return
         variant = recipe.replace(name=recipe.name + "+ckpt", checkpoint=True, safety=recipe.safety + 1)
         if all(r.name != variant.name for r in queue):

@@ -23,19 +23,13 @@ import sys
 import numpy as np
 
 
-#: Student's t, two-sided 95%, for 1 to 30 degrees of freedom (beyond 30, the Cornish-Fisher expansion below).
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
 def t975(df: int) -> float:
-    """The two-sided 95% quantile of Student's t with `df` degrees of freedom."""
+    """The two-sided 95% quantile of Student's t with `df` degrees of freedom (the tuner's own)."""
     if df < 1:
         raise ValueError(f"df: at least 1 degree of freedom, got {df}")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959964
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+    from adaptive_amp.tune import t_quantile
+
+    return t_quantile(0.975, df)
 
 
 def pairs(result: dict, loop: str, baseline: str = "alone"):

@@ -398,7 +398,7 @@ PARTS = ("cost", "tuned", "torch", "alone", "seeds")
 
 def _parts(text: str) -> set:
     """--parts: names from PARTS, or "none" (only the --budget and --oom-fraction runs)."""
-    names = text.split(",")
+    names = [n.strip() for n in text.split(",")]
     if names == ["none"]:
         return set()
     unknown = [n for n in names if n not in PARTS]

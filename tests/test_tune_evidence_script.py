@@ -64,7 +64,7 @@ def test_tune_evidence_refuses_a_bad_seed_list_or_part_by_name(option, bad, caps
 def test_tune_evidence_parts_none_runs_only_the_budget(tmp_path):
     script = load_bench_script("tune_evidence")
     assert script.main(["--tiny", "--device", "cpu", "--train-steps", "4", "--tune-steps", "2", "--rounds", "1",
-                        "--parts", "none", "--budget", "1GiB", "--out", str(tmp_path)]) == 0
+                        "--parts", " none", "--budget", "1GiB", "--out", str(tmp_path)]) == 0
     run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
     assert not run["tuned"] and not run["torch_bf16"] and not run["alone"]
     assert run["budget"]["tuning_seconds"] > 0 and len(run["budget"]["losses"]) == 4
