@@ -58,9 +58,9 @@ that keeps the loss and fits the memory budget.
    is listed as skipped, with why. When a
    candidate does not fit
    the budget (or runs out of memory) and the model has repeated blocks, the
-   same candidate with activation checkpointing is tried next. A trial whose
-   first step already takes more memory than the budget stops there (its peak
-   only grows over the steps): it has no step time and no loss comparison.
+   same candidate with activation checkpointing is tried next. A trial that
+   already takes more memory than the budget after a step stops there (its
+   peak only grows over the steps): it has no loss comparison.
 
 Every trial, its numbers and why it was or was not chosen go into the
 returned policy's ``reasons`` and into :class:`TuneResult` (``table()``,
