@@ -838,7 +838,7 @@ class Tuner:
     def _contenders(self, runnable: List[Trial], recipes: Dict[str, Recipe]) -> List[Trial]:
         """The candidates worth more timing rounds: they agree, fit, may be chosen (:meth:`_eligible`), and
         their first round was within `contenders` of the fastest such candidate's."""
-        ok = self._eligible([t for t in runnable if t.agrees and t.step_time_ms is not None], recipes)
+        ok = self._eligible([t for t in runnable if _usable(t)], recipes)
         if not ok:
             return []
         best = min(t.step_time_ms for t in ok)
@@ -934,8 +934,7 @@ class Tuner:
     @staticmethod
     def _full_moments_left(trials: List[Trial], recipes: Dict[str, Recipe]) -> bool:
         """Whether a trial with fp32 moments (or the optimizer's own) agrees, fits and was timed."""
-        return any(t.error is None and t.fits and t.agrees and t.step_time_ms is not None
-                   and recipes[t.name].moment_dtype in (None, torch.float32) for t in trials)
+        return any(_usable(t) and _fp32_moments(recipes[t.name]) for t in trials)
 
     def _cannot_win(self, recipe: Recipe, reference: Optional[Trial], recipes: Dict[str, Recipe]) -> Optional[str]:
         """Why `recipe` need not run (None: it must): bf16 moments are chosen only when no agreeing candidate
@@ -944,7 +943,7 @@ class Tuner:
         then.)"""
         if self.state_margin == 0 or recipe.moment_dtype != torch.bfloat16 or reference is None:
             return None
-        if recipes[reference.name].moment_dtype not in (None, torch.float32):
+        if not _fp32_moments(recipes[reference.name]):
             return None
         return (f"bf16 moments are chosen only when no candidate with fp32 moments fits, and the reference "
                 f"{reference.name} does (state_margin=0 tries it)")
@@ -985,7 +984,7 @@ class Tuner:
         after hundreds of steps. Measured (H200, Llama 1.1B eager, 2000 steps, bench/RESULTS.md): bf16 weights
         and moments ended 7% above torch's bf16 autocast, in two sessions, while their trials agreed and were
         5-12% faster than bf16 weights with fp32 moments."""
-        full = [t for t in ok if recipes[t.name].moment_dtype in (None, torch.float32)]
+        full = [t for t in ok if _fp32_moments(recipes[t.name])]
         if self.state_margin == 0 or not full:
             return ok
         for t in ok:
@@ -995,7 +994,7 @@ class Tuner:
         return full
 
     def _choose(self, trials, reference, recipes, seconds) -> "TuneResult":
-        ok = [t for t in trials if t.error is None and t.fits and t.agrees and t.step_time_ms is not None]
+        ok = [t for t in trials if _usable(t)]
         ok = self._eligible(ok, recipes)
         reasons = []
         where = getattr(self.capabilities, "name", str(self.device))
@@ -1057,10 +1056,20 @@ class Tuner:
                           device=str(self.device), compiled=self.compiled, phase_seconds=dict(self.phases))
 
 
+def _usable(t: Trial) -> bool:
+    """Whether a trial may be chosen as far as it alone goes: it ran, fits, agrees and was timed."""
+    return t.error is None and bool(t.fits) and bool(t.agrees) and t.step_time_ms is not None
+
+
+def _fp32_moments(recipe) -> bool:
+    """Whether `recipe` keeps fp32 moments (or leaves the optimizer's own, None)."""
+    return recipe.moment_dtype in (None, torch.float32)
+
+
 def _bf16_extent(recipe) -> int:
     """How much `recipe` keeps in bf16 beyond torch's autocast, one for each: bf16 weights, bf16 moments, bf16
     compute outside the matmuls (bf16-pure's residual stream and norms). 0 for autocast, fp16 and fp32."""
-    return (int(recipe.param_dtype != torch.float32) + int(recipe.moment_dtype not in (None, torch.float32))
+    return (int(recipe.param_dtype != torch.float32) + int(not _fp32_moments(recipe))
             + int(recipe.policy.pure))
 
 
