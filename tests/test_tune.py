@@ -587,6 +587,23 @@ def test_tune_compiled_model():
     assert result.trials[0].losses == pytest.approx(eager.trials[0].losses, rel=1e-4)
 
 
+def test_tune_compiled_gpt2_stops_over_the_budget_and_passes_over_bf16_moments():
+    # Compiled (GPT-2 with its Conv1D): the memory is the state alone, complete after the first step. fp32 holds
+    # 4 + 4 + 2*4 bytes a parameter, bf16-pure 2 + 2 + 2*4: a budget of 14 stops fp32 after its first step, and
+    # the reference bf16-pure keeps fp32 moments, so bf16 moments are passed over (not compiled).
+    torch._dynamo.reset()
+    zm, opt, batches = _setup("gpt2")
+    compiled = torch.compile(zm.model)
+    moments = "bf16-pure+bf16-moments"
+    result = tune(compiled, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32", "bf16-pure", moments],
+                  memory_budget=14 * zm.num_parameters(), checkpoint_when_needed=False, **FAST)
+    by = {t.name: t for t in result.trials}
+    assert result.compiled and list(by) == ["fp32", "bf16-pure"] and moments in dict(result.skipped)
+    assert len(by["fp32"].losses) == 1 and "after 1 of 3 steps (stopped there)" in by["fp32"].verdict
+    assert result.reference == "bf16-pure" and result.recipe.name == "bf16-pure"
+    assert by["bf16-pure"].memory_source == "state only (compiled)" and len(by["bf16-pure"].losses) == 3
+
+
 # ---------------------------------------------------------------------------- controller
 
 
