@@ -730,7 +730,8 @@ def _is_number(v) -> bool:
 
 
 def _fmt(v) -> str:
-    """A number with 4 significant digits (whole numbers, e.g. loss scales, in full); anything else as str()."""
+    """A number with 4 significant digits (whole numbers, e.g. loss scales, and anything from 10,000 up, e.g.
+    memory in MiB or tokens/s, as a whole number: more readable than 2.784e+04); anything else as str()."""
     if v is None:
         return "-"
     if not _is_number(v):
@@ -742,8 +743,10 @@ def _fmt(v) -> str:
         return str(v)
     if v.is_integer() and abs(v) < 1e15:
         return str(int(v))
-    if 1e-3 <= abs(v) < 1e5:
-        return f"{v:.4g}"
+    if 1e4 <= abs(v) < 1e15:
+        return f"{v:.0f}"
+    if 1e-3 <= abs(v):
+        return f"{v:.4g}"  # (at 10,000 and over, .4g would switch to an exponent)
     return f"{v:.3e}"
 
 

@@ -190,6 +190,9 @@ def test_comparison_table():
     assert lines[2].index("1.235") + 5 == lines[0].index("final_loss") + len("final_loss")
     assert comparison_table(rows, ["run", "final_loss"]).splitlines()[0].split() == ["run", "final_loss"]
     assert comparison_table([]) == "(no rows)"
+    # From 10,000 up a whole number (memory in MiB, tokens/s), not 2.784e+04; small ones keep an exponent.
+    big = comparison_table([{"memory MiB": 27840.5, "tokens/s": 150432.4, "tiny": 2.5e-5, "ms": 9999.4}])
+    assert big.splitlines()[2].split() == ["27840", "150432", "2.500e-05", "9999"]
     with pytest.raises(TypeError, match=r"rows\[0\] is a list"):
         comparison_table([[1, 2]])
 
