@@ -1232,10 +1232,12 @@ def plot_tuning(d: dict, path: str) -> str:
               or t.get("agrees") is False) else "tab:blue" for t in trials]
     axes[0].barh(ys, [t.get("step_time_ms") or 0.0 for t in trials], color=colors)
     axes[0].set_title("median step time (ms)")
-    axes[1].barh(ys, [(t.get("memory_bytes") or 0) / 2**20 for t in trials], color=colors)
-    axes[1].set_title(f"memory (MiB; {d.get('memory_source')})", fontsize=9)
+    # GiB for a real model's memory (tens of thousands of MiB read badly), MiB for a small one.
+    unit, scale = ("GiB", 2**30) if max((t.get("memory_bytes") or 0) for t in trials) >= 2**30 else ("MiB", 2**20)
+    axes[1].barh(ys, [(t.get("memory_bytes") or 0) / scale for t in trials], color=colors)
+    axes[1].set_title(f"memory ({unit}; {d.get('memory_source')})", fontsize=9)
     if d.get("budget_bytes"):
-        axes[1].axvline(d["budget_bytes"] / 2**20, color="black", linestyle="--", linewidth=1, label="budget")
+        axes[1].axvline(d["budget_bytes"] / scale, color="black", linestyle="--", linewidth=1, label="budget")
         axes[1].legend(fontsize=7)
     for y, t in zip(ys, trials):
         if t.get("step_time_ms") is None:
@@ -1249,6 +1251,9 @@ def plot_tuning(d: dict, path: str) -> str:
         axes[2].errorbar([mean], [y], xerr=[[mean - lo], [hi - mean]], fmt="o", color=colors[y], capsize=3)
     axes[2].axvline(0.0, color="gray", linewidth=0.8)
     axes[2].set_title("loss - reference loss (mean, 95% CI)")
+    # Differences of 1e-4 would otherwise print as long labels that run into each other.
+    axes[2].locator_params(axis="x", nbins=5)
+    axes[2].ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
     for ax in axes:
         ax.set_yticks(ys)
         ax.set_yticklabels([t["name"] for t in trials] if ax is axes[0] else [""] * len(trials), fontsize=8)
