@@ -459,11 +459,18 @@ class TrainingReport:
 # ---------------------------------------------------------------------- recipes side by side
 
 
+def _positive(scales) -> bool:
+    """Whether a run's per-step loss scales hold any finite positive value (it scaled its loss)."""
+    return any(math.isfinite(float(v)) and float(v) > 0 for v in scales)
+
+
 def plot_recipes(runs: Mapping[str, Mapping[str, Sequence]], path: str, title: str = "recipes side by side",
                  notes: Sequence[str] = ()) -> str:
     """One PNG comparing training runs (e.g. fp32, torch AMP, adaptive_amp on the same data), 2 x 2 panels:
     loss per step (a moving average over 2% of the steps drawn over the raw values), loss scale (log),
     skipped steps (cumulative), and step time (median with the interquartile range of its timing rounds).
+    When no run scaled its loss or skipped a step (bf16 recipes), only the loss and step-time panels, side by
+    side: the other two would be empty.
 
     Args:
         runs: label -> {"losses": per-step losses, "scales": per-step loss scale (empty without loss
@@ -473,9 +480,14 @@ def plot_recipes(runs: Mapping[str, Mapping[str, Sequence]], path: str, title: s
         notes: lines printed under the panels (e.g. each recipe's full policy).
     """
     Figure, FigureCanvasAgg = _matplotlib()
-    fig = Figure(figsize=(12, 7.5 + 0.2 * len(notes)), constrained_layout=True)
+    scaling = any(_positive(run.get("scales", ())) or run.get("skipped_at") for run in runs.values())
+    fig = Figure(figsize=(12, (7.5 if scaling else 4.2) + 0.2 * len(notes)), constrained_layout=True)
     FigureCanvasAgg(fig)
-    (ax_loss, ax_scale), (ax_skip, ax_time) = fig.subplots(2, 2)
+    if scaling:
+        (ax_loss, ax_scale), (ax_skip, ax_time) = fig.subplots(2, 2)
+    else:
+        (ax_loss, ax_time), ax_scale, ax_skip = fig.subplots(1, 2), None, None
+        notes = [*notes, "no run scaled its loss or skipped a step (no loss-scale or skipped-step panels)"]
     fig.suptitle(title)
     colors = ["tab:gray", "tab:orange", "tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]
     unscaled, lossless = [], []
@@ -495,7 +507,7 @@ def plot_recipes(runs: Mapping[str, Mapping[str, Sequence]], path: str, title: s
             lossless.append(label)
         scales = [float(v) for v in run.get("scales", [])]
         shown = [(st, v) for st, v in enumerate(scales) if math.isfinite(v) and v > 0]
-        if shown:
+        if shown:  # (then `scaling`, so the panel is there)
             xs, ys = zip(*shown)
             ax_scale.step(xs, ys, where="post", color=color, label=label)
         else:
@@ -507,7 +519,7 @@ def plot_recipes(runs: Mapping[str, Mapping[str, Sequence]], path: str, title: s
             while i < len(skipped) and skipped[i] <= st:
                 i += 1
             counts.append(i)
-        if total:
+        if total and scaling:
             ax_skip.step(range(total), counts, where="post", color=color, label=f"{label} ({len(skipped)})")
         times = [float(v) for v in run.get("step_times", []) if math.isfinite(v)]
         if times:
@@ -528,22 +540,23 @@ def plot_recipes(runs: Mapping[str, Mapping[str, Sequence]], path: str, title: s
     if lossless:
         ax_loss.text(0.02, 0.04, "no finite loss: " + ", ".join(lossless), transform=ax_loss.transAxes, fontsize=8,
                      color="gray")
-    ax_scale.set_title("loss scale", fontsize=9)
-    ax_scale.set_xlabel("step")
-    if ax_scale.lines:
-        ax_scale.set_yscale("log")
-        ax_scale.legend(fontsize=8)
-    if unscaled:
-        ax_scale.text(0.02, 0.04, "no loss scaling: " + ", ".join(unscaled), transform=ax_scale.transAxes,
-                      fontsize=8, color="gray")
-    ax_skip.set_title("skipped steps (cumulative; total in the legend)", fontsize=9)
-    ax_skip.set_xlabel("step")
-    most = max((len(run.get("skipped_at", [])) for run in runs.values()), default=0)
-    ax_skip.set_ylim(0, max(1, most) * 1.05)  # a flat zero line sits on the axis, not mid-panel
-    if not most:
-        ax_skip.text(0.5, 0.5, "no run skipped a step", transform=ax_skip.transAxes, ha="center", color="gray")
-    if ax_skip.lines:
-        ax_skip.legend(fontsize=8)
+    if scaling:
+        ax_scale.set_title("loss scale", fontsize=9)
+        ax_scale.set_xlabel("step")
+        if ax_scale.lines:
+            ax_scale.set_yscale("log")
+            ax_scale.legend(fontsize=8)
+        if unscaled:
+            ax_scale.text(0.02, 0.04, "no loss scaling: " + ", ".join(unscaled), transform=ax_scale.transAxes,
+                          fontsize=8, color="gray")
+        ax_skip.set_title("skipped steps (cumulative; total in the legend)", fontsize=9)
+        ax_skip.set_xlabel("step")
+        most = max((len(run.get("skipped_at", [])) for run in runs.values()), default=0)
+        ax_skip.set_ylim(0, max(1, most) * 1.05)  # a flat zero line sits on the axis, not mid-panel
+        if not most:
+            ax_skip.text(0.5, 0.5, "no run skipped a step", transform=ax_skip.transAxes, ha="center", color="gray")
+        if ax_skip.lines:
+            ax_skip.legend(fontsize=8)
     ax_time.set_title("step time: median and interquartile range of the timing rounds", fontsize=9)
     ax_time.set_xticks(range(len(runs)))
     ax_time.set_xticklabels(list(runs), fontsize=8)

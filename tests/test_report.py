@@ -288,3 +288,14 @@ def test_recipes_plot(tmp_path):
             "adaptive_amp": {"losses": [3.0 - 0.01 * i for i in range(100)], "scales": [65536.0] * 100,
                              "skipped_at": [0, 1, 2], "step_times": []}}
     assert_png(plot_recipes(runs, str(tmp_path / "r.png"), notes=["fp32: float32"]))
+
+
+def test_recipes_plot_without_loss_scaling_has_no_scale_panels(tmp_path):
+    from matplotlib.image import imread
+
+    from adaptive_amp.report import plot_recipes
+
+    bf16 = {"losses": [3.0 - 0.01 * i for i in range(50)], "scales": [NAN] * 50, "skipped_at": [], "step_times": [5.0]}
+    unscaled = imread(plot_recipes({"torch bf16": bf16, "tuned": dict(bf16, scales=[])}, str(tmp_path / "u.png")))
+    one_skip = imread(plot_recipes({"torch bf16": bf16, "fp16": dict(bf16, skipped_at=[3])}, str(tmp_path / "s.png")))
+    assert unscaled.shape[0] < 0.75 * one_skip.shape[0]  # two panels fewer; a skipped step alone brings them back
