@@ -24,9 +24,8 @@ import numpy as np
 
 
 def t975(df: int) -> float:
-    """The two-sided 95% quantile of Student's t with `df` degrees of freedom (the tuner's own)."""
-    if df < 1:
-        raise ValueError(f"df: at least 1 degree of freedom, got {df}")
+    """The two-sided 95% quantile of Student's t with `df` degrees of freedom (the tuner's own, which refuses
+    df <= 0 by name)."""
     from adaptive_amp.tune import t_quantile
 
     return t_quantile(0.975, df)
