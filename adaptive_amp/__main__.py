@@ -184,7 +184,8 @@ def main(argv=None) -> int:
     analyze.add_argument("--length", type=int, default=64, help="demo model: tokens per sequence")
     analyze.add_argument("--no-progress", action="store_true", help="no progress bar")
     sub.add_parser("demo", help="train the demo LM (see --help after demo)", add_help=False)
-    sub.add_parser("bench", help="kernel microbenchmarks (see --help after bench)", add_help=False)
+    sub.add_parser("bench", help="benchmarks: kernels, scaler, optimizer, end to end, tune, scale, zoo, multi-GPU "
+                                 "(see --help after bench)", add_help=False)
     sub.add_parser("tune", help="A/B of precision recipes on a model (see --help after tune)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     if args.command in ("info", "analyze") and rest:
@@ -198,8 +199,8 @@ def main(argv=None) -> int:
     if args.command == "bench":
         from . import bench
 
-        bench.main(rest)
-        return 0
+        result = bench.main(rest)
+        return result if isinstance(result, int) else 0
     if args.command == "tune":
         from .tune_cli import main as tune_main
 

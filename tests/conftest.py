@@ -179,14 +179,3 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def load_bench_script(name: str):
-    """bench/<name>.py as a module (the GPU scripts have CPU modes that the tests run; bench/ is no package)."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "bench", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script

@@ -1,7 +1,7 @@
-"""How a torch.distributed worker process ends: bench/multi_gpu*.py and the tests' two-process workers.
+"""How a torch.distributed worker process ends: the multi-gpu suites and the tests' two-process workers.
 
 Ending a gloo run through the interpreter's normal shutdown now and then aborted one rank
-after every check had passed (2 of 48 local runs of bench/multi_gpu_integrations.py; more
+after every check had passed (2 of 48 local runs of the multi-gpu-integrations suite; more
 often on a busy 2-core CI machine): ``terminate called without an active exception``,
 SIGABRT. The core dump: a gloo worker thread
 (``ProcessGroupGloo::runLoop``) drops its last reference to a collective it has already

@@ -1,6 +1,6 @@
-"""``python -m adaptive_amp bench``: the kernel, scaler and optimizer suites from the command line.
+"""``python -m adaptive_amp bench``: every benchmark of the project, as suites of one command.
 
-Each suite times, side by side in one run, our op, torch's equivalent, the pure-torch reference and the
+The kernel suites (gpt2, many, sround, optim, --stats, --scaler) time, side by side in one run, our op, torch's equivalent, the pure-torch reference and the
 device's ceiling (a large copy for read+write ops, a reduction for read-only ones), and prints a table, the
 ratios to torch and, on a GPU, the project's targets. GPU times come from CUDA events (medians; "eager"
 includes host overhead, "graph" is the device time of CUDA-graph replay); CPU times from the host clock
@@ -21,13 +21,26 @@ from .kernels import (SUITES, format_table, sround_cpu, sround_gpu, sround_summa
                       stats_summary, unscale_cpu, unscale_gpu)
 
 _EPILOG = """suites (--suites, comma-separated; default gpt2,many):
-  gpt2    fused unscale + inf check on GPT-2 small's 148 gradients (124M fp32 values)
+  gpt2    fused unscale + inf check on GPT-2 small's 148 gradients (124M fp32 values), against torch's kernel
   many    the same on 2000 tensors of 4096 fp32 values (launch-bound)
-  sround  stochastic rounding of fp32 to bf16, fp16, e4m3, e5m2 (256M values on a GPU, 16M on the CPU)
-  optim   fused SR AdamW / SGD steps on the GPT-2-small parameter set (GPU only)
+  sround  stochastic rounding of fp32 to bf16, fp16, e4m3, e5m2 (256M values on a GPU, 16M on the CPU),
+          against a pure-torch rounding and the device's copy bandwidth
+  optim   fused SR AdamW / SGD steps on the GPT-2-small parameter set, against torch's fused AdamW (GPU only)
   e2e     the zoo's GPT-2 small/medium and Llama trained under torch's recipes and ours, eager and compiled:
           tokens/s, peak memory, final loss, the controller against its plain loop; the drop-in check
---stats adds tensor_stats on the gpt2/many sets; --scaler and --lm measure GradScaler (GPU; --scaler also on the CPU).
+--stats adds tensor_stats on the gpt2/many sets; --scaler and --lm measure GradScaler against torch.amp.GradScaler
+(GPU; --scaler also on the CPU).
+
+suites with options of their own (python -m adaptive_amp bench SUITE --help):
+  tune          policy="tune" trained for real against torch's bf16 autocast: tokens/s, peak memory, final
+                loss against torch's seed spread, the tuning's cost
+  zoo           the zoo trained at real size under fp32, torch AMP and ours: recovery from planted fp16
+                overflows (--suite recovery) and no false alarms in ordinary training (--suite alarms)
+  multi-gpu     GradScaler under DDP and FSDP2 against torch's scalers (parity, skips, overhead); launch with
+                torchrun --standalone --nproc_per_node=2 -m adaptive_amp bench multi-gpu --out DIR
+  multi-gpu-integrations
+                the collective controller and the Lightning/Accelerate integrations under DDP and FSDP2: the
+                same decisions on every rank, resume, no hang; launched like multi-gpu
 
 examples:
   python -m adaptive_amp bench                                  # gpt2 + many on the GPU (or the CPU)
@@ -38,14 +51,32 @@ examples:
 """
 
 
+#: suites with options of their own: name -> module (in this package) with main(argv) -> exit status
+COMMANDS = {"tune": "tuning", "zoo": "zoo", "multi-gpu": "multi_gpu",
+            "multi-gpu-integrations": "multi_gpu_integrations"}
+
+
+def _run_command(name, argv):
+    import importlib
+
+    return importlib.import_module(f".{COMMANDS[name]}", __package__).main(list(argv))
+
+
 def main(argv=None):
+    """Runs the suites of `argv`: the rows of the kernel suites, or a suite command's exit status."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        return _run_command(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="python -m adaptive_amp bench", description=__doc__.split("\n\n")[1],
                                      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where to time: cuda (default when torch sees a GPU; 'cuda:1' for another) or cpu")
     parser.add_argument("--suites", default="gpt2,many",
                         help="comma-separated, from " + ", ".join([*SUITES, "sround", "optim", "e2e"]) +
-                             " (default gpt2,many)")
+                             " (default gpt2,many); or one of " + ", ".join(COMMANDS) + " alone, with its "
+                             "own options after it")
     parser.add_argument("--e2e-models", default=None,
                         help=f"e2e: comma-separated of {','.join(E2E_MODELS)} (GPU default: "
                              f"{','.join(E2E_DEFAULT_MODELS)}; CPU: gpt2-small, built tiny)")
@@ -72,8 +103,20 @@ def main(argv=None):
     parser.add_argument("--no-unscale", action="store_true", help="skip the unscale suites (gpt2, many)")
     parser.add_argument("--stats", action="store_true",
                         help="the tensor_stats suite on the same sets (ours, a torch loop, _foreach_norm, read ceiling)")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
     suites = [s for s in args.suites.split(",") if s]
+    commands = [s for s in suites if s in COMMANDS]
+    if commands:
+        if len(suites) > 1:
+            parser.error(f"--suites {args.suites}: {commands[0]} runs alone (python -m adaptive_amp bench "
+                         f"{commands[0]} [options])")
+        return _run_command(commands[0], rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    unknown = [s for s in suites if s not in (*SUITES, "sround", "optim", "e2e")]
+    if unknown:
+        parser.error(f"--suites: unknown suite {unknown[0]!r}; choose from "
+                     + ", ".join([*SUITES, "sround", "optim", "e2e", *COMMANDS]))
     sround = "sround" in suites  # the stochastic-rounding suite; the others are unscale suites
     optim_suite = "optim" in suites  # the fused-optimizer suite (GPU)
     e2e_suite = "e2e" in suites  # end to end: the zoo's models under torch's recipes and ours

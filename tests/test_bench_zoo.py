@@ -1,4 +1,4 @@
-"""bench/zoo_training.py (the lead's GPU runs of issue 17's targets 5 and 6) in its CPU smoke mode: tiny models,
+"""``python -m adaptive_amp bench zoo`` in its CPU smoke mode: tiny models,
 a few steps; the rows must say what the GPU run will report."""
 
 from __future__ import annotations
@@ -6,16 +6,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import load_bench_script
 
 pytest.importorskip("transformers")
 
 
 def _script():
-    return load_bench_script("zoo_training")
+    from adaptive_amp.bench import zoo
+
+    return zoo
 
 
-def test_recovery_suite_finds_the_planted_layers_and_reports_against_fp32(tmp_path):
+def test_recovery_suite_finds_the_planted_layers_and_reports_against_fp32(tmp_path, capsys):
     status = _script().main(["--suite", "recovery", "--tiny-cpu", "--modes", "eager", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "zoo_training_recovery.json").read_text())
     rows = {(r["config"], r["recipe"]): r for r in report["results"]}
@@ -45,6 +46,9 @@ def test_recovery_suite_finds_the_planted_layers_and_reports_against_fp32(tmp_pa
     text = (tmp_path / "zoo_training_recovery.txt").read_text()
     assert text.count("PASS") == 2 and "never" in text
     assert status == 0
+    out = capsys.readouterr().out
+    assert "verdict: AdaptiveMixedPrecision recovered from the planted overflow in every run" in out
+    assert "torch AMP lost" in out
 
 
 def test_alarms_suite_counts_anomalies_per_model_and_dtype(tmp_path):
@@ -62,8 +66,8 @@ def test_alarms_suite_counts_anomalies_per_model_and_dtype(tmp_path):
         assert r["false_actions"] == [] and r["policy_end"] == r["policy_start"]
         assert r["first_step_s"] > 0 and r["final_loss"] == r["final_loss"] and len(r["losses_every_50"]) == 2
     assert report["summary"] == {"runs": 12, "anomalies": 0, "steps": 12 * 25, "false_actions": 0}
-    # The settings say what the runs did: they clip at 1.0 and warm up over 5% of the steps (the recovery
-    # suite's no-clipping default and 10-step warm-up were written here before).
+    # The settings say what the runs did: they clip at 1.0 and warm up over 5% of the steps, not the recovery
+    # suite's no-clipping default and 10-step warm-up.
     assert report["settings"]["max_grad_norm"] == 1.0 and report["settings"]["warmup"] == 1
     assert all(r["max_grad_norm"] == 1.0 and r["warmup"] == 1 for r in report["results"])
     assert status == 0

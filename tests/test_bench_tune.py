@@ -1,17 +1,16 @@
-"""bench/tune_evidence.py (the GPU evidence of issue 21) still runs: its CPU smoke mode, tiny models."""
+"""``python -m adaptive_amp bench tune`` in its CPU smoke mode: tiny models, a few steps."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from conftest import load_bench_script
 
 pytest.importorskip("transformers")
 
 
-def test_tune_evidence_script_smoke(tmp_path):
-    script = load_bench_script("tune_evidence")
+def test_bench_tune_script_smoke(tmp_path):
+    from adaptive_amp.bench import tuning as script
     assert script.main(["--tiny", "--device", "cpu", "--train-steps", "12", "--alone-steps", "4", "--seeds", "2",
                         "--tune-steps", "3", "--rounds", "2", "--timed-steps", "1", "--cost-shape", "4x16",
                         "--out", str(tmp_path)]) == 0
@@ -26,16 +25,16 @@ def test_tune_evidence_script_smoke(tmp_path):
     assert (tmp_path / "gpt2-medium-eager" / "tune.txt").exists()
 
 
-def test_tune_evidence_skips_what_does_not_fit_max_seconds(tmp_path):
-    script = load_bench_script("tune_evidence")
+def test_bench_tune_skips_what_does_not_fit_max_seconds(tmp_path):
+    from adaptive_amp.bench import tuning as script
     assert script.main(["--tiny", "--device", "cpu", "--train-steps", "6", "--max-seconds", "0",
                         "--out", str(tmp_path)]) == 0
     run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
     assert run["skipped"][0] == "tuned, seed 0" and not run["tuned"] and not run["torch_bf16"]
 
 
-def test_tune_evidence_seeds_part_alone_with_a_given_choice(tmp_path):
-    script = load_bench_script("tune_evidence")
+def test_bench_tune_seeds_part_alone_with_a_given_choice(tmp_path):
+    from adaptive_amp.bench import tuning as script
     assert script.main(["--tiny", "--device", "cpu", "--train-steps", "6", "--tune-steps", "2", "--rounds", "1",
                         "--parts", "seeds", "--choice", "bf16", "--out", str(tmp_path)]) == 0
     run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
@@ -43,8 +42,8 @@ def test_tune_evidence_seeds_part_alone_with_a_given_choice(tmp_path):
     assert run["tuned"]["1"]["chosen"] == "bf16"
 
 
-def test_tune_evidence_spread_seeds_names_the_seeds_run(tmp_path):
-    script = load_bench_script("tune_evidence")
+def test_bench_tune_spread_seeds_names_the_seeds_run(tmp_path):
+    from adaptive_amp.bench import tuning as script
     assert script.main(["--tiny", "--device", "cpu", "--train-steps", "4", "--tune-steps", "2", "--rounds", "1",
                         "--parts", "seeds", "--choice", "bf16", "--spread-seeds", "3", "--out", str(tmp_path)]) == 0
     run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
@@ -54,17 +53,27 @@ def test_tune_evidence_spread_seeds_names_the_seeds_run(tmp_path):
 @pytest.mark.parametrize("option, bad", [("--spread-seeds", ""), ("--spread-seeds", "two"),
                                          ("--spread-seeds", "1,-2"), ("--parts", ""), ("--parts", "tuned,torches"),
                                          ("--parts", "none,tuned")])
-def test_tune_evidence_refuses_a_bad_seed_list_or_part_by_name(option, bad, capsys):
-    script = load_bench_script("tune_evidence")
+def test_bench_tune_refuses_a_bad_seed_list_or_part_by_name(option, bad, capsys):
+    from adaptive_amp.bench import tuning as script
     with pytest.raises(SystemExit):
         script.main(["--tiny", "--device", "cpu", option, bad])
     assert option in capsys.readouterr().err
 
 
-def test_tune_evidence_parts_none_runs_only_the_budget(tmp_path):
-    script = load_bench_script("tune_evidence")
+def test_bench_tune_parts_none_runs_only_the_budget(tmp_path):
+    from adaptive_amp.bench import tuning as script
     assert script.main(["--tiny", "--device", "cpu", "--train-steps", "4", "--tune-steps", "2", "--rounds", "1",
                         "--parts", " none", "--budget", "1GiB", "--out", str(tmp_path)]) == 0
     run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
     assert not run["tuned"] and not run["torch_bf16"] and not run["alone"]
     assert run["budget"]["tuning_seconds"] > 0 and len(run["budget"]["losses"]) == 4
+
+
+def test_bench_tune_through_the_cli_says_what_it_compared(tmp_path, capsys):
+    from adaptive_amp.bench import main
+
+    assert main(["tune", "--tiny", "--device", "cpu", "--train-steps", "6", "--tune-steps", "2", "--rounds", "1",
+                 "--timed-steps", "1", "--parts", "tuned,torch", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "the tuning chose" in out and "torch's bf16 autocast" in out
+    assert "one seed: no spread" in out

@@ -1,8 +1,8 @@
-"""Issue 17's targets 5 and 6 at real size: the zoo trained under fp32, torch AMP and AdaptiveMixedPrecision.
+"""``python -m adaptive_amp bench zoo``: the zoo at real size under fp32, torch AMP and AdaptiveMixedPrecision.
 
-    python bench/zoo_training.py --suite recovery [--only gpt2-small,llama-small] [--modes eager,compiled]
+    python -m adaptive_amp bench zoo --suite recovery [--only gpt2-small,llama-small] [--modes eager,compiled]
         [--steps 150] [--budget-s 540] [--out DIR]
-    python bench/zoo_training.py --suite alarms [--only gpt2,llama,bert,t5,vit,resnet] [--dtypes fp16,bf16]
+    python -m adaptive_amp bench zoo --suite alarms [--only gpt2,llama,bert,t5,vit,resnet] [--dtypes fp16,bf16]
         [--steps 2000] [--batch N] [--seq-len N] [--budget-s 540] [--out DIR]
 
 Every run trains a fresh model of the zoo (random weights from seed 0) on the
@@ -10,7 +10,7 @@ zoo's learnable synthetic batches (``make_batch(batch, seed=step)``) through
 adaptive_amp.zoo.train, the loop the CPU tests check; the final loss is the
 fp32 loss on a held-out batch.
 
-**recovery** (target 5: recovery in at most 10 steps, final loss within 5% of
+**recovery** (the claim: recovery in at most 10 steps, final loss within 5% of
 fp32's): GPT-2 small with an overflow planted in a transformers Conv1D
 (block 5's attention c_proj: its weights scaled so that its fp32 output
 reaches 1e6; fp16's max is 65504) and the zoo's Llama small (125M) with two
@@ -32,16 +32,16 @@ makes a recovery cheap in a real run, since the steps an overflow costs at
 the start are the ones with the smallest rate (without it they are the steps
 that move the loss most, and "within 5% of fp32" would measure the schedule).
 
-**alarms** (target 6: no anomaly event in ordinary training): every zoo family
+**alarms** (the claim: no anomaly event in ordinary training): every zoo family
 (gpt2, llama, bert, t5, vit, resnet), nothing planted, ``--steps`` steps under
 AdaptiveMixedPrecision in fp16 (``params=float32,compute=float16``: our
 dynamic loss scaling) and in bf16 (``params=float32,compute=bfloat16``), eager,
 with the controller's defaults (reads every 50 steps, per-layer statistics every
-200 since the twenty-first session, every 50 before; the monitor's default detectors); AdamW at 3e-4, a linear warm-up
+200; the monitor's default detectors); AdamW at 3e-4, a linear warm-up
 over the first 5% of the steps, clipping at 1.0. The "small" configurations at a small
 workload (token models 8 sequences of 128 tokens, ViT 8 images of 224 pixels,
-the ResNet 32 images of 64 pixels), so that twelve runs of 2000 steps fit a
-10-minute call. Per run: anomaly events (adaptive_amp.monitor.KINDS) per 1000
+the ResNet 32 images of 64 pixels), so that twelve runs of 2000 steps take
+about ten minutes on one H200. Per run: anomaly events (adaptive_amp.monitor.KINDS) per 1000
 steps, by kind, and policy changes (promote, switch_compute, ...: false
 actions); PASS when there are none.
 
@@ -49,7 +49,7 @@ Common: runs go in order of importance; no run starts after ``--budget-s``
 seconds, nor one that would end after it judging by the runs already done
 (both reported as "not run"). DIR/zoo_training_<suite>.json and .txt are
 rewritten after every run (a crash keeps what came before). ``--tiny-cpu``: the
-tiny models on the CPU, a few steps (tests/test_zoo_training_script.py).
+tiny models on the CPU, a few steps (tests/test_bench_zoo.py).
 Exit status 0 when every run that ran passed (torch AMP and fp32 rows have no
 verdict).
 
@@ -71,12 +71,10 @@ import traceback
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from adaptive_amp import zoo  # noqa: E402
-from adaptive_amp.monitor import KINDS  # noqa: E402
-from adaptive_amp.report import POLICY_EVENT_KINDS  # noqa: E402
-from adaptive_amp.zoo import train as zoo_train  # noqa: E402
+from .. import zoo
+from ..monitor import KINDS
+from ..report import POLICY_EVENT_KINDS
+from ..zoo import train as zoo_train
 
 #: recovery: name -> (family, size, the planted layer and the layers it makes overflow, in order)
 RECOVERY = {
@@ -308,11 +306,41 @@ def alarms_table(rows):
     return "\n".join(lines)
 
 
+def verdict(suite, rows) -> str:
+    """What the rows show, in a sentence or two."""
+    ran = [r for r in rows if not r.get("not_run") and "error" not in r]
+    failed = [r for r in rows if r.get("ok") is False]
+    skipped = len(rows) - len(ran) - len([r for r in rows if "error" in r])
+    tail = f" ({skipped} run(s) not started: budget)" if skipped else ""
+    if suite == "recovery":
+        ours = [r for r in ran if r.get("recipe") == "adaptive"]
+        torch_lost = [r["lost_steps"] for r in ran if r.get("recipe") == "torch-fp16"]
+        if not ours:
+            return "verdict: no adaptive run finished" + tail
+        head = (f"verdict: AdaptiveMixedPrecision recovered from the planted overflow in every run "
+                f"(within {max(r['recovery_steps'] for r in ours)} steps, {max(r['lost_steps'] for r in ours)} steps "
+                f"lost, final loss at most "
+                f"{max(r['ratio_to_fp32'] or 0 for r in ours):.3f}x fp32's)" if not failed else
+                "verdict: FAILED: " + "; ".join(f"{r.get('config')} {r.get('mode')}: "
+                                                + ",".join(k for k, v in r.get("checks", {}).items() if not v)
+                                                for r in failed))
+        if torch_lost:
+            head += f"; torch AMP lost {min(torch_lost)} to {max(torch_lost)} steps of the same runs"
+        return head + tail
+    events = sum(r.get("anomalies", 0) for r in ran)
+    actions = sum(len(r.get("false_actions", [])) for r in ran)
+    steps = sum(r.get("steps", 0) for r in ran)
+    return (f"verdict: {len(ran)} ordinary runs, {steps} steps: {events} anomaly event(s) and {actions} policy "
+            f"change(s) ({'none, as expected' if not (events or actions) else 'each one a false alarm'})" + tail)
+
+
 # ---------------------------------------------------------------- driver
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--suite", required=True, choices=("recovery", "alarms"))
-    p.add_argument("--out", default="zoo_training_out")
+    p = argparse.ArgumentParser(prog="python -m adaptive_amp bench zoo", description=__doc__.split("\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", required=True, choices=("recovery", "alarms"),
+                   help="recovery: planted fp16 overflows; alarms: ordinary training, no event expected")
+    p.add_argument("--out", default="bench_out/zoo", help="folder for zoo_training_<suite>.json and .txt")
     p.add_argument("--only", default=None, help="recovery: configurations (gpt2-small,llama-small); "
                    "alarms: families (gpt2,llama,bert,t5,vit,resnet); comma-separated")
     p.add_argument("--modes", default=None, help="eager,compiled (recovery's default) or eager (alarms')")
@@ -335,7 +363,7 @@ def main(argv=None):
     recovery = args.suite == "recovery"
     device = "cpu" if args.tiny_cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench/zoo_training.py needs a CUDA GPU (or --tiny-cpu for a smoke run)")
+        raise SystemExit("bench zoo needs a CUDA GPU (or --tiny-cpu for a smoke run)")
     args.steps = args.steps or ((8 if recovery else 30) if args.tiny_cpu else (150 if recovery else 2000))
     args.lr = args.lr or (3e-3 if args.tiny_cpu else (6e-4 if recovery else 3e-4))
     args.eval_batch = args.eval_batch or (64 if args.tiny_cpu else 16)
@@ -414,6 +442,7 @@ def main(argv=None):
         _log(start, table([r]).splitlines()[-1])
     text = save()
     print(text, flush=True)
+    print(verdict(args.suite, results), flush=True)
     return 0 if all(r.get("ok", True) for r in results if not r.get("not_run")) else 1
 
 

@@ -1,6 +1,6 @@
-"""bench/multi_gpu_integrations.py on the CPU: two gloo processes under torch.distributed.run.
+"""``python -m adaptive_amp bench multi-gpu-integrations`` on the CPU: two gloo processes under torch.distributed.run.
 
-The script is meant for GPUs with NCCL; its CPU path is the CI check that
+The suite is meant for GPUs with NCCL; its CPU path is the CI check that
 the controller's decisions are collective under DDP and FSDP2 (torch's, Lightning's
 and Accelerate's): a layer that overflows on one rank alone is promoted on
 every rank at the same step, skips, scales and clip norms agree, nothing hangs,
@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("pytorch_lightning")
 pytest.importorskip("accelerate")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "multi_gpu_integrations.py"
+SUITE = ["-m", "adaptive_amp", "bench", "multi-gpu-integrations"]
 SECTIONS = ["controller", "resume", "fsdp2", "lightning", "lightning_fsdp2", "accelerate", "accelerate_fsdp2"]
 PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(adaptive_amp.__file__)))
 
@@ -39,7 +38,7 @@ def report(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=PKG_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *SUITE,
            "--backend", "gloo", "--device", "cpu", "--out", str(out), "--timeout", "120"]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -1,11 +1,11 @@
-"""GPU evidence for issue 21 (measured policy selection): tuned training against torch's bf16 autocast.
+"""``python -m adaptive_amp bench tune``: ``policy="tune"`` against torch's bf16 autocast, trained for real.
 
 For each model and mode (eager / compiled), in one process on one GPU, in this order (--parts picks; a run
-that would not end before --max-seconds is skipped and says so; evidence.json is rewritten after every run):
+that would not end before --max-seconds is skipped and says so; OUT/evidence.json is rewritten after every run):
 
-1. ``cost``: with --cost-shape BxL (eager): a tuning at that shape (the issue's 8x1024) and the chosen recipe
-   timed there: the tuning's cost as a fraction of 10,000 full-size steps. First, so that it pays the
-   process's first-tuning costs, as a user's tuning does;
+1. ``cost``: with --cost-shape BxL (eager): a tuning at that shape and the chosen recipe timed there: the
+   tuning's cost as a fraction of 10,000 full-size steps. First, so that it pays the process's first-tuning
+   costs, as a user's tuning does;
 2. ``tuned``: ``AdaptiveMixedPrecision(model, AdamW, policy="tune", tune=dict(batches=..., ...))`` (its
    trials on 8 batches, the A/B table and plot saved), then ``--train-steps`` steps of ``amp.train_step``
    on fresh batches (seed 0's stream): tokens/s, peak memory, the losses;
@@ -15,19 +15,14 @@ that would not end before --max-seconds is skipped and says so; evidence.json is
    ``--alone-steps`` steps: the throughput the tuned choice is compared with;
 5. ``seeds``: for every other seed s in ``--seeds`` (the model initialized with seed s, batches from stream
    s), torch's run and the tuned choice's (seed 0's choice, or --choice, as a one-candidate tuning): the
-   seed spread of the final loss. Losses do not depend on the machine, so this part may run in another call
-   (--spread-seeds names its seeds, to share them out among calls or GPUs).
+   seed spread of the final loss. Losses do not depend on the machine, so this part may run in another
+   process (--spread-seeds names its seeds, to share them out among processes or GPUs).
 
 The final loss is the mean of the last 10% of the steps' training losses (every batch is new, so it is not
-memorized). The targets (tuned vs the best agreeing candidate alone and vs torch, the loss difference against
-torch's seed spread, the tuning's cost) are computed from what ran. --budget and --oom-fraction add the
-memory targets (a tuning under a budget, then training the choice; a real out-of-memory at run time).
-
-Usage (one GPU each; bench/gpu_session.sh's ``tunepar`` runs up to four on four GPUs at once)::
-
-    python bench/tune_evidence.py --models gpt2-medium --modes eager --batch 4 --seq 512 --cost-shape 8x1024
-    python bench/tune_evidence.py --models llama-1b --modes compiled --batch 4 --seq 256 --max-seconds 500
-    python bench/tune_evidence.py --tiny --device cpu --train-steps 20 --alone-steps 5   # a CPU smoke run
+memorized). The verdict compares the tuned run with torch's (tokens/s, the final loss against torch's seed
+spread) and with the best candidate that agreed in the tuning, run alone, and gives the tuning's cost.
+--budget and --oom-fraction add the memory runs (a tuning under a budget, then training the choice; a real
+out-of-memory at run time).
 """
 
 from __future__ import annotations
@@ -40,14 +35,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from adaptive_amp import AdaptiveMixedPrecision, zoo  # noqa: E402
-from adaptive_amp.bench.e2e import MODELS as E2E_MODELS  # noqa: E402
-from adaptive_amp.policy import AdaptivePrecisionSelector  # noqa: E402
-from adaptive_amp.recipes import AppliedRecipe  # noqa: E402
-from adaptive_amp.report import _jsonable, plot_recipes  # noqa: E402
-from adaptive_amp.tune import Snapshot  # noqa: E402
+from .. import AdaptiveMixedPrecision, zoo
+from .e2e import MODELS as E2E_MODELS
+from ..policy import AdaptivePrecisionSelector
+from ..recipes import AppliedRecipe
+from ..report import _jsonable, plot_recipes
+from ..tune import Snapshot
 
 #: --models name -> (zoo family, zoo size): the e2e bench's names for these sizes
 MODELS = {name: E2E_MODELS[name] for name in ("gpt2-medium", "gpt2-large", "llama-1b")}
@@ -165,7 +158,7 @@ def tuned(zm, model, opt, tune_batches, batches, steps, device, tune_options, ou
 
 def oom_run(zm, batches, device, fraction, steps):
     """A real OOM at run time: the memory guard must move lighter and keep training."""
-    from adaptive_amp.pressure import MemoryGuard
+    from ..pressure import MemoryGuard
 
     torch.cuda.set_per_process_memory_fraction(fraction)
     try:
@@ -184,7 +177,7 @@ def oom_run(zm, batches, device, fraction, steps):
 
 
 def targets(run: dict) -> dict:
-    """The issue's targets from what ran (None where a part did not run)."""
+    """The comparisons from what ran (left out where a part did not run)."""
     out = {}
     t, ref = run.get("tuned", {}).get(0), run.get("torch_bf16", {}).get(0)
     alone, trials = run.get("alone", {}), (t or {}).get("tuning", {}).get("trials", [])
@@ -217,6 +210,36 @@ def targets(run: dict) -> dict:
     if cost and "fraction_of_10k_steps" in cost:
         out["tuning_fraction_of_10k_steps_at_cost_shape"] = cost["fraction_of_10k_steps"]
     return out
+
+
+def verdict(run: dict) -> list:
+    """The comparisons of :func:`targets` as sentences."""
+    t, name = run.get("targets", {}), f"{run['model']} {run['mode']} ({run['shape']} tokens a step)"
+    tuned0 = run.get("tuned", {}).get(0, {})
+    lines = []
+    if "tuned_vs_torch_bf16" in t:
+        ratio = t["tuned_vs_torch_bf16_steady"]
+        lines.append(f"{name}: the tuning chose {tuned0['chosen']}; it trained at {ratio:.2f}x the tokens/s of "
+                     f"torch's bf16 autocast ({'faster' if ratio >= 1.01 else 'slower' if ratio <= 0.99 else 'the same speed'}"
+                     f"), the tuning took {tuned0['setup_seconds']:.1f} s, "
+                     f"{100 * t['tuning_fraction_of_10k_steps']:.2f}% of 10,000 such steps.")
+    if "best_agreeing_alone" in t:
+        lines.append(f"{name}: against the fastest candidate that agreed with fp32, {t['best_agreeing_alone']}, run "
+                     f"alone: {t['tuned_vs_best_agreeing_alone_steady']:.2f}x its tokens/s.")
+    if "loss_within_seed_spread" in t:
+        lo, hi = t["torch_seed_range"]
+        lines.append(f"{name}: final loss {'inside' if t['loss_within_seed_spread'] else 'outside'} torch's seed "
+                     f"spread (mean difference {t['mean_final_loss_tuned_minus_torch']:+.4f}, torch's seeds "
+                     f"{lo:.4f} .. {hi:.4f}).")
+    elif "final_loss_tuned_minus_torch_seed0" in t:
+        lines.append(f"{name}: final loss {t['final_loss_tuned_minus_torch_seed0']:+.4f} against torch's (one seed: "
+                     "no spread to judge it by; --seeds 2 or more).")
+    if "tuning_fraction_of_10k_steps_at_cost_shape" in t:
+        lines.append(f"{name}: tuning at {run['cost']['shape']} cost "
+                     f"{100 * t['tuning_fraction_of_10k_steps_at_cost_shape']:.2f}% of 10,000 steps there.")
+    for what in run.get("skipped", []):
+        lines.append(f"{name}: {what} did not run (not enough of --max-seconds left).")
+    return lines
 
 
 def plot_losses(run: dict, path: str) -> None:
@@ -374,13 +397,13 @@ def evidence(name, mode, args, device, ev: Evidence):
     snaps[0].restore()
     ev.write(run)
     plot_losses(run, os.path.join(args.out, f"{name}-{mode}-losses.png"))
-    print(f"== {name} {mode} targets: {json.dumps(_jsonable(run['targets']))}", flush=True)
     for kind in ("tuned", "torch_bf16"):
         for s, r in run[kind].items():
             print(f"== {name} {mode} {kind} seed {s}: {r.get('chosen', '')} {r['tokens_per_s']:.0f} tok/s, "
                   f"{r['ms_per_step']:.2f} ms/step, {r['peak_gib']} GiB, final loss {r['final_loss']:.4f}", flush=True)
     for n, r in run["alone"].items():
         print(f"== {name} {mode} alone {n}: {r['tokens_per_s']:.0f} tok/s, {r['peak_gib']} GiB", flush=True)
+    print("\n".join(verdict(run)), flush=True)
 
 
 def _seed_list(text: str):
@@ -409,22 +432,30 @@ def _parts(text: str) -> set:
 
 
 def _caps(device):
-    from adaptive_amp.hardware import HardwareDetector
+    from ..hardware import HardwareDetector
 
     return HardwareDetector().detect(device)
 
 
+_EPILOG = """examples (one GPU each; a 2000-step run of GPT-2 medium takes minutes):
+  python -m adaptive_amp bench tune --models gpt2-medium --modes eager --batch 4 --seq 512 --cost-shape 8x1024
+  python -m adaptive_amp bench tune --models llama-1b --modes compiled --batch 4 --seq 256 --max-seconds 500
+  python -m adaptive_amp bench tune --tiny --device cpu --train-steps 20 --alone-steps 5   # CPU smoke run
+"""
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="gpt2-medium")
-    p.add_argument("--modes", default="eager")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--train-steps", type=int, default=2000)
+    p = argparse.ArgumentParser(prog="python -m adaptive_amp bench tune", description=__doc__.split("\n", 1)[1],
+                                epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="gpt2-medium", help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--modes", default="eager", help="eager, compiled, or both comma-separated")
+    p.add_argument("--batch", type=int, default=8, help="sequences a step")
+    p.add_argument("--seq", type=int, default=1024, help="tokens a sequence")
+    p.add_argument("--train-steps", type=int, default=2000, help="training steps of the tuned and torch runs")
     p.add_argument("--seeds", type=int, default=2, help="torch bf16 runs (and tuned, when time is left) per seed")
     p.add_argument("--spread-seeds", default=None, type=_seed_list, metavar="S,S,...",
                    help="the seeds of the seeds part (default 1 .. --seeds - 1)")
-    p.add_argument("--alone-steps", type=int, default=200)
+    p.add_argument("--alone-steps", type=int, default=200, help="steps of each candidate run alone")
     p.add_argument("--parts", default="cost,tuned,torch,alone,seeds", type=_parts,
                    help="what to run, in this order: cost (with --cost-shape), tuned and torch (seed 0), alone, "
                         "seeds (torch, then tuned, for every other seed); none: only the --budget and "
@@ -436,18 +467,19 @@ def main(argv=None):
     p.add_argument("--deadline", type=float, default=None,
                    help="a Unix time: start no run that would end after it (several processes, one call)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="tiny zoo models (a CPU smoke run of this script)")
-    p.add_argument("--tune-steps", type=int, default=6)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--tiny", action="store_true", help="tiny zoo models, 4x16 tokens (a CPU smoke run)")
+    p.add_argument("--tune-steps", type=int, default=6, help="the tuning's trial steps per candidate")
+    p.add_argument("--rounds", type=int, default=2, help="the tuning's timing rounds (eager)")
     p.add_argument("--compiled-rounds", type=int, default=1,
                    help="compiled: each extra round recompiles every contender (its trajectory is one round)")
-    p.add_argument("--timed-steps", type=int, default=3)
+    p.add_argument("--timed-steps", type=int, default=3, help="the tuning's timed steps per round")
     p.add_argument("--compiled-candidates", default="fp32,bf16,bf16-weights,bf16-pure",
                    help="compiling each candidate takes long: fewer for the compiled mode")
-    p.add_argument("--budget", default=None)
-    p.add_argument("--oom-fraction", type=float, default=None)
+    p.add_argument("--budget", default=None, help="also tune under this memory budget (e.g. 20GiB) and train the choice")
+    p.add_argument("--oom-fraction", type=float, default=None,
+                   help="also train under torch.cuda.set_per_process_memory_fraction(F) with a MemoryGuard")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--out", default="bench/results/tune")
+    p.add_argument("--out", default="bench_out/tune", help="folder for evidence.json, the tables and the plots")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     os.makedirs(args.out, exist_ok=True)

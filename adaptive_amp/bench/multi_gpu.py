@@ -1,6 +1,6 @@
-"""Multi-GPU validation and benchmark of adaptive_amp.GradScaler (DDP, FSDP2, overhead).
+"""``python -m adaptive_amp bench multi-gpu``: adaptive_amp.GradScaler under DDP and FSDP2 (parity, overhead).
 
-    torchrun --standalone --nproc_per_node=2 bench/multi_gpu.py --out DIR [--steps N]
+    torchrun --standalone --nproc_per_node=2 -m adaptive_amp bench multi-gpu --out DIR [--steps N]
         [--backend nccl|gloo] [--device cuda|cpu]
 
 All ranks run every section (rank 0 alone runs the single-process reference);
@@ -61,11 +61,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-import adaptive_amp  # noqa: E402
-from adaptive_amp import GradScaler  # noqa: E402
-from adaptive_amp.bench._dist_exit import finish  # noqa: E402
-from adaptive_amp.bench.kernels import gpt2_small_shapes  # noqa: E402
-from adaptive_amp.demo import MarkovCorpus, TinyLM  # noqa: E402
+from .. import GradScaler, build_info  # noqa: E402
+from ..demo import MarkovCorpus, TinyLM  # noqa: E402
+from ._dist_exit import finish  # noqa: E402
+from .kernels import gpt2_small_shapes  # noqa: E402
 
 LR = 3e-3
 MAX_NORM = 1.0
@@ -700,7 +699,9 @@ def write_outputs(ctx):
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="torchrun --standalone --nproc_per_node=2 -m adaptive_amp bench multi-gpu",
+                                 description=__doc__.split("\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--backend", choices=("nccl", "gloo"), default=None)
@@ -727,7 +728,17 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    """Parses `argv`; under torchrun, runs the sections and ends the process (see _dist_exit); else returns 2."""
     args = parse_args(argv)
+    if "RANK" not in os.environ:
+        print("multi-gpu: start it with torchrun, one process a GPU:\n  torchrun --standalone --nproc_per_node=2 "
+              "-m adaptive_amp bench multi-gpu --out DIR\n(on the CPU: ... --backend gloo --device cpu)",
+              file=sys.stderr)
+        return 2
+    finish(_run(args))  # not through the interpreter's shutdown: gloo's workers abort it (see _dist_exit)
+
+
+def _run(args) -> int:
     t_start = time.perf_counter()
     if args.device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -743,7 +754,7 @@ def main(argv=None) -> int:
                  "world_size": ctx.world, "device": args.device, "steps": args.steps,
                  "batch_per_rank": args.batch, "length": args.length, "growth_interval": args.growth_interval,
                  "inject_steps": ctx.inject_steps, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
-                 "adaptive_amp": adaptive_amp.build_info(), "argv": sys.argv})
+                 "adaptive_amp": build_info(), "argv": sys.argv})
     if args.device == "cuda":
         meta["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         try:
@@ -788,8 +799,16 @@ def main(argv=None) -> int:
         failed = [c for c in ctx.checks if not c["passed"] and not c["info"]]
         print(f"multi_gpu: {len(ctx.checks)} checks, {len(failed)} failed; errors: {len(ctx.results['errors'])}; "
               f"{ctx.results['total_seconds']:.1f} s; wrote {args.out}/multi_gpu.json and multi_gpu.txt", flush=True)
+        if failed or ctx.results["errors"]:
+            print("verdict: NOT as torch's scalers under data parallelism: "
+                  + "; ".join(f"{c['section']}: {c['name']}" for c in failed[:5])
+                  + (f"; {len(ctx.results['errors'])} section(s) raised" if ctx.results["errors"] else ""), flush=True)
+        else:
+            print(f"verdict: on {ctx.world} ranks, adaptive_amp.GradScaler skipped the same steps on every rank and "
+                  "matched torch's scalers (DDP: torch.amp.GradScaler with found_inf all-reduced; FSDP2: "
+                  "ShardedGradScaler) in every check; the overhead table is in multi_gpu.txt", flush=True)
     return 1 if ctx.results["errors"] else 0
 
 
 if __name__ == "__main__":
-    finish(main())  # not through the interpreter's shutdown: gloo's workers abort it (see _dist_exit)
+    sys.exit(main())

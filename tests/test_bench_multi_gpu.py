@@ -1,6 +1,6 @@
-"""bench/multi_gpu.py end to end on the CPU: two gloo processes under torch.distributed.run.
+"""``python -m adaptive_amp bench multi-gpu`` end to end on the CPU: two gloo processes under torch.distributed.run.
 
-The script is meant for two GPUs with NCCL; here it runs its CPU path (gloo,
+The suite is meant for two GPUs with NCCL; here it runs its CPU path (gloo,
 a few steps, tiny overhead sizes) so that it is known to work before it meets
 the GPUs, and its CPU checks must pass: ranks skip together, scales agree on
 all ranks, ours == torch bitwise under DDP, and the FSDP2 checks where FSDP2
@@ -13,14 +13,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import adaptive_amp
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "multi_gpu.py"
+SUITE = ["-m", "adaptive_amp", "bench", "multi-gpu"]
 PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(adaptive_amp.__file__)))
 
 _dist_ok = torch.distributed.is_available() and torch.distributed.is_gloo_available()
@@ -34,12 +33,12 @@ def report(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=PKG_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *SUITE,
            "--backend", "gloo", "--device", "cpu", "--steps", "6", "--out", str(out), "--timeout", "120"]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"bench/multi_gpu.py timed out after 180 s:\n{(exc.stdout or '')[-3000:]}\n{(exc.stderr or '')[-3000:]}")
+        pytest.fail(f"the multi-gpu suite timed out after 180 s:\n{(exc.stdout or '')[-3000:]}\n{(exc.stderr or '')[-3000:]}")
     log = f"rc {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
     path = out / "multi_gpu.json"
     assert path.exists(), log
@@ -107,3 +106,12 @@ def test_single_process_and_overhead_recorded(report):
     rows = report["json"]["sections"]["overhead"]["rows"]
     assert len(rows) == 4
     assert all(set(r["ms"]) == {"plain", "torch", "torch+AR", "ours", "ours+AR"} for r in rows)
+
+
+@pytest.mark.parametrize("suite", ["multi-gpu", "multi-gpu-integrations"])
+def test_without_torchrun_it_says_how_to_launch(suite, capsys, monkeypatch, tmp_path):
+    from adaptive_amp.bench import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert main([suite, "--out", str(tmp_path)]) == 2
+    assert "torchrun --standalone --nproc_per_node=2 -m adaptive_amp bench " + suite in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The controller and the integrations under data parallelism: same decisions on every rank, no hang.
 
-    torchrun --standalone --nproc_per_node=2 bench/multi_gpu_integrations.py --out DIR
+    torchrun --standalone --nproc_per_node=2 -m adaptive_amp bench multi-gpu-integrations --out DIR
         [--backend nccl|gloo] [--device cuda|cpu] [--steps N]
 
 A tiny transformers GPT-2 (random weights, nothing downloaded) trains in
@@ -64,8 +64,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import adaptive_amp  # noqa: E402
-from adaptive_amp.bench._dist_exit import finish  # noqa: E402
-from adaptive_amp.distributed import CollectiveAdaptiveMixedPrecision  # noqa: E402
+from ..distributed import CollectiveAdaptiveMixedPrecision  # noqa: E402
+from ._dist_exit import finish  # noqa: E402
 
 POLICY = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval=1000"
 CONTROLLER = dict(read_every=2, stats_every=2, storm_rate=0.25, progress=False)
@@ -510,17 +510,28 @@ SECTIONS = {"controller": section_controller, "resume": section_resume, "fsdp2":
             "accelerate_fsdp2": lambda ctx, report: section_accelerate(ctx, report, fsdp=True)}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None):
+    """Parses `argv`; under torchrun, runs the sections and ends the process (see _dist_exit); else returns 2."""
+    parser = argparse.ArgumentParser(
+        prog="torchrun --standalone --nproc_per_node=2 -m adaptive_amp bench multi-gpu-integrations",
+        description=__doc__.split("\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--backend", default="nccl", choices=("nccl", "gloo"))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--timeout", type=int, default=300, help="seconds a collective may wait (a hang fails)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps < 6:
         parser.error("--steps must be >= 6 (the resume section restarts at step 4)")
+    unknown = [n for n in args.sections.split(",") if n not in SECTIONS]
+    if unknown:
+        parser.error(f"--sections: unknown section {unknown[0]!r}; choose from {', '.join(SECTIONS)}")
+    if "RANK" not in os.environ:
+        print("multi-gpu-integrations: start it with torchrun, one process a GPU:\n  torchrun --standalone "
+              "--nproc_per_node=2 -m adaptive_amp bench multi-gpu-integrations --out DIR\n"
+              "(on the CPU: ... --backend gloo --device cpu)", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
@@ -539,9 +550,15 @@ def main():
     if dist.get_rank() == 0:
         print(f"{len(report.checks) - len(failed)}/{len(report.checks)} checks passed, "
               f"{len(report.errors)} section errors", flush=True)
+        if failed or report.errors:
+            print("verdict: the ranks did NOT always agree or a section failed: "
+                  + "; ".join(str(c.get("name", c)) for c in failed[:5]), flush=True)
+        else:
+            print(f"verdict: on {dist.get_world_size()} ranks the controller and the integrations took the same "
+                  "decisions at the same steps on every rank, resumed bitwise, and nothing hung", flush=True)
     ok = not failed and not report.errors
     finish(0 if ok else 1)  # not through the interpreter's shutdown: gloo's workers abort it (see _dist_exit)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
