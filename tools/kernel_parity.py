@@ -1,6 +1,6 @@
-"""Seconds-long GPU parity check for the kernels touched by performance work.
+"""Seconds-long GPU parity check of our CUDA kernels against their CPU twins.
 
-    python bench/check_perf_parity.py
+    python tools/kernel_parity.py
 
 tensor_stats: CUDA against the CPU kernel (exact fields bitwise, moments to
 1e-6 relative) for every format, with no scale, a host scale, one device

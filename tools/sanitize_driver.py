@@ -1,7 +1,7 @@
 """Exercise every CUDA kernel of adaptive_amp once, on small inputs, for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck python bench/sanitize_driver.py
-    (bench/sanitize.sh runs memcheck, racecheck, initcheck and synccheck)
+    compute-sanitizer --tool memcheck python tools/sanitize_driver.py
+    (tools/sanitize.sh runs memcheck, racecheck, initcheck and synccheck)
 
 Covers: unscale (every mode, fp32-only and mixed lists, unaligned views,
 several launches), the loss-scale update (dynamic and predictive), stochastic

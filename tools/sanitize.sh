@@ -1,6 +1,6 @@
 #!/bin/bash
-# Run compute-sanitizer's four tools over bench/sanitize_driver.py, restricted
-# to adaptive_amp's kernels. Usage: bash bench/sanitize.sh [OUTDIR [TOOL...]]
+# Run compute-sanitizer's four tools over tools/sanitize_driver.py, restricted
+# to adaptive_amp's kernels. Usage: bash tools/sanitize.sh [OUTDIR [TOOL...]]
 # (default: all four tools)
 # Needs a GPU machine whose runtime lets compute-sanitizer attach (not gVisor).
 out=${1:-.}
