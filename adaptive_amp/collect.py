@@ -35,7 +35,7 @@ twice in one autocast region a second time.
 Dynamo's hook guards would also tell the graphs apart, but they check each
 module's hook dictionaries at every compiled call of every model of the
 process: +0.66 ms a training forward of a 22-layer Llama on an H200 host's
-CPU (bench/hook_guard_cost.py), 2.6% of the 1.1B Llama's compiled step.
+CPU, 2.6% of the 1.1B Llama's compiled step.
 Keeping the hooks in instead cost that step 12% on H200s: dynamo then checks
 every hook's closure at every call. A graph without our hooks can still run
 at a statistics step if it was traced inside one (another model of the class

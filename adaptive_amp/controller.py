@@ -564,7 +564,7 @@ class AdaptiveMixedPrecision:
     def _stepped_grad_norm(self) -> Optional[SumsOfSquares]:
         """The norm of all gradients, as the per-tensor sums of squares the fused optimizers' steps measured:
         the monitor's read sums them, so the step launches nothing for it (summing them took two launches a
-        step, about 0.1 ms of host time under cProfile on the H100 host of the twenty-first session)."""
+        step, about 0.1 ms of host time under cProfile on an H100 host)."""
         parts = [t for opt in self.optimizers for t in (opt._grad_sums or ())]
         return SumsOfSquares(parts) if parts else None
 

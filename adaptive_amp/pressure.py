@@ -22,7 +22,7 @@ next move of the ladder is made, each an event of kind ``"memory_pressure"``:
    4 bytes a weight less); fp32 islands stay, with their weights in fp32.
    Not "bf16-pure": with bf16 outside the matmuls too, a compiled 1.1B Llama
    ended 1.1% above torch's autocast after 2000 steps, with this 1.5% below
-   it (bench/RESULTS.md, twelfth session);
+   it (bench/RESULTS.md);
 3. ``"checkpoint"``: the model's blocks recompute activations in backward.
 
 With ``allow_recover``, after ``recover_after`` steps at a headroom of at least

@@ -328,8 +328,8 @@ def cast_matmul_weights(model: nn.Module, dtype: torch.dtype, keep: Sequence[str
 
     Why not all of it (bf16-pure, which computes the residual stream and the norms in bf16 too): on one H200,
     2000 steps of a compiled 1.1B Llama ended 1.1% above torch's bf16 autocast with bf16-pure (7.431 against
-    7.349, eleventh session) and 1.5% below it with this (7.245 against 7.357), at 1.65x torch's speed
-    (bench/RESULTS.md, twelfth session; bench/precision_ablation.py). Returns the undo."""
+    7.349) and 1.5% below it with this (7.245 against 7.357), at 1.65x torch's speed (bench/RESULTS.md).
+    Returns the undo."""
     root = unwrap_model(model)
     kept = {id(p) for name in keep for p in root.get_submodule(name).parameters()}
     before = _cast_in_place([t for _, m in matmul_layers(model) for t in m._parameters.values()

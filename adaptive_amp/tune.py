@@ -982,7 +982,7 @@ class Tuner:
         among them, unless state_margin is 0 (the fastest wins). They are a memory measure: they save 4 bytes a
         parameter but little time (the optimizer's step is a small part of a step), and their risk shows only
         after hundreds of steps. Measured (H200, Llama 1.1B eager, 2000 steps, bench/RESULTS.md): bf16 weights
-        and moments ended 7% above torch's bf16 autocast, in two sessions, while their trials agreed and were
+        and moments ended 7% above torch's bf16 autocast, in two separate runs, while their trials agreed and were
         5-12% faster than bf16 weights with fp32 moments."""
         full = [t for t in ok if _fp32_moments(recipes[t.name])]
         if self.state_margin == 0 or not full:

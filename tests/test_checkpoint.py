@@ -1,4 +1,4 @@
-"""Checkpoint safety of adaptive_amp.GradScaler (issue 9, item 5).
+"""Checkpoint safety of adaptive_amp.GradScaler.
 
 * A rejected state dict (empty, partial, wrongly typed, out of range,
   corrupted extras, another mode) raises a clear error naming the key, and

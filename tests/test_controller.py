@@ -612,7 +612,7 @@ def test_ordinary_zoo_training_raises_no_anomaly(family, policy, steps):
 
 
 def test_step_returns_a_step_result_for_every_policy():
-    """Item 9: one type whatever the policy; its truth is whether the optimizer stepped. A device-side skip
+    """One type whatever the policy; its truth is whether the optimizer stepped. A device-side skip
     (fused optimizers) stays unread until asked (and the controller judges it during the next step)."""
     from adaptive_amp import optim as aoptim
 

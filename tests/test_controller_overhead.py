@@ -1,4 +1,4 @@
-"""What AdaptiveMixedPrecision's step does beyond the plain loop it replaces (issue 17 item 7: overhead <= 3%).
+"""What AdaptiveMixedPrecision's step does beyond the plain loop it replaces (the claim: overhead <= 3%).
 
 The plain twin is the e2e benchmark's (adaptive_amp.bench.e2e.build_loops: same model, dtypes, optimizer and
 clipping). On the zoo's tiny GPT-2, eager, every aten op of one step is recorded (a TorchDispatchMode: the

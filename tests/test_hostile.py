@@ -93,7 +93,7 @@ def test_unscale_numpy_same_array_twice_refused():
 
 @pytest.mark.parametrize("check_only", [False, True])
 def test_unscale_found_inf_aliasing_a_gradient_refused(check_only):
-    # check_only writes found_inf too: the same alias checks as the writing path (issue 18 item 8).
+    # check_only writes found_inf too: the same alias checks as the writing path.
     t = torch.tensor([1.0, INF, 3.0])
     before = t.clone()
     with pytest.raises(ValueError, match="found_inf"):

@@ -1,5 +1,5 @@
 """Memory: the controller holds no more than the plain loop it replaces, and our GradScaler and optimizers hold
-no gradient past the step (issue 17 item 7: on an H200 the controller's peak was 0.9 GiB above the plain loop's
+no gradient past the step (on an H200 the controller's peak was once 0.9 GiB above the plain loop's
 for GPT-2 small, 3.0 GiB for medium; our GradScaler's plain loop 0.49 / 1.32 GiB above torch's).
 
 CPU tests count live tensor bytes with torch.profiler's memory events (tests/_memory.py); the CUDA test reads

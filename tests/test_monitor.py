@@ -407,7 +407,7 @@ def _clipped_early_training(n, seed):
 
 @pytest.mark.parametrize("fp16", [True, False])
 def test_clipped_early_training_spikes_are_not_grad_norm_anomalies(fp16):
-    """The seventh GPU session's false alarms (bench/results/session7/zoo_training_alarms.txt): GPT-2 small,
+    """False alarms seen on an H200 (python -m adaptive_amp bench zoo --suite alarms): GPT-2 small,
     2000 steps, clipping at 1.0; isolated gradient-norm spikes of 5.8x, 8.6x, 29.8x and 22.7x (bf16, steps
     139, 171, 198, 528) and 6.1x (fp16, step 405), 11 to 42 robust standard deviations, were reported as
     grad_norm_anomaly while the loss kept falling and nothing overflowed. The clip bounds such a step's

@@ -1471,8 +1471,8 @@ def test_ddp_run_matches_single_process(two_ranks):
     assert max(float((a - b).abs().max()) for a, b in zip(ref["params"], params_of(init))) > 1e-3
 
 
-# ============================================================== issue 18: robustness and fidelity
-# Each of these failed before its fix (items 3, 5, 6, 10, 11 and 12 of issue 18).
+# ============================================================== robustness and fidelity
+# Each of these failed before its fix.
 
 
 def _sgd_pair_run(scaler_a, scaler_b, steps, dtype=torch.float32, model_fn=None, before_step=None, seed=0,
@@ -1503,7 +1503,7 @@ def _sgd_pair_run(scaler_a, scaler_b, steps, dtype=torch.float32, model_fn=None,
     return pa, pb, sa, sb
 
 
-# ---- item 3: plans must not keep optimizers (and their parameters) alive
+# ---- plans must not keep optimizers (and their parameters) alive
 
 
 def test_plan_cache_does_not_keep_dead_optimizers_alive():
@@ -1546,7 +1546,7 @@ def test_new_optimizer_reusing_a_dead_ones_id_gets_its_own_plan():
     assert reused > 0, "no id was reused: the test proved nothing (CPython normally reuses them)"
 
 
-# ---- item 5: a NaN scale stays NaN (torch skips every step), clamps do not eat it
+# ---- a NaN scale stays NaN (torch skips every step), clamps do not eat it
 
 
 @pytest.mark.parametrize("how", ["init_scale", "new_scale", "new_scale_tensor"])
@@ -1584,7 +1584,7 @@ def test_nan_scale_backoff_in_the_native_rule_and_its_twin():
         assert math.isnan(float(s)), "growth of NaN is not finite: no growth, as torch"
 
 
-# ---- item 6: clip_grad_norm_ never returns a stale norm
+# ---- clip_grad_norm_ never returns a stale norm
 
 
 def _torch_norm(model, norm_type=2.0):
@@ -1710,7 +1710,7 @@ def test_unscale_after_a_folded_clip_applies_the_clip_like_torchs_recipe(scaler_
         ours.unscale_(o1)
 
 
-# ---- item 10: fmt_max and the native update cannot hang
+# ---- fmt_max and the native update cannot hang
 
 
 @pytest.mark.parametrize("fmt_max", [INF, -INF, NAN, 1e39, 0.0, -1.0, 1e-50])
@@ -1757,7 +1757,7 @@ def test_native_update_cannot_hang_or_write_out_of_range(device):
     assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-2000:]
 
 
-# ---- item 11: constructor arguments checked (and bounds applied) at construction
+# ---- constructor arguments checked (and bounds applied) at construction
 
 
 @pytest.mark.parametrize("growth_interval", [0, -3, 2**31, sys.maxsize])
@@ -1833,7 +1833,7 @@ def test_growth_factor_inf_is_accepted_like_torch():
     assert_params_equal(pa, pb)
 
 
-# ---- item 12: float64 gradients work as in torch's scaler; errors name the parameter
+# ---- float64 gradients work as in torch's scaler; errors name the parameter
 
 
 def _f64_head_model():

@@ -1,4 +1,4 @@
-"""PyTorch's own GradScaler scenarios, run with adaptive_amp.GradScaler (issue 18, item 13).
+"""PyTorch's own GradScaler scenarios, run with adaptive_amp.GradScaler.
 
 The scenarios of ``test_grad_scaling_*`` in PyTorch's test/test_torch.py, the
 scaler tests of test/test_cuda.py and test_grad_scaling_autocast_fused_optimizers

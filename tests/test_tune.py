@@ -722,7 +722,7 @@ def test_bf16_training_state_must_be_faster_by_the_state_margin():
 
 
 def test_bf16_moments_are_chosen_for_memory_not_for_speed():
-    # Measured (H200, Llama 1.1B eager 4x256, 2000 steps, the eleventh and thirteenth sessions): bf16 weights and
+    # Measured (H200, Llama 1.1B eager 4x256, 2000 steps, two separate runs): bf16 weights and
     # moments ended 7% above torch's autocast; their trials agreed and were 12% faster than bf16-weights (68.96
     # against 77.53 ms), which beat the state margin. Only memory pays for bf16 moments.
     times = {"fp32": 93.43, "bf16": 83.31, "bf16-weights": 77.53, "bf16-weights+bf16-moments": 92.44,

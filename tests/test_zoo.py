@@ -76,7 +76,7 @@ def test_families_are_what_they_claim():
 
 @pytest.mark.parametrize("family,parameters", [("gpt2", 774_030_080), ("llama", 1_100_048_384)])
 def test_large_sizes_are_the_released_shapes(family, parameters):
-    # GPT-2 large as released; TinyLlama's shape (issue 21's "Llama of about 1B"). Built on "meta": no memory.
+    # GPT-2 large as released; TinyLlama's shape (a Llama of about 1B). Built on "meta": no memory.
     zm = zoo.build(family, "large", device="meta")
     assert zm.num_parameters() == parameters and "large" in zoo.sizes(family)
     assert all(set(zoo.SIZES) <= set(zoo.sizes(f)) for f in zoo.FAMILIES)

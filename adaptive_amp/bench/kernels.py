@@ -12,7 +12,7 @@ GPU times come from CUDA events after a warm-up, as medians, in two forms:
 Inputs are random (never zeros) and, where one set would fit in L2, rotated
 over several copies so that the cache does not flatter anyone.
 
-Run ``python -m adaptive_amp bench`` (:mod:`adaptive_amp.bench.cli`) or ``python bench/bench_unscale.py``.
+Run ``python -m adaptive_amp bench`` (:mod:`adaptive_amp.bench.cli`).
 """
 
 from __future__ import annotations

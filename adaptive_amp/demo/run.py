@@ -376,8 +376,8 @@ def verdicts(results: List[RunResult], device: Optional[str] = None) -> List[str
                      + ("PASS" if fewer else "equal (neither skipped a step)" if none else "FAIL"))
         if none and all(r.policy.startswith("autocast float16") for r in torch_amp):
             # torch's scaler starts at 2^16 and doubles every 2000 steps without overflow; it skips only once it
-            # passes the model's ceiling (about 2^21 for the GPU configuration on an H100: after about 10000 steps;
-            # bench/loss_scale_ceiling.py measures it).
+            # passes the model's ceiling (about 2^21 for the GPU configuration on an H100: after about 10000
+            # steps).
             lines.append("ordinary: torch AMP skips a step each time its scale grows past what the model's "
                          "gradients allow; see it with a longer run (--steps 14000)")
         ours_t = [t for r in ours for t in r.step_times]

@@ -19,7 +19,7 @@ Usage::
 
 The transformers families need the transformers package; the resnet needs only torch.
 ``adaptive_amp.zoo.train`` trains a zoo model under fp32, torch AMP or AdaptiveMixedPrecision (the loop of
-the CPU tests and of bench/zoo_training.py).
+the CPU tests and of ``python -m adaptive_amp bench zoo``).
 """
 
 from __future__ import annotations

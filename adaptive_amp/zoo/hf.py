@@ -59,7 +59,7 @@ LLAMA_SIZES = {
                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, seq_len=512),
     "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
                    num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, seq_len=512),
-    # TinyLlama's shape, 1.1B parameters: issue 21's "Llama of about 1B" (bench/tune_evidence.py's llama-1b).
+    # TinyLlama's shape, 1.1B parameters (the llama-1b of python -m adaptive_amp bench tune and e2e).
     "large": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                   num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, seq_len=1024),
 }

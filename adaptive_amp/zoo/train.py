@@ -6,9 +6,9 @@ Recipes, from the same weights and the same batches (``make_batch(batch, seed=st
 * ``"torch-fp16"``: torch's fp16 autocast and ``torch.amp.GradScaler``;
 * ``"adaptive"``: AdaptiveMixedPrecision with the given policy.
 
-The CPU tests (tests/test_controller.py) and the GPU script
-(bench/zoo_training.py) train through this one loop, so that the figures the
-GPU run reports come from the loop the tests check.
+The CPU tests (tests/test_controller.py) and the GPU suite
+(``python -m adaptive_amp bench zoo``) train through this one loop, so that
+the figures the GPU run reports come from the loop the tests check.
 """
 
 from __future__ import annotations
