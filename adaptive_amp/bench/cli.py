@@ -34,6 +34,8 @@ _EPILOG = """suites (--suites, comma-separated; default gpt2,many):
 suites with options of their own (python -m adaptive_amp bench SUITE --help):
   tune          policy="tune" trained for real against torch's bf16 autocast: tokens/s, peak memory, final
                 loss against torch's seed spread, the tuning's cost
+  scale         a Llama-3-8B-shaped model (or --layers N of it) compiled on one GPU: torch bf16 autocast,
+                torchao float8 and ours, each at the largest batch that fits: tokens/s, memory, loss
   zoo           the zoo trained at real size under fp32, torch AMP and ours: recovery from planted fp16
                 overflows (--suite recovery) and no false alarms in ordinary training (--suite alarms)
   multi-gpu     GradScaler under DDP and FSDP2 against torch's scalers (parity, skips, overhead); launch with
@@ -52,7 +54,7 @@ examples:
 
 
 #: suites with options of their own: name -> module (in this package) with main(argv) -> exit status
-COMMANDS = {"tune": "tuning", "zoo": "zoo", "multi-gpu": "multi_gpu",
+COMMANDS = {"tune": "tuning", "scale": "scale", "zoo": "zoo", "multi-gpu": "multi_gpu",
             "multi-gpu-integrations": "multi_gpu_integrations"}
 
 

@@ -1,0 +1,483 @@
+"""``python -m adaptive_amp bench scale``: a Llama-3-8B-shaped model on one GPU, torch's and torchao's recipes
+against ours.
+
+The model is transformers' ``LlamaForCausalLM`` built on the GPU from its config with random weights
+(hidden 4096, 32 layers, MLP 14336, 32 heads / 8 key-value heads, 2048 tokens a sequence, vocabulary 32000;
+``--layers N`` keeps the first N layers' shapes: a slice of the same model that fits in less time), compiled
+(``torch.compile``, inductor), and trained with AdamW (lr 1e-4, no warm-up, no clipping) on the zoo's
+learnable synthetic token stream (arithmetic progressions: the next token follows from the two before it),
+the same batches for every recipe and seed. Recipes (``--recipes``):
+
+  torch-bf16          torch's bf16 autocast, fp32 weights, ``torch.optim.AdamW(fused=True)``
+  torchao-tensorwise  torchao's float8 training (``convert_to_float8_training``, tensorwise scaling) on every
+                      linear layer but the output head, under bf16 autocast, fused AdamW
+  torchao-rowwise     the same with rowwise scaling
+  tune                ``AdaptiveMixedPrecision(model, AdamW(fused=True), policy="tune")``: measured selection
+                      among --tune-candidates on the model's own batches, then ``amp.train_step``
+  bf16-weights        ``AdaptiveMixedPrecision(policy="bf16-weights")`` with ``adaptive_amp.optim.AdamW``
+                      (stochastic rounding): the matmul weights in bf16, compute under bf16 autocast
+  bf16-pure           ``AdaptiveMixedPrecision(policy="bf16-pure")``, the same optimizer: everything in bf16
+
+The torchao recipes are skipped, with the reason, when torchao is missing or the GPU has no float8 matmuls.
+
+Each recipe runs at the largest batch that fits (a short search: 1, 2, 4, ... sequences until a step runs
+out of memory or passes --memory-fraction of the GPU, then one batch between the last that fit and the first
+that did not), or at --batch. With --checkpointing auto, a recipe that does not fit one sequence retries with
+activation checkpointing (transformers' ``gradient_checkpointing_enable``). Then --steps steps per seed:
+tokens/s over the steps after warm-up and at steady state (the median of ten windows), peak memory, and the
+final loss (the mean of the last 10% of the training losses; every batch is new).
+
+The verdict compares ours (the tuned run, else the fastest of our named recipes) with the fastest torch
+recipe and the fastest torchao recipe: tokens/s (targets: >= 1.3x torch's, >= 1.1x torchao's), peak memory at
+the same batch (target: <= 0.8x torch's, from the batch search's records or the runs themselves), and the
+final loss against torch's seed spread (needs --seeds 2 or more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+TORCH_RECIPES = ("torch-bf16",)
+TORCHAO_RECIPES = ("torchao-tensorwise", "torchao-rowwise")
+OUR_NAMED_RECIPES = ("bf16-weights", "bf16-pure")
+RECIPES = (*TORCH_RECIPES, *TORCHAO_RECIPES, "tune", *OUR_NAMED_RECIPES)
+DEFAULT_RECIPES = ("torch-bf16", "torchao-tensorwise", "torchao-rowwise", "tune", "bf16-weights")
+
+#: Llama-3-8B's shape (vocabulary 32000, Llama 2's, as the zoo's Llamas).
+FULL = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=8, vocab_size=32000, seq_len=2048)
+#: --tiny: the same structure at widths a CPU trains in seconds.
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, seq_len=32)
+
+TARGET_VS_TORCH, TARGET_VS_TORCHAO, TARGET_MEMORY = 1.3, 1.1, 0.8
+
+
+def build(shape: dict, seed: int, device):
+    """A ZooModel: LlamaForCausalLM of `shape`, random weights drawn from `seed` on `device`."""
+    import transformers
+
+    from ..zoo.model import ZooModel, causal_lm_batches, next_token_loss
+
+    seq = shape["seq_len"]
+    config = transformers.LlamaConfig(**{k: v for k, v in shape.items() if k != "seq_len"},
+                                      max_position_embeddings=seq, attention_dropout=0.0, use_cache=False,
+                                      tie_word_embeddings=False, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed_all(seed)
+        model = transformers.LlamaForCausalLM(config)
+    model.train()
+    return ZooModel("llama", "scale", model, causal_lm_batches(config.vocab_size, seq), ("input_ids",),
+                    next_token_loss, seq, config)
+
+
+def stream(shape: dict, batch: int, n: int, seed: int, device) -> list:
+    """Seed `seed`'s n batches, on the device before any timing (the same for every recipe)."""
+    from ..zoo.model import causal_lm_batches
+
+    make_batch = causal_lm_batches(shape["vocab_size"], shape["seq_len"])
+    return [make_batch(batch, seed=seed * 1_000_003 + k, device=device) for k in range(n)]
+
+
+def skip_reason(recipe: str, device) -> Optional[str]:
+    """Why `recipe` cannot run here (None: it can)."""
+    if recipe in TORCHAO_RECIPES:
+        from ..recipes import float8_available
+
+        why = float8_available() if device.type == "cuda" else "float8 training needs a CUDA GPU"
+        if why:
+            return why
+        try:
+            from torchao.float8 import Float8LinearConfig  # noqa: F401
+        except ImportError as exc:
+            return f"this torchao has no float8 training ({exc})"
+    return None
+
+
+@dataclass
+class Trainer:
+    """One recipe applied to a fresh model: ``step(batch) -> loss``, and what to free afterwards."""
+
+    recipe: str
+    zm: object
+    model: object  # the model the loss runs (compiled or not)
+    step: object
+    amp: object = None
+    info: Dict[str, object] = field(default_factory=dict)
+
+    def close(self):
+        if self.amp is not None:
+            self.amp.remove()
+        self.zm = self.model = self.step = self.amp = None
+
+
+def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches=None, choice=None) -> Trainer:
+    """`recipe` on a fresh model of seed `seed` (compiled unless --no-compile); `choice`: tune only this
+    candidate (seed 0's choice, for the other seeds' loss spread)."""
+    zm = build(shape, seed, device)
+    if args.checkpointing_now:
+        zm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cuda = device.type == "cuda"
+    info: Dict[str, object] = {"parameters": zm.num_parameters(), "checkpointing": bool(args.checkpointing_now)}
+    if recipe in TORCHAO_RECIPES:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(recipe.split("-", 1)[1])
+        # torchtitan's choice too: the output head stays in bf16 (its gradients feed every layer).
+        convert_to_float8_training(zm.model, config=config, module_filter_fn=lambda mod, fqn: fqn != "lm_head"
+                                   and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+    model = torch.compile(zm.model) if args.compile else zm.model
+    if recipe in TORCH_RECIPES or recipe in TORCHAO_RECIPES:
+        opt = torch.optim.AdamW(zm.model.parameters(), lr=args.lr, fused=cuda)
+
+        def step(batch):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = zm.loss(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        info["policy"] = "autocast bf16" + (f" + torchao float8 {recipe.split('-', 1)[1]}"
+                                            if recipe in TORCHAO_RECIPES else "")
+        return Trainer(recipe, zm, model, step, info=info)
+    from .. import AdaptiveMixedPrecision
+
+    if recipe == "tune":
+        opt = torch.optim.AdamW(zm.model.parameters(), lr=args.lr, fused=cuda)
+        t0 = time.perf_counter()
+        amp = AdaptiveMixedPrecision(
+            model, opt, policy="tune", progress=False,
+            tune=dict(batches=tune_batches, loss_fn=zm.loss, candidates=[choice] if choice else args.tune_candidates,
+                      steps=args.tune_steps, rounds=1, timed_steps=args.tune_timed_steps,
+                      progress=(lambda m: print(f"   {m}", flush=True)) if args.verbose else None))
+        info.update(tuning_seconds=round(time.perf_counter() - t0, 2), chosen=amp.tuning.recipe.name)
+        print(amp.tuning.table(), flush=True)
+    else:
+        from ..optim import AdamW
+
+        opt = AdamW(zm.model.parameters(), lr=args.lr, stochastic_rounding=True)
+        amp = AdaptiveMixedPrecision(model, opt, policy=recipe, progress=False)
+    info["policy"] = str(amp.policy)
+    return Trainer(recipe, zm, model, lambda batch: amp.train_step(lambda: zm.loss(model, batch)), amp, info)
+
+
+def _free(device):
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def search_batch(recipe: str, shape: dict, device, args) -> dict:
+    """The largest batch at which `recipe` fits: {"batch", "tried": {batch: peak GiB or "out of memory"}}."""
+    capacity = torch.cuda.get_device_properties(device).total_memory
+    limit = args.memory_fraction * capacity
+    tried: Dict[int, object] = {}
+    seq = shape["seq_len"]
+    tune_batches = None
+    trainer = None
+    try:
+        if recipe == "tune":  # tuned once at one sequence a step; the search then grows the choice's batch
+            tune_batches = stream(shape, 1, 8, 0, device)
+        trainer = make_trainer(recipe, shape, 0, device, args, tune_batches)
+
+        def fits(b: int) -> bool:
+            batches = stream(shape, b, 2, 0, device)
+            try:
+                torch.cuda.reset_peak_memory_stats(device)
+                for batch in batches:
+                    trainer.step(batch)
+                _sync(device)
+                peak = torch.cuda.max_memory_allocated(device)
+            except torch.OutOfMemoryError:
+                tried[b] = "out of memory"
+                return False
+            finally:
+                del batches
+            tried[b] = round(peak / 2**30, 2)
+            print(f"   {recipe}: batch {b} ({b * seq} tokens) peaks at {peak / 2**30:.1f} GiB", flush=True)
+            return peak <= limit
+
+        good, bad, b = 0, None, 1
+        while b <= args.max_batch:
+            if not fits(b):
+                bad = b
+                break
+            good, b = b, b * 2
+        if good and bad and bad - good > 1 and fits((good + bad) // 2):
+            good = (good + bad) // 2
+        return {"batch": good, "tried": tried}
+    except torch.OutOfMemoryError as exc:  # building or tuning did not fit
+        return {"batch": 0, "tried": tried, "error": f"out of memory before a step ran: {str(exc)[:200]}"}
+    finally:
+        if trainer is not None:
+            trainer.close()
+        trainer = tune_batches = None
+        _free(device)
+
+
+def run(recipe: str, shape: dict, batch: int, seed: int, device, args, choice=None) -> dict:
+    """`--steps` steps of `recipe` at `batch` from seed `seed`'s weights on seed `seed`'s batches."""
+    from .tuning import timed_loop
+
+    trainer = batches = None
+    try:
+        batches = stream(shape, batch, args.steps, seed, device)
+        trainer = make_trainer(recipe, shape, seed, device, args, batches[:8], choice)
+        r = timed_loop(trainer.step, batches, args.steps, device, batch * shape["seq_len"])
+        r.update(trainer.info, recipe=recipe, seed=seed, batch=batch)
+        if trainer.amp is not None:
+            r["events"] = [e.to_dict() for e in trainer.amp.events]
+        return r
+    except torch.OutOfMemoryError as exc:
+        return {"recipe": recipe, "seed": seed, "batch": batch, "error": f"out of memory: {str(exc)[:200]}"}
+    finally:
+        if trainer is not None:
+            trainer.close()
+        trainer = batches = None
+        _free(device)
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def _best(runs: List[dict], names) -> Optional[dict]:
+    """The fastest seed-0 run (steady tokens/s) among `names`."""
+    found = [r for r in runs if r["recipe"] in names and r.get("seed") == 0 and "error" not in r]
+    return max(found, key=lambda r: r["steady_tokens_per_s"], default=None)
+
+
+def _peak_at(report: dict, recipe: str, batch: int) -> Optional[float]:
+    """`recipe`'s peak GiB at `batch`: from its runs, else from its batch search."""
+    for r in report["runs"]:
+        if r["recipe"] == recipe and r.get("batch") == batch and r.get("peak_gib") is not None:
+            return r["peak_gib"]
+    peak = report["search"].get(recipe, {}).get("tried", {}).get(batch)
+    return peak if isinstance(peak, float) else None
+
+
+def verdict(report: dict) -> List[str]:
+    """What the runs show, as sentences, against the targets."""
+    runs, lines = report["runs"], []
+    torch_best = _best(runs, TORCH_RECIPES)
+    torchao_best = _best(runs, TORCHAO_RECIPES)
+    ours = _best(runs, ("tune",)) or _best(runs, OUR_NAMED_RECIPES)
+    for name, why in report["skipped"].items():
+        lines.append(f"{name} did not run: {why}.")
+    for r in runs:
+        if "error" in r:
+            lines.append(f"{r['recipe']} (seed {r['seed']}, batch {r['batch']}) failed: {r['error']}")
+    if ours is None:
+        return lines + ["No run of ours finished: nothing to compare."]
+    what = f"ours ({ours['recipe']}" + (f", chose {ours['chosen']}" if "chosen" in ours else "") + \
+        f", batch {ours['batch']})"
+    if torch_best is not None:
+        ratio = ours["steady_tokens_per_s"] / torch_best["steady_tokens_per_s"]
+        lines.append(f"Speed: {what} trained at {ratio:.2f}x the tokens/s of torch's bf16 autocast (batch "
+                     f"{torch_best['batch']}): {'meets' if ratio >= TARGET_VS_TORCH else 'misses'} the "
+                     f"{TARGET_VS_TORCH}x target.")
+        same = torch_best["batch"]
+        mine, theirs = _peak_at(report, ours["recipe"], same), _peak_at(report, torch_best["recipe"], same)
+        if mine is not None and theirs:
+            m = mine / theirs
+            lines.append(f"Memory at torch's batch ({same}): {mine:.1f} against {theirs:.1f} GiB, {m:.2f}x: "
+                         f"{'meets' if m <= TARGET_MEMORY else 'misses'} the {TARGET_MEMORY}x target.")
+        elif report["device"] == "cpu":
+            lines.append("Memory: not measured on the CPU.")
+        else:
+            lines.append(f"Memory: ours was not measured at torch's batch ({same}); run both with --batch {same}.")
+    if torchao_best is not None:
+        ratio = ours["steady_tokens_per_s"] / torchao_best["steady_tokens_per_s"]
+        lines.append(f"Against torchao's best ({torchao_best['recipe']}, batch {torchao_best['batch']}): "
+                     f"{ratio:.2f}x its tokens/s: {'meets' if ratio >= TARGET_VS_TORCHAO else 'misses'} the "
+                     f"{TARGET_VS_TORCHAO}x target.")
+    torch_losses = [r["final_loss"] for r in runs if r["recipe"] in TORCH_RECIPES and "error" not in r]
+    our_losses = [r["final_loss"] for r in runs if r["recipe"] == ours["recipe"] and "error" not in r]
+    if len(torch_losses) > 1 and our_losses:
+        lo, hi = min(torch_losses), max(torch_losses)
+        diff = statistics.mean(our_losses) - statistics.mean(torch_losses)
+        lines.append(f"Loss after {report['args']['steps']} steps: ours {statistics.mean(our_losses):.4f} against "
+                     f"torch's {statistics.mean(torch_losses):.4f} (its seeds {lo:.4f} .. {hi:.4f}): "
+                     f"{'inside' if abs(diff) <= hi - lo else 'outside'} torch's seed spread.")
+    elif torch_best is not None:
+        lines.append(f"Loss after {report['args']['steps']} steps: ours {ours['final_loss']:.4f}, torch's "
+                     f"{torch_best['final_loss']:.4f} (one seed: no spread to judge by; --seeds 2).")
+    return lines
+
+
+def table(report: dict) -> str:
+    head = (f"{'recipe':19} {'seed':>4} {'batch':>5} {'ckpt':>4} {'tokens/s':>10} {'steady':>10} {'peak GiB':>8} "
+            f"{'final loss':>10}  policy")
+    lines = [head]
+    for r in report["runs"]:
+        if "error" in r:
+            lines.append(f"{r['recipe']:19} {r['seed']:>4} {r['batch']:>5}  {r['error']}")
+            continue
+        peak = f"{r['peak_gib']:8.1f}" if r.get("peak_gib") is not None else f"{'-':>8}"
+        lines.append(f"{r['recipe']:19} {r['seed']:>4} {r['batch']:>5} {'yes' if r['checkpointing'] else 'no':>4} "
+                     f"{r['tokens_per_s']:10.0f} {r['steady_tokens_per_s']:10.0f} {peak} {r['final_loss']:10.4f}  "
+                     f"{r.get('policy', '')}" + (f" (tuning {r['tuning_seconds']:.0f} s)" if "tuning_seconds" in r
+                                                 else ""))
+    return "\n".join(lines)
+
+
+def _versions() -> dict:
+    out = {"torch": torch.__version__}
+    for name in ("transformers", "torchao"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:
+            out[name] = None
+    return out
+
+
+def _recipe_list(text: str) -> List[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RECIPES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose recipes from {', '.join(RECIPES)} (comma-separated)")
+    return names
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+_EPILOG = """examples:
+  python -m adaptive_amp bench scale --layers 8 --recipes torch-bf16 --steps 200     # one recipe, minutes
+  python -m adaptive_amp bench scale --steps 500 --seeds 2 --json scale.json         # the full comparison
+  python -m adaptive_amp bench scale --tiny --device cpu --steps 6                   # CPU smoke run, seconds
+"""
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m adaptive_amp bench scale", description=__doc__.split("\n", 1)[1],
+                                epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipes", type=_recipe_list, default=list(DEFAULT_RECIPES),
+                   help=f"comma-separated, from {', '.join(RECIPES)} (default {','.join(DEFAULT_RECIPES)})")
+    p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default 32; tiny 2)")
+    p.add_argument("--hidden", type=_positive, default=None, help="hidden size (default 4096)")
+    p.add_argument("--mlp", type=_positive, default=None, help="MLP size (default 14336)")
+    p.add_argument("--heads", type=_positive, default=None, help="attention heads (default 32)")
+    p.add_argument("--kv-heads", type=_positive, default=None, help="key-value heads (default 8)")
+    p.add_argument("--seq", type=_positive, default=None, help="tokens a sequence (default 2048)")
+    p.add_argument("--vocab", type=_positive, default=None, help="vocabulary (default 32000)")
+    p.add_argument("--batch", type=_positive, default=None,
+                   help="sequences a step for every recipe (default: each recipe's largest that fits)")
+    p.add_argument("--max-batch", type=_positive, default=64, help="the batch search stops here (default 64)")
+    p.add_argument("--memory-fraction", type=float, default=0.95,
+                   help="a batch fits when its peak stays under this share of the GPU's memory (default 0.95)")
+    p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto",
+                   help="activation checkpointing: auto (only for a recipe that does not fit one sequence), "
+                        "on, off (default auto)")
+    p.add_argument("--steps", type=_positive, default=500, help="training steps per recipe and seed (default 500)")
+    p.add_argument("--seeds", type=_positive, default=1,
+                   help="seeds per recipe (weights and batches); 2 or more give torch's loss spread (default 1)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--tune-candidates", default="fp32,bf16,bf16-weights,bf16-pure",
+                   help="tune: the candidates (each compiles once in its probe)")
+    p.add_argument("--tune-steps", type=_positive, default=4, help="tune: trial steps per candidate")
+    p.add_argument("--tune-timed-steps", type=_positive, default=2, help="tune: timed steps per candidate")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: on a GPU yes, on the CPU no)")
+    p.add_argument("--device", default=None, help="cuda (default when torch sees a GPU) or cpu")
+    p.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (a CPU smoke run)")
+    p.add_argument("--json", metavar="PATH", help="also write every run, the searches and the verdict as JSON")
+    p.add_argument("--verbose", action="store_true", help="print the tuning's progress")
+    args = p.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA GPU; use --device cpu (with --tiny)")
+    if device.type != "cuda" and not args.tiny:
+        p.error("the full-size model needs a CUDA GPU; on the CPU add --tiny")
+    if not 0.1 <= args.memory_fraction <= 1.0:
+        p.error("--memory-fraction must be in [0.1, 1]")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        p.error("the scale suite builds transformers' LlamaForCausalLM: pip install transformers")
+    shape = dict(TINY if args.tiny else FULL)
+    for key, value in (("num_hidden_layers", args.layers), ("hidden_size", args.hidden),
+                       ("intermediate_size", args.mlp), ("num_attention_heads", args.heads),
+                       ("num_key_value_heads", args.kv_heads), ("seq_len", args.seq), ("vocab_size", args.vocab)):
+        if value is not None:
+            shape[key] = value
+    if shape["hidden_size"] % shape["num_attention_heads"] or \
+            shape["num_attention_heads"] % shape["num_key_value_heads"]:
+        p.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
+    args.compile = device.type == "cuda" if args.compile is None else args.compile
+    args.tune_candidates = [c.strip() for c in args.tune_candidates.split(",") if c.strip()]
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 work outside autocast, as torch users run it
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              **_versions(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shape": shape,
+              "args": {k: v for k, v in vars(args).items()}, "search": {}, "skipped": {}, "runs": []}
+    print(f"scale: LlamaForCausalLM {shape} on {report['device']}, torch {report['torch']}, transformers "
+          f"{report['transformers']}, torchao {report['torchao']}", flush=True)
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+
+    for recipe in args.recipes:
+        why = skip_reason(recipe, device)
+        if why:
+            report["skipped"][recipe] = why
+            print(f"-- {recipe}: skipped: {why}", flush=True)
+            continue
+        args.checkpointing_now = args.checkpointing == "on"
+        batch = args.batch
+        if batch is None and device.type != "cuda":
+            batch = 2  # no device memory to search on the CPU
+        if batch is None:
+            print(f"-- {recipe}: searching the largest batch that fits", flush=True)
+            found = search_batch(recipe, shape, device, args)
+            if found["batch"] == 0 and args.checkpointing == "auto":
+                print(f"-- {recipe}: one sequence does not fit; again with activation checkpointing", flush=True)
+                args.checkpointing_now = True
+                found = search_batch(recipe, shape, device, args)
+            found["checkpointing"] = args.checkpointing_now
+            report["search"][recipe] = found
+            batch = found["batch"]
+            if batch == 0:
+                report["skipped"][recipe] = "not even one sequence a step fits" + \
+                    (f" ({found['error']})" if "error" in found else "")
+                print(f"-- {recipe}: {report['skipped'][recipe]}", flush=True)
+                save()
+                continue
+        choice = None
+        for seed in range(args.seeds):
+            print(f"-- {recipe}: seed {seed}, batch {batch}, {args.steps} steps"
+                  + (f", tuning only seed 0's choice {choice}" if choice else ""), flush=True)
+            r = run(recipe, shape, batch, seed, device, args, choice)
+            choice = choice or r.get("chosen")
+            report["runs"].append(r)
+            save()
+    report["verdict"] = verdict(report)
+    save()
+    print(table(report))
+    print("\n".join(report["verdict"]), flush=True)
+    return 1 if any("error" in r for r in report["runs"]) else 0

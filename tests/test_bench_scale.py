@@ -1,0 +1,72 @@
+"""``python -m adaptive_amp bench scale`` in its CPU smoke mode: a tiny Llama of the same structure, a few steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from adaptive_amp.bench import main  # noqa: E402
+from adaptive_amp.bench import scale  # noqa: E402
+
+
+def test_scale_smoke_compares_our_recipe_with_torch_and_says_so(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    assert main(["scale", "--tiny", "--device", "cpu", "--steps", "4", "--seeds", "2",
+                 "--recipes", "torch-bf16,torchao-rowwise,bf16-weights", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    runs = {(r["recipe"], r["seed"]): r for r in report["runs"]}
+    assert set(runs) == {(r, s) for r in ("torch-bf16", "bf16-weights") for s in (0, 1)}
+    # The same weights and batches for every recipe: the first losses agree to bf16's rounding.
+    assert abs(runs["torch-bf16", 0]["first_loss"] - runs["bf16-weights", 0]["first_loss"]) < 0.05
+    assert runs["bf16-weights", 0]["policy"].startswith("params=bfloat16") and runs["bf16-weights", 0]["batch"] == 2
+    assert report["shape"]["num_hidden_layers"] == 2 and report["shape"]["num_key_value_heads"] == 2
+    assert "float8 training needs a CUDA GPU" in report["skipped"]["torchao-rowwise"]
+    text = capsys.readouterr().out
+    assert "Speed: ours (bf16-weights, batch 2) trained at" in text and "torch's seed spread" in text
+    assert "torchao-rowwise did not run" in text
+
+
+def test_scale_tune_takes_seed_zeros_choice_for_the_other_seeds(tmp_path):
+    out = tmp_path / "scale.json"
+    assert main(["scale", "--tiny", "--device", "cpu", "--steps", "3", "--seeds", "2", "--recipes", "tune",
+                 "--tune-candidates", "fp32,bf16", "--tune-steps", "2", "--tune-timed-steps", "1",
+                 "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["seed"] for r in runs] == [0, 1] and runs[0]["chosen"] in ("fp32", "bf16")
+    assert runs[1]["chosen"] == runs[0]["chosen"] and runs[0]["tuning_seconds"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--recipes", "torch-bf16,fp8"], "choose recipes from"),
+    (["--layers", "0"], "not a whole number >= 1"),
+    (["--heads", "5"], "--hidden must be a multiple of --heads"),
+    (["--memory-fraction", "2"], "--memory-fraction"),
+])
+def test_scale_refuses_bad_options_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        scale.main(["--tiny", "--device", "cpu", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_scale_full_size_needs_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        scale.main(["--device", "cpu"])
+    assert "needs a CUDA GPU; on the CPU add --tiny" in capsys.readouterr().err
+
+
+def test_scale_verdict_against_the_targets_in_words():
+    def r(recipe, tps, peak, loss, seed=0, batch=4, **kw):
+        return dict(recipe=recipe, seed=seed, batch=batch, steady_tokens_per_s=tps, peak_gib=peak, final_loss=loss,
+                    **kw)
+    report = {"device": "NVIDIA H200", "args": {"steps": 500}, "skipped": {}, "search": {},
+              "runs": [r("torch-bf16", 100.0, 100.0, 2.0), r("torch-bf16", 100.0, 100.0, 2.2, seed=1),
+                       r("torchao-rowwise", 120.0, 90.0, 2.1), r("tune", 140.0, 70.0, 2.1, chosen="bf16-weights"),
+                       r("tune", 140.0, 70.0, 2.1, seed=1, chosen="bf16-weights")]}
+    lines = scale.verdict(report)
+    assert any("1.40x the tokens/s of torch's bf16 autocast" in x and "meets the 1.3x target" in x for x in lines)
+    assert any("0.70x: meets the 0.8x target" in x for x in lines)
+    assert any("torchao's best (torchao-rowwise" in x and "1.17x" in x and "meets" in x for x in lines)
+    assert any("inside torch's seed spread" in x for x in lines)
