@@ -55,3 +55,53 @@ def test_optim_rows_keep_their_kind_and_memory():
     assert row.bytes_moved == 22 * 1000
     assert "adaptive_amp.optim.AdamW" in format_optim([row])
     assert isinstance(OptimRow("optim", "x", "eager", 1.0, 1, 1.0, 1.0, kind="copy").kind, str)
+
+
+# ---- the command line: every suite is one of python -m adaptive_amp bench
+
+
+def test_help_names_every_suite_and_how_to_launch_the_multi_gpu_ones(capsys):
+    import pytest
+
+    from adaptive_amp.bench import main
+    from adaptive_amp.bench.cli import COMMANDS
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for suite in ("gpt2", "many", "sround", "optim", "e2e", *COMMANDS):
+        assert f"\n  {suite} " in text or f"\n  {suite}\n" in text, suite
+    assert "torchrun --standalone --nproc_per_node=2 -m adaptive_amp bench multi-gpu" in text
+
+
+def test_each_suite_command_has_its_own_help(capsys):
+    import pytest
+
+    from adaptive_amp.bench import main
+    from adaptive_amp.bench.cli import COMMANDS
+
+    for suite in COMMANDS:
+        with pytest.raises(SystemExit) as exit_info:
+            main([suite, "--help"])
+        assert exit_info.value.code == 0
+        assert f"adaptive_amp bench {suite}" in capsys.readouterr().out
+
+
+def test_suites_option_refuses_unknown_names_and_runs_a_command_suite_alone(capsys):
+    import pytest
+
+    from adaptive_amp.bench import main
+
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--suites", "gpt2,warp"])
+    assert "unknown suite 'warp'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--suites", "tune,gpt2"])
+    assert "tune runs alone" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--device", "cpu", "--suites", "many", "--layers", "2"])
+    assert "unrecognized arguments: --layers 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # --suites scale hands its options to the suite, which checks them
+        main(["--suites", "scale", "--tiny", "--device", "cpu", "--layers", "0"])
+    assert "--layers" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""AdaptiveMixedPrecision on the CPU: the acceptance scenarios of the issue, small.
+"""AdaptiveMixedPrecision on the CPU: the acceptance scenarios, small.
 
 * A model with a planted layer whose fp16 outputs overflow, trained with
   compute forced to fp16: torch AMP skips every step until its scale

@@ -177,7 +177,7 @@ def _nvcc():
 @pytest.mark.skipif(not _nvcc() or os.environ.get("ADAPTIVE_AMP_TEST_CUDA_BUILD") != "1",
                     reason="builds the CUDA kernels three times (minutes): needs nvcc and ADAPTIVE_AMP_TEST_CUDA_BUILD=1")
 def test_cuda_settings_rebuild_what_they_affect(clone, tmp_path):
-    """The issue's case: ADAPTIVE_AMP_CUDA_ARCHS and ADAPTIVE_AMP_CUDA in a clone built before (no GPU needed)."""
+    """The reported case: ADAPTIVE_AMP_CUDA_ARCHS and ADAPTIVE_AMP_CUDA in a clone built before (no GPU needed)."""
     builds = {}
     for name, env in {"archs90": {"ADAPTIVE_AMP_CUDA": "1", "ADAPTIVE_AMP_CUDA_ARCHS": "90"},
                       "archs80_90": {"ADAPTIVE_AMP_CUDA": "1", "ADAPTIVE_AMP_CUDA_ARCHS": "80;90"},

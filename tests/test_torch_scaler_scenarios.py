@@ -186,7 +186,7 @@ def test_unscale_grads_hook_two_gpus():
 
 
 def test_unscale_grads_hook_fp32_grads_are_unscaled_not_only_checked():
-    """The issue's case: a torch-style call on fp32 gradients must unscale them, as torch's does."""
+    """The reported case: a torch-style call on fp32 gradients must unscale them, as torch's does."""
     w = torch.nn.Parameter(torch.ones(3))
     w.grad = torch.tensor([8.0, -16.0, 2.0])
     opt = torch.optim.SGD([w], lr=1.0)

@@ -53,6 +53,11 @@ examples:
 """
 
 
+def _verdict(compared: str, lines) -> None:
+    print(f"compared: {compared}")
+    print("\n".join(f"verdict: {line}" for line in lines))
+
+
 #: suites with options of their own: name -> module (in this package) with main(argv) -> exit status
 COMMANDS = {"tune": "tuning", "scale": "scale", "zoo": "zoo", "multi-gpu": "multi_gpu",
             "multi-gpu-integrations": "multi_gpu_integrations"}
@@ -140,7 +145,9 @@ def main(argv=None):
         if args.cpu or not cuda:
             rows += unscale_cpu(suites, **cpu_reps)
         print(format_table(rows))
-        print("\n".join(speedups(rows)))
+        _verdict("adaptive_amp's fused unscale + inf check (plain, with statistics, check-only) against torch's "
+                 "_amp_foreach_non_finite_check_and_unscale_; our time over torch's, below 1 is faster",
+                 speedups(rows))
         report["rows"] = [asdict(r) for r in rows]
     if args.scaler and cuda:
         from .scaler import format_overhead, scaler_overhead_gpu
@@ -166,7 +173,8 @@ def main(argv=None):
     if sround:
         sround_rows = sround_gpu(device=args.device, reps=gpu_reps) if cuda else sround_cpu(**cpu_reps)
         print(format_table(sround_rows))
-        print("\n".join(sround_summary(sround_rows)))
+        _verdict("adaptive_amp.stochastic_round against torch's round-to-nearest .to(dtype) and a pure-torch "
+                 "stochastic rounding (eager and compiled); our time over theirs", sround_summary(sround_rows))
         report["sround"] = [asdict(r) for r in sround_rows]
         rows += sround_rows
     if optim_suite:
@@ -183,7 +191,8 @@ def main(argv=None):
         stats_suites = suites or list(SUITES)
         stats_rows = stats_gpu(stats_suites, device=args.device, reps=gpu_reps) if cuda else stats_cpu(stats_suites, **cpu_reps)
         print(format_table(stats_rows))
-        print("\n".join(stats_summary(stats_rows)))
+        _verdict("adaptive_amp.tensor_stats (one launch for every tensor) against a per-tensor torch loop of the "
+                 "same statistics and torch._foreach_norm", stats_summary(stats_rows))
         report["stats"] = [asdict(r) for r in stats_rows]
         rows += stats_rows
     if e2e_suite:

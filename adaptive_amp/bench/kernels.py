@@ -372,7 +372,7 @@ def sround_cpu(numel=16 << 20, warmup=1, reps=5, targets=SROUND_TARGETS, progres
 
 
 def sround_summary(rows: List[Row]) -> List[str]:
-    """The issue's targets: fp32->bf16 at >= 85% of copy and >= 2x the compiled reference; every target <= 1.25x .to."""
+    """The targets: fp32->bf16 at >= 85% of copy and >= 2x the compiled reference; every target <= 1.25x .to."""
     by = {(r.mode, r.name): r for r in rows if r.suite == "sround"}
     out = []
     for mode in ("eager", "graph", "cpu"):
@@ -498,7 +498,7 @@ def stats_cpu(suites=("gpt2", "many"), warmup=1, reps=5, progress=print) -> List
 
 
 def stats_summary(rows: List[Row]) -> List[str]:
-    """The issue's targets: GPT-2 set at >= 80% of the read ceiling; >= 100x faster than the torch loop."""
+    """The targets: GPT-2 set at >= 80% of the read ceiling; >= 100x faster than the torch loop."""
     by = {(r.suite, r.mode, r.name): r for r in rows}
     out = []
     for suite in SUITES:

@@ -68,7 +68,7 @@ class OptimRow(Row):
     kind: str = ""
     bytes_per_param: int = 0
     bytes_per_param_with_grad: int = 0
-    ratio_to_torch: float = 0.0  # pipelined wall time over torch's (the issue-8 target)
+    ratio_to_torch: float = 0.0  # pipelined wall time over torch's (the figure the speed-up is judged on)
     gpu_ms: float = 0.0
     host_ms: float = 0.0
     wall_ms: float = 0.0

@@ -207,6 +207,9 @@ def search_batch(recipe: str, shape: dict, device, args) -> dict:
                 peak = torch.cuda.max_memory_allocated(device)
             except torch.OutOfMemoryError:
                 tried[b] = "out of memory"
+                trainer.zm.model.zero_grad(set_to_none=True)  # what the failed step left, before the next try
+                gc.collect()
+                torch.cuda.empty_cache()
                 return False
             finally:
                 del batches

@@ -1,4 +1,4 @@
-"""A zoo model trained N steps under one recipe, with what the issue-17 targets read off the run.
+"""A zoo model trained N steps under one recipe, with what the recovery and false-alarm checks read off the run.
 
 Recipes, from the same weights and the same batches (``make_batch(batch, seed=step)``):
 
