@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import requires_cuda
 
 pytest.importorskip("transformers")
 
@@ -70,3 +71,21 @@ def test_scale_verdict_against_the_targets_in_words():
     assert any("0.70x: meets the 0.8x target" in x for x in lines)
     assert any("torchao's best (torchao-rowwise" in x and "1.17x" in x and "meets" in x for x in lines)
     assert any("inside torch's seed spread" in x for x in lines)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_scale_searches_the_largest_batch_on_a_gpu(tmp_path):
+    """The tiny model on the GPU, compiled: the search doubles the batch up to --max-batch, records each peak,
+    and every recipe then runs at its batch; --memory-fraction 0.1 would make a search stop early."""
+    out = tmp_path / "scale.json"
+    assert main(["scale", "--tiny", "--steps", "4", "--max-batch", "4", "--recipes", "torch-bf16,bf16-weights",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for recipe in ("torch-bf16", "bf16-weights"):
+        search = report["search"][recipe]
+        assert search["batch"] == 4 and set(search["tried"]) == {"1", "2", "4"}, search
+        assert all(isinstance(v, float) and v > 0 for v in search["tried"].values())
+    assert [r["batch"] for r in report["runs"]] == [4, 4]
+    assert all(r["peak_gib"] > 0 and r["final_loss"] == r["final_loss"] for r in report["runs"])
+    assert any(line.startswith("Memory at torch's batch (4)") for line in report["verdict"])
