@@ -89,3 +89,14 @@ def test_scale_searches_the_largest_batch_on_a_gpu(tmp_path):
     assert [r["batch"] for r in report["runs"]] == [4, 4]
     assert all(r["peak_gib"] > 0 and r["final_loss"] == r["final_loss"] for r in report["runs"])
     assert any(line.startswith("Memory at torch's batch (4)") for line in report["verdict"])
+
+
+def test_scale_max_seconds_stops_a_run_and_says_its_loss_is_not_comparable(tmp_path):
+    out = tmp_path / "scale.json"
+    assert main(["scale", "--tiny", "--device", "cpu", "--steps", "20", "--max-seconds", "0",
+                 "--recipes", "torch-bf16,bf16-weights", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["steps"], r["stopped_early"]) for r in report["runs"]] == [(3, True), (3, True)]
+    assert all(len(r["losses"]) == 3 for r in report["runs"])
+    assert any("stopped after 3 of 20 steps (--max-seconds)" in line for line in report["verdict"])
+    assert not any(line.startswith("Loss after") for line in report["verdict"])

@@ -240,10 +240,11 @@ def run(recipe: str, shape: dict, batch: int, seed: int, device, args, choice=No
     from .tuning import timed_loop
 
     trainer = batches = None
+    deadline = time.perf_counter() + args.max_seconds if args.max_seconds is not None else None
     try:
         batches = stream(shape, batch, args.steps, seed, device)
         trainer = make_trainer(recipe, shape, seed, device, args, batches[:8], choice)
-        r = timed_loop(trainer.step, batches, args.steps, device, batch * shape["seq_len"])
+        r = timed_loop(trainer.step, batches, args.steps, device, batch * shape["seq_len"], deadline)
         r.update(trainer.info, recipe=recipe, seed=seed, batch=batch)
         if trainer.amp is not None:
             r["events"] = [e.to_dict() for e in trainer.amp.events]
@@ -286,6 +287,10 @@ def verdict(report: dict) -> List[str]:
     for r in runs:
         if "error" in r:
             lines.append(f"{r['recipe']} (seed {r['seed']}, batch {r['batch']}) failed: {r['error']}")
+    for r in runs:
+        if r.get("stopped_early"):
+            lines.append(f"{r['recipe']} (seed {r['seed']}) stopped after {r['steps']} of "
+                         f"{report['args']['steps']} steps (--max-seconds): its final loss is not comparable.")
     if ours is None:
         return lines + ["No run of ours finished: nothing to compare."]
     what = f"ours ({ours['recipe']}" + (f", chose {ours['chosen']}" if "chosen" in ours else "") + \
@@ -310,17 +315,18 @@ def verdict(report: dict) -> List[str]:
         lines.append(f"Against torchao's best ({torchao_best['recipe']}, batch {torchao_best['batch']}): "
                      f"{ratio:.2f}x its tokens/s: {'meets' if ratio >= TARGET_VS_TORCHAO else 'misses'} the "
                      f"{TARGET_VS_TORCHAO}x target.")
-    torch_losses = [r["final_loss"] for r in runs if r["recipe"] in TORCH_RECIPES and "error" not in r]
-    our_losses = [r["final_loss"] for r in runs if r["recipe"] == ours["recipe"] and "error" not in r]
+    complete = [r for r in runs if "error" not in r and not r.get("stopped_early")]
+    torch_losses = [r["final_loss"] for r in complete if r["recipe"] in TORCH_RECIPES]
+    our_losses = [r["final_loss"] for r in complete if r["recipe"] == ours["recipe"]]
     if len(torch_losses) > 1 and our_losses:
         lo, hi = min(torch_losses), max(torch_losses)
         diff = statistics.mean(our_losses) - statistics.mean(torch_losses)
         lines.append(f"Loss after {report['args']['steps']} steps: ours {statistics.mean(our_losses):.4f} against "
                      f"torch's {statistics.mean(torch_losses):.4f} (its seeds {lo:.4f} .. {hi:.4f}): "
                      f"{'inside' if abs(diff) <= hi - lo else 'outside'} torch's seed spread.")
-    elif torch_best is not None:
-        lines.append(f"Loss after {report['args']['steps']} steps: ours {ours['final_loss']:.4f}, torch's "
-                     f"{torch_best['final_loss']:.4f} (one seed: no spread to judge by; --seeds 2).")
+    elif torch_best is not None and torch_losses and our_losses:
+        lines.append(f"Loss after {report['args']['steps']} steps: ours {statistics.mean(our_losses):.4f}, torch's "
+                     f"{statistics.mean(torch_losses):.4f} (one seed: no spread to judge by; --seeds 2).")
     return lines
 
 
@@ -369,7 +375,7 @@ def _positive(text: str) -> int:
 
 
 _EPILOG = """examples:
-  python -m adaptive_amp bench scale --layers 8 --recipes torch-bf16 --steps 200     # one recipe, minutes
+  python -m adaptive_amp bench scale --layers 8 --recipes torch-bf16 --max-seconds 360   # one recipe, < 10 min
   python -m adaptive_amp bench scale --steps 500 --seeds 2 --json scale.json         # the full comparison
   python -m adaptive_amp bench scale --tiny --device cpu --steps 6                   # CPU smoke run, seconds
 """
@@ -396,6 +402,9 @@ def main(argv=None) -> int:
                    help="activation checkpointing: auto (only for a recipe that does not fit one sequence), "
                         "on, off (default auto)")
     p.add_argument("--steps", type=_positive, default=500, help="training steps per recipe and seed (default 500)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="a run (building, compiling and tuning included) starts no new window of steps after "
+                        "this many seconds and reports the steps it ran (the batch search is not counted)")
     p.add_argument("--seeds", type=_positive, default=1,
                    help="seeds per recipe (weights and batches); 2 or more give torch's loss spread (default 1)")
     p.add_argument("--lr", type=float, default=1e-4)

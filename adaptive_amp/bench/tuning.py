@@ -66,11 +66,12 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed_loop(step, batches, steps, device, tokens):
+def timed_loop(step, batches, steps, device, tokens, deadline=None):
     """`steps` calls of step(batch) -> detached loss; the first 10% (at most 20) are warm-up, not timed.
     tokens_per_s: over all timed steps (one-time costs included: a compiled controller's statistics graph, an
     event's diagnosis); steady_tokens_per_s: the median over ten windows (marked with CUDA events, no sync),
-    which leaves them out."""
+    which leaves them out. With `deadline` (a time.perf_counter() value), no window starts after it: "steps"
+    then says how many ran and "stopped_early" is True."""
     cuda = device.type == "cuda"
     if cuda:
         sync(device)
@@ -84,8 +85,11 @@ def timed_loop(step, batches, steps, device, tokens):
             e.record()
             return e
         return time.perf_counter()
-    losses, start, marks = [], None, []
+    losses, start, marks, done = [], None, [], steps
     for k in range(steps):
+        if deadline is not None and k > warm and (k - warm) % window == 0 and time.perf_counter() > deadline:
+            done = k
+            break
         if k == warm:
             sync(device)
             start = time.perf_counter()
@@ -96,12 +100,12 @@ def timed_loop(step, batches, steps, device, tokens):
     sync(device)
     seconds = time.perf_counter() - start
     spans = [(a.elapsed_time(b) / 1e3 if cuda else b - a) for a, b in zip(marks, marks[1:])]
-    full = [s for i, s in enumerate(spans) if warm + (i + 1) * window <= steps]  # whole windows only
-    steady = sorted(full)[len(full) // 2] / window if full else seconds / (steps - warm)
+    full = [s for i, s in enumerate(spans) if warm + (i + 1) * window <= done]  # whole windows only
+    steady = sorted(full)[len(full) // 2] / window if full else seconds / (done - warm)
     values = [float(v) for v in torch.stack(losses).cpu()]
     tail = max(1, len(values) // 10)
-    return {"steps": steps, "tokens_per_s": tokens * (steps - warm) / seconds,
-            "ms_per_step": 1e3 * seconds / (steps - warm), "steady_tokens_per_s": tokens / steady,
+    return {"steps": done, "stopped_early": done < steps, "tokens_per_s": tokens * (done - warm) / seconds,
+            "ms_per_step": 1e3 * seconds / (done - warm), "steady_tokens_per_s": tokens / steady,
             "steady_ms_per_step": 1e3 * steady, "window_ms_per_step": [1e3 * s / window for s in full],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "final_loss": sum(values[-tail:]) / tail, "first_loss": values[0], "losses": values}
