@@ -13,7 +13,7 @@
 #   e2e       python -m adaptive_amp bench --suites e2e (E2E_ARGS)
 #   tune      python -m adaptive_amp bench tune (TUNE_ARGS)
 #   tunepar   up to four tune suites at once, one a GPU: TUNE_ARGS_0 ... TUNE_ARGS_3 (each set one runs, on GPU i)
-#   scale     python -m adaptive_amp bench scale (SCALE_ARGS, default --layers 8)
+#   scale     python -m adaptive_amp bench scale (SCALE_ARGS, default: --layers 8, torch-bf16 only, 360 s a run)
 #   examples  examples/ and the README's example on the GPU
 #   scaler    GradScaler's per-step overhead against torch's, with 0% and 30% of the parameters frozen
 #   multi     (2 GPUs) python -m adaptive_amp bench multi-gpu and multi-gpu-integrations under torchrun
@@ -73,7 +73,7 @@ for stage in "$@"; do
     examples) run examples python3 -m pytest "$repo/tests/test_examples.py" "$repo/tests/test_readme.py" -q -p no:cacheprovider ;;
     scaler) run scaler python3 -m adaptive_amp bench --no-unscale --scaler --scaler-frozen 0 0.3 --json "$out/scaler.json" ;;
     tune) run tune python3 -m adaptive_amp bench tune --out "$out/tune" ${TUNE_ARGS:-} ;;
-    scale) run scale python3 -m adaptive_amp bench scale --json "$out/scale.json" ${SCALE_ARGS:---layers 8} ;;
+    scale) run scale python3 -m adaptive_amp bench scale --json "$out/scale.json" ${SCALE_ARGS:---layers 8 --recipes torch-bf16 --max-seconds 360} ;;
     tunepar) pids=(); t0=$SECONDS; n=0
              for i in 0 1 2 3; do v="TUNE_ARGS_$i"; [ -n "${!v:-}" ] && n=$((n + 1)); done
              # Each process gets its own share of the cores (and inductor as many compile workers): eager steps
