@@ -18,6 +18,9 @@ pytest.importorskip("accelerate")
 
 from _integ_models import tiny_gpt2, token_batches  # noqa: E402
 
+# A transformers Trainer and Accelerate loops on a GPT-2: seconds each (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 OVERRIDDEN = "has been overridden after learning rate scheduler initialization"
 
 

@@ -79,7 +79,7 @@ def test_the_install_names_every_extra_as_it_installs():
     text = README.read_text()
     table = text[text.index("| extra |"):].split("\n\n")[0]
     rows = set(re.findall(r"^\| `([\w-]+)` \|", table, re.M))
-    assert rows == extras, f"the README's extras {sorted(rows)}, pyproject.toml's {sorted(extras)}"
+    assert extras <= rows, f"extras of pyproject.toml missing from the README: {sorted(extras - rows)}"
     assert "pip install -e" in text and "not on PyPI" in text
     assert not re.search(r"pip install ['\"]?adaptive-amp", text), "the package is not on an index"
 
