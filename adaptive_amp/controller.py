@@ -127,8 +127,7 @@ class AdaptiveMixedPrecision:
             recipes on the model, see `tune`), a PrecisionPolicy, or its
             string form (``"params=float32,compute=float16,loss_scale=dynamic:65536"``).
         sample_inputs: a batch for the sensitivity analysis of ``"auto"``
-            (a tensor, a tuple of positional arguments, or a dict of keyword
-            arguments: ``model(**sample_inputs)``).
+            (a tensor, a tuple of positional arguments, or ``(args, kwargs)``).
         loss_fn: ``loss_fn(output) -> loss`` for the analysis' gradient statistics.
         capabilities: the Capabilities to select with (default: detected).
         overrides: policy fields that win over the selection (as
