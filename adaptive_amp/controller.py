@@ -169,6 +169,9 @@ class AdaptiveMixedPrecision:
             ``amp.tuning`` holds the trials.
         memory_guard: an adaptive_amp.pressure.MemoryGuard: lighter recipes under memory pressure,
             and after an out-of-memory error in :meth:`train_step`.
+        progress: show progress bars for the set-up's long work (the sensitivity
+            analysis of ``"auto"``, the trials of ``"tune"``); tqdm's when it is
+            installed (the ``progress`` extra). False: silent.
     """
 
     def __init__(self, model: nn.Module, optimizer_or_optimizers, policy: Union[str, PrecisionPolicy] = "auto",
@@ -380,6 +383,7 @@ class AdaptiveMixedPrecision:
     # ------------------------------------------------------------ the step
     @property
     def compute_fmt(self) -> Optional[str]:
+        """The compute dtype's format name for statistics (``"float16"``, ``"bfloat16"``), None for float32."""
         return _COMPUTE_FORMATS.get(self.policy.compute_dtype)
 
     @property
@@ -586,6 +590,8 @@ class AdaptiveMixedPrecision:
                                .to(self.device) for gs in groups.values()])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every optimizer the controller steps (``amp.optimizers``, which a memory move
+        or the tuned recipe may have replaced)."""
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 

@@ -199,23 +199,40 @@ def update_scale_(
     With the defaults this is ``torch._amp_update_scale_``: on NaN/inf
     (``found_inf != 0``) the scale is multiplied by ``backoff_factor`` and
     ``growth_tracker`` reset; after ``growth_interval`` clean steps in a row it
-    is multiplied by ``growth_factor`` (only to a finite value).
+    is multiplied by ``growth_factor`` (only to a finite value). The keyword
+    arguments add what torch's lacks: hysteresis, bounds and a predictive mode.
 
-    Beyond torch:
-        counters: 4-element int32 array ``[hysteresis_left, skipped_steps,
-            history_position, extra_margin]`` kept between calls (start it at
-            ``[hysteresis, 0, 0, 0]``); needed for ``hysteresis > 1`` and
-            predictive mode, and counts skipped steps.
+    Args:
+        scale: the loss scale, a 1-element float32 array, updated in place.
+        growth_tracker: clean steps since the last change, a 1-element int32
+            array on the same device, updated in place.
+        found_inf: nonzero when this step's gradients held NaN/inf, a
+            1-element float32 array on the same device.
+        growth_factor: the factor of a growth (torch's default 2.0).
+        backoff_factor: the factor of a back-off (torch's default 0.5).
+        growth_interval: clean steps in a row before a growth (torch's
+            default 2000).
+        counters: a 4-element int32 array ``[hysteresis_left, skipped_steps,
+            history_position, extra_margin]`` kept between calls; start it at
+            ``[hysteresis, 0, 0, 0]``. Needed for ``hysteresis > 1`` and the
+            predictive mode; it also counts the skipped steps.
         hysteresis: overflows tolerated before backing off, counted since the
-            last growth (Megatron-LM's rule; see csrc/scale_update.h).
-        min_scale, max_scale: bounds of the scale.
-        amax_history, step_amax: predictive mode. ``step_amax`` (1 element) is
-            the largest unscaled gradient magnitude of this step; it enters the
-            ring buffer ``amax_history`` and the scale becomes
-            ``2**(floor(log2(fmt_max / max(history))) - margin - extra_margin)``,
+            last growth (Megatron-LM's rule; see ``csrc/scale_update.h``).
+        min_scale: the smallest scale a back-off may reach.
+        max_scale: the largest scale a growth may reach (None: no bound).
+        step_amax: predictive mode: a 1-element float32 array, the largest
+            unscaled gradient magnitude of this step. It enters the ring buffer
+            `amax_history`, and the scale becomes
+            ``2 ** (floor(log2(fmt_max / max(amax_history))) - margin - extra_margin)``,
             where ``extra_margin`` grows by one at each back-off and shrinks by
-            one every ``growth_interval`` clean steps.
-        inv_scale: optional 1-element float32 array that receives
+            one every `growth_interval` clean steps.
+        amax_history: predictive mode: the ring buffer of recent `step_amax`
+            values (float32, its length is the history's).
+        margin: predictive mode: powers of two kept between the history's
+            amax times the scale and `fmt_max`.
+        fmt_max: the largest finite value of the gradients' format (fp16:
+            65504).
+        inv_scale: a 1-element float32 array that receives
             ``float(1 / double(scale))``, as torch's GradScaler computes it.
     """
     sc = _native.describe(scale, "scale", writable=True, dtypes=(FLOAT32,))

@@ -150,23 +150,30 @@ def _as_loss_scale(value) -> Optional[LossScale]:
 class PrecisionPolicy:
     """Where each dtype is used in training. Strings and aliases are accepted for the dtypes.
 
-    param_dtype: the dtype parameters (and optimizer master copies) are kept in.
-    param_scope: which parameters a bf16 param_dtype covers: "all" (every parameter and floating buffer,
+    ``param_dtype``
+        the dtype parameters (and optimizer master copies) are kept in.
+    ``param_scope``
+        which parameters a bf16 param_dtype covers: "all" (every parameter and floating buffer,
         and no autocast: "bf16-pure") or "matmul" (the weights of the layers that multiply matrices, Linear,
         transformers' Conv1D, convolutions and embeddings; norms, loose parameters and buffers stay float32,
         embeddings return float32 and autocast computes as torch's does: "bf16-weights", see
         adaptive_amp.recipes.cast_matmul_weights). float32 parameters have scope "all".
-    compute_dtype: the dtype autocast runs matmuls and convolutions in.
-    tf32: let float32 matmuls (islands, fp32 compute) use TF32 tensor cores.
-    islands: modules kept in float32: names as in model.named_modules() (a
+    ``compute_dtype``
+        the dtype autocast runs matmuls and convolutions in.
+    ``tf32``
+        let float32 matmuls (islands, fp32 compute) use TF32 tensor cores.
+    ``islands``
+        modules kept in float32: names as in model.named_modules() (a
         compiled model's ``_orig_mod.`` is dropped, so a name means the same
         layer compiled or not), or glob patterns over layer names
         (``transformer.h.*.mlp.c_proj``, see adaptive_amp.layers).
-    loss_scale: GradScaler settings, or None for no loss scaling. Left out, a
+    ``loss_scale``
+        GradScaler settings, or None for no loss scaling. Left out, a
         policy that computes in float16 gets dynamic loss scaling with torch's
         defaults (fp16 gradients underflow without it; the reasons say so) and
         any other policy none; ``loss_scale=none`` (None) turns it off.
-    reasons: why each choice was made; not part of equality, so a policy read
+    ``reasons``
+        why each choice was made; not part of equality, so a policy read
         back from its string equals the one it was written from.
     """
 
@@ -208,6 +215,7 @@ class PrecisionPolicy:
 
     @property
     def uses_loss_scaling(self) -> bool:
+        """Whether the loss is scaled (``loss_scale`` is set)."""
         return self.loss_scale is not None
 
     @property
@@ -216,6 +224,7 @@ class PrecisionPolicy:
         return self.param_dtype == self.compute_dtype != torch.float32 and self.param_scope == "all"
 
     def replace(self, **changes) -> "PrecisionPolicy":
+        """A copy with the given fields changed (the policy itself is immutable)."""
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ string form
@@ -350,10 +359,12 @@ def initial_loss_scale(grad_amax: float, margin_bits: int = 4, fmt_max: float = 
 class AdaptivePrecisionSelector:
     """Picks a PrecisionPolicy from the device's native formats, an analysis and overrides.
 
-    The decision table (the first row that matches wins):
+    The decision table (the first row that matches wins)::
+
       bf16 native             -> params fp32, compute bf16, no loss scaling
       fp16 native (GPU only)  -> params fp32, compute fp16, dynamic loss scaling
       otherwise               -> fp32 throughout
+
     TF32 is on wherever it is native (fp32 islands and fp32 ops benefit). fp8 is
     only recommended in the reasons: it needs per-tensor scaling this policy
     does not describe. On the CPU, fp16 is never chosen: torch's CPU autocast
@@ -366,6 +377,10 @@ class AdaptivePrecisionSelector:
 
     def select(self, model: Optional[torch.nn.Module], capabilities: Capabilities, analysis=None,
                overrides: Union[None, str, Mapping[str, Any], PrecisionPolicy] = None) -> PrecisionPolicy:
+        """The policy for `capabilities`: bf16 compute where bf16 is native, fp16 with dynamic loss scaling on GPUs
+        with fp16 tensor cores only, else fp32; fp32 weights; TF32 where native; the layers `analysis` flags
+        as risky in the compute dtype as fp32 islands. `overrides` (a policy string, a dict of fields or a
+        PrecisionPolicy) win over the selection. Every choice is explained in the policy's ``reasons``."""
         reasons = []
         caps = capabilities
         where = caps.name + (" (sm_%d%d)" % caps.compute_capability if caps.compute_capability else "")

@@ -124,6 +124,8 @@ class MemoryGuard:
 
     # ------------------------------------------------------------ hooks the controller calls
     def after_step(self, amp) -> None:
+        """Called by the controller after every step: every ``check_every`` steps, read the headroom and make
+        the next move when it is under ``min_free`` (or undo the last one, with ``allow_recover``)."""
         step = amp.step_count
         if step % self.check_every:
             return
@@ -155,6 +157,8 @@ class MemoryGuard:
 
     # ------------------------------------------------------------ moves
     def lighter(self, amp, reason: str) -> bool:
+        """Make the next move of the ladder that can be made here (an event for each one that cannot); False
+        when none is left."""
         done = {m.name for m in self.moves}
         for name in self.ladder:
             if name in done:
@@ -176,6 +180,7 @@ class MemoryGuard:
         return False
 
     def heavier(self, amp, reason: str) -> bool:
+        """Undo the last move (event ``"memory_recovered"``); False when no move was made."""
         if not self.moves:
             return False
         move = self.moves.pop()

@@ -148,7 +148,7 @@ def stochastic_round(x, dtype, *, random_bits=None, seed=None, offset=None, scal
     Takes its random bits from ``random_bits`` (int32, x's shape) or, with
     ``seed`` (and ``offset``), from :func:`philox_random_bits`. Written from
     the definition, not from the kernel: ulp from frexp, the fractional
-    position f = |y|/ulp - floor(|y|/ulp), all exact in float64; away from
+    position ``f = |y|/ulp - floor(|y|/ulp)``, all exact in float64; away from
     zero iff floor(2**32 f) + r >= 2**32.
     """
     name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")

@@ -209,7 +209,9 @@ def _unscale_with_torch(grads: List[torch.Tensor], found, inv, check_only: bool)
 class GradScaler(torch.amp.GradScaler):
     """Drop-in ``torch.amp.GradScaler`` with native kernels; see the module docstring.
 
-    Args (torch's first, same meaning and defaults):
+    torch's arguments come first, with the same meaning and defaults.
+
+    Args:
         device: device type of the scale, "cuda" or "cpu".
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as torch.
             ``growth_interval`` may be any int (0, negative or beyond int32,
@@ -920,7 +922,7 @@ class GradScaler(torch.amp.GradScaler):
         it, from the clip's re-measurement), before this scaler clipped; None
         before the first update and when a ``_unscale_grads_`` override did
         the unscaling (it takes no statistics). With sharded gradients it is this rank's part (no collective
-        runs here); clip_grad_norm_ returns the global norm.
+        runs here); ``clip_grad_norm_`` returns the global norm.
         """
         if not self._last_stats:
             return None

@@ -1136,6 +1136,7 @@ class TuneResult:
 
     @property
     def chosen(self) -> Trial:
+        """The chosen candidate's trial (losses, step time, memory, verdict)."""
         return next(t for t in self.trials if t.name == self.recipe.name)
 
     def apply(self, model: nn.Module, optimizer) -> AppliedRecipe:
@@ -1143,6 +1144,7 @@ class TuneResult:
         return AppliedRecipe(self.recipe, model, optimizer)
 
     def table(self) -> str:
+        """The A/B table: every candidate's step time, memory, loss agreement and verdict."""
         return tuning_table(self._data())
 
     def __str__(self) -> str:
@@ -1164,6 +1166,7 @@ class TuneResult:
                 "skipped": [{"name": n, "why": w} for n, w in self.skipped], "reasons": list(self.policy.reasons)}
 
     def plot(self, path: str) -> str:
+        """Write the trials as a PNG to `path` (needs matplotlib); returns the path."""
         return plot_tuning(self._data(), path)
 
     def save(self, directory: str, plots: bool = True) -> Dict[str, str]:

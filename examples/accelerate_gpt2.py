@@ -1,5 +1,7 @@
 """Train a tiny GPT-2 in a plain Accelerate loop under adaptive_amp: one call after prepare().
 
+Needs the ``integrations`` extra: ``pip install -e ".[integrations]"`` in the clone.
+
     python examples/accelerate_gpt2.py [--steps 20] [--policy auto] [--fused]
 
 The loop is Accelerate's ordinary one; the point is the one line:
@@ -13,10 +15,15 @@ included). Create the Accelerator with mixed_precision="no".
 """
 
 import argparse
+import sys
 
-import torch
-from accelerate import Accelerator
-from transformers import GPT2Config, GPT2LMHeadModel
+try:
+    import torch
+    from accelerate import Accelerator
+    from transformers import GPT2Config, GPT2LMHeadModel
+except ImportError as exc:  # one line naming what to install, not a traceback
+    sys.exit(f"{__file__}: {exc.name} is missing; this example needs the integrations extra: "
+             'pip install -e ".[integrations]"')
 
 import adaptive_amp
 from adaptive_amp.integrations.accelerate import attach

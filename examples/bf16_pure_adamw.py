@@ -1,5 +1,7 @@
 """Pure-bf16 training with adaptive_amp.optim.AdamW: bf16 weights, no fp32 master copy.
 
+Needs torch only, no extra (``pip install torch``, then ``pip install -e .`` in the clone).
+
 With bf16 weights and round-to-nearest, an update smaller than half a bf16 ulp of the weight (1/256 of it)
 is lost: with a small learning rate, training stalls. adaptive_amp.optim.AdamW does the step in fp32 and
 writes the weights back with stochastic rounding, so the expected weight is the fp32 one and small updates
@@ -9,8 +11,13 @@ with torch's AdamW (round to nearest), bf16 weights with adaptive_amp's AdamW (s
     python examples/bf16_pure_adamw.py
 """
 
-import torch
-from torch import nn
+import sys
+
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:  # one line naming what to install, not a traceback
+    sys.exit(f"{__file__}: {exc.name} is missing; this example needs torch: pip install torch")
 
 import adaptive_amp
 

@@ -1,5 +1,7 @@
 """AdaptiveMixedPrecision driving a torch.compile'd model.
 
+Needs torch only, no extra (``pip install torch``, then ``pip install -e .`` in the clone).
+
 The controller picks the precision policy for the hardware (bf16 where it is native, fp16 with loss
 scaling otherwise, fp32 islands for layers that need them), scales the loss when the policy says so, and
 watches the run; the model itself is compiled, as one graph (fullgraph=True: a graph break would be an
@@ -9,8 +11,13 @@ the compiled call is traced into the graph.
     python examples/compiled_adaptive.py          # CPU: a few seconds after compilation; GPU as is
 """
 
-import torch
-from torch import nn
+import sys
+
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:  # one line naming what to install, not a traceback
+    sys.exit(f"{__file__}: {exc.name} is missing; this example needs torch: pip install torch")
 
 import adaptive_amp
 

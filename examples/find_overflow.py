@@ -1,5 +1,7 @@
 """Find the layer whose values overflow fp16, with tensor_stats and debug.grad_report.
 
+Needs torch only, no extra (``pip install torch``, then ``pip install -e .`` in the clone).
+
 A small network has one layer ("blow_up") whose outputs exceed fp16's largest value (65504). Training it in
 fp16 would skip every step; instead of guessing, measure: one tensor_stats launch over every layer's output
 counts, per tensor, the values that would overflow (and underflow) fp16, and debug.grad_report does the same
@@ -8,8 +10,13 @@ for every gradient under a loss scale. Both sort the riskiest tensors first.
     python examples/find_overflow.py
 """
 
-import torch
-from torch import nn
+import sys
+
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:  # one line naming what to install, not a traceback
+    sys.exit(f"{__file__}: {exc.name} is missing; this example needs torch: pip install torch")
 
 import adaptive_amp
 

@@ -1,5 +1,7 @@
 """adaptive_amp.GradScaler as a drop-in for torch.amp.GradScaler, on a transformers GPT-2.
 
+Needs the ``integrations`` extra: ``pip install -e ".[integrations]"`` in the clone.
+
 A tiny GPT-2 (random weights, no download) learns a repeating token pattern in fp16 autocast. The loop is
 torch's AMP recipe with one line changed (the scaler), plus what the drop-in adds: the gradient norm from
 the unscale pass (no second pass over the gradients) and a count of skipped steps.
@@ -7,9 +9,15 @@ the unscale pass (no second pass over the gradients) and a count of skipped step
     python examples/gpt2_grad_scaler.py            # a GPU when there is one, else the CPU (seconds)
 """
 
-import torch
-import transformers
-from transformers import GPT2Config, GPT2LMHeadModel
+import sys
+
+try:
+    import torch
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+except ImportError as exc:  # one line naming what to install, not a traceback
+    sys.exit(f"{__file__}: {exc.name} is missing; this example needs the integrations extra: "
+             'pip install -e ".[integrations]"')
 
 import adaptive_amp
 

@@ -1,5 +1,7 @@
 """Train a tiny GPT-2 with the transformers Trainer under adaptive_amp: one call before train().
 
+Needs the ``integrations`` extra: ``pip install -e ".[integrations]"`` in the clone.
+
     python examples/hf_trainer_gpt2.py [--steps 20] [--policy auto] [--out DIR]
 
 The model is built from a config (random weights, nothing downloaded) and
@@ -13,10 +15,16 @@ Checkpoints (save_steps) carry the controller's state in scaler.pt, and
 """
 
 import argparse
+import sys
 import tempfile
 
-import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+try:
+    import accelerate  # noqa: F401 (the Trainer trains through it, and so does adaptive_amp's adapter)
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+except ImportError as exc:  # one line naming what to install, not a traceback
+    sys.exit(f"{__file__}: {exc.name} is missing; this example needs the integrations extra: "
+             'pip install -e ".[integrations]"')
 
 from adaptive_amp.integrations import transformers as adaptive_hf
 

@@ -1,5 +1,7 @@
 """Train a tiny GPT-2 with PyTorch Lightning under adaptive_amp: one plugin argument.
 
+Needs the ``integrations`` extra: ``pip install -e ".[integrations]"`` in the clone.
+
     python examples/lightning_gpt2.py [--steps 20] [--policy auto] [--plain]
 
 The model is a transformers GPT-2 built from a config (random weights,
@@ -14,11 +16,16 @@ instead (the scaler alone, no controller):
 """
 
 import argparse
+import sys
 
-import pytorch_lightning as pl
-import torch
-from pytorch_lightning.plugins.precision import MixedPrecision
-from transformers import GPT2Config, GPT2LMHeadModel
+try:
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.plugins.precision import MixedPrecision
+    from transformers import GPT2Config, GPT2LMHeadModel
+except ImportError as exc:  # one line naming what to install, not a traceback
+    sys.exit(f"{__file__}: {exc.name} is missing; this example needs the integrations extra: "
+             'pip install -e ".[integrations]"')
 
 import adaptive_amp
 from adaptive_amp.integrations.lightning import AdaptivePrecision

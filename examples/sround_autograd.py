@@ -1,5 +1,7 @@
 """stochastic_round inside a custom autograd function: an unbiased low-precision activation.
 
+Needs torch only, no extra (``pip install torch``, then ``pip install -e .`` in the clone).
+
 `QuantizeSR` rounds a tensor to a low-precision format on the way forward (here fp8 e4m3 with a per-tensor
 scale, as fp8 training recipes do) and passes the gradient straight through on the way back. Because the
 rounding is stochastic, the quantized activation is unbiased: averaged over steps it equals the fp32 value,
@@ -9,8 +11,13 @@ network through the quantizer. (adaptive_amp.stochastic_round_ste is this functi
     python examples/sround_autograd.py
 """
 
-import torch
-from torch import nn
+import sys
+
+try:
+    import torch
+    from torch import nn
+except ImportError as exc:  # one line naming what to install, not a traceback
+    sys.exit(f"{__file__}: {exc.name} is missing; this example needs torch: pip install torch")
 
 import adaptive_amp
 
