@@ -35,6 +35,7 @@ def test_e2e_eager_every_recipe_with_the_drop_in_check(tmp_path, capsys):
     assert "drop-in check" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_e2e_compiled_controller_and_its_plain_twin():
     from adaptive_amp.bench.e2e import run_e2e
 

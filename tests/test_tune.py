@@ -569,6 +569,7 @@ def test_a_stopped_trial_of_a_model_without_blocks_says_both_why():
     assert "stopped there" in fp32.verdict and fp32.verdict.endswith("no repeated blocks to checkpoint")
 
 
+@pytest.mark.slow
 def test_tune_compiled_model():
     torch._dynamo.reset()
     zm, opt, batches = _setup("llama")
@@ -587,6 +588,7 @@ def test_tune_compiled_model():
     assert result.trials[0].losses == pytest.approx(eager.trials[0].losses, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_tune_compiled_gpt2_stops_over_the_budget_and_passes_over_bf16_moments():
     # Compiled (GPT-2 with its Conv1D): the memory is the state alone, complete after the first step. fp32 holds
     # 4 + 4 + 2*4 bytes a parameter, bf16-pure 2 + 2 + 2*4: a budget of 14 stops fp32 after its first step, and
