@@ -24,7 +24,12 @@ import adaptive_amp
 def _leaves_out_slow(config) -> bool:
     """The README's plain `pytest` (no paths, no -m) leaves out the tests marked `slow`; naming a file, a
     folder or a -m expression runs what was asked for (`pytest -m slow`: only them)."""
-    return not config.option.markexpr and config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    if config.option.markexpr:
+        return False
+    source = getattr(config, "args_source", None)  # pytest >= 7.2
+    if source is not None:
+        return source == pytest.Config.ArgsSource.TESTPATHS
+    return list(config.args) == list(config.getini("testpaths"))
 
 
 def pytest_collection_modifyitems(config, items):
