@@ -497,7 +497,7 @@ def test_overflowing_fp16_disagrees_and_islands_fix_it():
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_bf16_weights_with_the_analysis_islands_is_a_candidate(family, compiled):
     # The islands the analysis flags in bf16 (a strict threshold flags some) become fp32 layers of bf16-weights:
     # fp32 weights (GPT-2's lm_head: with the embedding it is tied to), fp32 compute. The controller then runs
@@ -669,6 +669,7 @@ def test_a_recipe_run_alone_is_its_trial(candidate):
     bare.undo()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("candidate", ["bf16-pure", "bf16-weights"])
 def test_a_compiled_trial_runs_what_the_controller_then_runs(family, candidate):
@@ -815,7 +816,7 @@ def test_memory_guard_moves_lighter_keeps_state_and_moves_back():
     assert all(math.isfinite(float(zm.loss(zm.model, b))) for b in batches)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_memory_guard_bf16_weights_move_keeps_the_islands(compiled):
     # An fp16 policy with an island (GPT-2's lm_head, tied to the token embedding): the move to bf16-weights
     # keeps the island, its fp32 weight and compute, and the move back restores the fp16 policy.
@@ -843,7 +844,7 @@ def test_memory_guard_bf16_weights_move_keeps_the_islands(compiled):
     amp.remove()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_memory_guard_moves_a_channels_last_conv_net_and_back(compiled):
     # The zoo's ResNet: channels_last conv weights (the fused step needs moments in their layout) and fp32
     # pixel values, which must meet the bf16 weights. Both moves failed here once.
