@@ -135,3 +135,17 @@ def test_torch_amp_skips_count_the_steps_at_a_zero_scale():
 
     assert torch_skips(4.0, [2.0, 4.0, 4.0, 2.0]) == [0, 3]
     assert torch_skips(2.0 ** -148, [2.0 ** -149, 0.0, 0.0]) == [0, 1, 2]
+
+
+def test_full_runs_the_gpu_lengths_on_the_cpu_and_bad_counts_are_refused(tmp_path, capsys):
+    from adaptive_amp.demo.run import Config
+
+    quick, full, gpu = Config.for_device("cpu"), Config.for_device("cpu", full=True), Config.for_device("cuda")
+    assert (quick.steps, quick.seeds, quick.timing_rounds) == (300, 2, 5)
+    assert (full.steps, full.seeds, full.timing_rounds, full.timing_steps) == (gpu.steps, gpu.seeds, 7, 30)
+    assert full.d_model == quick.d_model and Config.for_device("cpu", 40, full=True).steps == 40
+    for option in ("--steps", "--seeds"):
+        with pytest.raises(SystemExit):
+            main([option, "0", "--out", str(tmp_path / "demo")])
+        assert f"{option} must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()
