@@ -584,6 +584,7 @@ def test_activation_overflow_is_acted_on_without_loss_scaling():
 # GPU): more steps, for that lag and for the Llama's down_proj, whose overflows come and go once up_proj is in fp32.
 @pytest.mark.parametrize("family, fused, steps", [("gpt2", False, 6), ("llama", False, 6), ("gpt2", True, 16),
                                                   ("llama", True, 16)])
+@pytest.mark.slow
 def test_zoo_planted_overflow_recovers_when_compiled(family, fused, steps):
     # ~35 s each on the CPU: a graph per policy and statistics state, compiled once each.
     _, stepped, amp = train_zoo(planted_zoo_model(family), "adaptive", steps, compile_model=True, fused=fused)
