@@ -21,6 +21,31 @@ import torch  # noqa: E402
 import adaptive_amp
 
 
+def _leaves_out_slow(config) -> bool:
+    """The README's plain `pytest` (no paths, no -m) leaves out the tests marked `slow`; naming a file, a
+    folder or a -m expression runs what was asked for (`pytest -m slow`: only them)."""
+    if config.option.markexpr:
+        return False
+    source = getattr(config, "args_source", None)  # pytest >= 7.2
+    if source is not None:
+        return source == pytest.Config.ArgsSource.TESTPATHS
+    return list(config.args) == list(config.getini("testpaths"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if not _leaves_out_slow(config):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
+def pytest_report_header(config):
+    if _leaves_out_slow(config):
+        return "tests marked slow are left out: `pytest -m slow` runs them, `pytest -m \"slow or not slow\"` runs all"
+
+
 @pytest.fixture(autouse=True)
 def _dynamo_hook_guards_restored():
     """A controller that missed a statistics step turns dynamo's hook guards on for the process

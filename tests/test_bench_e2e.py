@@ -10,6 +10,7 @@ from adaptive_amp.bench.cli import main as bench_main
 from adaptive_amp.bench.e2e import CONTROLLER_RECIPES, RECIPES
 
 
+@pytest.mark.slow
 def test_e2e_eager_every_recipe_with_the_drop_in_check(tmp_path, capsys):
     out = tmp_path / "e2e.json"
     bench_main(["--device", "cpu", "--suites", "e2e", "--e2e-modes", "eager", "--e2e-steps", "2", "--e2e-rounds", "2",
@@ -35,6 +36,7 @@ def test_e2e_eager_every_recipe_with_the_drop_in_check(tmp_path, capsys):
     assert "drop-in check" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_e2e_compiled_controller_and_its_plain_twin():
     from adaptive_amp.bench.e2e import run_e2e
 

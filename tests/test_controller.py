@@ -584,6 +584,7 @@ def test_activation_overflow_is_acted_on_without_loss_scaling():
 # GPU): more steps, for that lag and for the Llama's down_proj, whose overflows come and go once up_proj is in fp32.
 @pytest.mark.parametrize("family, fused, steps", [("gpt2", False, 6), ("llama", False, 6), ("gpt2", True, 16),
                                                   ("llama", True, 16)])
+@pytest.mark.slow
 def test_zoo_planted_overflow_recovers_when_compiled(family, fused, steps):
     # ~35 s each on the CPU: a graph per policy and statistics state, compiled once each.
     _, stepped, amp = train_zoo(planted_zoo_model(family), "adaptive", steps, compile_model=True, fused=fused)
@@ -746,7 +747,7 @@ def test_refused_construction_leaves_the_zoo_model_as_it_was(policy, optimizer, 
     assert amp.step() and len(amp.adjuster.islands) == ("islands" in policy)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
 def test_train_step_clears_the_gradients_and_matches_the_manual_loop(compiled):
     # A whole step must not leave its gradients to be added into the next one's (the 2000-step tuned runs on
     # the H200 diverged that way before train_step cleared them): three train_steps equal, bitwise, three

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# Each example runs in a fresh interpreter: seconds each (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 # script -> a line its output must contain

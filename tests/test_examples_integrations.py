@@ -11,6 +11,9 @@ import pytest
 
 import adaptive_amp
 
+# Each integration example runs in a fresh interpreter with its library: seconds each (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(adaptive_amp.__file__)))
 

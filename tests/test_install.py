@@ -26,6 +26,9 @@ from pathlib import Path
 
 import pytest
 
+# Builds and installs a fresh copy of the checkout, then runs the demo from it: minutes (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("pybind11", reason="the build needs pybind11 (pip install -e '.[test]')")

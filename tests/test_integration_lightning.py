@@ -13,6 +13,9 @@ import warnings
 import pytest
 import torch
 
+# Lightning trainers on a transformers GPT-2, bitwise against Lightning's own path: seconds each (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 pl = pytest.importorskip("pytorch_lightning")
 pytest.importorskip("transformers")
 

@@ -14,6 +14,9 @@ import warnings
 import pytest
 import torch
 
+# transformers Trainers and Accelerate on a GPT-2, against the libraries' own fp16 path: seconds each (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 

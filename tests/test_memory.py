@@ -33,7 +33,7 @@ def _statistics_every_step(loops):
 
 
 @pytest.mark.parametrize("recipe,compiled", [("auto", False), ("fp16", False), ("bf16-pure", False),
-                                             ("auto", True)])
+                                             pytest.param("auto", True, marks=pytest.mark.slow)])
 def test_controller_statistics_step_peak_is_the_plain_loops(recipe, compiled):
     # The zoo's GPT-2 with more tokens than its CPU default, so that activations outweigh the parameters as at
     # real sizes. Before the fix the collector held every layer's input and output until the forward ended

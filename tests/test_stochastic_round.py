@@ -463,6 +463,7 @@ def test_opcheck():
                            torch.empty(100, dtype=torch.float16)))
 
 
+@pytest.mark.slow
 def test_torch_compile_fullgraph_cpu():
     torch._dynamo.reset()
     x = spread(4096, 24)

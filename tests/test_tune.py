@@ -497,7 +497,7 @@ def test_overflowing_fp16_disagrees_and_islands_fix_it():
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_bf16_weights_with_the_analysis_islands_is_a_candidate(family, compiled):
     # The islands the analysis flags in bf16 (a strict threshold flags some) become fp32 layers of bf16-weights:
     # fp32 weights (GPT-2's lm_head: with the embedding it is tied to), fp32 compute. The controller then runs
@@ -569,6 +569,7 @@ def test_a_stopped_trial_of_a_model_without_blocks_says_both_why():
     assert "stopped there" in fp32.verdict and fp32.verdict.endswith("no repeated blocks to checkpoint")
 
 
+@pytest.mark.slow
 def test_tune_compiled_model():
     torch._dynamo.reset()
     zm, opt, batches = _setup("llama")
@@ -587,6 +588,7 @@ def test_tune_compiled_model():
     assert result.trials[0].losses == pytest.approx(eager.trials[0].losses, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_tune_compiled_gpt2_stops_over_the_budget_and_passes_over_bf16_moments():
     # Compiled (GPT-2 with its Conv1D): the memory is the state alone, complete after the first step. fp32 holds
     # 4 + 4 + 2*4 bytes a parameter, bf16-pure 2 + 2 + 2*4: a budget of 14 stops fp32 after its first step, and
@@ -667,6 +669,7 @@ def test_a_recipe_run_alone_is_its_trial(candidate):
     bare.undo()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("candidate", ["bf16-pure", "bf16-weights"])
 def test_a_compiled_trial_runs_what_the_controller_then_runs(family, candidate):
@@ -813,7 +816,7 @@ def test_memory_guard_moves_lighter_keeps_state_and_moves_back():
     assert all(math.isfinite(float(zm.loss(zm.model, b))) for b in batches)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_memory_guard_bf16_weights_move_keeps_the_islands(compiled):
     # An fp16 policy with an island (GPT-2's lm_head, tied to the token embedding): the move to bf16-weights
     # keeps the island, its fp32 weight and compute, and the move back restores the fp16 policy.
@@ -841,7 +844,7 @@ def test_memory_guard_bf16_weights_move_keeps_the_islands(compiled):
     amp.remove()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_memory_guard_moves_a_channels_last_conv_net_and_back(compiled):
     # The zoo's ResNet: channels_last conv weights (the fused step needs moments in their layout) and fp32
     # pixel values, which must meet the bf16 weights. Both moves failed here once.

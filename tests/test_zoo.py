@@ -35,6 +35,7 @@ def test_trains_eager(family):
     assert losses[-1] < losses[0], losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_trains_compiled(family):
     torch._dynamo.reset()

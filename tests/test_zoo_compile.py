@@ -21,6 +21,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+# Every test compiles a zoo model with inductor: tens of seconds each on a CPU (`pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("transformers")
 
 from adaptive_amp import zoo  # noqa: E402
