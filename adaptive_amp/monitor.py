@@ -1,9 +1,11 @@
 """StabilityMonitor: watches a mixed-precision training run without slowing it down.
 
 Per step it keeps references to device values (loss, gradient norm,
-found_inf, scale); every ``read_every`` steps it copies them, and the
-per-layer statistics gathered since, to the host in one transfer, appends
-them to its history and runs the detectors on the new steps. Between reads
+found_inf, scale); every ``read_every`` steps, and at a step that recorded
+layer outputs (so that an activation overflow is seen when it appears), it
+copies them, and the per-layer statistics gathered since, to the host in one
+transfer, appends them to its history and runs the detectors on the new
+steps. Between reads
 nothing synchronizes, so the monitor costs a few pointer appends per step.
 From a CUDA device the transfer is queued at the step that ends the window
 and taken at the next step (see :meth:`StabilityMonitor.poll`): the host
@@ -173,7 +175,8 @@ class StabilityMonitor:
 
     def poll(self, step: int) -> List[Event]:
         """After recording `step`: finish the read an earlier poll started (its events), and start one when
-        `step` ends a window; between windows nothing (no synchronization).
+        `step` ends a window or recorded layer outputs (a statistics step); otherwise nothing (no
+        synchronization).
 
         A read of values on a CUDA device only queues their copy to the host at the step that ends its
         window; the next poll, once the caller has queued that next step's work, takes the values and runs
@@ -182,9 +185,14 @@ class StabilityMonitor:
         while the host launches again. Its events come one step later. Values on the host are read at once.
         """
         events = self._finish_read()
-        if self.read_due(step):
+        if self.read_due(step) or self._activations_pending(step):
             events += self._start_read()
         return events
+
+    def _activations_pending(self, step: int) -> bool:
+        """Whether `step` recorded layer outputs: such a step starts a read of its own, so that an overflow
+        they show is diagnosed at once, not at the end of the window (a masked one makes no other sign)."""
+        return any(s == step and kind == "activation" for s, kind, _ in self._pending_stats)
 
     # -------------------------------------------------------------- reading
     def read(self) -> List[Event]:
