@@ -66,8 +66,10 @@ def _parse_bytes(value, what: str) -> Optional[int]:
         return 0
     try:
         return parse_budget(value)
-    except ValueError as exc:
-        raise ValueError(f"{what}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        message = str(exc)  # (parse_budget speaks of the tuner's memory_budget)
+        raise ValueError(message.replace("memory_budget", what) if "memory_budget" in message
+                         else f"{what}: {message}") from None
 
 
 def _state_bytes(amp) -> int:
@@ -101,11 +103,13 @@ class MemoryGuard:
     def __init__(self, budget=None, *, min_free=None, check_every: int = 10, allow_recover: bool = False,
                  recover_after: int = 200, ladder: Sequence[str] = LADDER,
                  reader: Optional[Callable[[], int]] = None, process_group=None):
+        ladder = (ladder,) if isinstance(ladder, str) else tuple(ladder)  # one move by its name
         unknown = [m for m in ladder if m not in LADDER]
         if unknown:
             raise ValueError(f"ladder: unknown move(s) {unknown}; choose from {', '.join(LADDER)}")
-        if check_every < 1 or recover_after < 1:
-            raise ValueError(f"check_every ({check_every}) and recover_after ({recover_after}) must be >= 1")
+        for name, value in (("check_every", check_every), ("recover_after", recover_after)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (steps), got {value!r}")
         self.budget = _parse_bytes(budget, "budget")
         self.min_free = _parse_bytes(min_free, "min_free")
         self.check_every = int(check_every)

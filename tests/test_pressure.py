@@ -169,3 +169,13 @@ def test_moves_are_collective_and_an_oom_on_one_rank_moves_every_rank(tmp_path):
     assert ranks[0]["moves"] == [["bf16-moments", 3], ["bf16-weights", 4]]
     assert ranks[0]["runs"] == [0, 1, 2, 3, 4, 4, 5, 6]
     assert ranks[0]["policy"].startswith("params=bfloat16,compute=bfloat16") and ranks[0]["same_object"]
+
+
+def test_guard_settings():
+    assert MemoryGuard(ladder="checkpoint").ladder == ("checkpoint",)  # one move by its name, not its letters
+    with pytest.raises(ValueError, match="check_every must be an int >= 1"):
+        MemoryGuard(check_every=1.5)
+    with pytest.raises(ValueError, match="recover_after must be an int >= 1"):
+        MemoryGuard(recover_after="2")
+    with pytest.raises(ValueError, match="min_free must be"):
+        MemoryGuard(min_free=-1)
