@@ -82,7 +82,7 @@ def test_bf16_moments_move_converts_the_users_optimizer_in_place_and_back():
     back = opt.state_dict()["state"]
     assert sorted(back) == list(range(len(params)))
     assert all(float(st["step"]) == 7.0 and st["exp_avg"].dtype == torch.float32 for st in back.values())
-    assert "moment_dtype" not in opt.param_groups[0] and math.isfinite(float(_loss(model, 0)))
+    assert "moment_dtype" not in opt.param_groups[0] and math.isfinite(float(_loss(model, 0).detach()))
 
 
 @pytest.mark.parametrize("bad", ["lots", float("nan"), True, [1]])
