@@ -355,6 +355,8 @@ def _convert_in_place(optimizer, moment_dtype) -> Callable[[], None]:
         for key in _KEPT:
             if key in live and key != "track_grad_norm":
                 restored[key] = live[key]
+        if "step" in live:  # (also an LR scheduler created since)
+            restored["step"] = _scheduler_step(optimizer)
         optimizer.__class__ = old_class
         optimizer.__dict__.clear()
         optimizer.__dict__.update(restored)
