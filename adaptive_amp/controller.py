@@ -12,7 +12,10 @@ model it adapts between steps, logging every decision as an event:
    output overflowed out of finite inputs becomes an fp32 island in one
    decision, the loss scale goes back to where it was before the overflows,
    and the new policy's first steps are watched the same way (a chain of
-   overflowing layers is promoted link by link, a step each);
+   overflowing layers is promoted link by link, a step each). A layer whose
+   output overflows at a statistics step that skipped nothing (an op
+   downstream masked the infs: a clamp, tanh, a softmax, a mask) is promoted
+   too, the step after (its statistics are read then, without waiting);
 2. if that is not enough (overflows that no layer explains in two watched
    steps, an overflow storm over a read window, or more than
    ``max_promotions`` rounds), compute switches to bf16 where bf16 is native
@@ -263,6 +266,10 @@ class AdaptiveMixedPrecision:
         self._watched: Optional[int] = None  # the step whose activation statistics this step collected
         self._first_overflow: Optional[int] = None  # first step of the current run of overflowing steps
         self._unexplained = 0  # watched overflowing steps in a row whose loss was not finite and no layer to blame
+        # Watched steps that stepped, whose layer outputs are judged once read (the read a statistics step
+        # starts is taken during the next step where the values are on a device): an overflow that something
+        # downstream masked (a clamp, tanh, softmax, a mask) skips no step and is found only there.
+        self._masked_due: List[int] = []
         self._scale_before_storm = self.scaler.get_scale() if self.scaler.is_enabled() else None
         # (step, StepResult, watched) of the last step, when the device decided whether it stepped: judged
         # during the next step (see step()).
@@ -543,9 +550,12 @@ class AdaptiveMixedPrecision:
             self._after_step(step, overflowed=not result, watched=watched)
 
     def _judge_pending(self) -> None:
+        """What earlier steps left to judge: a result decided on the device, layer outputs not read yet."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._judge(*pending)
+        if self._masked_due:
+            self._judge_masked()
 
     def _add_events(self, events: List[Event]) -> None:
         """Append, keeping self.events in step order (decisions and the monitor's events interleave)."""
@@ -627,6 +637,9 @@ class AdaptiveMixedPrecision:
         """Diagnose an overflow the step it appears (see the module docstring)."""
         if not overflowed:
             self._first_overflow, self._unexplained = None, 0
+            if watched:
+                self._masked_due.append(step)
+                self._judge_masked()
             return
         if self._first_overflow is None:
             self._first_overflow = step
@@ -650,6 +663,26 @@ class AdaptiveMixedPrecision:
         if self._unexplained >= 2 and self.switch_compute:
             self._switch(f"{why}; the loss is not finite and no layer's output overflowed from finite "
                          "inputs, so the overflow is outside the layers islands can hold")
+
+    def _judge_masked(self) -> None:
+        """Layers that overflowed at a watched step that was not skipped: the loss and the gradients stayed
+        finite because an op downstream saturated (a clamp, tanh, a softmax, a mask), and that is a wrong
+        result no scaler sees. They are promoted as an overflowing step's are, the loss scale left alone."""
+        due, self._masked_due = self._masked_due, []
+        for step in due:
+            if self.monitor.steps_since(step) == 0:
+                self._masked_due.append(step)  # not read yet: the next step's poll takes the read
+                continue
+            if not (self.adapt and self._adapts()) or step < self._last_change:
+                continue  # a later policy replaced the one it ran under
+            layers = self._overflowing_layers(step)
+            if not layers:
+                continue
+            why = f"layer outputs overflowed at step {step} with no step skipped (masked downstream)"
+            if self._promotions < self.max_promotions:
+                self._promote(layers, why, restore_scale=False)
+            elif self.switch_compute:
+                self._switch(f"{why}; {', '.join(layers)} still overflow after {self._promotions} promotions")
 
     def _loss_finite(self, step: int) -> bool:
         """Whether `step`'s loss was finite; what the diagnosis decides from when no layer is to blame.
@@ -692,12 +725,12 @@ class AdaptiveMixedPrecision:
                     found.append(row["name"])
         return found
 
-    def _promote(self, layers: List[str], why: str) -> None:
+    def _promote(self, layers: List[str], why: str, restore_scale: bool = True) -> None:
         policy = self.policy.replace(islands=tuple(self.policy.islands) + tuple(layers))
         self._promotions += 1
         self._promoted.extend(layers)
-        restore = self._scale_before_storm
-        if self._first_overflow is not None:
+        restore = self._scale_before_storm if restore_scale else None
+        if restore_scale and self._first_overflow is not None:
             before = self.monitor.value_at("scale", self._first_overflow - 1)
             restore = before if math.isfinite(before) else restore
         self._decide("promote", f"{why}; {', '.join(layers)} "
@@ -769,7 +802,7 @@ class AdaptiveMixedPrecision:
                 "adapt": {"last_change": self._last_change, "promotions": self._promotions,
                           "promoted": list(self._promoted), "demotions": dict(self._demotions),
                           "watch_left": self._watch_left, "first_overflow": self._first_overflow,
-                          "unexplained": self._unexplained,
+                          "unexplained": self._unexplained, "masked_due": list(self._masked_due),
                           "scale_before_storm": self._scale_before_storm,
                           # the last step's device-decided result, read now and judged during the next step
                           # as it would have been without the checkpoint
@@ -813,6 +846,7 @@ class AdaptiveMixedPrecision:
                           first_overflow=(None if adapt.get("first_overflow") is None
                                           else int(adapt["first_overflow"])),
                           unexplained=int(adapt.get("unexplained", 0)),
+                          masked_due=[int(s) for s in adapt.get("masked_due", ())],
                           scale_before_storm=adapt["scale_before_storm"],
                           pending=(None if adapt.get("pending") is None else
                                    (int(adapt["pending"][0]), StepResult(bool(adapt["pending"][1])),
@@ -832,6 +866,7 @@ class AdaptiveMixedPrecision:
         self._demotions = parsed["demotions"]
         self._watch_left, self._watched = parsed["watch_left"], None
         self._first_overflow, self._unexplained = parsed["first_overflow"], parsed["unexplained"]
+        self._masked_due = parsed["masked_due"]
         self._scale_before_storm = parsed["scale_before_storm"]
         self._pending = parsed["pending"]
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False

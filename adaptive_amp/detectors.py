@@ -90,6 +90,22 @@ class SeriesView:
         return range(self.first_new, len(self.steps))
 
 
+def _check_number(name: str, value, *, positive: bool = True, at_most: Optional[float] = None) -> float:
+    """A detector threshold: a finite number (> 0 unless `positive` is False; <= `at_most` when given)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or \
+            not math.isfinite(value) or (positive and value <= 0) or (at_most is not None and value > at_most):
+        rule = " > 0" if positive else ""
+        rule += f" and <= {at_most}" if at_most is not None else ""
+        raise ValueError(f"{name} must be a finite number{rule}, got {value!r}")
+    return float(value)
+
+
+def _check_count(name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
 def robust_z(reference: np.ndarray, value: float, min_count: int) -> float:
     """(value - median) / MAD in standard deviations (MAD floored, see _MIN_SPREAD); -inf when the reference
     has fewer than `min_count` finite values or `value` is not finite."""
@@ -181,8 +197,9 @@ class LossSpike(Detector):
 
     def __init__(self, z: float = 6.0, rel: float = 0.05, window: int = 100, min_history: int = 20,
                  of_level: float = 0.01):
-        self.z, self.rel, self.window, self.min_history = float(z), float(rel), int(window), int(min_history)
-        self.of_level = float(of_level)
+        self.z, self.rel = _check_number("z", z), _check_number("rel", rel, positive=False)
+        self.window, self.min_history = _check_count("window", window), _check_count("min_history", min_history)
+        self.of_level = _check_number("of_level", of_level, positive=False)
         self._level = 0.0
 
     def detect(self, view):
@@ -227,9 +244,11 @@ class OverflowRate(Detector):
     kind = "overflow_rate"
 
     def __init__(self, threshold: float = 0.25, window: int = 100, min_history: int = 20):
-        if not 0 < threshold <= 1:
-            raise ValueError(f"overflow_rate must be in (0, 1], got {threshold}")
-        self.threshold, self.window, self.min_history = float(threshold), int(window), int(min_history)
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.integer, np.floating)) or \
+                not 0 < threshold <= 1:
+            raise ValueError(f"overflow_rate must be in (0, 1], got {threshold!r}")
+        self.threshold = float(threshold)
+        self.window, self.min_history = _check_count("window", window), _check_count("min_history", min_history)
 
     def detect(self, view):
         n = len(view.steps)
@@ -250,7 +269,7 @@ class ScaleCollapse(Detector):
     kind = "scale_collapse"
 
     def __init__(self, floor: float = 1.0):
-        self.floor = float(floor)
+        self.floor = _check_number("floor", floor, positive=False)
         self._below = False
 
     def detect(self, view):
@@ -292,10 +311,9 @@ class GradNormAnomaly(Detector):
 
     def __init__(self, z: float = 8.0, factor: float = 5.0, window: int = 100, min_history: int = 20,
                  persist: int = 5):
-        if persist < 1:
-            raise ValueError(f"persist must be >= 1, got {persist}")
-        self.z, self.factor, self.window, self.min_history = float(z), float(factor), int(window), int(min_history)
-        self.persist = int(persist)
+        self.z, self.factor = _check_number("z", z), _check_number("factor", factor)
+        self.window, self.min_history = _check_count("window", window), _check_count("min_history", min_history)
+        self.persist = _check_count("persist", persist)
         self._level: Optional[float] = None  # the level an episode exceeded; None: no episode going on
 
     def detect(self, view):
@@ -364,7 +382,7 @@ class UnderflowRising(Detector):
     kind = "underflow_rising"
 
     def __init__(self, min_fraction: float = 0.01):
-        self.min_fraction = float(min_fraction)
+        self.min_fraction = _check_number("min_fraction", min_fraction, positive=False, at_most=1.0)
         self._baseline: Optional[float] = None
         self._flagged = False
 

@@ -1,9 +1,11 @@
 """StabilityMonitor: watches a mixed-precision training run without slowing it down.
 
 Per step it keeps references to device values (loss, gradient norm,
-found_inf, scale); every ``read_every`` steps it copies them, and the
-per-layer statistics gathered since, to the host in one transfer, appends
-them to its history and runs the detectors on the new steps. Between reads
+found_inf, scale); every ``read_every`` steps, and at a step that recorded
+layer outputs (so that an activation overflow is seen when it appears), it
+copies them, and the per-layer statistics gathered since, to the host in one
+transfer, appends them to its history and runs the detectors on the new
+steps. Between reads
 nothing synchronizes, so the monitor costs a few pointer appends per step.
 From a CUDA device the transfer is queued at the step that ends the window
 and taken at the next step (see :meth:`StabilityMonitor.poll`): the host
@@ -84,12 +86,11 @@ class StabilityMonitor:
                  spike_z: float = 6.0, grad_norm_z: float = 8.0, overflow_rate: float = 0.25,
                  scale_floor: float = 1.0, min_history: int = 20, detectors: Optional[Sequence[Detector]] = None,
                  layer_stats_history: Optional[int] = 100):
-        if read_every < 1:
-            raise ValueError(f"read_every must be >= 1, got {read_every}")
-        if stats_every is not None and stats_every < 1:
-            raise ValueError(f"stats_every must be >= 1 (or None for read_every), got {stats_every}")
-        if window < 2:
-            raise ValueError(f"window must be >= 2, got {window}")
+        _check_int("read_every", read_every, 1, "steps between reads")
+        if stats_every is not None:
+            _check_int("stats_every", stats_every, 1, "steps between statistics steps, or None for read_every")
+        _check_int("window", window, 2, "steps of history the detectors compare against")
+        _check_int("min_history", min_history, 1, "values a detector's reference needs")
         if not 0 < overflow_rate <= 1:
             raise ValueError(f"overflow_rate must be in (0, 1], got {overflow_rate}")
         if layer_stats_history is not None and (isinstance(layer_stats_history, bool) or
@@ -142,11 +143,14 @@ class StabilityMonitor:
         or sharded one reduced or gathered (a collective: every rank records
         every step, as the controller does).
         """
+        _check_int("step", step, None, "the optimizer step this records")
+        values = {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf, "scale": scale,
+                  "max_grad_norm": max_grad_norm}
+        for name, value in values.items():
+            _check_value(name, value)  # here, not at the read, where a bad one would lose the whole window
         last = self._last_step()
         if last is not None and step <= last:
             raise ValueError(f"step {step} is not after the last recorded step; steps must increase")
-        values = {"loss": loss, "grad_norm": grad_norm, "found_inf": found_inf, "scale": scale,
-                  "max_grad_norm": max_grad_norm}
         self._pending.append((int(step), {k: _plain(v) for k, v in values.items()}))
 
     def _last_step(self) -> Optional[int]:
@@ -164,6 +168,10 @@ class StabilityMonitor:
         """Keep per-layer statistics (a TensorStats whose names are the layers) until the next read."""
         if kind not in LAYER_STATS_KINDS:
             raise ValueError(f"kind must be one of {LAYER_STATS_KINDS}, got {kind!r}")
+        _check_int("step", step, None, "the step these statistics were taken at")
+        if not isinstance(stats, _stats.TensorStats):
+            raise TypeError(f"stats must be a TensorStats (adaptive_amp.ops.tensor_stats(tensors, fmt=..., "
+                            f"names=[layer names])), got {type(stats).__name__}")
         self._pending_stats.append((int(step), kind, stats))
 
     def read_due(self, step: int) -> bool:
@@ -173,7 +181,8 @@ class StabilityMonitor:
 
     def poll(self, step: int) -> List[Event]:
         """After recording `step`: finish the read an earlier poll started (its events), and start one when
-        `step` ends a window; between windows nothing (no synchronization).
+        `step` ends a window or recorded layer outputs (a statistics step); otherwise nothing (no
+        synchronization).
 
         A read of values on a CUDA device only queues their copy to the host at the step that ends its
         window; the next poll, once the caller has queued that next step's work, takes the values and runs
@@ -182,9 +191,14 @@ class StabilityMonitor:
         while the host launches again. Its events come one step later. Values on the host are read at once.
         """
         events = self._finish_read()
-        if self.read_due(step):
+        if self.read_due(step) or self._activations_pending(step):
             events += self._start_read()
         return events
+
+    def _activations_pending(self, step: int) -> bool:
+        """Whether `step` recorded layer outputs: such a step starts a read of its own, so that an overflow
+        they show is diagnosed at once, not at the end of the window (a masked one makes no other sign)."""
+        return any(s == step and kind == "activation" for s, kind, _ in self._pending_stats)
 
     # -------------------------------------------------------------- reading
     def read(self) -> List[Event]:
@@ -395,6 +409,26 @@ class StabilityMonitor:
         self._pending, self._pending_stats, self._in_flight = pending, pending_stats, in_flight
         self.detectors = detectors
         self._trim_layer_stats()  # a state saved with a longer history
+
+
+def _check_int(name: str, value, low: Optional[int], what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (low is not None and value < low):
+        at_least = f" >= {low}" if low is not None else ""
+        raise ValueError(f"{name} must be an int{at_least} ({what}), got {value!r}")
+
+
+def _check_value(name: str, value) -> None:
+    """A step value record_step keeps: None, a real number, a one-element tensor (or DTensor) or SumsOfSquares."""
+    if value is None or isinstance(value, SumsOfSquares) or type(value).__name__ == "DTensor":
+        return
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a one-element tensor (the step's value), got shape "
+                             f"{tuple(value.shape)}; reduce it first (e.g. loss.mean())")
+        return
+    if isinstance(value, (bool, np.bool_)) and name != "found_inf" or \
+            not isinstance(value, (int, float, np.integer, np.floating, np.bool_)):
+        raise TypeError(f"{name} must be a number, a one-element tensor or None, got {type(value).__name__}")
 
 
 def _native_cpu():

@@ -16,7 +16,12 @@ tests) from a ``reader`` callable returning bytes. Under ``min_free`` the
 next move of the ladder is made, each an event of kind ``"memory_pressure"``:
 
 1. ``"bf16-moments"``: the optimizer becomes adaptive_amp.optim's (stochastic
-   rounding) with bf16 moments (4 bytes a parameter less with AdamW);
+   rounding) with bf16 moments (4 bytes a parameter less with AdamW). The
+   object the caller holds is converted in place (its class becomes
+   adaptive_amp.optim's, its state the converted state), so that its
+   ``state_dict()`` keeps every moment and step count, an LR scheduler keeps
+   driving it, and a checkpoint saved the usual way loses nothing; undoing
+   the move converts it back;
 2. ``"bf16-weights"``: the matmul layers' weights and gradients in bf16,
    compute under bf16 autocast, no loss scaling (the policy "bf16-weights";
    4 bytes a weight less); fp32 islands stay, with their weights in fp32.
@@ -28,11 +33,20 @@ next move of the ladder is made, each an event of kind ``"memory_pressure"``:
 With ``allow_recover``, after ``recover_after`` steps at a headroom of at least
 twice ``min_free`` plus twice what the last move freed, that move is undone
 (event ``"memory_recovered"``): moments and weights upcast, blocks unwrapped.
+
+Under several processes (torch.distributed with more than one rank) the moves
+are collective, as ranks training one model must run one recipe: each check
+all-reduces whether some rank needs a move (and whether every rank could move
+back), and :func:`train_step` all-reduces, after each forward and backward,
+whether some rank ran out of memory, so that every rank drops its partial
+step, moves and reruns its batch together (a rank that ran out of memory
+alone does not leave the others waiting in a collective it never reaches).
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -52,8 +66,10 @@ def _parse_bytes(value, what: str) -> Optional[int]:
         return 0
     try:
         return parse_budget(value)
-    except ValueError as exc:
-        raise ValueError(f"{what}: {exc}") from None
+    except (TypeError, ValueError) as exc:
+        message = str(exc)  # (parse_budget speaks of the tuner's memory_budget)
+        raise ValueError(message.replace("memory_budget", what) if "memory_budget" in message
+                         else f"{what}: {message}") from None
 
 
 def _state_bytes(amp) -> int:
@@ -79,31 +95,69 @@ class MemoryGuard:
         recover_after: steps the headroom must stay high before a move is undone.
         ladder: the moves to use, in order (a subset of LADDER).
         reader: ``reader() -> headroom bytes`` to use instead of the device's (tests, other devices).
+        process_group: the ranks that move together (default: the controller's ``process_group`` if it has
+            one, else every rank when torch.distributed runs with several); create the guard with the same
+            arguments on every rank.
     """
 
     def __init__(self, budget=None, *, min_free=None, check_every: int = 10, allow_recover: bool = False,
                  recover_after: int = 200, ladder: Sequence[str] = LADDER,
-                 reader: Optional[Callable[[], int]] = None):
+                 reader: Optional[Callable[[], int]] = None, process_group=None):
+        ladder = (ladder,) if isinstance(ladder, str) else tuple(ladder)  # one move by its name
         unknown = [m for m in ladder if m not in LADDER]
         if unknown:
             raise ValueError(f"ladder: unknown move(s) {unknown}; choose from {', '.join(LADDER)}")
-        if check_every < 1 or recover_after < 1:
-            raise ValueError(f"check_every ({check_every}) and recover_after ({recover_after}) must be >= 1")
+        for name, value in (("check_every", check_every), ("recover_after", recover_after)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (steps), got {value!r}")
         self.budget = _parse_bytes(budget, "budget")
         self.min_free = _parse_bytes(min_free, "min_free")
         self.check_every = int(check_every)
         self.allow_recover = bool(allow_recover)
         self.recover_after = int(recover_after)
         self.ladder = tuple(ladder)
+        if reader is not None and not callable(reader):
+            raise TypeError(f"reader must be a callable returning the headroom in bytes, got {type(reader).__name__}")
         self.reader = reader
+        self.process_group = process_group
         self.moves: List[_Move] = []
         self._high_since: Optional[int] = None
+
+    # ------------------------------------------------------------ several processes
+    def _group(self, amp):
+        """The process group whose ranks move together, or None for one process."""
+        if self.process_group is not None:
+            return self.process_group
+        group = getattr(amp, "process_group", None)
+        if group is not None:
+            return group
+        from .distributed import world_group
+
+        return world_group()
+
+    def _any(self, amp, flags: Sequence[bool]) -> List[bool]:
+        """Per flag, whether it holds on some rank (one all-reduce; the flags as given for one process)."""
+        group = self._group(amp)
+        if group is None:
+            return [bool(f) for f in flags]
+        dist = torch.distributed
+        # NCCL groups reduce CUDA tensors only.
+        device = amp.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return [bool(v) for v in t.tolist()]
 
     # ------------------------------------------------------------ reading
     def headroom(self, amp) -> Optional[int]:
         """Bytes the run can still allocate, or None where it cannot be read."""
         if self.reader is not None:
-            return int(self.reader())
+            room = self.reader()
+            if room is None:
+                return None  # (the reader cannot tell now)
+            if isinstance(room, bool) or not isinstance(room, (int, float)) or room != room:
+                raise TypeError(f"MemoryGuard: reader() must return the headroom in bytes (a number, or None when "
+                                f"it cannot tell), got {room!r}")
+            return int(max(min(room, 2**62), -2**62))  # (an infinite headroom has no int)
         device = amp.device
         if device.type != "cuda":
             return None
@@ -130,17 +184,22 @@ class MemoryGuard:
         if step % self.check_every:
             return
         room = self.headroom(amp)
-        if room is None:
-            return
         low = self._threshold(amp)
-        if room < low:
+        need = 2 * low + 2 * self.moves[-1].freed if self.moves else None
+        # Decided together (every rank reaches each check at the same step): a rank under min_free moves
+        # every rank; moving back needs the headroom on every rank. A rank that cannot read its headroom
+        # neither asks for a move nor vouches for moving back.
+        pressed, short = self._any(amp, [room is not None and room < low,
+                                         room is None or need is None or room < need])
+        if pressed:
             self._high_since = None
-            self.lighter(amp, f"memory headroom {_gib(room)} under min_free {_gib(low)}")
+            self.lighter(amp, f"memory headroom {_gib(room)} under min_free {_gib(low)}"
+                         if room is not None and room < low else
+                         f"memory headroom under min_free {_gib(low)} on another rank")
             return
         if not (self.allow_recover and self.moves):
             return
-        need = 2 * low + 2 * self.moves[-1].freed
-        if room < need:
+        if short:
             self._high_since = None
             return
         if self._high_since is None:
@@ -213,13 +272,11 @@ class MemoryGuard:
         return None
 
     def _convert(self, amp, moment_dtype):
-        converted = [convert_optimizer(opt, moment_dtype) for opt in amp.optimizers]
-        amp.optimizers = [c.optimizer for c in converted]
+        swaps = [_convert_in_place(opt, moment_dtype) for opt in amp.optimizers]
 
         def undo():
-            for c in reversed(converted):
-                c.undo()
-            amp.optimizers = [c.original for c in converted]
+            for back in reversed(swaps):
+                back()
         return undo
 
     def _bf16_moments(self, amp, reason):
@@ -266,12 +323,71 @@ class MemoryGuard:
         return undo
 
 
+#: What an optimizer keeps of its own through an in-place conversion: hooks its user registered, the LR
+#: scheduler's "stepped" mark.
+_KEPT = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+         "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+         "_optimizer_load_state_dict_post_hooks", "_opt_called", "track_grad_norm")
+
+
+def _convert_in_place(optimizer, moment_dtype) -> Callable[[], None]:
+    """Make `optimizer` itself adaptive_amp.optim's (recipes.convert_optimizer's conversion, then its class and
+    attributes swapped in), so that the object its user holds (in a checkpoint call, an LR scheduler, a
+    framework) stays the live one. Returns the undo: the original class, attributes and state again."""
+    converted = convert_optimizer(optimizer, moment_dtype)
+    ours = converted.optimizer
+    if ours is optimizer:
+        return converted.undo
+    old_class, old_dict = type(optimizer), dict(optimizer.__dict__)
+    new_dict = dict(ours.__dict__)
+    for key in _KEPT:
+        if key in old_dict:
+            new_dict[key] = old_dict[key]
+    if "step" in old_dict:
+        # An LR scheduler wrapped the bound step of the old class (torch's patch_track_step_called): wrap ours.
+        new_dict["step"] = _scheduler_step(optimizer)
+    optimizer.__class__ = type(ours)
+    optimizer.__dict__.clear()
+    optimizer.__dict__.update(new_dict)
+    ours.state = optimizer.state  # (the conversion's own object is a husk from now on)
+
+    def undo():
+        live = dict(optimizer.__dict__)
+        ours.state = live["state"]  # what the optimizer holds now (also after a load_state_dict meanwhile)
+        ours.param_groups = live["param_groups"]
+        restored = dict(old_dict)
+        restored["param_groups"] = live["param_groups"]
+        for key in _KEPT:
+            if key in live and key != "track_grad_norm":
+                restored[key] = live[key]
+        if "step" in live:  # (also an LR scheduler created since)
+            restored["step"] = _scheduler_step(optimizer)
+        optimizer.__class__ = old_class
+        optimizer.__dict__.clear()
+        optimizer.__dict__.update(restored)
+        converted.undo()
+    return undo
+
+
+def _scheduler_step(optimizer):
+    ref = weakref.ref(optimizer)
+
+    def step(*args, **kwargs):
+        opt = ref()
+        opt._opt_called = True
+        return type(opt).step(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    return step
+
+
 def train_step(amp, closure: Callable[[], torch.Tensor], max_grad_norm=None, norm_type: float = 2.0):
     """One whole step: ``loss = closure()`` under the policy's autocast, backward, step, and the gradients
     cleared (``zero_grad(set_to_none=True)``: the next call starts from none). An out-of-memory error
     in the forward or backward drops the partial step (gradients, recorded loss), lets the memory guard make
     the recipe lighter, and runs the closure again on the same data; without a guard, or with no move left,
     the error is raised. One in the optimizer step is raised (see below). Returns the detached loss."""
+    guard = getattr(amp, "memory_guard", None)
     while True:
         what = None
         try:
@@ -280,6 +396,11 @@ def train_step(amp, closure: Callable[[], torch.Tensor], max_grad_norm=None, nor
             amp.backward(loss)
         except torch.OutOfMemoryError as exc:
             what = f"step {amp.step_count}, forward/backward: {str(exc).splitlines()[0][:200]}"
+        if guard is not None and guard._group(amp) is not None:
+            # Every rank reaches this point once a pass, out of memory or not: they rerun together.
+            (anywhere,) = guard._any(amp, [what is not None])
+            if anywhere and what is None:
+                what = f"step {amp.step_count}, forward/backward: another rank ran out of memory"
         if what is None:
             break
         # Outside the except block: the traceback (and the activations its frames hold) is gone.
@@ -289,7 +410,6 @@ def train_step(amp, closure: Callable[[], torch.Tensor], max_grad_norm=None, nor
         gc.collect()
         if amp.device.type == "cuda":
             torch.cuda.empty_cache()
-        guard = getattr(amp, "memory_guard", None)
         if guard is None or not guard.on_oom(amp, what):
             raise torch.OutOfMemoryError(f"{what}; " + ("no memory guard (pass memory_guard=MemoryGuard(...) to "
                                          "AdaptiveMixedPrecision to move to a lighter recipe instead)"

@@ -164,3 +164,15 @@ def test_loss_spike_and_grad_norm_events_unchanged(seed, read_every):
     for fast, twin in pairs:
         assert seen[id(fast)] == seen[id(twin)]
     assert all(seen[id(fast)] for fast, _ in pairs)  # each found some of the planted spikes
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: LossSpike(z=float("nan")), "z must be a finite number > 0"),
+    (lambda: LossSpike(window=2.5), "window must be an int >= 1"),
+    (lambda: GradNormAnomaly(factor=-5), "factor must be a finite number > 0"),
+    (lambda: GradNormAnomaly(persist=0), "persist must be an int >= 1"),
+    (lambda: GradNormAnomaly(min_history="20"), "min_history must be an int >= 1")])
+def test_bad_detector_thresholds_are_refused_by_name(make, match):
+    # (a NaN z made every candidate a spike: no comparison with NaN is true, so none was ruled out)
+    with pytest.raises(ValueError, match=match):
+        make()

@@ -516,3 +516,31 @@ def test_a_gradient_norm_given_as_sums_of_squares_is_summed_at_the_read(device):
     again.load_state_dict(state)
     again.read()
     assert again.history()["grad_norm"][0] == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("record, error, match", [
+    (lambda m: m.record_step(0, loss="1.5"), TypeError, "loss must be a number"),
+    (lambda m: m.record_step(0, loss=torch.tensor([5.0, 1.0])), ValueError, "loss must be a one-element tensor"),
+    (lambda m: m.record_step(0, grad_norm=True), TypeError, "grad_norm must be a number"),
+    (lambda m: m.record_step(1.5, loss=1.0), ValueError, "step must be an int"),
+    (lambda m: m.record_layer_stats(0, "activation", [[1.0]]), TypeError, "stats must be a TensorStats")])
+def test_a_bad_recorded_value_is_refused_at_once_and_the_window_survives(record, error, match):
+    """Refused when recorded, by name: kept, it failed the window's read, and the read had already taken
+    (and so lost) every pending step of the window."""
+    mon = StabilityMonitor(read_every=4)
+    mon.record_step(-1, loss=2.0)
+    with pytest.raises(error, match=match):
+        record(mon)
+    mon.record_step(0, loss=1.0)
+    mon.read()
+    assert mon.history()["loss"] == [2.0, 1.0]
+
+
+@pytest.mark.parametrize("kwargs, match", [({"read_every": 1.5}, "read_every must be an int >= 1"),
+                                           ({"read_every": "5"}, "read_every must be an int >= 1"),
+                                           ({"window": 2.5}, "window must be an int >= 2"),
+                                           ({"min_history": -3}, "min_history must be an int >= 1"),
+                                           ({"spike_z": float("inf")}, "z must be a finite number")])
+def test_bad_monitor_settings_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StabilityMonitor(**kwargs)
