@@ -194,8 +194,9 @@ def test_jmp_style_string():
     p = PrecisionPolicy(F32, F16, tf32=True, islands=("lm_head", "ln_f"), loss_scale=LossScale())
     assert str(p) == "params=float32,compute=float16,islands=lm_head;ln_f,tf32=1,loss_scale=dynamic:65536"
     assert PrecisionPolicy.from_string("p=f32,c=f16") == PrecisionPolicy(F32, F16)
-    assert PrecisionPolicy.from_string("bf16") == PrecisionPolicy(BF16, BF16)
+    assert PrecisionPolicy.from_string("fp32") == PrecisionPolicy.from_string("float32") == PrecisionPolicy(F32, F32)
     assert PrecisionPolicy.from_string("params=bf16") == PrecisionPolicy(BF16, BF16)
+    assert PrecisionPolicy.from_string("bf16-pure") == PrecisionPolicy(BF16, BF16)
 
 
 def test_reasons_do_not_break_equality():
