@@ -940,8 +940,9 @@ def test_cli_tune(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "A/B of precision recipes" in out and "chosen:" in out and "trial bf16:" in out
     assert (tmp_path / "tune.png").exists() and json.loads((tmp_path / "tune.json").read_text())["trials"]
-    with pytest.raises(SystemExit, match="unknown"):
+    with pytest.raises(SystemExit) as info:
         main(["tune", "--candidates", "fp64", "--steps", "2"])
+    assert info.value.code == 2 and "--candidates 'fp64'" in capsys.readouterr().err
 
 
 def _cuda_gpt2():
