@@ -459,10 +459,11 @@ class AdaptivePrecisionSelector:
         policy does not say (optimizer moments, checkpointing; ``.apply(model, optimizer)``); ``.table()``,
         ``.plot(path)``, ``.to_dict()`` are the A/B report. The model, the optimizer and the RNG states are
         left as they were, bitwise."""
-        from .tune import Tuner
+        from .tune import Tuner, trained_parameters
 
         if capabilities is None:
-            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []  # (else Tuner says why)
+            device = next((p.device for p in trained_parameters(model, opts)), torch.device("cpu"))
             capabilities = HardwareDetector().detect(device)
         recipes, skipped = self.candidates(capabilities, analysis, candidates)
         return Tuner(model, optimizer, batches, loss_fn, capabilities, recipes, skipped, steps=steps,
