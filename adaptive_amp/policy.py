@@ -30,6 +30,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 _DTYPE_CHOICES = "float32, float16, bfloat16 (or f32, f16, bf16)"
 
 FP16_MAX = 65504.0
+_FLOAT32_MAX = 3.4028234663852886e38
 LOSS_SCALE_MODES = ("dynamic", "predictive")  # GradScaler's modes
 
 # Characters the string form uses as separators: module names must not hold them.
@@ -78,6 +79,19 @@ class LossScale:
             raise ValueError(f"loss_scale: growth_interval must be >= 1, got {self.growth_interval}")
         if self.hysteresis < 1:
             raise ValueError(f"loss_scale: hysteresis must be >= 1, got {self.hysteresis}")
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value != int(value):
+                raise ValueError(f"loss_scale: {name} must be a whole number, got {value!r}")
+        for name in ("min_scale", "max_scale"):  # finite float32 values, as GradScaler takes them
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+                raise ValueError(f"loss_scale: {name} must be a finite number (or left out for no bound), got "
+                                 f"{value!r}")
+        if self.min_scale is not None and self.min_scale < 0:
+            raise ValueError(f"loss_scale: min_scale must be >= 0, got {self.min_scale}")
         if self.max_scale is not None and not self.max_scale > 0:
             raise ValueError(f"loss_scale: max_scale must be > 0, got {self.max_scale}")
         if self.min_scale is not None and self.max_scale is not None and self.max_scale < self.min_scale:
@@ -101,24 +115,27 @@ class LossScale:
     @classmethod
     def from_string(cls, s: str) -> "LossScale":
         parts = s.replace(" ", "").split(":")
-        kwargs: dict = {"mode": parts[0]}
+        kwargs: dict = {"mode": parts[0].lower()}
         if len(parts) > 1:
             kwargs["init_scale"] = _number(parts[1], "init_scale")
         for part in parts[2:]:
             key, eq, value = part.partition("=")
+            key = key.lower()
             if not eq or key not in ("growth_interval", "hysteresis", "min_scale", "max_scale"):
                 raise ValueError(f"loss_scale: bad setting {part!r} (expected growth_interval=, "
                                  "hysteresis=, min_scale= or max_scale=)")
-            number = _number(value, key)
-            kwargs[key] = int(number) if key in ("growth_interval", "hysteresis") else number
+            if key in kwargs:
+                raise ValueError(f"loss_scale: {key} given twice")
+            kwargs[key] = _number(value, key, whole=key in ("growth_interval", "hysteresis"))
         return cls(**kwargs)
 
 
-def _number(text: str, what: str) -> float:
+def _number(text: str, what: str, whole: bool = False):
     try:
-        return float(text)
+        return int(text) if whole else float(text)
     except ValueError:
-        raise ValueError(f"loss_scale: {what} must be a number, got {text!r}") from None
+        kind = "a whole number" if whole else "a number"
+        raise ValueError(f"loss_scale: {what} must be {kind}, got {text!r}") from None
 
 
 class _DefaultLossScale:
