@@ -478,8 +478,8 @@ class AdaptivePrecisionSelector:
         left as they were, bitwise."""
         from .tune import Tuner, trained_parameters
 
-        if capabilities is None:
-            opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []  # (else Tuner says why)
+        if capabilities is None and isinstance(model, torch.nn.Module):  # (else Tuner says why)
+            opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []
             device = next((p.device for p in trained_parameters(model, opts)), torch.device("cpu"))
             capabilities = HardwareDetector().detect(device)
         recipes, skipped = self.candidates(capabilities, analysis, candidates)

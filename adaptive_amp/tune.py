@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import gc
 import math
+import numbers
 import random
 import sys
 import time
@@ -663,9 +664,25 @@ class Tuner:
                  loss_tolerance: float = 0.01, min_cosine: float = 0.95, tie: float = 0.01,
                  contenders: float = 0.2, state_margin: float = 0.1, checkpoint_when_needed: bool = True,
                  offload_snapshot: Optional[bool] = None, progress: Optional[Callable[[str], None]] = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model is a {type(model).__name__}; pass the torch.nn.Module to tune")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer is a {type(optimizer).__name__}; pass one torch.optim.Optimizer")
-        self.batches = list(batches)
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; pass fn(model, batch) -> loss")
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress is a {type(progress).__name__}; pass fn(message) or None")
+        for name, value in (("steps", steps), ("rounds", rounds), ("timed_steps", timed_steps)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} is {value!r}; pass an int")
+        for name, value in (("contenders", contenders), ("state_margin", state_margin)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} is {value!r}; pass a fraction >= 0")
+        try:
+            self.batches = list(batches)
+        except TypeError:
+            raise TypeError(f"batches is a {type(batches).__name__}; pass a list of the batches the trials train "
+                            "on") from None
         if not self.batches:
             raise ValueError("batches is empty; pass the batches the trials train on (a few are enough)")
         if steps < 2:

@@ -178,3 +178,25 @@ def test_bad_options_are_refused_by_name_before_any_trial(kwargs, match):
     with pytest.raises(ValueError, match=match):
         tune(zm.model, opt, batches, loss_fn, **{**FAST, "candidates": ["fp32", "bf16"], **kwargs})
     assert loss_fn.calls == 0
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(steps="8"), TypeError, "steps is '8'; pass an int"),
+    (dict(steps=2.7), TypeError, "steps is 2.7; pass an int"),
+    (dict(rounds=True), TypeError, "rounds is True"),
+    (dict(state_margin="0.1"), TypeError, "state_margin is '0.1'"),
+    (dict(progress="yes"), TypeError, "progress is a str"),
+    (dict(loss_fn=None), TypeError, "loss_fn is a NoneType"),
+    (dict(batches=5), TypeError, "batches is a int"),
+    (dict(model=None), TypeError, "model is a NoneType"),
+])
+def test_arguments_of_the_wrong_type_are_refused_by_name_before_any_trial(change, error, match):
+    zm, opt, batches = _small()
+    loss_fn = _Counted(zm.loss)
+    args = dict(model=zm.model, batches=batches, loss_fn=loss_fn)
+    options = {**FAST, "candidates": ["fp32", "bf16"]}
+    for k, v in change.items():
+        (args if k in args else options)[k] = v
+    with pytest.raises(error, match=match):
+        tune(args["model"], opt, args["batches"], args["loss_fn"], **options)
+    assert loss_fn.calls == 0
