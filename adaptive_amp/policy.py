@@ -311,7 +311,7 @@ def parse_policy_fields(s: str) -> dict:
     if text.lower() in PRESETS:
         return dict(PRESETS[text.lower()])
     if "=" not in text:  # jmp's shorthand: one dtype for everything, float32 alone (see adaptive_amp.names)
-        dtype = parse_dtype(text, f"policy {s!r}")
+        dtype = parse_dtype(text, f"policy {s!r}: field 'params'")
         if dtype != torch.float32:
             name = dtype_name(dtype)
             short = {"bfloat16": "bf16", "float16": "fp16"}[name]
