@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 
@@ -57,22 +56,6 @@ def _key_values(d: dict) -> str:
 
 def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
-
-
-def _load_factory(spec: str, parser: argparse.ArgumentParser):
-    """``package.module:factory`` -> the callable (a usage error for --model otherwise)."""
-    module_name, colon, attr = spec.partition(":")
-    if not colon or not module_name or not attr:
-        parser.error(f"--model {spec!r}: expected package.module:factory (a function returning "
-                     "(model, sample_inputs) or (model, sample_inputs, loss_fn))")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        parser.error(f"--model {spec!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?")
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        parser.error(f"--model {spec!r}: {module_name} has no callable {attr!r}")
-    return factory
 
 
 def _demo_model(batch: int, length: int, device):
@@ -129,7 +112,8 @@ def _analyze(args, parser: argparse.ArgumentParser) -> int:
     _cliargs.positive(parser, args.threshold, "--threshold", "a relative error of the model's output")
     _cliargs.at_least(parser, args.fp8_margin, 0, "--fp8-margin", "powers of two")
     kwargs = {"candidates": _candidates(args.candidates, parser)} if args.candidates is not None else {}
-    factory = _load_factory(args.model, parser) if args.model else None
+    factory = (_cliargs.factory(parser, args.model, "(model, sample_inputs) or (model, sample_inputs, loss_fn)")
+               if args.model else None)
     if factory is not None:
         made = factory()
         if not isinstance(made, tuple) or len(made) not in (2, 3):

@@ -7,6 +7,7 @@ A bad value ends the command the way argparse ends it for a bad option: the usag
 from __future__ import annotations
 
 import argparse
+import importlib
 
 
 def device(parser: argparse.ArgumentParser, text, flag: str = "--device"):
@@ -41,3 +42,18 @@ def positive(parser: argparse.ArgumentParser, value, flag: str, what: str = ""):
     if value is not None and not (math.isfinite(value) and value > 0):
         parser.error(f"{flag} is {value}; pass a number > 0{' (' + what + ')' if what else ''}")
     return value
+
+
+def factory(parser: argparse.ArgumentParser, spec: str, returns: str):
+    """``--model package.module:factory`` -> the callable; `returns` says what it should return."""
+    module_name, colon, attr = spec.partition(":")
+    if not colon or not module_name or not attr:
+        parser.error(f"--model {spec!r}: expected package.module:factory (a function returning {returns})")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        parser.error(f"--model {spec!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?")
+    made = getattr(module, attr, None)
+    if not callable(made):
+        parser.error(f"--model {spec!r}: {module_name} has no callable {attr!r}")
+    return made

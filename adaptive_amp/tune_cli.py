@@ -39,21 +39,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_factory(spec: str, parser: argparse.ArgumentParser):
-    import importlib
-
-    module_name, colon, attr = spec.partition(":")
-    if not colon or not module_name or not attr:
-        parser.error(f"--model {spec!r}: expected package.module:factory")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr, None)
-    except ImportError as exc:
-        parser.error(f"--model {spec!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?")
-    if not callable(factory):
-        parser.error(f"--model {spec!r}: {module_name} has no callable {attr!r}")
-    return factory
-
-
 def _check(parser: argparse.ArgumentParser, args):
     """Every value before a model is built: a bad one is a usage error naming its option (exit status 2).
     Returns (device, candidates, budget in bytes)."""
@@ -96,13 +81,11 @@ def _check(parser: argparse.ArgumentParser, args):
 
 
 def _load(args, device, parser):
-    import torch
-
-    from . import zoo
+    from . import _cliargs, zoo
     from .zoo.model import ZooModel
 
     if args.model:
-        made = _load_factory(args.model, parser)()
+        made = _cliargs.factory(parser, args.model, "a zoo.ZooModel or (model, batches, loss_fn[, optimizer])")()
     else:
         family, _, size = args.zoo.partition(":")
         made = zoo.build(family, size or "tiny", seed=0, device=device)
