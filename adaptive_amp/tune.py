@@ -693,9 +693,9 @@ class Tuner:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
                                                                                      and value >= 0):
                 raise ValueError(f"{name} is {value!r}; pass a finite fraction >= 0 (0.01: 1%)")
-        if isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float)) or not -1 <= min_cosine <= 1:
-            raise ValueError(f"min_cosine is {min_cosine!r}; pass a cosine in [-1, 1] (0.95: the first step's "
-                             "gradient must point where the reference's does)")
+        if isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float)) or math.isnan(min_cosine):
+            raise ValueError(f"min_cosine is {min_cosine!r}; pass a cosine (0.95: the first step's gradient must "
+                             "point where the reference's does; above 1 only the reference agrees)")
         if not contenders >= 0:
             raise ValueError(f"contenders is {contenders!r}; pass a fraction >= 0 (0.2: candidates within 20% of "
                              "the fastest are timed in every round)")

@@ -162,7 +162,7 @@ def test_every_trial_non_finite_says_so_not_raise_the_budget():
     (dict(tie=-0.01), "tie is -0.01"),
     (dict(tie=float("nan")), "tie is nan"),
     (dict(loss_tolerance=-1.0), "loss_tolerance is -1.0"),
-    (dict(min_cosine=2.0), "min_cosine is 2.0"),
+    (dict(min_cosine=float("nan")), "min_cosine is nan"),
     (dict(memory_budget=float("inf")), "memory_budget is inf"),
     (dict(memory_budget=float("nan")), "memory_budget is nan"),
     (dict(memory_budget=-5), "memory_budget is -5"),
