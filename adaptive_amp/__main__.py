@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 
@@ -59,22 +58,6 @@ def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
 
 
-def _load_factory(spec: str):
-    """``package.module:factory`` -> the callable."""
-    module_name, colon, attr = spec.partition(":")
-    if not colon or not module_name or not attr:
-        raise SystemExit(f"--model {spec!r}: expected package.module:factory (a function returning "
-                         "(model, sample_inputs) or (model, sample_inputs, loss_fn))")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise SystemExit(f"--model {spec!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise SystemExit(f"--model {spec!r}: {module_name} has no callable {attr!r}")
-    return factory
-
-
 def _demo_model(batch: int, length: int, device):
     """The demo's TinyLM on a batch of its Markov corpus, with the next-token loss."""
     import torch
@@ -104,38 +87,43 @@ def _to_device(value, device):
     return value
 
 
-# Short spellings people type on a command line -> the analyzer's format names.
-_FORMAT_ALIASES = {"fp16": "float16", "f16": "float16", "half": "float16", "bf16": "bfloat16",
-                   "fp8": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
-
-
-def _candidates(text: str) -> list:
+def _candidates(text: str, parser: argparse.ArgumentParser) -> list:
     from .stats import format_name
 
-    names = [_FORMAT_ALIASES.get(c.strip().lower(), c.strip()) for c in text.split(",") if c.strip()]
+    names = [c.strip() for c in text.split(",") if c.strip()]  # spellings: adaptive_amp.names
+    if not names:
+        parser.error(f"--candidates {text!r}: name at least one format")
     try:
         return [format_name(n) for n in names]
     except ValueError as exc:
-        raise SystemExit(f"--candidates {text!r}: {exc} (or fp16, bf16, e4m3, e5m2)") from None
+        parser.error(f"--candidates {text!r}: {exc}")
 
 
-def _analyze(args) -> int:
+def _analyze(args, parser: argparse.ArgumentParser) -> int:
     import torch
 
+    from . import _cliargs
     from .analysis import PrecisionAnalyzer
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.model:
-        made = _load_factory(args.model)()
+    # Every value is checked before the model is built (a bad one is a usage error, not a traceback).
+    device = _cliargs.device(parser, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    _cliargs.at_least(parser, args.batch, 1, "--batch", "sequences")
+    _cliargs.at_least(parser, args.length, 1, "--length", "tokens")
+    _cliargs.positive(parser, args.threshold, "--threshold", "a relative error of the model's output")
+    _cliargs.at_least(parser, args.fp8_margin, 0, "--fp8-margin", "powers of two")
+    kwargs = {"candidates": _candidates(args.candidates, parser)} if args.candidates is not None else {}
+    factory = (_cliargs.factory(parser, args.model, "(model, sample_inputs) or (model, sample_inputs, loss_fn)")
+               if args.model else None)
+    if factory is not None:
+        made = factory()
         if not isinstance(made, tuple) or len(made) not in (2, 3):
-            raise SystemExit(f"--model {args.model!r}: the factory returned {type(made).__name__}; "
-                             "return (model, sample_inputs) or (model, sample_inputs, loss_fn)")
+            parser.error(f"--model {args.model!r}: the factory returned {type(made).__name__}; "
+                         "return (model, sample_inputs) or (model, sample_inputs, loss_fn)")
         model, inputs, loss_fn = (*made, None)[:3]
     else:
         model, inputs, loss_fn = _demo_model(args.batch, args.length, device)
     model = model.to(device)
     inputs = _to_device(inputs, device)
-    kwargs = {"candidates": _candidates(args.candidates)} if args.candidates else {}
     analyzer = PrecisionAnalyzer(**kwargs, error_threshold=args.threshold, progress=not args.no_progress,
                                  fp8_margin=args.fp8_margin)
     analysis = analyzer.analyze(model, inputs, loss_fn=loss_fn)
@@ -193,7 +181,7 @@ def main(argv=None) -> int:
     if args.command == "info":
         return _info(args)
     if args.command == "analyze":
-        return _analyze(args)
+        return _analyze(args, analyze)
     if args.command == "demo":
         return _demo(rest)
     if args.command == "bench":

@@ -15,11 +15,13 @@ import numpy as np
 
 from . import _C, _native
 from ._native import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, FLOAT32, INT32
+from .names import format_name
 
 SOURCES = (FLOAT32, FLOAT16, BFLOAT16)
 TARGETS = (BFLOAT16, FLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2)
 _TARGET_BY_NAME = {_native.DTYPE_NAMES[c]: c for c in TARGETS}
-_TARGET_HELP = "bfloat16, float16, float8_e4m3fn or float8_e5m2 (a torch dtype, its name, or a numpy/ml_dtypes dtype)"
+_TARGET_HELP = ("bfloat16 (bf16), float16 (fp16), float8_e4m3fn (e4m3) or float8_e5m2 (e5m2): a torch dtype, its "
+                "name, or a numpy/ml_dtypes dtype")
 _U64 = 1 << 64
 
 
@@ -36,8 +38,10 @@ def target_code(dtype) -> int:
         return code
     cacheable = False  # names and torch dtypes; numpy dtypes compare equal to other things
     if isinstance(dtype, str):
-        name = dtype[len("torch."):] if dtype.startswith("torch.") else dtype
-        code = _TARGET_BY_NAME.get(name)
+        try:  # the spellings of adaptive_amp.names ("bf16", "e4m3"); "fp8" is refused as ambiguous
+            code = _TARGET_BY_NAME[format_name(dtype, tuple(_TARGET_BY_NAME), "dtype")]
+        except ValueError as exc:
+            raise TypeError(f"{exc} (stochastic_round's targets; their torch or numpy dtypes work too)") from None
         cacheable = True
     elif _native.is_torch_tensor(dtype):
         code = None

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -305,10 +305,10 @@ class PrecisionAnalyzer:
         self.fp8_margin = fp8_margin
 
     def analyze(self, model: nn.Module, sample_inputs, loss_fn=None) -> PrecisionAnalysis:
-        """Analyze `model` on `sample_inputs` (a tensor, a tuple of positional arguments, or a dict of
-        keyword arguments). With `loss_fn` (model output -> scalar loss) the parameter gradients of an
+        """Analyze `model` on `sample_inputs` (a tensor, a tuple of positional arguments, a dict of keyword
+        arguments, or ``(args, kwargs)``: see :func:`split_inputs`). With `loss_fn` (model output -> scalar loss) the parameter gradients of an
         fp32 backward are measured too."""
-        args, kwargs = _split_inputs(sample_inputs)
+        args, kwargs = split_inputs(sample_inputs)
         model = unwrap_model(model)
         layers = find_layers(model, self.include, self.exclude)
         was_training = {m: m.training for m in model.modules()}
@@ -459,9 +459,21 @@ def _underflow_fraction(tensors: List[torch.Tensor], fmt: str, margin: Optional[
     return sum(d["underflow_count"]) / max(1, sum(d["numel"]))
 
 
-def _split_inputs(sample_inputs):
-    if isinstance(sample_inputs, dict):
+def split_inputs(sample_inputs) -> Tuple[tuple, dict]:
+    """``(args, kwargs)`` for ``model(*args, **kwargs)`` from `sample_inputs`, the one rule everything that takes
+    sample inputs follows (the analyzer, ``AdaptiveMixedPrecision(sample_inputs=...)``):
+
+    * a dict: keyword arguments;
+    * a pair whose first item is a tuple or list and whose second is a dict: ``(args, kwargs)``;
+    * any other tuple or list: positional arguments;
+    * anything else (a tensor): the one positional argument.
+
+    (A model whose forward takes a sequence and a dict positionally: pass ``((seq, d), {})``.)"""
+    if isinstance(sample_inputs, Mapping):
         return (), dict(sample_inputs)
     if isinstance(sample_inputs, (tuple, list)):
+        if len(sample_inputs) == 2 and isinstance(sample_inputs[0], (tuple, list)) \
+                and isinstance(sample_inputs[1], Mapping):
+            return tuple(sample_inputs[0]), dict(sample_inputs[1])
         return tuple(sample_inputs), {}
     return (sample_inputs,), {}

@@ -129,8 +129,10 @@ class AdaptiveMixedPrecision:
             `sample_inputs` are given, select), ``"tune"`` (measure candidate
             recipes on the model, see `tune`), a PrecisionPolicy, or its
             string form (``"params=float32,compute=float16,loss_scale=dynamic:65536"``).
-        sample_inputs: a batch for the sensitivity analysis of ``"auto"``
-            (a tensor, a tuple of positional arguments, or ``(args, kwargs)``).
+        sample_inputs: a batch for the sensitivity analysis of ``"auto"`` (and of
+            ``"tune"``'s islands candidates): a tensor, a tuple of positional
+            arguments, a dict of keyword arguments, or ``(args, kwargs)``
+            (adaptive_amp.analysis.split_inputs).
         loss_fn: ``loss_fn(output) -> loss`` for the analysis' gradient statistics.
         capabilities: the Capabilities to select with (default: detected).
         overrides: policy fields that win over the selection (as

@@ -479,6 +479,12 @@ class _Fused(torch.optim.Optimizer):
                                 f"parallelism): {name}'s fused step takes plain tensors; use a torch.optim "
                                 "optimizer (e.g. torch.optim.AdamW) for sharded parameters")
         with_grad = self._params_with_grad(group, name)
+        for p in with_grad:  # before any state is created in its layout (the state would then be blamed)
+            if not _native._dense_layout(p):
+                raise ValueError(f"{self._param_name(group, p)} is not dense in memory (a transposed or sliced view: "
+                                 f"shape {tuple(p.shape)}, strides {p.stride()}): {name}'s fused step updates each "
+                                 "param in place as one block of memory, contiguous or channels_last. Give the "
+                                 "parameter such memory where the model is built (nn.Parameter(w.contiguous()))")
         first = self._init_state(group, with_grad)
         index = {id(p): i for i, p in enumerate(group["params"])}
         absent = [i for i, p in enumerate(group["params"]) if p.grad is None]

@@ -21,17 +21,16 @@ import torch
 
 from .hardware import Capabilities, HardwareDetector
 from .layers import canonical_name, expand_names
+from .names import CANDIDATES, format_name, recipe_names
 from .recipes import Recipe, float8_available
 
-# Canonical names are torch's (str(torch.float16) without "torch."); the short
-# aliases are jmp's and the usual fp* spellings.
+# Canonical names are torch's (str(torch.float16) without "torch."); the other spellings are those of
+# adaptive_amp.names, the one table of names.
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_ALIASES = {"f32": "float32", "fp32": "float32", "float": "float32",
-            "f16": "float16", "fp16": "float16", "half": "float16",
-            "bf16": "bfloat16"}
 _DTYPE_CHOICES = "float32, float16, bfloat16 (or f32, f16, bf16)"
 
 FP16_MAX = 65504.0
+_FLOAT32_MAX = 3.4028234663852886e38
 LOSS_SCALE_MODES = ("dynamic", "predictive")  # GradScaler's modes
 
 # Characters the string form uses as separators: module names must not hold them.
@@ -48,11 +47,10 @@ def parse_dtype(value: Union[str, torch.dtype], what: str = "dtype") -> torch.dt
         if value not in _DTYPES.values():
             raise ValueError(f"{what}: unsupported dtype {value} (expected one of {_DTYPE_CHOICES})")
         return value
-    name = str(value).strip().lower().replace("torch.", "")
-    name = _ALIASES.get(name, name)
-    if name not in _DTYPES:
-        raise ValueError(f"{what}: unknown dtype {value!r} (expected one of {_DTYPE_CHOICES})")
-    return _DTYPES[name]
+    try:
+        return _DTYPES[format_name(value, tuple(_DTYPES), "dtype")]
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}") from None
 
 
 def _fmt_number(x: float) -> str:
@@ -81,6 +79,19 @@ class LossScale:
             raise ValueError(f"loss_scale: growth_interval must be >= 1, got {self.growth_interval}")
         if self.hysteresis < 1:
             raise ValueError(f"loss_scale: hysteresis must be >= 1, got {self.hysteresis}")
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value != int(value):
+                raise ValueError(f"loss_scale: {name} must be a whole number, got {value!r}")
+        for name in ("min_scale", "max_scale"):  # finite float32 values, as GradScaler takes them
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+                raise ValueError(f"loss_scale: {name} must be a finite number (or left out for no bound), got "
+                                 f"{value!r}")
+        if self.min_scale is not None and self.min_scale < 0:
+            raise ValueError(f"loss_scale: min_scale must be >= 0, got {self.min_scale}")
         if self.max_scale is not None and not self.max_scale > 0:
             raise ValueError(f"loss_scale: max_scale must be > 0, got {self.max_scale}")
         if self.min_scale is not None and self.max_scale is not None and self.max_scale < self.min_scale:
@@ -104,24 +115,27 @@ class LossScale:
     @classmethod
     def from_string(cls, s: str) -> "LossScale":
         parts = s.replace(" ", "").split(":")
-        kwargs: dict = {"mode": parts[0]}
+        kwargs: dict = {"mode": parts[0].lower()}
         if len(parts) > 1:
             kwargs["init_scale"] = _number(parts[1], "init_scale")
         for part in parts[2:]:
             key, eq, value = part.partition("=")
+            key = key.lower()
             if not eq or key not in ("growth_interval", "hysteresis", "min_scale", "max_scale"):
                 raise ValueError(f"loss_scale: bad setting {part!r} (expected growth_interval=, "
                                  "hysteresis=, min_scale= or max_scale=)")
-            number = _number(value, key)
-            kwargs[key] = int(number) if key in ("growth_interval", "hysteresis") else number
+            if key in kwargs:
+                raise ValueError(f"loss_scale: {key} given twice")
+            kwargs[key] = _number(value, key, whole=key in ("growth_interval", "hysteresis"))
         return cls(**kwargs)
 
 
-def _number(text: str, what: str) -> float:
+def _number(text: str, what: str, whole: bool = False):
     try:
-        return float(text)
+        return int(text) if whole else float(text)
     except ValueError:
-        raise ValueError(f"loss_scale: {what} must be a number, got {text!r}") from None
+        kind = "a whole number" if whole else "a number"
+        raise ValueError(f"loss_scale: {what} must be {kind}, got {text!r}") from None
 
 
 class _DefaultLossScale:
@@ -292,7 +306,8 @@ PARAM_SCOPES = ("all", "matmul")
 #: parameter memory); it needs an optimizer that rounds its updates stochastically (adaptive_amp.optim),
 #: since round-to-nearest drops every update below half a bf16 ulp. "bf16-weights": the same for the matmul
 #: layers' weights only, the rest in fp32 and the compute autocast's (param_scope="matmul").
-PRESETS = {"bf16-pure": {"param_dtype": torch.bfloat16, "compute_dtype": torch.bfloat16},
+PRESETS = {"fp32": {"param_dtype": torch.float32, "compute_dtype": torch.float32},
+           "bf16-pure": {"param_dtype": torch.bfloat16, "compute_dtype": torch.bfloat16},
            "pure-bf16": {"param_dtype": torch.bfloat16, "compute_dtype": torch.bfloat16},
            "bf16-weights": {"param_dtype": torch.bfloat16, "compute_dtype": torch.bfloat16, "param_scope": "matmul"}}
 
@@ -304,8 +319,16 @@ def parse_policy_fields(s: str) -> dict:
         raise ValueError("policy string is empty")
     if text.lower() in PRESETS:
         return dict(PRESETS[text.lower()])
-    if "=" not in text:  # jmp's shorthand: one dtype for everything
+    if "=" not in text:  # jmp's shorthand: one dtype for everything, float32 alone (see adaptive_amp.names)
         dtype = parse_dtype(text, f"policy {s!r}: field 'params'")
+        if dtype != torch.float32:
+            name = dtype_name(dtype)
+            short = {"bfloat16": "bf16", "float16": "fp16"}[name]
+            pure = (f"'bf16-pure' (or 'params=bfloat16,compute=bfloat16')" if dtype == torch.bfloat16 else
+                    "'params=float16,compute=float16'")
+            raise ValueError(f"policy {s!r} is ambiguous: the recipe {short!r} is {short} autocast with float32 "
+                             f"weights, write 'params=float32,compute={name}'; for the weights in {short} too, "
+                             f"write {pure}")
         return {"param_dtype": dtype, "compute_dtype": dtype}
     fields: dict = {}
     for item in text.split(","):
@@ -468,10 +491,11 @@ class AdaptivePrecisionSelector:
         policy does not say (optimizer moments, checkpointing; ``.apply(model, optimizer)``); ``.table()``,
         ``.plot(path)``, ``.to_dict()`` are the A/B report. The model, the optimizer and the RNG states are
         left as they were, bitwise."""
-        from .tune import Tuner
+        from .tune import Tuner, trained_parameters
 
-        if capabilities is None:
-            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if capabilities is None and isinstance(model, torch.nn.Module):  # (else Tuner says why)
+            opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []
+            device = next((p.device for p in trained_parameters(model, opts)), torch.device("cpu"))
             capabilities = HardwareDetector().detect(device)
         recipes, skipped = self.candidates(capabilities, analysis, candidates)
         return Tuner(model, optimizer, batches, loss_fn, capabilities, recipes, skipped, steps=steps,
@@ -515,19 +539,29 @@ class AdaptivePrecisionSelector:
         return scale
 
 
-#: Recipes AdaptivePrecisionSelector.tune knows, safest first (each may end in "+ckpt": activation checkpointing).
-CANDIDATES = ("fp32", "bf16+islands", "bf16", "fp16+islands", "fp16", "bf16-weights+islands", "bf16-weights",
-              "bf16-weights+bf16-moments", "bf16-pure", "bf16-pure+bf16-moments", "float8")
+# CANDIDATES (adaptive_amp.names): the recipes AdaptivePrecisionSelector.tune knows, safest first.
+
+
+def candidate_names(names) -> list:
+    """The canonical names of the candidates asked (a list of names or a comma-separated string; aliases as in
+    adaptive_amp.names). An empty list, an unknown name or one given twice is refused, naming `candidates`."""
+    if names is not None and not isinstance(names, str):
+        try:
+            names = list(names)
+        except TypeError:
+            raise TypeError(f"candidates is a {type(names).__name__}; pass a list of names from "
+                            f"{', '.join(CANDIDATES)}") from None
+    out = recipe_names(names, "candidates")
+    if not out:
+        raise ValueError(f"candidates is empty; name at least one of {', '.join(CANDIDATES)} (or leave it out: "
+                         "all that run here)")
+    return out
 
 
 def candidate_recipes(capabilities, analysis=None, names=None) -> tuple:
     """(recipes, skipped) for the names asked (default: all of CANDIDATES): each a Recipe, or (name, why) when
     it cannot run here. Islands variants exist only where the analysis flags layers for that dtype."""
-    names = list(CANDIDATES if names is None else names)
-    unknown = [n for n in names if n.replace("+ckpt", "") not in CANDIDATES]
-    if unknown:
-        raise ValueError(f"candidates: unknown {unknown}; choose from {', '.join(CANDIDATES)} (each may end "
-                         "in +ckpt for activation checkpointing)")
+    names = list(CANDIDATES) if names is None else candidate_names(names)
     tf32 = bool(getattr(capabilities, "tf32", False))
     gpu = getattr(capabilities, "device_type", "cpu") == "cuda"
     recipes, skipped = [], []

@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from .names import format_name
+
 
 def unscale_and_check_(tensors, found_inf, inv_scale, *, check_only=False, return_stats=False):
     """Twin of :func:`adaptive_amp.ops.unscale_and_check_`."""
@@ -151,8 +153,7 @@ def stochastic_round(x, dtype, *, random_bits=None, seed=None, offset=None, scal
     position ``f = |y|/ulp - floor(|y|/ulp)``, all exact in float64; away from
     zero iff floor(2**32 f) + r >= 2**32.
     """
-    name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
-    name = name.replace("torch.", "")
+    name = format_name(dtype if isinstance(dtype, str) else str(dtype), tuple(_SR_FORMATS), "dtype")
     mant, emin, max_finite, has_inf = _SR_FORMATS[name]
     target = getattr(torch, name)
     v = x.float()
@@ -209,7 +210,10 @@ def tensor_stats(tensors, *, fmt=None, scale=None, names=None):
     import math
 
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    name = None if fmt is None else (fmt if isinstance(fmt, str) else str(fmt)).replace("torch.", "")
+    try:
+        name = None if fmt is None else format_name(fmt if isinstance(fmt, str) else str(fmt), tuple(_STATS_FORMATS))
+    except ValueError:
+        name = fmt
     if name is not None and name not in _STATS_FORMATS:
         raise ValueError(f"fmt is {fmt!r}; expected one of {', '.join(_STATS_FORMATS)}")
     keys = ["numel", "nan_count", "inf_count", "zero_count", "min", "max", "amax", "min_abs_nonzero", "mean", "std",

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from . import _C, _native
+from .names import format_name as _spelled_format
 from ._native import BFLOAT16, FLOAT8_E4M3FN, FLOAT8_E5M2, FLOAT16, FLOAT32
 
 #: Every column of the native result, in order (see csrc/stats.h).
@@ -27,7 +28,8 @@ STATS_CHUNK = _C.STATS_CHUNK
 
 INPUTS = (FLOAT32, FLOAT16, BFLOAT16)
 FORMATS = {"float16": FLOAT16, "bfloat16": BFLOAT16, "float8_e4m3fn": FLOAT8_E4M3FN, "float8_e5m2": FLOAT8_E5M2}
-_FORMAT_HELP = "'float16', 'bfloat16', 'float8_e4m3fn' or 'float8_e5m2' (or the torch dtype)"
+_FORMAT_HELP = ("'float16' (fp16), 'bfloat16' (bf16), 'float8_e4m3fn' (e4m3) or 'float8_e5m2' (e5m2), or the torch "
+                "dtype")
 # Derived columns that table() can show and sort by.
 DERIVED = ("overflow_fraction", "underflow_fraction", "risk")
 
@@ -37,8 +39,11 @@ def format_name(fmt) -> Optional[str]:
     if fmt is None:
         return None
     name = None
-    if isinstance(fmt, str):
-        name = fmt[len("torch."):] if fmt.startswith("torch.") else fmt
+    if isinstance(fmt, str):  # the spellings of adaptive_amp.names ("bf16", "e4m3"); "fp8" is ambiguous
+        try:
+            return _spelled_format(fmt, tuple(FORMATS), "fmt")
+        except ValueError as exc:
+            raise ValueError(f"{exc} (their torch or numpy dtypes work too)") from None
     else:
         torch = _native._torch()
         if torch is not None and isinstance(fmt, torch.dtype):

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import gc
 import math
+import numbers
 import random
 import sys
 import time
@@ -339,9 +340,31 @@ def filled_host_copies(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dt
     return block, views, devices
 
 
+def trained_parameters(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> List[torch.Tensor]:
+    """The model's parameters, then those the optimizers train outside it (a loose ``nn.Parameter``, the head a
+    loss function uses), each once: everything a training step can change."""
+    seen: Dict[int, torch.Tensor] = {id(p): p for p in model.parameters()}
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _generators(optimizers) -> List[torch.Generator]:
+    """The torch.Generator objects the optimizers draw from (adaptive_amp.optim's ``generator``), each once."""
+    found: Dict[int, torch.Generator] = {}
+    for opt in optimizers:
+        g = getattr(opt, "generator", None)
+        if isinstance(g, torch.Generator):
+            found.setdefault(id(g), g)
+    return list(found.values())
+
+
 class Snapshot:
-    """Parameters, buffers, gradients, optimizer state and hyperparameters, RNG states and train/eval mode,
-    copied so that :meth:`restore` puts them back bitwise.
+    """Parameters (the model's and any other the optimizers train), buffers, gradients, optimizer state and
+    hyperparameters, RNG states (the optimizers' own generators included) and train/eval mode, copied so that
+    :meth:`restore` puts them back bitwise.
 
     The copies live on the CPU when `offload` (the default for CUDA models), so that a trial's peak memory is
     that of training alone: all of them in one :class:`HostBlock`, page-locked when a tensor comes from a GPU,
@@ -358,11 +381,12 @@ class Snapshot:
         root = unwrap_model(model)
         self.model = root
         self.optimizers = list(optimizers)
-        device = next((p.device for p in root.parameters()), torch.device("cpu"))
+        trained = trained_parameters(root, self.optimizers)
+        device = next((p.device for p in trained), torch.device("cpu"))
         self.offload = device.type != "cpu" if offload is None else bool(offload)
         self.host: Optional[HostBlock] = None
         self._host_devices: set = set()
-        params = [(p, p.detach(), p.grad) for p in root.parameters()]
+        params = [(p, p.detach(), p.grad) for p in trained]
         buffers = [(m, name, b) for m in root.modules() for name, b in m._buffers.items()]
         states = [{p: dict(st) for p, st in opt.state.items()} for opt in self.optimizers]
         live = [t for _, d, g in params for t in (d, g) if t is not None] + \
@@ -380,6 +404,7 @@ class Snapshot:
             groups = [{k: _deep(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
             self.opt_states.append((state, groups, [list(g["params"]) for g in opt.param_groups]))
         self.rng = _rng_states()
+        self.generators = [(g, g.get_state()) for g in _generators(self.optimizers)]
 
     def _copy_all(self, tensors: Sequence[torch.Tensor]) -> Dict[int, tuple]:
         """id(tensor) -> (copy, device) for each tensor: views into one host block when offloading (the device's
@@ -441,6 +466,8 @@ class Snapshot:
             self.host.used(self._host_devices)
         if rng:
             _set_rng_states(self.rng)
+            for g, state in self.generators:
+                g.set_state(state)
 
     def bytes(self) -> int:
         """Bytes of the parameters' copies."""
@@ -457,24 +484,28 @@ def _deep(v):
 
 
 def parse_budget(value) -> Optional[int]:
-    """Bytes from an int or a string such as ``"20GiB"``, ``"512 MB"``; None stays None."""
+    """Bytes from a number or a string such as ``"20GiB"``, ``"512 MB"``; None stays None. Anything else (inf,
+    nan, a number <= 0 or under one byte, an unknown unit) is refused, naming memory_budget."""
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise ValueError(f"memory_budget must be > 0 bytes, got {value}")
-        return int(value)
-    text = str(value).strip().lower().replace(" ", "")
-    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(number):] or "b"
-    if unit not in _UNITS:
-        raise ValueError(f"memory_budget {value!r}: unknown unit {unit!r} (use B, KB, MB, GB, KiB, MiB, GiB, TiB)")
-    try:
-        n = float(number)
-    except ValueError:
-        raise ValueError(f"memory_budget {value!r}: expected a number and a unit, e.g. '20GiB'") from None
-    if n <= 0:
-        raise ValueError(f"memory_budget {value!r} must be > 0")
+    how = "pass a finite number of bytes > 0 or a string such as '20GiB' or '512 MB'"
+    if isinstance(value, bool):
+        raise ValueError(f"memory_budget is {value!r}; {how}")
+    if isinstance(value, (int, float)):
+        n, unit = value, "b"
+    else:
+        text = str(value).strip().lower().replace(" ", "")
+        number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = text[len(number):] or "b"
+        if unit not in _UNITS:
+            raise ValueError(f"memory_budget {value!r}: unknown unit {unit!r} (use B, KB, MB, GB, KiB, MiB, GiB, "
+                             "TiB)")
+        try:
+            n = float(number)
+        except ValueError:
+            raise ValueError(f"memory_budget {value!r}: expected a number and a unit, e.g. '20GiB'") from None
+    if not (math.isfinite(n) and n > 0) or n * _UNITS[unit] < 1:
+        raise ValueError(f"memory_budget is {value!r}; {how}")
     return int(n * _UNITS[unit])
 
 
@@ -540,8 +571,8 @@ class Trial:
 class _SavedBytes:
     """Bytes of the distinct storages autograd saves for backward (parameters excluded), while active."""
 
-    def __init__(self, model: nn.Module):
-        self.skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
         self.seen = {}
 
     def pack(self, t):
@@ -569,7 +600,7 @@ def _state_bytes(model: nn.Module, optimizer) -> int:
         if isinstance(t, torch.Tensor) and t.numel():
             s = t.untyped_storage()
             seen[(s.device.type, s.data_ptr())] = s.nbytes()
-    for p in model.parameters():
+    for p in trained_parameters(model, [optimizer]):
         add(p.detach())
         add(p.grad)
     for st in optimizer.state.values():
@@ -633,15 +664,38 @@ class Tuner:
                  loss_tolerance: float = 0.01, min_cosine: float = 0.95, tie: float = 0.01,
                  contenders: float = 0.2, state_margin: float = 0.1, checkpoint_when_needed: bool = True,
                  offload_snapshot: Optional[bool] = None, progress: Optional[Callable[[str], None]] = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model is a {type(model).__name__}; pass the torch.nn.Module to tune")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer is a {type(optimizer).__name__}; pass one torch.optim.Optimizer")
-        self.batches = list(batches)
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; pass fn(model, batch) -> loss")
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress is a {type(progress).__name__}; pass fn(message) or None")
+        for name, value in (("steps", steps), ("rounds", rounds), ("timed_steps", timed_steps)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} is {value!r}; pass an int")
+        for name, value in (("contenders", contenders), ("state_margin", state_margin)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} is {value!r}; pass a fraction >= 0")
+        try:
+            self.batches = list(batches)
+        except TypeError:
+            raise TypeError(f"batches is a {type(batches).__name__}; pass a list of the batches the trials train "
+                            "on") from None
         if not self.batches:
             raise ValueError("batches is empty; pass the batches the trials train on (a few are enough)")
         if steps < 2:
             raise ValueError(f"steps is {steps}; pass at least 2 (the loss comparison needs two differences)")
         if rounds < 1 or timed_steps < 1:
             raise ValueError(f"rounds ({rounds}) and timed_steps ({timed_steps}) must be >= 1")
+        for name, value in (("tie", tie), ("loss_tolerance", loss_tolerance)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
+                                                                                     and value >= 0):
+                raise ValueError(f"{name} is {value!r}; pass a finite fraction >= 0 (0.01: 1%)")
+        if isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float)) or math.isnan(min_cosine):
+            raise ValueError(f"min_cosine is {min_cosine!r}; pass a cosine (0.95: the first step's gradient must "
+                             "point where the reference's does; above 1 only the reference agrees)")
         if not contenders >= 0:
             raise ValueError(f"contenders is {contenders!r}; pass a fraction >= 0 (0.2: candidates within 20% of "
                              "the fastest are timed in every round)")
@@ -662,7 +716,7 @@ class Tuner:
         self.checkpoint_when_needed = checkpoint_when_needed
         self.offload = offload_snapshot
         self.say = progress or (lambda msg: None)
-        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.device = next((p.device for p in trained_parameters(model, [optimizer])), torch.device("cpu"))
         self.compiled = unwrap_model(model) is not model
         self.recipes, self.skipped = list(recipes), list(skipped)
         why = convertible(optimizer)
@@ -671,6 +725,9 @@ class Tuner:
             self.skipped += [(r.name, why) for r in self.recipes if r.moment_dtype is not None]
             self.recipes = keep
         self.recipes.sort(key=lambda r: r.safety)
+        if not self.recipes:
+            raise ValueError("candidates: none of them can run here (" +
+                             "; ".join(f"{n}: {why}" for n, why in self.skipped) + "); name others")
 
     @contextmanager
     def _phase(self, name: str):
@@ -700,7 +757,7 @@ class Tuner:
         """Unscaled fp32 gradients of one forward/backward on the first batch (no step); the scale backs off
         until they are finite, as the scaler would."""
         scale = a.scaler.get_scale() if a.scaler.is_enabled() else 1.0
-        params = [p for p in unwrap_model(self.model).parameters() if p.requires_grad]
+        params = [p for p in trained_parameters(unwrap_model(self.model), [a.optimizer]) if p.requires_grad]
         for _ in range(8):
             for p in params:
                 p.grad = None
@@ -748,7 +805,8 @@ class Tuner:
             with self._phase("trajectories"):
                 if cuda:
                     torch.cuda.reset_peak_memory_stats(self.device)
-                saved = _SavedBytes(unwrap_model(self.model)) if not self.compiled else None
+                saved = (_SavedBytes(trained_parameters(unwrap_model(self.model), [a.optimizer]))
+                         if not self.compiled else None)
                 losses = []
                 timer = _Timer(self.device)
                 for k in range(self.steps):
@@ -1001,7 +1059,7 @@ class Tuner:
         tried = ("; trials: " + "; ".join(f"{t.name}: {t.error or t.verdict or 'does not fit'}" for t in trials) +
                  ". Raise memory_budget, use smaller batches, or add candidates ending in +ckpt")
         if reference is None:
-            raise RuntimeError(f"tune: no candidate ran and fit the memory budget ({_bytes(self.budget)})" + tried)
+            raise RuntimeError(self._no_reference(trials))
         if not ok:  # (the reference itself ran out of memory in a later timing round)
             raise RuntimeError("tune: every candidate that agreed with the reference ran out of memory while timed"
                                + tried)
@@ -1054,6 +1112,36 @@ class Tuner:
         return TuneResult(policy=policy, recipe=recipe, trials=trials, skipped=list(self.skipped),
                           reference=reference.name, budget=self.budget, seconds=seconds,
                           device=str(self.device), compiled=self.compiled, phase_seconds=dict(self.phases))
+
+
+    def _no_reference(self, trials: List[Trial]) -> str:
+        """Why no trial could be the reference, from what the trials met: a failure, the budget, non-finite
+        losses (the advice follows the cause: raising a budget cures no NaN)."""
+        lines = "; trials: " + "; ".join(f"{t.name}: {_trial_fault(t, self.budget)}" for t in trials)
+        ran = [t for t in trials if t.error is None]
+        over = [t for t in ran if t.fits is False]
+        nonfinite = [t for t in ran if t.fits is not False and not all(math.isfinite(v) for v in t.losses)]
+        if ran and len(nonfinite) == len(ran):
+            return ("tune: every candidate's loss was non-finite (inf or NaN) in its trial, the safest ("
+                    f"{ran[0].name}) too: the model, its loss_fn or the batches give inf/NaN whatever the precision "
+                    "(check the loss in float32, the learning rate, the inputs)" + lines)
+        if over and len(over) + len(nonfinite) == len(ran):
+            return (f"tune: no candidate fit the memory budget ({_bytes(self.budget)})" + lines +
+                    ". Raise memory_budget, use smaller batches, or add candidates ending in +ckpt")
+        if not ran:
+            return "tune: no candidate could run" + lines
+        return "tune: no candidate ran with finite losses within the memory budget" + lines
+
+
+def _trial_fault(t: Trial, budget) -> str:
+    if t.error:
+        return t.error
+    if t.fits is False:
+        return t.verdict or f"does not fit the budget ({_bytes(t.memory_bytes)} > {_bytes(budget)})"
+    bad = [i for i, v in enumerate(t.losses) if not math.isfinite(v)]
+    if bad:
+        return f"non-finite loss at step {bad[0]} ({t.losses[bad[0]]})"
+    return t.verdict or "no reference"
 
 
 def _usable(t: Trial) -> bool:

@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4, help="the default optimizer's learning rate")
     p.add_argument("--candidates", help="comma-separated names (fp32, bf16, bf16+islands, fp16, fp16+islands, "
                                         "bf16-weights, bf16-weights+islands, bf16-weights+bf16-moments, bf16-pure, "
-                                        "bf16-pure+bf16-moments, float8; +ckpt for checkpointing)")
+                                        "bf16-pure+bf16-moments, float8; +ckpt for checkpointing; other spellings: "
+                                        "adaptive_amp.names)")
     p.add_argument("--steps", type=int, default=8, help="training steps per trial (loss comparison)")
     p.add_argument("--rounds", type=int, default=3,
                    help="timing rounds: the trials are the first, later ones time only the contenders, interleaved")
@@ -38,29 +39,53 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_factory(spec: str):
-    import importlib
+def _check(parser: argparse.ArgumentParser, args):
+    """Every value before a model is built: a bad one is a usage error naming its option (exit status 2).
+    Returns (device, candidates, budget in bytes)."""
+    import math
 
-    module_name, colon, attr = spec.partition(":")
-    if not colon or not module_name or not attr:
-        raise SystemExit(f"--model {spec!r}: expected package.module:factory")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr, None)
-    except ImportError as exc:
-        raise SystemExit(f"--model {spec!r}: cannot import {module_name!r} ({exc}); is it on PYTHONPATH?") from None
-    if not callable(factory):
-        raise SystemExit(f"--model {spec!r}: {module_name} has no callable {attr!r}")
-    return factory
-
-
-def _load(args, device):
     import torch
 
-    from . import zoo
+    from . import _cliargs, zoo
+    from .policy import candidate_names
+    from .tune import parse_budget
+
+    device = _cliargs.device(parser, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not args.model:
+        family, _, size = args.zoo.partition(":")
+        if family not in zoo.FAMILIES:
+            parser.error(f"--zoo {args.zoo!r}: unknown family {family!r}; choose one of {', '.join(zoo.FAMILIES)}")
+        if size and size not in zoo.sizes(family):
+            parser.error(f"--zoo {args.zoo!r}: unknown size {size!r} for {family}; choose one of "
+                         f"{', '.join(zoo.sizes(family))}")
+    _cliargs.at_least(parser, args.batch_size, 1, "--batch-size", "sequences per batch")
+    _cliargs.at_least(parser, args.seq_len, 1, "--seq-len", "tokens per sequence")
+    _cliargs.at_least(parser, args.batches, 1, "--batches")
+    _cliargs.at_least(parser, args.steps, 2, "--steps", "the loss comparison needs two differences")
+    _cliargs.at_least(parser, args.rounds, 1, "--rounds")
+    _cliargs.at_least(parser, args.timed_steps, 1, "--timed-steps")
+    _cliargs.positive(parser, args.lr, "--lr")
+    if not (math.isfinite(args.loss_tolerance) and args.loss_tolerance >= 0):
+        parser.error(f"--loss-tolerance is {args.loss_tolerance}; pass a fraction >= 0 (0.01: 1% of the loss)")
+    try:
+        budget = parse_budget(args.budget)
+    except (ValueError, TypeError) as exc:
+        parser.error(f"--budget: {exc}")
+    candidates = None
+    if args.candidates is not None:
+        try:
+            candidates = candidate_names([c.strip() for c in args.candidates.split(",") if c.strip()])
+        except ValueError as exc:
+            parser.error(f"--candidates {args.candidates!r}: {exc}")
+    return device, candidates, budget
+
+
+def _load(args, device, parser):
+    from . import _cliargs, zoo
     from .zoo.model import ZooModel
 
     if args.model:
-        made = _load_factory(args.model)()
+        made = _cliargs.factory(parser, args.model, "a zoo.ZooModel or (model, batches, loss_fn[, optimizer])")()
     else:
         family, _, size = args.zoo.partition(":")
         made = zoo.build(family, size or "tiny", seed=0, device=device)
@@ -70,31 +95,39 @@ def _load(args, device):
                    for i in range(args.batches)]
         return model, batches, made.loss, None
     if not isinstance(made, tuple) or len(made) not in (3, 4):
-        raise SystemExit(f"--model {args.model!r}: the factory returned {type(made).__name__}; return a "
-                         "zoo.ZooModel or (model, batches, loss_fn[, optimizer])")
+        parser.error(f"--model {args.model!r}: the factory returned {type(made).__name__}; return a "
+                     "zoo.ZooModel or (model, batches, loss_fn[, optimizer])")
     model, batches, loss_fn, opt = (*made, None)[:4]
     return model.to(device), list(batches), loss_fn, opt
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    import sys
+
     import torch
 
     from .policy import AdaptivePrecisionSelector
     from .report import _jsonable
 
-    args = _parser().parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, batches, loss_fn, opt = _load(args, device)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    device, candidates, budget = _check(parser, args)
+    model, batches, loss_fn, opt = _load(args, device, parser)
     if opt is None:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if args.compile:
         model = torch.compile(model)
-    candidates = [c.strip() for c in args.candidates.split(",") if c.strip()] if args.candidates else None
     try:
-        result = AdaptivePrecisionSelector().tune(model, opt, batches, loss_fn, candidates=candidates, steps=args.steps, rounds=args.rounds,
-                      timed_steps=args.timed_steps, memory_budget=args.budget, loss_tolerance=args.loss_tolerance)
-    except ValueError as exc:
-        raise SystemExit(f"python -m adaptive_amp tune: {exc}") from None
+        result = AdaptivePrecisionSelector().tune(model, opt, batches, loss_fn, candidates=candidates,
+                                                  steps=args.steps, rounds=args.rounds, timed_steps=args.timed_steps,
+                                                  memory_budget=budget, loss_tolerance=args.loss_tolerance)
+    except ValueError as exc:  # what the factory's model, batches or optimizer cannot do
+        parser.error(str(exc))
+    except RuntimeError as exc:
+        if not str(exc).startswith("tune:"):
+            raise
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)  # no candidate could be chosen: the trials say why
+        return 1
     if args.json:
         print(json.dumps(_jsonable(result.to_dict()), indent=2))
     else:

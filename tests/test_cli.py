@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -98,14 +99,87 @@ def test_analyze_demo_model(capsys):
     ("test_cli:missing", "has no callable 'missing'"),
     ("test_cli:not_a_pair", "return \\(model, sample_inputs\\)"),
 ])
-def test_analyze_bad_model_spec(spec, message):
-    with pytest.raises(SystemExit, match=message):
+def test_analyze_bad_model_spec(spec, message, capsys):
+    with pytest.raises(SystemExit) as info:
         main(["analyze", "--model", spec, "--no-progress"])
+    assert info.value.code == 2
+    assert re.search("error: --model .*" + message, capsys.readouterr().err)
 
 
-def test_analyze_bad_candidates():
-    with pytest.raises(SystemExit, match="--candidates 'bf16,fp12'"):
+def test_analyze_bad_candidates(capsys):
+    with pytest.raises(SystemExit) as info:
         main(["analyze", "--candidates", "bf16,fp12", "--no-progress"])
+    assert info.value.code == 2 and "error: --candidates 'bf16,fp12'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["analyze", "--device", "nope"], "--device 'nope'"),
+    (["analyze", "--device", "tpu"], "--device 'tpu'"),
+    (["analyze", "--threshold", "-1"], "--threshold"),
+    (["analyze", "--threshold", "nan"], "--threshold"),
+    (["analyze", "--fp8-margin", "-1"], "--fp8-margin"),
+    (["analyze", "--batch", "0"], "--batch"),
+    (["analyze", "--length", "0"], "--length"),
+    (["analyze", "--candidates", "fp8"], "--candidates 'fp8'"),
+    (["analyze", "--candidates", ","], "--candidates ','"),
+    (["analyze", "--batch", "x"], "--batch"),
+    (["tune", "--zoo", "nope"], "--zoo 'nope': unknown family 'nope'"),
+    (["tune", "--zoo", "gpt2:huge"], "--zoo 'gpt2:huge': unknown size 'huge'"),
+    (["tune", "--device", "nope"], "--device 'nope'"),
+    (["tune", "--batch-size", "0"], "--batch-size"),
+    (["tune", "--seq-len", "0"], "--seq-len"),
+    (["tune", "--batches", "0"], "--batches"),
+    (["tune", "--steps", "1"], "--steps"),
+    (["tune", "--rounds", "0"], "--rounds"),
+    (["tune", "--timed-steps", "0"], "--timed-steps"),
+    (["tune", "--lr", "0"], "--lr"),
+    (["tune", "--lr", "inf"], "--lr"),
+    (["tune", "--loss-tolerance", "-0.1"], "--loss-tolerance"),
+    (["tune", "--budget", "abc"], "--budget"),
+    (["tune", "--budget", "-1GiB"], "--budget"),
+    (["tune", "--budget", "inf"], "--budget"),
+    (["tune", "--candidates", "nope"], "--candidates 'nope'"),
+    (["tune", "--candidates", ","], "--candidates ','"),
+    (["tune", "--candidates", "bf16,bfloat16"], "given twice"),
+    (["tune", "--model", "no_colon"], "--model 'no_colon'"),
+    (["tune", "--model", "test_cli:missing"], "--model 'test_cli:missing'"),
+    (["tune", "--model", "test_cli:not_a_pair"], "--model 'test_cli:not_a_pair'"),
+    (["tune", "--steps", "two"], "--steps"),
+    (["bench", "--suites", "nope"], "--suites"),
+    (["bench", "--device", "nope"], "--device 'nope'"),
+    (["bench", "--suites", "e2e", "--e2e-models", "nope"], "--e2e-models"),
+    (["bench", "--suites", "e2e", "--e2e-recipes", "nope"], "--e2e-recipes"),
+    (["bench", "--suites", "e2e", "--e2e-modes", "nope"], "--e2e-modes"),
+    (["bench", "--e2e-steps", "0"], "--e2e-steps"),
+    (["bench", "--reps", "0"], "--reps"),
+    (["demo", "--steps", "0"], "--steps"),
+    (["demo", "--seeds", "0"], "--seeds"),
+    (["demo", "--scenarios", ","], "--scenarios"),
+    (["demo", "--recipes", "nope"], "--recipes"),
+    (["demo", "--device", "tpu"], "--device"),
+    (["info", "--json=1"], "--json"),
+])
+def test_a_bad_argument_is_one_usage_error_naming_it(argv, flag, capsys):
+    """Every command: exit status 2 and an error line naming the argument (argparse's style), no traceback."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    error_lines = [line for line in err.splitlines() if ": error: " in line]
+    assert len(error_lines) == 1 and flag in error_lines[0], err
+    assert "Traceback" not in err
+
+
+def test_tune_with_an_unknown_zoo_model_as_a_subprocess(tmp_path):
+    here = os.path.dirname(os.path.dirname(os.path.abspath(adaptive_amp.__file__)))
+    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "adaptive_amp", "tune", "--zoo", "nope"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "python -m adaptive_amp tune: error: --zoo 'nope': unknown family 'nope'; choose one of "
+        "gpt2, llama, bert, t5, vit, resnet")
 
 
 def test_unknown_option_is_an_error(capsys):

@@ -864,3 +864,22 @@ def test_contiguous_checkpoint_loads_into_a_channels_last_net():
         assert torch.equal(other.state[net.weight][key], opt.state[net.weight][key])
     net(torch.randn(1, 3, 5, 5).bfloat16().contiguous(memory_format=torch.channels_last)).float().sum().backward()
     other.step()
+
+
+@pytest.mark.parametrize("kw", [dict(cls="AdamW"), dict(cls="AdamW", moment_dtype=torch.bfloat16),
+                                dict(cls="SGD", momentum=0.9), dict(cls="SGD")])
+@pytest.mark.parametrize("view", ["sliced", "transposed"])
+def test_a_param_not_dense_in_memory_is_refused_by_name_before_any_state(kw, view):
+    """The refusal names the param, not the state the step would create in its layout, and leaves no state."""
+    kw = dict(kw)
+    cls = getattr(optim, kw.pop("cls"))
+    keep = torch.nn.Parameter(torch.randn(3))
+    base = torch.randn(4, 8)
+    odd = torch.nn.Parameter(base[:, ::2] if view == "sliced" else base.t())
+    opt = cls([keep, odd], lr=1e-2, **kw)
+    keep.grad, odd.grad = torch.randn(3), torch.randn(odd.shape)
+    before = keep.detach().clone(), odd.detach().clone()
+    with pytest.raises(ValueError, match=r"params\[1\] is not dense in memory .*nn.Parameter\(w.contiguous\(\)\)"):
+        opt.step()
+    assert len(opt.state) == 0
+    assert torch.equal(keep, before[0]) and torch.equal(odd, before[1])

@@ -194,8 +194,9 @@ def test_jmp_style_string():
     p = PrecisionPolicy(F32, F16, tf32=True, islands=("lm_head", "ln_f"), loss_scale=LossScale())
     assert str(p) == "params=float32,compute=float16,islands=lm_head;ln_f,tf32=1,loss_scale=dynamic:65536"
     assert PrecisionPolicy.from_string("p=f32,c=f16") == PrecisionPolicy(F32, F16)
-    assert PrecisionPolicy.from_string("bf16") == PrecisionPolicy(BF16, BF16)
+    assert PrecisionPolicy.from_string("fp32") == PrecisionPolicy.from_string("float32") == PrecisionPolicy(F32, F32)
     assert PrecisionPolicy.from_string("params=bf16") == PrecisionPolicy(BF16, BF16)
+    assert PrecisionPolicy.from_string("bf16-pure") == PrecisionPolicy(BF16, BF16)
 
 
 def test_reasons_do_not_break_equality():
@@ -369,3 +370,31 @@ def test_float16_compute_without_a_loss_scale_gets_dynamic_scaling_and_says_so()
     assert PrecisionPolicy.from_string(str(off)) == off and PrecisionPolicy.from_dict(off.to_dict()) == off
     assert PrecisionPolicy.from_string("params=float32,compute=bfloat16").loss_scale is None
     assert PrecisionPolicy(F32, BF16).replace(compute_dtype=F16).loss_scale is None  # replace keeps "none"
+
+
+@pytest.mark.parametrize("setting, match", [
+    ("min_scale=-1", "min_scale must be >= 0"),
+    ("min_scale=nan", "min_scale must be a finite number"),
+    ("min_scale=inf", "min_scale must be a finite number"),
+    ("max_scale=inf", "max_scale must be a finite number"),
+    ("max_scale=1e39", "max_scale must be a finite number"),
+    ("growth_interval=2.5", "growth_interval must be a whole number, got '2.5'"),
+    ("growth_interval=inf", "growth_interval must be a whole number"),
+    ("hysteresis=nan", "hysteresis must be a whole number"),
+    ("min_scale=1:min_scale=2", "min_scale given twice"),
+])
+def test_a_loss_scale_setting_grad_scaler_would_refuse_is_refused_in_the_policy_string(setting, match):
+    with pytest.raises(ValueError, match=match):
+        PrecisionPolicy.from_string(f"params=float32,compute=float16,loss_scale=dynamic:65536:{setting}")
+
+
+@pytest.mark.parametrize("kw", [dict(min_scale=float("nan")), dict(max_scale=float("inf")), dict(min_scale=-1.0),
+                                dict(growth_interval=2.5), dict(growth_interval=float("inf")), dict(hysteresis=True)])
+def test_loss_scale_refuses_what_grad_scaler_refuses(kw):
+    with pytest.raises(ValueError, match="loss_scale: " + next(iter(kw))):
+        LossScale(**kw)
+
+
+def test_loss_scale_string_is_case_insensitive_like_the_rest_of_the_policy():
+    p = PrecisionPolicy.from_string("Params=FP32,compute=fp16,loss_scale=Dynamic:1024:Min_Scale=1")
+    assert p.loss_scale == LossScale(init_scale=1024, min_scale=1.0)

@@ -111,6 +111,7 @@ def main(argv=None):
     parser.add_argument("--stats", action="store_true",
                         help="the tensor_stats suite on the same sets (ours, a torch loop, _foreach_norm, read ceiling)")
     args, rest = parser.parse_known_args(argv)
+    _check(parser, args)
     suites = [s for s in args.suites.split(",") if s]
     commands = [s for s in suites if s in COMMANDS]
     if commands:
@@ -120,21 +121,11 @@ def main(argv=None):
         return _run_command(commands[0], rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    unknown = [s for s in suites if s not in (*SUITES, "sround", "optim", "e2e")]
-    if unknown:
-        parser.error(f"--suites: unknown suite {unknown[0]!r}; choose from "
-                     + ", ".join([*SUITES, "sround", "optim", "e2e", *COMMANDS]))
     sround = "sround" in suites  # the stochastic-rounding suite; the others are unscale suites
     optim_suite = "optim" in suites  # the fused-optimizer suite (GPU)
     e2e_suite = "e2e" in suites  # end to end: the zoo's models under torch's recipes and ours
     suites = [s for s in suites if s not in ("sround", "optim", "e2e")]
     cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        parser.error("--device cuda: torch sees no CUDA GPU; use --device cpu")
-    if args.reps is not None and args.reps < 1:
-        parser.error("--reps must be >= 1")
-    if not all(0.0 <= f < 1.0 for f in args.scaler_frozen):
-        parser.error("--scaler-frozen: each fraction must be in [0, 1)")
     cpu_reps = {"reps": args.reps} if args.reps else {}
     gpu_reps = args.reps or 50
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
@@ -208,6 +199,32 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return rows
+
+
+def _check(parser: argparse.ArgumentParser, args) -> None:
+    """Every value before any suite runs: a bad one is a usage error naming its option (exit status 2)."""
+    from .. import _cliargs
+
+    _cliargs.device(parser, args.device)
+    known = [*SUITES, "sround", "optim", "e2e", *COMMANDS]
+    unknown = [s for s in args.suites.split(",") if s and s not in known]
+    if unknown:
+        parser.error(f"--suites: unknown suite(s) {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+    for flag, text, choices in (("--e2e-models", args.e2e_models, E2E_MODELS),
+                                ("--e2e-recipes", args.e2e_recipes, E2E_RECIPES),
+                                ("--e2e-modes", args.e2e_modes, ("eager", "compiled"))):
+        names = [t for t in (text or "").split(",") if t]
+        if text is not None and not names:
+            parser.error(f"{flag} {text!r}: name at least one of {', '.join(choices)}")
+        unknown = [t for t in names if t not in choices]
+        if unknown:
+            parser.error(f"{flag}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(choices)}")
+    _cliargs.at_least(parser, args.reps, 1, "--reps")
+    _cliargs.at_least(parser, args.e2e_steps, 1, "--e2e-steps")
+    _cliargs.at_least(parser, args.e2e_rounds, 1, "--e2e-rounds")
+    _cliargs.at_least(parser, args.lm, 0, "--lm")
+    if not all(0.0 <= f < 1.0 for f in args.scaler_frozen):
+        parser.error("--scaler-frozen: each fraction must be in [0, 1)")
 
 
 if __name__ == "__main__":

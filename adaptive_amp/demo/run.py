@@ -502,9 +502,10 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA GPU; use --device cpu")
-    for name in ("steps", "seeds"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
+    # (0 would otherwise fall back to the default silently)
+    for flag, value in (("--steps", args.steps), ("--seeds", args.seeds)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} is {value}; pass at least 1")
     cfg = Config.for_device(device, args.steps, full=args.full)
     if args.timing_rounds is not None:
         if args.timing_rounds < 0:
@@ -512,10 +513,14 @@ def main(argv=None) -> int:
         cfg.timing_rounds = args.timing_rounds
     seeds = args.seeds or cfg.seeds
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    if not scenarios:
+        parser.error(f"--scenarios {args.scenarios!r}: name at least one (ordinary, planted)")
     for s in scenarios:
         if s not in ("ordinary", "planted"):
             parser.error(f"--scenarios: unknown scenario {s!r} (ordinary, planted)")
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    if not recipes:
+        parser.error(f"--recipes {args.recipes!r}: name at least one ({', '.join(RECIPES)})")
     for r in recipes:
         if r not in RECIPES:
             parser.error(f"--recipes: unknown recipe {r!r} ({', '.join(RECIPES)})")
