@@ -377,7 +377,8 @@ def test_tune_restores_everything_bitwise_and_records_every_trial():
         assert len(t.losses) == 3 and all(math.isfinite(v) for v in t.losses)
         assert t.step_time_ms is not None and t.state_bytes > 0 and t.activation_bytes > 0
         assert any(r.startswith(f"trial {t.name}:") for r in result.policy.reasons)
-    assert any("float8" in r and "torchao" in r for r in result.policy.reasons)
+    # float8 is listed as skipped, with why: torchao missing, or (where it is installed) no CUDA GPU.
+    assert any("float8" in r and ("torchao" in r or "CUDA GPU" in r) for r in result.policy.reasons)
     by = {t.name: t for t in result.trials}
     assert by["bf16"].grad_cosine > 0.99 and by["bf16"].agrees
     chosen = result.chosen
