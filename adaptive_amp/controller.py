@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import numbers
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -64,6 +65,7 @@ from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor, SumsOfSquares, builtin_values
 from .optim import _Fused
+from .scaler import OptState, _takes_grad_scaler
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
 from .recipes import cast_for_policy, policy_hooks
 from .scaler import GradScaler
@@ -93,6 +95,18 @@ def _norm_of_norms(norms: List[torch.Tensor]) -> Optional[torch.Tensor]:
     if not norms:
         return None
     return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _check_clip_args(max_norm, norm_type, name: str = "max_grad_norm") -> None:
+    """A clip to a negative or NaN norm would flip or poison every gradient: refused by name."""
+    number = isinstance(max_norm, numbers.Real) and not isinstance(max_norm, bool)
+    if not (isinstance(max_norm, torch.Tensor) or (number and max_norm >= 0)):
+        raise ValueError(f"{name} must be a number >= 0 (inf: measure the norm without clipping), got {max_norm!r}")
+    order = float(norm_type) if isinstance(norm_type, numbers.Real) else math.nan
+    if norm_type == "inf":  # (torch's clip takes the string too)
+        order = math.inf
+    if isinstance(norm_type, bool) or math.isnan(order):
+        raise ValueError(f"norm_type must be a number (2.0, or inf for the largest magnitude), got {norm_type!r}")
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -265,6 +279,11 @@ class AdaptiveMixedPrecision:
         # during the next step (see step()).
         self._pending: Optional[tuple] = None
         self._host_slots = HostSlots()
+        # (the loss sum it is of, StepResult of its finiteness): queued by backward() where a step decides on
+        # the host whether to skip for a non-finite loss.
+        self._loss_check: Optional[tuple] = None
+        self._loss_slots = HostSlots()
+        self._applied: Optional[list] = None  # gradients a failed step() applied already (see step())
 
     # ------------------------------------------------------------ set-up
     def _resolve_policy(self, policy, sample_inputs, loss_fn, overrides, progress) -> PrecisionPolicy:
@@ -435,55 +454,221 @@ class AdaptiveMixedPrecision:
         self._watched = self._step
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """``scaler.scale(loss).backward()``; the loss is kept (on the device) for the monitor."""
+        """``scaler.scale(loss).backward()``; the loss is kept (on the device) for the monitor, and a step whose
+        loss is not finite is skipped (see :meth:`step`)."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"backward(loss): loss must be a tensor, got {type(loss).__name__}")
         value = loss.detach().float()
+        if value.numel() != 1:  # (with backward's gradient=): the monitor keeps one number a step
+            value = value.sum()
+        value = value.reshape(())
+        self.scaler.scale(loss).backward(**kwargs)
+        # Kept once backward succeeded: a backward that raised (and is run again) adds its loss once.
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_count += 1
-        self.scaler.scale(loss).backward(**kwargs)
+        if self._decides_skip_on_host():
+            # Copied to the host now, in stream order behind the forward only: step() then waits for the
+            # forward at most, never for the backward queued since.
+            self._loss_check = (self._loss_sum, StepResult(found_inf=self._nonfinite(self._loss_sum),
+                                                           slots=self._loss_slots))
+
+    @staticmethod
+    def _nonfinite(loss: torch.Tensor) -> torch.Tensor:
+        """1.0 where the loss is NaN or inf, else 0.0: a found_inf, on the loss's device (no sync)."""
+        return torch.logical_not(torch.isfinite(loss)).to(torch.float32)
+
+    @staticmethod
+    def _skips_on_device(opt) -> bool:
+        """Whether `opt` skips its own step on the device when handed a found_inf (fused=True, adaptive_amp.optim)."""
+        return getattr(opt, "_step_supports_amp_scaling", False) and not _takes_grad_scaler(opt.step)
+
+    def _decides_skip_on_host(self) -> bool:
+        """Without loss scaling, an optimizer that cannot skip on the device is skipped from the host."""
+        return not self.scaler.is_enabled() and not all(self._skips_on_device(o) for o in self.optimizers)
+
+    def _active_optimizers(self) -> list:
+        """The optimizers with at least one gradient this step; refuses a step where none has one."""
+        active = [opt for opt in self.optimizers
+                  if any(p.grad is not None for g in opt.param_groups for p in g["params"])]
+        if not active:
+            raise RuntimeError("step(): no parameter of any optimizer has a gradient; call amp.backward(loss) "
+                               "(or loss.backward()) before step()")
+        return active
+
+    def _agree_skip(self, skip: torch.Tensor) -> torch.Tensor:
+        """The non-finite-loss flag every process skips on; a subclass deciding over several processes
+        reduces it (one process: as it is)."""
+        return skip
+
+    def _refuse_reapplied_gradients(self) -> None:
+        """After a step() that raised once its optimizers had changed the weights: the same, untouched
+        gradients are refused, so that running step() again cannot apply them twice."""
+        applied = self._applied
+        if applied is None:
+            return
+        if all(p.grad is g and (g is None or g._version == v) for p, g, v in applied):
+            raise RuntimeError("step(): the last step() raised after its optimizers had updated the weights with "
+                               "these same gradients; they are not applied twice. Run the next forward and "
+                               "backward (after zero_grad()) before calling step() again")
+        self._applied = None
+
+    def _prepare_scaled(self, active, skip: Optional[torch.Tensor]) -> None:
+        """Unscale (or check) every optimizer's gradients before any of them steps, so that an error there
+        changes no weight; a non-finite loss is added to their found_inf, so the scaler skips that step."""
+        scaler = self.scaler
+        scaler._check_scale_growth_tracker("step")
+        scaler._check_native_state()  # the update after the step writes through these tensors
+        for opt in active:
+            state = scaler._per_optimizer_states[id(opt)]
+            if state["stage"] is OptState.STEPPED:
+                raise RuntimeError(f"step(): optimizer {self.optimizers.index(opt)} has stepped since the scaler's "
+                                   "last update() (was amp.scaler.step() called directly?); call "
+                                   "amp.scaler.update() to finish that step first")
+        for opt in active:
+            state = scaler._per_optimizer_states[id(opt)]
+            if getattr(opt, "_step_supports_amp_scaling", False):
+                if _takes_grad_scaler(opt.step):
+                    continue  # (checks the gradients itself, inside its step)
+                if not state["found_inf_per_device"]:
+                    scaler._check_inf_per_device(opt)
+            elif state["stage"] is OptState.READY:
+                scaler.unscale_(opt)
+        if skip is not None:
+            for opt in active:
+                for found in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values():
+                    found.add_(skip.to(found.device, non_blocking=True))
+
+    def _step_unscaled(self, active, skip: Optional[torch.Tensor], loss, done: list) -> tuple:
+        """Each optimizer's step without loss scaling, skipped when the loss is not finite: on the device by
+        optimizers that can (handed the flag as a found_inf), from the host otherwise. Returns
+        (StepResult, the optimizers that stepped or were handed the flag)."""
+        if skip is None:
+            for opt in active:
+                opt.step()
+                done.append(opt)
+            return StepResult(True), active
+        on_host = [opt for opt in active if not self._skips_on_device(opt)]
+        finite = True
+        if on_host:
+            check = self._loss_check
+            known = check[1] if check is not None and check[0] is loss else StepResult(
+                found_inf=skip, slots=self._loss_slots)
+            finite = bool(known)
+        stepped = []
+        for opt in active:
+            if opt in on_host:
+                if finite:
+                    opt.step()
+                    stepped.append(opt)
+                done.append(opt)
+                continue
+            opt.found_inf = skip
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf
+            stepped.append(opt)
+            done.append(opt)
+        if not finite or len(on_host) == len(active):
+            return StepResult(finite), stepped
+        return StepResult(found_inf=skip, slots=self._host_slots), stepped
 
     def step(self, max_grad_norm: Optional[float] = None, norm_type: float = 2.0) -> StepResult:
         """Unscale and check, clip, step every optimizer, update the scale, monitor, adapt.
 
         Returns a :class:`~adaptive_amp.StepResult` whatever the policy: ``bool()`` of it is whether the
-        optimizers stepped (False: an overflow skipped the step; with several optimizers, True only if every
-        one stepped). Without loss scaling, or with optimizers the scaler steps from the host, the host knows
-        already and reading it is free. Optimizers that skip on the device (``fused=True``,
-        adaptive_amp.optim) keep it on the device: the step never waits, and the controller reads it during
-        the next step (after that step's work is queued, so the device never idles for it), which is when
-        such a step's overflow is diagnosed.
+        optimizers stepped (False: an overflow or a non-finite loss skipped the step; with several
+        optimizers, True only if every one stepped). Without loss scaling, or with optimizers the scaler
+        steps from the host, the host knows already and reading it is free. Optimizers that skip on the
+        device (``fused=True``, adaptive_amp.optim) keep it on the device: the step never waits, and the
+        controller reads it during the next step (after that step's work is queued, so the device never
+        idles for it), which is when such a step's overflow is diagnosed.
+
+        A step whose loss (as recorded by :meth:`backward`) is NaN or inf is skipped in every policy, as
+        the scaler skips an overflowing one: with loss scaling its found_inf is set; without, optimizers
+        that skip on the device are handed it, others are not stepped (reading the flag waits for the
+        forward pass only). An optimizer none of whose parameters got a gradient (the idle one of a GAN
+        step) is left alone. Everything that can refuse the step (no gradient at all, a bad argument,
+        gradients the scaler cannot unscale) raises before any optimizer has changed anything.
         """
+        if max_grad_norm is not None:
+            _check_clip_args(max_grad_norm, norm_type)
+        self._refuse_reapplied_gradients()
+        active = self._active_optimizers()
+        last = self.monitor._last_step()
+        if last is not None and self._step <= last:
+            raise RuntimeError(f"step(): the monitor has recorded step {last} already and this controller is at "
+                               f"step {self._step}; give each controller its own StabilityMonitor (or load a "
+                               "state_dict that matches)")
         if max_grad_norm is not None:
             self.clip_grad_norm_(max_grad_norm, norm_type)
         elif self._clip_total is None and self._stats_due():
             self._record_gradient_stats()
-        grad_norm, clip_max, self._clip_total, self._clip_max = self._clip_total, self._clip_max, None, None
+        grad_norm, clip_max = self._clip_total, self._clip_max
         scaling = self.scaler.is_enabled()
-        # Nothing else measures the norm: optimizers that read every gradient anyway measure it in that pass.
-        folded = (not scaling and grad_norm is None and self.track_grad_norm
-                  and all(isinstance(opt, _Fused) for opt in self.optimizers))
-        with _tracking_grad_norm(self.optimizers if folded else ()):
-            results = [self.scaler.step(opt) for opt in self.optimizers]
-        if scaling:
-            self.scaler.update()
-            if grad_norm is None:
-                grad_norm = self.scaler.last_grad_norm
-        elif grad_norm is None and self.track_grad_norm:
-            grad_norm = self._stepped_grad_norm() if folded else self._grad_norm()
         loss = None
         if self._loss_sum is not None:
             loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
+        skip = None if loss is None else self._agree_skip(self._nonfinite(loss))
+        # Nothing else measures the norm: optimizers that read every gradient anyway measure it in that pass.
+        folded = (not scaling and grad_norm is None and self.track_grad_norm
+                  and all(isinstance(opt, _Fused) for opt in active))
+        if scaling:
+            self._prepare_scaled(active, skip)
+        elif grad_norm is None and self.track_grad_norm and not folded:
+            grad_norm = self._grad_norm(active)  # the step leaves the gradients as they are
+        done: list = []  # the optimizers whose step has returned
+        try:
+            if scaling:
+                for opt in active:
+                    done.append(self.scaler.step(opt))
+                result = done  # (read after the scale update, from its combined found_inf)
+            else:
+                with _tracking_grad_norm(active if folded else ()):
+                    result, stepped = self._step_unscaled(active, skip, loss, done)
+        except BaseException as exc:
+            if done:  # (an optimizer that raises at once has changed nothing: ours and torch's check first)
+                self._after_failed_step(active, scaling)
+                exc.add_note(f"AdaptiveMixedPrecision.step(): {len(done)} of the {len(active)} optimizers with "
+                             "gradients had stepped; these gradients will not be applied again")
+            raise
+        try:
+            return self._finish_step(result, loss, grad_norm, clip_max, scaling, skip,
+                                     stepped if folded else ())
+        except BaseException:
+            self._after_failed_step(active, scaling)
+            raise
+
+    def _after_failed_step(self, active, scaling: bool) -> None:
+        """An error once an optimizer has stepped: its gradients are not taken again, and the scaler's
+        iteration is closed, so that the next step starts afresh."""
+        self._applied = [(p, p.grad, None if p.grad is None else p.grad._version)
+                         for opt in active for g in opt.param_groups for p in g["params"]]
+        self._loss_sum, self._loss_count, self._loss_check, self._clip_total, self._clip_max = None, 0, None, None, None
+        if scaling:
+            self.scaler._abandon_step()
+
+    def _finish_step(self, result, loss, grad_norm, clip_max, scaling: bool, skip, stepped_fused) -> StepResult:
+        self._clip_total, self._clip_max = None, None
+        if scaling:
+            self.scaler.update()
+            # After everything the update launches.
+            result = self._result(result)
+            if grad_norm is None:
+                grad_norm = self.scaler.last_grad_norm
+        elif grad_norm is None and self.track_grad_norm and stepped_fused:
+            grad_norm = self._stepped_grad_norm(stepped_fused)
         step = self._step
         self.monitor.record_step(step, loss=loss, grad_norm=grad_norm,
-                                 found_inf=self.scaler.found_inf if scaling else None,
+                                 found_inf=self.scaler.found_inf if scaling else skip,
                                  scale=self.scaler._get_scale_async().clone() if scaling else None,
                                  max_grad_norm=clip_max)
         watched = self._watched == step
         self._loss_known = loss is not None  # losses scaled outside backward() are not recorded
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
+        self._loss_check = None
         self._watch_left, self._watched = max(0, self._watch_left - 1), None
         self._step += 1
-        # After everything this step launches (the scale update, the monitor's copy of the scale).
-        result = self._result(results) if scaling else StepResult(True)
         read_due = self.adapt and self._adapts() and self.monitor.read_due(step)
         if read_due:
             self._add_events(self.monitor.read())  # the adaptation below judges this window's history now
@@ -511,14 +696,17 @@ class AdaptiveMixedPrecision:
         global one, all-reduced over the ranks, as the step's own clip records;
         :attr:`GradScaler.last_grad_norm` would be this rank's part only.
         """
+        _check_clip_args(max_norm, norm_type, "max_norm")
+        active = self._active_optimizers()
         if self._clip_total is None and self._stats_due():
             self._record_gradient_stats()  # before the clip unscales them (once a step)
-        if len(self.optimizers) == 1:
-            total = self.scaler.clip_grad_norm_(self.optimizers[0], max_norm, norm_type)
+        if len(active) == 1:
+            total = self.scaler.clip_grad_norm_(active[0], max_norm, norm_type)
         else:
-            for opt in self.optimizers:
-                self.scaler.unscale_(opt)
-            params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+            for opt in active:
+                if self.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY:
+                    self.scaler.unscale_(opt)
+            params = [p for opt in active for g in opt.param_groups for p in g["params"]]
             total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         self._clip_total, self._clip_max = total, float(max_norm)
         return total
@@ -561,17 +749,18 @@ class AdaptiveMixedPrecision:
 
         return train_step(self, closure, max_grad_norm, norm_type)
 
-    def _stepped_grad_norm(self) -> Optional[SumsOfSquares]:
+    def _stepped_grad_norm(self, optimizers) -> Optional[SumsOfSquares]:
         """The norm of all gradients, as the per-tensor sums of squares the fused optimizers' steps measured:
         the monitor's read sums them, so the step launches nothing for it (summing them took two launches a
         step, about 0.1 ms of host time under cProfile on the H100 host of the twenty-first session)."""
-        parts = [t for opt in self.optimizers for t in (opt._grad_sums or ())]
+        parts = [t for opt in optimizers for t in (opt._grad_sums or ())]
         return SumsOfSquares(parts) if parts else None
 
-    def _grad_norm(self) -> Optional[torch.Tensor]:
+    def _grad_norm(self, optimizers) -> Optional[torch.Tensor]:
         """The L2 norm of all gradients, on the device (no sync): without loss scaling nothing else
-        measures it. After the step, as the scaler's norm is (the gradients are unchanged by it)."""
-        grads = [p.grad for opt in self.optimizers for g in opt.param_groups for p in g["params"]
+        measures it. Before the step (which leaves the gradients as they are), so that nothing here can
+        fail once an optimizer has changed the weights."""
+        grads = [p.grad for opt in optimizers for g in opt.param_groups for p in g["params"]
                  if p.grad is not None and not p.grad.is_sparse]
         if not grads:
             return None
@@ -581,9 +770,11 @@ class AdaptiveMixedPrecision:
         groups: Dict[tuple, List[torch.Tensor]] = {}
         for g in grads:
             groups.setdefault((g.device, g.dtype), []).append(g)
-        # In fp32 whatever the gradients' dtype: a bf16 norm is off by up to 0.4% (torch's get_total_norm).
-        return _norm_of_norms([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)))
-                               .to(self.device) for gs in groups.values()])
+        # In fp32 whatever the gradients' dtype (a bf16 norm is off by up to 0.4%: torch's get_total_norm);
+        # float64 ones in float64 (_foreach_norm refuses to narrow), the result in fp32 as the monitor keeps it.
+        return _norm_of_norms([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
+            gs, 2, dtype=torch.float64 if dtype == torch.float64 else torch.float32))).to(self.device, torch.float32)
+            for (_, dtype), gs in groups.items()])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:

@@ -856,6 +856,11 @@ class GradScaler(torch.amp.GradScaler):
             self._native_update(found, step_amax)
             self._last_found_inf = found
             self._last_stats = stats
+        self._abandon_step()
+
+    def _abandon_step(self) -> None:
+        """Forget this iteration's per-optimizer states and statistics, as update() does at its end (what a
+        caller whose step failed part-way uses to start the next one afresh)."""
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._grad_stats = {}
         self._step_stats = {}
