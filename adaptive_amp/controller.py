@@ -536,7 +536,8 @@ class AdaptiveMixedPrecision:
         if skip is not None:
             for opt in active:
                 for found in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values():
-                    found.add_(skip.to(found.device, non_blocking=True))
+                    # (a maximum, not a sum: torch's fused steps skip on a found_inf of exactly 1.0)
+                    torch.maximum(found, skip.to(found.device, non_blocking=True), out=found)
 
     def _step_unscaled(self, active, skip: Optional[torch.Tensor], loss, done: list) -> tuple:
         """Each optimizer's step without loss scaling, skipped when the loss is not finite: on the device by
@@ -971,7 +972,12 @@ class AdaptiveMixedPrecision:
                                "adapt") if k not in state]
         if missing:
             raise ValueError(f"{where}: missing entries {missing}")
-        policy = PrecisionPolicy.from_dict(state["policy"])
+        try:
+            if not isinstance(state["policy"], dict):
+                raise TypeError(f"a dict (PrecisionPolicy.to_dict()) is expected, got {type(state['policy']).__name__}")
+            policy = PrecisionPolicy.from_dict(state["policy"])
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise ValueError(f"{where}: state['policy'] is malformed ({exc})") from None
         if (policy.param_dtype, policy.param_scope) != (self.policy.param_dtype, self.policy.param_scope):
             raise ValueError(f"{where}: the saved policy keeps parameters in {dtype_name(policy.param_dtype)} "
                              f"(scope {policy.param_scope}), this one in {dtype_name(self.policy.param_dtype)} (scope "
@@ -981,31 +987,30 @@ class AdaptiveMixedPrecision:
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         scaler = self._make_scaler(policy)
-        if bool(state["scaler_enabled"]) != scaler.is_enabled():
+        if not isinstance(state["scaler_enabled"], bool):
+            raise ValueError(f"{where}: state['scaler_enabled'] must be a bool, got {state['scaler_enabled']!r}")
+        if state["scaler_enabled"] != scaler.is_enabled():
             raise ValueError(f"{where}: the saved scaler's enabled state does not match the saved policy")
         if scaler.is_enabled():
-            scaler.load_state_dict(state["scaler"])
+            try:
+                scaler.load_state_dict(state["scaler"])
+            except (TypeError, ValueError, KeyError, RuntimeError) as exc:
+                raise ValueError(f"{where}: state['scaler'] is refused: {exc}") from None
         # Into a copy of this monitor (its class and settings stay), so a refused state leaves ours alone;
         # a shallow copy is enough, since loading replaces every piece of the monitor's state.
         monitor = copy.copy(self.monitor)
-        monitor.load_state_dict(state["monitor"])
         try:
-            adapt = state["adapt"]
-            parsed = dict(step=int(state["step"]), last_change=int(adapt["last_change"]),
-                          promotions=int(adapt["promotions"]), promoted=[str(n) for n in adapt["promoted"]],
-                          demotions={str(k): int(v) for k, v in adapt["demotions"].items()},
-                          watch_left=int(adapt.get("watch_left", 1 if adapt.get("watch_next") else 0)),
-                          first_overflow=(None if adapt.get("first_overflow") is None
-                                          else int(adapt["first_overflow"])),
-                          unexplained=int(adapt.get("unexplained", 0)),
-                          scale_before_storm=adapt["scale_before_storm"],
-                          pending=(None if adapt.get("pending") is None else
-                                   (int(adapt["pending"][0]), StepResult(bool(adapt["pending"][1])),
-                                    bool(adapt["pending"][2]))),
-                          events=[Event.from_dict(e) for e in state["events"]],
-                          policy_history=[(int(a), str(b)) for a, b in state["policy_history"]])
+            monitor.load_state_dict(state["monitor"])
+        except ValueError as exc:
+            raise ValueError(f"{where}: state['monitor'] is refused: {exc}") from None
+        try:
+            parsed = _parse_adaptation(state)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{where}: missing or malformed adaptation state ({exc!r})") from None
+            raise ValueError(f"{where}: missing or malformed adaptation state ({exc})") from None
+        last = monitor._last_step()
+        if last is not None and last >= parsed["step"]:
+            raise ValueError(f"{where}: state['monitor'] has recorded step {last}, but state['step'] says the next "
+                             f"step is {parsed['step']}: they are not of one checkpoint")
         self.adjuster.set_policy(policy)
         self._apply_tf32(policy.tf32)
         self.policy, self.scaler, self.monitor = policy, scaler, monitor
@@ -1020,9 +1025,70 @@ class AdaptiveMixedPrecision:
         self._scale_before_storm = parsed["scale_before_storm"]
         self._pending = parsed["pending"]
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
-        self._clip_total, self._clip_max = None, None
+        self._clip_total, self._clip_max, self._loss_check, self._applied = None, None, None, None
 
     def __repr__(self):
         return (f"AdaptiveMixedPrecision(policy={str(self.policy)!r}, device={self.device}, step={self._step}, "
                 f"events={len(self.events)})")
 
+
+def _field_int(name: str, value, lo: int = 0, hi: Optional[int] = None) -> int:
+    """An int (not a bool, not a float) in [lo, hi], else ValueError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be in [{lo}, {'...' if hi is None else hi}], got {value}")
+    return int(value)
+
+
+def _field_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _parse_adaptation(state: Dict[str, Any]) -> Dict[str, Any]:
+    """The controller's own entries of a state_dict, checked (ValueError naming the field)."""
+    step = _field_int("state['step']", state["step"])
+    adapt = state["adapt"]
+    if not isinstance(adapt, dict):
+        raise ValueError(f"state['adapt'] must be a dict, got {type(adapt).__name__}")
+    first = adapt.get("first_overflow")
+    scale = adapt["scale_before_storm"]
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not (math.isfinite(scale) and scale > 0)):
+        raise ValueError(f"state['adapt']['scale_before_storm'] must be None or a finite number > 0, got {scale!r}")
+    pending = adapt.get("pending")
+    if pending is not None:
+        if not isinstance(pending, (list, tuple)) or len(pending) != 3:
+            raise ValueError(f"state['adapt']['pending'] must be None or [step, stepped, watched], got {pending!r}")
+        pending = (_field_int("state['adapt']['pending'][0]", pending[0], step - 1, step - 1),
+                   StepResult(_field_bool("state['adapt']['pending'][1]", pending[1])),
+                   _field_bool("state['adapt']['pending'][2]", pending[2]))
+    promoted = adapt["promoted"]
+    demotions = adapt["demotions"]
+    if not isinstance(promoted, list) or not all(isinstance(n, str) for n in promoted):
+        raise ValueError(f"state['adapt']['promoted'] must be a list of layer names, got {promoted!r}")
+    if not isinstance(demotions, dict) or not all(isinstance(k, str) for k in demotions):
+        raise ValueError(f"state['adapt']['demotions'] must be a dict of layer name to count, got {demotions!r}")
+    history = state["policy_history"]
+    if not isinstance(history, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[1], str)
+                                                for p in history):
+        raise ValueError(f"state['policy_history'] must be a list of [step, policy string], got {history!r}")
+    events = state["events"]
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise ValueError("state['events'] must be a list of dicts (Event.to_dict())")
+    return dict(step=step, last_change=_field_int("state['adapt']['last_change']", adapt["last_change"], 0, step),
+                promotions=_field_int("state['adapt']['promotions']", adapt["promotions"]),
+                promoted=list(promoted),
+                demotions={k: _field_int(f"state['adapt']['demotions'][{k!r}]", v) for k, v in demotions.items()},
+                watch_left=_field_int("state['adapt']['watch_left']",
+                                      adapt.get("watch_left", 1 if adapt.get("watch_next") else 0)),
+                first_overflow=None if first is None else _field_int("state['adapt']['first_overflow']", first,
+                                                                      0, step),
+                unexplained=_field_int("state['adapt']['unexplained']", adapt.get("unexplained", 0)),
+                scale_before_storm=None if scale is None else float(scale),
+                pending=pending,
+                events=[Event.from_dict(e) for e in events],
+                policy_history=[(_field_int(f"state['policy_history'][{i}][0]", a, 0, step), b)
+                                for i, (a, b) in enumerate(history)])
