@@ -783,7 +783,11 @@ class GradScaler(torch.amp.GradScaler):
                 if not state["found_inf_per_device"]:
                     self._check_inf_per_device(optimizer)
                 scale = self._scale
-                found_inf = self._combine(state["found_inf_per_device"].values(), scale.device)
+                found_infs = state["found_inf_per_device"].values()
+                # No gradient this step (the other optimizer of a GAN's step): nothing to skip, and the step
+                # is a no-op, as torch's (whose sum over no found_inf is 0).
+                found_inf = (self._combine(found_infs, scale.device) if found_infs
+                             else torch.zeros((), dtype=torch.float32, device=scale.device))
                 coef = self._clip_coef.pop(id(optimizer), None)
                 if state["stage"] == OptState.UNSCALED:
                     optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
