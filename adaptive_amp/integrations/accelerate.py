@@ -158,26 +158,9 @@ class AcceleratorBridge:
         self._wrap_forward(module)
         # Instance attribute, as Accelerate patches optimizer.step itself: the object the Accelerator,
         # its scheduler wrapper and the caller hold stays the same.
-        optimizer.step = self._step_method(optimizer)
+        optimizer.step = functools.partial(self._optimizer_step, optimizer)
         optimizer._is_overflow = SkipFlag(None)
         return self.amp
-
-    def _step_method(self, accelerated: AcceleratedOptimizer):
-        """``optimizer.step`` under the bridge, keeping the mark torch's LR schedulers put on it.
-
-        A scheduler made before :func:`attach` (the transformers Trainer makes it before training begins)
-        wrapped ``optimizer.step`` to record ``_opt_called``; replacing that wrapper without its mark makes
-        the scheduler's first step warn that ``optimizer.step()`` "has been overridden". A scheduler made
-        after finds the mark and leaves the method alone.
-        """
-        bridge = self
-
-        def step(closure=None):
-            accelerated._opt_called = True  # what the scheduler's wrapper records
-            return bridge._optimizer_step(accelerated, closure)
-
-        step._wrapped_by_lr_sched = True
-        return step
 
     def _wrap_forward(self, module: nn.Module) -> None:
         if getattr(module.forward, "_adaptive_amp_bridge", None) is self:
