@@ -466,9 +466,10 @@ class AdaptiveMixedPrecision:
         # Kept once backward succeeded: a backward that raised (and is run again) adds its loss once.
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_count += 1
-        if self._decides_skip_on_host():
+        if self._decides_skip_on_host() and type(self)._agree_skip is AdaptiveMixedPrecision._agree_skip:
             # Copied to the host now, in stream order behind the forward only: step() then waits for the
-            # forward at most, never for the backward queued since.
+            # forward at most, never for the backward queued since. (Where the ranks agree on it, step()
+            # reads the agreed flag instead.)
             self._loss_check = (self._loss_sum, StepResult(found_inf=self._nonfinite(self._loss_sum),
                                                            slots=self._loss_slots))
 
