@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import numbers
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
@@ -67,6 +68,7 @@ from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor, SumsOfSquares, builtin_values
 from .optim import _Fused
+from .scaler import OptState, _takes_grad_scaler
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
 from .recipes import cast_for_policy, policy_hooks
 from .scaler import GradScaler
@@ -96,6 +98,18 @@ def _norm_of_norms(norms: List[torch.Tensor]) -> Optional[torch.Tensor]:
     if not norms:
         return None
     return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _check_clip_args(max_norm, norm_type, name: str = "max_grad_norm") -> None:
+    """A clip to a negative or NaN norm would flip or poison every gradient: refused by name."""
+    number = isinstance(max_norm, numbers.Real) and not isinstance(max_norm, bool)
+    if not (isinstance(max_norm, torch.Tensor) or (number and max_norm >= 0)):
+        raise ValueError(f"{name} must be a number >= 0 (inf: measure the norm without clipping), got {max_norm!r}")
+    order = float(norm_type) if isinstance(norm_type, numbers.Real) else math.nan
+    if norm_type == "inf":  # (torch's clip takes the string too)
+        order = math.inf
+    if isinstance(norm_type, bool) or math.isnan(order):
+        raise ValueError(f"norm_type must be a number (2.0, or inf for the largest magnitude), got {norm_type!r}")
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -277,6 +291,11 @@ class AdaptiveMixedPrecision:
         # during the next step (see step()).
         self._pending: Optional[tuple] = None
         self._host_slots = HostSlots()
+        # (the loss sum it is of, StepResult of its finiteness): queued by backward() where a step decides on
+        # the host whether to skip for a non-finite loss.
+        self._loss_check: Optional[tuple] = None
+        self._loss_slots = HostSlots()
+        self._applied: Optional[list] = None  # gradients a failed step() applied already (see step())
 
     # ------------------------------------------------------------ set-up
     def _resolve_policy(self, policy, sample_inputs, loss_fn, overrides, progress) -> PrecisionPolicy:
@@ -448,55 +467,223 @@ class AdaptiveMixedPrecision:
         self._watched = self._step
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """``scaler.scale(loss).backward()``; the loss is kept (on the device) for the monitor."""
+        """``scaler.scale(loss).backward()``; the loss is kept (on the device) for the monitor, and a step whose
+        loss is not finite is skipped (see :meth:`step`)."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"backward(loss): loss must be a tensor, got {type(loss).__name__}")
         value = loss.detach().float()
+        if value.numel() != 1:  # (with backward's gradient=): the monitor keeps one number a step
+            value = value.sum()
+        value = value.reshape(())
+        self.scaler.scale(loss).backward(**kwargs)
+        # Kept once backward succeeded: a backward that raised (and is run again) adds its loss once.
         self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
         self._loss_count += 1
-        self.scaler.scale(loss).backward(**kwargs)
+        if self._decides_skip_on_host() and type(self)._agree_skip is AdaptiveMixedPrecision._agree_skip:
+            # Copied to the host now, in stream order behind the forward only: step() then waits for the
+            # forward at most, never for the backward queued since. (Where the ranks agree on it, step()
+            # reads the agreed flag instead.)
+            self._loss_check = (self._loss_sum, StepResult(found_inf=self._nonfinite(self._loss_sum),
+                                                           slots=self._loss_slots))
+
+    @staticmethod
+    def _nonfinite(loss: torch.Tensor) -> torch.Tensor:
+        """1.0 where the loss is NaN or inf, else 0.0: a found_inf, on the loss's device (no sync)."""
+        return torch.logical_not(torch.isfinite(loss)).to(torch.float32)
+
+    @staticmethod
+    def _skips_on_device(opt) -> bool:
+        """Whether `opt` skips its own step on the device when handed a found_inf (fused=True, adaptive_amp.optim)."""
+        return getattr(opt, "_step_supports_amp_scaling", False) and not _takes_grad_scaler(opt.step)
+
+    def _decides_skip_on_host(self) -> bool:
+        """Without loss scaling, an optimizer that cannot skip on the device is skipped from the host."""
+        return not self.scaler.is_enabled() and not all(self._skips_on_device(o) for o in self.optimizers)
+
+    def _active_optimizers(self) -> list:
+        """The optimizers with at least one gradient this step; refuses a step where none has one."""
+        active = [opt for opt in self.optimizers
+                  if any(p.grad is not None for g in opt.param_groups for p in g["params"])]
+        if not active:
+            raise RuntimeError("step(): no parameter of any optimizer has a gradient; call amp.backward(loss) "
+                               "(or loss.backward()) before step()")
+        return active
+
+    def _agree_skip(self, skip: torch.Tensor) -> torch.Tensor:
+        """The non-finite-loss flag every process skips on; a subclass deciding over several processes
+        reduces it (one process: as it is)."""
+        return skip
+
+    def _refuse_reapplied_gradients(self) -> None:
+        """After a step() that raised once its optimizers had changed the weights: the same, untouched
+        gradients are refused, so that running step() again cannot apply them twice."""
+        applied = self._applied
+        if applied is None:
+            return
+        if all(p.grad is g and (g is None or g._version == v) for p, g, v in applied):
+            raise RuntimeError("step(): the last step() raised after its optimizers had updated the weights with "
+                               "these same gradients; they are not applied twice. Run the next forward and "
+                               "backward (after zero_grad()) before calling step() again")
+        self._applied = None
+
+    def _prepare_scaled(self, active, skip: Optional[torch.Tensor]) -> None:
+        """Unscale (or check) every optimizer's gradients before any of them steps, so that an error there
+        changes no weight; a non-finite loss is added to their found_inf, so the scaler skips that step."""
+        scaler = self.scaler
+        scaler._check_scale_growth_tracker("step")
+        scaler._check_native_state()  # the update after the step writes through these tensors
+        for opt in active:
+            state = scaler._per_optimizer_states[id(opt)]
+            if state["stage"] is OptState.STEPPED:
+                raise RuntimeError(f"step(): optimizer {self.optimizers.index(opt)} has stepped since the scaler's "
+                                   "last update() (was amp.scaler.step() called directly?); call "
+                                   "amp.scaler.update() to finish that step first")
+        for opt in active:
+            state = scaler._per_optimizer_states[id(opt)]
+            if getattr(opt, "_step_supports_amp_scaling", False):
+                if _takes_grad_scaler(opt.step):
+                    continue  # (checks the gradients itself, inside its step)
+                if not state["found_inf_per_device"]:
+                    scaler._check_inf_per_device(opt)
+            elif state["stage"] is OptState.READY:
+                scaler.unscale_(opt)
+        if skip is not None:
+            for opt in active:
+                for found in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values():
+                    # (a maximum, not a sum: torch's fused steps skip on a found_inf of exactly 1.0)
+                    torch.maximum(found, skip.to(found.device, non_blocking=True), out=found)
+
+    def _step_unscaled(self, active, skip: Optional[torch.Tensor], loss, done: list) -> tuple:
+        """Each optimizer's step without loss scaling, skipped when the loss is not finite: on the device by
+        optimizers that can (handed the flag as a found_inf), from the host otherwise. Returns
+        (StepResult, the optimizers that stepped or were handed the flag)."""
+        if skip is None:
+            for opt in active:
+                opt.step()
+                done.append(opt)
+            return StepResult(True), active
+        on_host = [opt for opt in active if not self._skips_on_device(opt)]
+        finite = True
+        if on_host:
+            check = self._loss_check
+            known = check[1] if check is not None and check[0] is loss else StepResult(
+                found_inf=skip, slots=self._loss_slots)
+            finite = bool(known)
+        stepped = []
+        for opt in active:
+            if opt in on_host:
+                if finite:
+                    opt.step()
+                    stepped.append(opt)
+                done.append(opt)
+                continue
+            opt.found_inf = skip
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf
+            stepped.append(opt)
+            done.append(opt)
+        if not finite or len(on_host) == len(active):
+            return StepResult(finite), stepped
+        return StepResult(found_inf=skip, slots=self._host_slots), stepped
 
     def step(self, max_grad_norm: Optional[float] = None, norm_type: float = 2.0) -> StepResult:
         """Unscale and check, clip, step every optimizer, update the scale, monitor, adapt.
 
         Returns a :class:`~adaptive_amp.StepResult` whatever the policy: ``bool()`` of it is whether the
-        optimizers stepped (False: an overflow skipped the step; with several optimizers, True only if every
-        one stepped). Without loss scaling, or with optimizers the scaler steps from the host, the host knows
-        already and reading it is free. Optimizers that skip on the device (``fused=True``,
-        adaptive_amp.optim) keep it on the device: the step never waits, and the controller reads it during
-        the next step (after that step's work is queued, so the device never idles for it), which is when
-        such a step's overflow is diagnosed.
+        optimizers stepped (False: an overflow or a non-finite loss skipped the step; with several
+        optimizers, True only if every one stepped). Without loss scaling, or with optimizers the scaler
+        steps from the host, the host knows already and reading it is free. Optimizers that skip on the
+        device (``fused=True``, adaptive_amp.optim) keep it on the device: the step never waits, and the
+        controller reads it during the next step (after that step's work is queued, so the device never
+        idles for it), which is when such a step's overflow is diagnosed.
+
+        A step whose loss (as recorded by :meth:`backward`) is NaN or inf is skipped in every policy, as
+        the scaler skips an overflowing one: with loss scaling its found_inf is set; without, optimizers
+        that skip on the device are handed it, others are not stepped (reading the flag waits for the
+        forward pass only). An optimizer none of whose parameters got a gradient (the idle one of a GAN
+        step) is left alone. Everything that can refuse the step (no gradient at all, a bad argument,
+        gradients the scaler cannot unscale) raises before any optimizer has changed anything.
         """
+        if max_grad_norm is not None:
+            _check_clip_args(max_grad_norm, norm_type)
+        self._refuse_reapplied_gradients()
+        active = self._active_optimizers()
+        last = self.monitor._last_step()
+        if last is not None and self._step <= last:
+            raise RuntimeError(f"step(): the monitor has recorded step {last} already and this controller is at "
+                               f"step {self._step}; give each controller its own StabilityMonitor (or load a "
+                               "state_dict that matches)")
         if max_grad_norm is not None:
             self.clip_grad_norm_(max_grad_norm, norm_type)
         elif self._clip_total is None and self._stats_due():
             self._record_gradient_stats()
-        grad_norm, clip_max, self._clip_total, self._clip_max = self._clip_total, self._clip_max, None, None
+        grad_norm, clip_max = self._clip_total, self._clip_max
         scaling = self.scaler.is_enabled()
-        # Nothing else measures the norm: optimizers that read every gradient anyway measure it in that pass.
-        folded = (not scaling and grad_norm is None and self.track_grad_norm
-                  and all(isinstance(opt, _Fused) for opt in self.optimizers))
-        with _tracking_grad_norm(self.optimizers if folded else ()):
-            results = [self.scaler.step(opt) for opt in self.optimizers]
-        if scaling:
-            self.scaler.update()
-            if grad_norm is None:
-                grad_norm = self.scaler.last_grad_norm
-        elif grad_norm is None and self.track_grad_norm:
-            grad_norm = self._stepped_grad_norm() if folded else self._grad_norm()
         loss = None
         if self._loss_sum is not None:
             loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
+        skip = None if loss is None else self._agree_skip(self._nonfinite(loss))
+        # Nothing else measures the norm: optimizers that read every gradient anyway measure it in that pass.
+        folded = (not scaling and grad_norm is None and self.track_grad_norm
+                  and all(isinstance(opt, _Fused) for opt in active))
+        if scaling:
+            self._prepare_scaled(active, skip)
+        elif grad_norm is None and self.track_grad_norm and not folded:
+            grad_norm = self._grad_norm(active)  # the step leaves the gradients as they are
+        done: list = []  # the optimizers whose step has returned
+        try:
+            if scaling:
+                for opt in active:
+                    done.append(self.scaler.step(opt))
+                result = done  # (read after the scale update, from its combined found_inf)
+            else:
+                with _tracking_grad_norm(active if folded else ()):
+                    result, stepped = self._step_unscaled(active, skip, loss, done)
+        except BaseException as exc:
+            if done:  # (an optimizer that raises at once has changed nothing: ours and torch's check first)
+                self._after_failed_step(active, scaling)
+                exc.add_note(f"AdaptiveMixedPrecision.step(): {len(done)} of the {len(active)} optimizers with "
+                             "gradients had stepped; these gradients will not be applied again")
+            raise
+        try:
+            return self._finish_step(result, loss, grad_norm, clip_max, scaling, skip,
+                                     stepped if folded else ())
+        except BaseException:
+            self._after_failed_step(active, scaling)
+            raise
+
+    def _after_failed_step(self, active, scaling: bool) -> None:
+        """An error once an optimizer has stepped: its gradients are not taken again, and the scaler's
+        iteration is closed, so that the next step starts afresh."""
+        self._applied = [(p, p.grad, None if p.grad is None else p.grad._version)
+                         for opt in active for g in opt.param_groups for p in g["params"]]
+        self._loss_sum, self._loss_count, self._loss_check, self._clip_total, self._clip_max = None, 0, None, None, None
+        if scaling:
+            self.scaler._abandon_step()
+
+    def _finish_step(self, result, loss, grad_norm, clip_max, scaling: bool, skip, stepped_fused) -> StepResult:
+        self._clip_total, self._clip_max = None, None
+        if scaling:
+            self.scaler.update()
+            # After everything the update launches.
+            result = self._result(result)
+            if grad_norm is None:
+                grad_norm = self.scaler.last_grad_norm
+        elif grad_norm is None and self.track_grad_norm and stepped_fused:
+            grad_norm = self._stepped_grad_norm(stepped_fused)
         step = self._step
         self.monitor.record_step(step, loss=loss, grad_norm=grad_norm,
-                                 found_inf=self.scaler.found_inf if scaling else None,
+                                 found_inf=self.scaler.found_inf if scaling else skip,
                                  scale=self.scaler._get_scale_async().clone() if scaling else None,
                                  max_grad_norm=clip_max)
         watched = self._watched == step
         self._loss_known = loss is not None  # losses scaled outside backward() are not recorded
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
+        self._loss_check = None
         self._watch_left, self._watched = max(0, self._watch_left - 1), None
         self._step += 1
-        # After everything this step launches (the scale update, the monitor's copy of the scale).
-        result = self._result(results) if scaling else StepResult(True)
         read_due = self.adapt and self._adapts() and self.monitor.read_due(step)
         if read_due:
             self._add_events(self.monitor.read())  # the adaptation below judges this window's history now
@@ -524,14 +711,17 @@ class AdaptiveMixedPrecision:
         global one, all-reduced over the ranks, as the step's own clip records;
         :attr:`GradScaler.last_grad_norm` would be this rank's part only.
         """
+        _check_clip_args(max_norm, norm_type, "max_norm")
+        active = self._active_optimizers()
         if self._clip_total is None and self._stats_due():
             self._record_gradient_stats()  # before the clip unscales them (once a step)
-        if len(self.optimizers) == 1:
-            total = self.scaler.clip_grad_norm_(self.optimizers[0], max_norm, norm_type)
+        if len(active) == 1:
+            total = self.scaler.clip_grad_norm_(active[0], max_norm, norm_type)
         else:
-            for opt in self.optimizers:
-                self.scaler.unscale_(opt)
-            params = [p for opt in self.optimizers for g in opt.param_groups for p in g["params"]]
+            for opt in active:
+                if self.scaler._per_optimizer_states[id(opt)]["stage"] is OptState.READY:
+                    self.scaler.unscale_(opt)
+            params = [p for opt in active for g in opt.param_groups for p in g["params"]]
             total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
         self._clip_total, self._clip_max = total, float(max_norm)
         return total
@@ -577,17 +767,18 @@ class AdaptiveMixedPrecision:
 
         return train_step(self, closure, max_grad_norm, norm_type)
 
-    def _stepped_grad_norm(self) -> Optional[SumsOfSquares]:
+    def _stepped_grad_norm(self, optimizers) -> Optional[SumsOfSquares]:
         """The norm of all gradients, as the per-tensor sums of squares the fused optimizers' steps measured:
         the monitor's read sums them, so the step launches nothing for it (summing them took two launches a
         step, about 0.1 ms of host time under cProfile on an H100 host)."""
-        parts = [t for opt in self.optimizers for t in (opt._grad_sums or ())]
+        parts = [t for opt in optimizers for t in (opt._grad_sums or ())]
         return SumsOfSquares(parts) if parts else None
 
-    def _grad_norm(self) -> Optional[torch.Tensor]:
+    def _grad_norm(self, optimizers) -> Optional[torch.Tensor]:
         """The L2 norm of all gradients, on the device (no sync): without loss scaling nothing else
-        measures it. After the step, as the scaler's norm is (the gradients are unchanged by it)."""
-        grads = [p.grad for opt in self.optimizers for g in opt.param_groups for p in g["params"]
+        measures it. Before the step (which leaves the gradients as they are), so that nothing here can
+        fail once an optimizer has changed the weights."""
+        grads = [p.grad for opt in optimizers for g in opt.param_groups for p in g["params"]
                  if p.grad is not None and not p.grad.is_sparse]
         if not grads:
             return None
@@ -597,9 +788,11 @@ class AdaptiveMixedPrecision:
         groups: Dict[tuple, List[torch.Tensor]] = {}
         for g in grads:
             groups.setdefault((g.device, g.dtype), []).append(g)
-        # In fp32 whatever the gradients' dtype: a bf16 norm is off by up to 0.4% (torch's get_total_norm).
-        return _norm_of_norms([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)))
-                               .to(self.device) for gs in groups.values()])
+        # In fp32 whatever the gradients' dtype (a bf16 norm is off by up to 0.4%: torch's get_total_norm);
+        # float64 ones in float64 (_foreach_norm refuses to narrow), the result in fp32 as the monitor keeps it.
+        return _norm_of_norms([torch.linalg.vector_norm(torch.stack(torch._foreach_norm(
+            gs, 2, dtype=torch.float64 if dtype == torch.float64 else torch.float32))).to(self.device, torch.float32)
+            for (_, dtype), gs in groups.items()])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every optimizer the controller steps (``amp.optimizers``, which a memory move
@@ -821,7 +1014,12 @@ class AdaptiveMixedPrecision:
                                "adapt") if k not in state]
         if missing:
             raise ValueError(f"{where}: missing entries {missing}")
-        policy = PrecisionPolicy.from_dict(state["policy"])
+        try:
+            if not isinstance(state["policy"], dict):
+                raise TypeError(f"a dict (PrecisionPolicy.to_dict()) is expected, got {type(state['policy']).__name__}")
+            policy = PrecisionPolicy.from_dict(state["policy"])
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise ValueError(f"{where}: state['policy'] is malformed ({exc})") from None
         if (policy.param_dtype, policy.param_scope) != (self.policy.param_dtype, self.policy.param_scope):
             raise ValueError(f"{where}: the saved policy keeps parameters in {dtype_name(policy.param_dtype)} "
                              f"(scope {policy.param_scope}), this one in {dtype_name(self.policy.param_dtype)} (scope "
@@ -831,32 +1029,30 @@ class AdaptiveMixedPrecision:
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
         scaler = self._make_scaler(policy)
-        if bool(state["scaler_enabled"]) != scaler.is_enabled():
+        if not isinstance(state["scaler_enabled"], bool):
+            raise ValueError(f"{where}: state['scaler_enabled'] must be a bool, got {state['scaler_enabled']!r}")
+        if state["scaler_enabled"] != scaler.is_enabled():
             raise ValueError(f"{where}: the saved scaler's enabled state does not match the saved policy")
         if scaler.is_enabled():
-            scaler.load_state_dict(state["scaler"])
+            try:
+                scaler.load_state_dict(state["scaler"])
+            except (TypeError, ValueError, KeyError, RuntimeError) as exc:
+                raise ValueError(f"{where}: state['scaler'] is refused: {exc}") from None
         # Into a copy of this monitor (its class and settings stay), so a refused state leaves ours alone;
         # a shallow copy is enough, since loading replaces every piece of the monitor's state.
         monitor = copy.copy(self.monitor)
-        monitor.load_state_dict(state["monitor"])
         try:
-            adapt = state["adapt"]
-            parsed = dict(step=int(state["step"]), last_change=int(adapt["last_change"]),
-                          promotions=int(adapt["promotions"]), promoted=[str(n) for n in adapt["promoted"]],
-                          demotions={str(k): int(v) for k, v in adapt["demotions"].items()},
-                          watch_left=int(adapt.get("watch_left", 1 if adapt.get("watch_next") else 0)),
-                          first_overflow=(None if adapt.get("first_overflow") is None
-                                          else int(adapt["first_overflow"])),
-                          unexplained=int(adapt.get("unexplained", 0)),
-                          masked_due=[int(s) for s in adapt.get("masked_due", ())],
-                          scale_before_storm=adapt["scale_before_storm"],
-                          pending=(None if adapt.get("pending") is None else
-                                   (int(adapt["pending"][0]), StepResult(bool(adapt["pending"][1])),
-                                    bool(adapt["pending"][2]))),
-                          events=[Event.from_dict(e) for e in state["events"]],
-                          policy_history=[(int(a), str(b)) for a, b in state["policy_history"]])
+            monitor.load_state_dict(state["monitor"])
+        except ValueError as exc:
+            raise ValueError(f"{where}: state['monitor'] is refused: {exc}") from None
+        try:
+            parsed = _parse_adaptation(state)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            raise ValueError(f"{where}: missing or malformed adaptation state ({exc!r})") from None
+            raise ValueError(f"{where}: missing or malformed adaptation state ({exc})") from None
+        last = monitor._last_step()
+        if last is not None and last >= parsed["step"]:
+            raise ValueError(f"{where}: state['monitor'] has recorded step {last}, but state['step'] says the next "
+                             f"step is {parsed['step']}: they are not of one checkpoint")
         self.adjuster.set_policy(policy)
         self._apply_tf32(policy.tf32)
         self.policy, self.scaler, self.monitor = policy, scaler, monitor
@@ -872,9 +1068,75 @@ class AdaptiveMixedPrecision:
         self._scale_before_storm = parsed["scale_before_storm"]
         self._pending = parsed["pending"]
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
-        self._clip_total, self._clip_max = None, None
+        self._clip_total, self._clip_max, self._loss_check, self._applied = None, None, None, None
 
     def __repr__(self):
         return (f"AdaptiveMixedPrecision(policy={str(self.policy)!r}, device={self.device}, step={self._step}, "
                 f"events={len(self.events)})")
 
+
+def _field_int(name: str, value, lo: int = 0, hi: Optional[int] = None) -> int:
+    """An int (not a bool, not a float) in [lo, hi], else ValueError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be in [{lo}, {'...' if hi is None else hi}], got {value}")
+    return int(value)
+
+
+def _field_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _parse_adaptation(state: Dict[str, Any]) -> Dict[str, Any]:
+    """The controller's own entries of a state_dict, checked (ValueError naming the field)."""
+    step = _field_int("state['step']", state["step"])
+    adapt = state["adapt"]
+    if not isinstance(adapt, dict):
+        raise ValueError(f"state['adapt'] must be a dict, got {type(adapt).__name__}")
+    first = adapt.get("first_overflow")
+    scale = adapt["scale_before_storm"]
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not (math.isfinite(scale) and scale > 0)):
+        raise ValueError(f"state['adapt']['scale_before_storm'] must be None or a finite number > 0, got {scale!r}")
+    masked_due = adapt.get("masked_due", [])
+    if not isinstance(masked_due, (list, tuple)):
+        raise ValueError(f"state['adapt']['masked_due'] must be a list of steps, got {masked_due!r}")
+    pending = adapt.get("pending")
+    if pending is not None:
+        if not isinstance(pending, (list, tuple)) or len(pending) != 3:
+            raise ValueError(f"state['adapt']['pending'] must be None or [step, stepped, watched], got {pending!r}")
+        pending = (_field_int("state['adapt']['pending'][0]", pending[0], step - 1, step - 1),
+                   StepResult(_field_bool("state['adapt']['pending'][1]", pending[1])),
+                   _field_bool("state['adapt']['pending'][2]", pending[2]))
+    promoted = adapt["promoted"]
+    demotions = adapt["demotions"]
+    if not isinstance(promoted, list) or not all(isinstance(n, str) for n in promoted):
+        raise ValueError(f"state['adapt']['promoted'] must be a list of layer names, got {promoted!r}")
+    if not isinstance(demotions, dict) or not all(isinstance(k, str) for k in demotions):
+        raise ValueError(f"state['adapt']['demotions'] must be a dict of layer name to count, got {demotions!r}")
+    history = state["policy_history"]
+    if not isinstance(history, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[1], str)
+                                                for p in history):
+        raise ValueError(f"state['policy_history'] must be a list of [step, policy string], got {history!r}")
+    events = state["events"]
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise ValueError("state['events'] must be a list of dicts (Event.to_dict())")
+    return dict(step=step, last_change=_field_int("state['adapt']['last_change']", adapt["last_change"], 0, step),
+                promotions=_field_int("state['adapt']['promotions']", adapt["promotions"]),
+                promoted=list(promoted),
+                demotions={k: _field_int(f"state['adapt']['demotions'][{k!r}]", v) for k, v in demotions.items()},
+                watch_left=_field_int("state['adapt']['watch_left']",
+                                      adapt.get("watch_left", 1 if adapt.get("watch_next") else 0)),
+                first_overflow=None if first is None else _field_int("state['adapt']['first_overflow']", first,
+                                                                      0, step),
+                unexplained=_field_int("state['adapt']['unexplained']", adapt.get("unexplained", 0)),
+                masked_due=[_field_int(f"state['adapt']['masked_due'][{i}]", v, 0, step)
+                            for i, v in enumerate(masked_due)],
+                scale_before_storm=None if scale is None else float(scale),
+                pending=pending,
+                events=[Event.from_dict(e) for e in events],
+                policy_history=[(_field_int(f"state['policy_history'][{i}][0]", a, 0, step), b)
+                                for i, (a, b) in enumerate(history)])

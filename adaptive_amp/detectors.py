@@ -163,7 +163,8 @@ class Detector:
 
 
 class NanLoss(Detector):
-    """A non-finite loss: one event per read, at the first such step, with the count."""
+    """A non-finite loss: one event per read, at the first such step, with the count and how many of those
+    steps were skipped (the controller skips every one whose loss it recorded)."""
 
     kind = "nan_loss"
 
@@ -172,8 +173,11 @@ class NanLoss(Detector):
         if not bad:
             return []
         first, last = int(view.steps[bad[0]]), int(view.steps[bad[-1]])
+        skipped = int(sum(bool(view.found[i]) for i in bad))
+        said = ("skipped, weights unchanged" if skipped == len(bad) else
+                f"{skipped} of them skipped, {len(bad) - skipped} stepped")
         return [Event(first, self.kind, f"loss is NaN or inf at {len(bad)} of {len(view.new)} steps "
-                      f"(steps {first}..{last})", data={"count": len(bad)})]
+                      f"(steps {first}..{last}): {said}", data={"count": len(bad), "skipped": skipped})]
 
 
 class LossSpike(Detector):

@@ -12,6 +12,8 @@ in the arithmetic). Its inputs are:
   has its own loss, so :meth:`CollectiveAdaptiveMixedPrecision._loss_finite`
   takes the minimum over ranks (one all-reduce, at an overflowing watched
   step only, which every rank reaches together: found_inf is all-reduced);
+* whether a step's loss was finite (a non-finite one skips the step): the maximum of the ranks' flags,
+  one all-reduce of one number a step;
 * the layers whose outputs overflowed, taken from each rank's own activation
   statistics: a rank whose batch overflows alone would promote a layer the
   others never saw. :func:`agree_on_layers` makes it the union over ranks
@@ -99,6 +101,14 @@ class CollectiveAdaptiveMixedPrecision(AdaptiveMixedPrecision):
         islands = set(self.adjuster.islands)
         agreed = agree_on_layers(mine, self._candidate_layers(), self.process_group, self._comm_device())
         return [name for name in agreed if name not in islands]
+
+    def _agree_skip(self, skip: torch.Tensor) -> torch.Tensor:
+        # A non-finite loss on one rank skips the step on every rank (its gradients may be finite: a rank
+        # that stepped alone would leave the replicas, or the shards, out of step). On the device for NCCL:
+        # no host sync.
+        flag = skip.to(self._comm_device())
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        return flag.to(skip.device, non_blocking=True)
 
     def _loss_finite(self, step: int) -> bool:
         # A NaN loss on one rank alone must count on every rank, or that rank alone would switch.

@@ -43,6 +43,7 @@ from __future__ import annotations
 import bisect
 import copy
 import math
+import numbers
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
@@ -381,8 +382,10 @@ class StabilityMonitor:
             columns = dict(state["columns"])
             if "max_grad_norm" not in columns:  # a state saved before the clip was recorded
                 columns["max_grad_norm"] = [None] * len(state["steps"])
-            cols = {c: [None if v is None else float(v) for v in columns[c]] for c in _COLUMNS}
-            steps = [int(s) for s in state["steps"]]
+            cols = {c: [_loaded_value(f"columns[{c!r}][{i}]", v) for i, v in enumerate(columns[c])] for c in _COLUMNS}
+            steps = [_step_number(f"steps[{i}]", s) for i, s in enumerate(state["steps"])]
+            if any(b <= a for a, b in zip(steps, steps[1:])):
+                raise ValueError("monitor state: steps must increase")
             if any(len(v) != len(steps) for v in cols.values()):
                 raise ValueError("monitor state: the columns and steps have different lengths")
             layer_stats = [LayerStats(int(d["step"]), d["kind"], d["fmt"], list(d["rows"]))
@@ -391,7 +394,14 @@ class StabilityMonitor:
             pending, pending_stats = _loaded(state["pending"], state["pending_stats"])
             in_flight = state.get("in_flight")  # (absent from states saved before reads were deferred)
             if in_flight is not None:
-                flight, flight_stats = _loaded(in_flight["pending"], in_flight["pending_stats"])
+                flight, flight_stats = _loaded(in_flight["pending"], in_flight["pending_stats"],
+                                               "in_flight['pending']")
+                order = steps[-1:] + [s for s, _ in flight] + [s for s, _ in pending]
+            else:
+                order = steps[-1:] + [s for s, _ in pending]
+            if any(b <= a for a, b in zip(order, order[1:])):
+                raise ValueError("monitor state: the pending steps must come after the steps read, in order")
+            if in_flight is not None:
                 in_flight = (flight, flight_stats, _HostCopy(flight, flight_stats))
             detector_states = state.get("detectors")
             if detector_states is None:  # a state saved before the detectors were objects
@@ -477,11 +487,37 @@ def _saved(pending, pending_stats, host_values):
     return saved, saved_stats
 
 
-def _loaded(saved, saved_stats):
+def _step_number(where: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{where} must be a step (an int >= 0), got {value!r}")
+    return int(value)
+
+
+def _loaded_value(where: str, value):
+    """A pending value from a checkpoint: None (unknown) or a number, as a float."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{where} must be None or a number, got {value!r}")
+    return float(value)
+
+
+def _loaded(saved, saved_stats, where: str = "pending"):
     """Pending entries from a checkpoint's (the inverse of _saved; the values are on the host)."""
-    # The clip is optional: states saved before it was recorded lack it.
-    pending = [(int(step), {c: dict(values).get(c) if c == "max_grad_norm" else values[c] for c in _COLUMNS})
-               for step, values in saved]
+    if not isinstance(saved, list):
+        raise ValueError(f"{where} must be a list of [step, values], got {type(saved).__name__}")
+    pending = []
+    for i, entry in enumerate(saved):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], dict):
+            raise ValueError(f"{where}[{i}] must be [step, {{column: value}}], got {entry!r}")
+        step, values = entry
+        step = _step_number(f"{where}[{i}][0]", step)
+        if pending and step <= pending[-1][0]:
+            raise ValueError(f"{where}[{i}][0]: steps must increase, got {step} after {pending[-1][0]}")
+        # The clip is optional: states saved before it was recorded lack it.
+        pending.append((step, {c: _loaded_value(f"{where}[{i}][1][{c!r}]",
+                                                values.get(c) if c == "max_grad_norm" else values[c])
+                               for c in _COLUMNS}))
     pending_stats = [(int(d["step"]), d["kind"], _stats.TensorStats(
         np.asarray(d["values"], dtype=np.float64), len(d["names"]), fmt=d["fmt"], names=d["names"],
         framework="numpy", device=_native_cpu())) for d in saved_stats]

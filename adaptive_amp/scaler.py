@@ -785,7 +785,11 @@ class GradScaler(torch.amp.GradScaler):
                 if not state["found_inf_per_device"]:
                     self._check_inf_per_device(optimizer)
                 scale = self._scale
-                found_inf = self._combine(state["found_inf_per_device"].values(), scale.device)
+                found_infs = state["found_inf_per_device"].values()
+                # No gradient this step (the other optimizer of a GAN's step): nothing to skip, and the step
+                # is a no-op, as torch's (whose sum over no found_inf is 0).
+                found_inf = (self._combine(found_infs, scale.device) if found_infs
+                             else torch.zeros((), dtype=torch.float32, device=scale.device))
                 coef = self._clip_coef.pop(id(optimizer), None)
                 if state["stage"] == OptState.UNSCALED:
                     optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
@@ -858,6 +862,11 @@ class GradScaler(torch.amp.GradScaler):
             self._native_update(found, step_amax)
             self._last_found_inf = found
             self._last_stats = stats
+        self._abandon_step()
+
+    def _abandon_step(self) -> None:
+        """Forget this iteration's per-optimizer states and statistics, as update() does at its end (what a
+        caller whose step failed part-way uses to start the next one afresh)."""
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._grad_stats = {}
         self._step_stats = {}
@@ -1008,7 +1017,8 @@ class GradScaler(torch.amp.GradScaler):
         state dict leaves the scaler exactly as it was. Errors name the key and
         what it must hold: ``RuntimeError`` for an empty dict (torch's message),
         ``KeyError`` for a missing key, ``TypeError`` for a value of the wrong
-        type, ``ValueError`` for one out of range or inconsistent.
+        type, ``ValueError`` for one out of range or inconsistent. The first two
+        are ValueErrors too, so ``except ValueError`` catches every refusal.
 
         * torch's five keys are required: ``scale`` a number finite and > 0 in
           float32, ``growth_factor`` finite and > 1, ``backoff_factor`` in
@@ -1043,14 +1053,14 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         if not isinstance(state_dict, abc.Mapping):
-            raise TypeError(f"GradScaler.load_state_dict expects a dict (from GradScaler.state_dict()), "
+            raise StateTypeError(f"GradScaler.load_state_dict expects a dict (from GradScaler.state_dict()), "
                             f"got {_ck_describe(state_dict)}")
         if len(state_dict) == 0:
             raise RuntimeError("The source state dict is empty, possibly because it was saved "
                                "from a disabled instance of GradScaler.")
         missing = [k for k in self._TORCH_KEYS if k not in state_dict]
         if missing:
-            raise KeyError(f"GradScaler state_dict lacks {missing} (it needs all of {list(self._TORCH_KEYS)}); "
+            raise StateKeyError(f"GradScaler state_dict lacks {missing} (it needs all of {list(self._TORCH_KEYS)}); "
                            f"it does not come from GradScaler.state_dict()")
 
         # ---- validate everything (nothing is written before this block ends)
@@ -1100,15 +1110,15 @@ class GradScaler(torch.amp.GradScaler):
 
         where = "state_dict['adaptive_amp']"
         if not isinstance(extra, abc.Mapping):
-            raise TypeError(f"{where} must be a dict (as written by adaptive_amp.GradScaler.state_dict()), "
+            raise StateTypeError(f"{where} must be a dict (as written by adaptive_amp.GradScaler.state_dict()), "
                             f"got {_ck_describe(extra)}")
         missing = [k for k in self._EXTRA_KEYS if k not in extra]
         if missing:
-            raise KeyError(f"{where} lacks {missing} (it needs all of {list(self._EXTRA_KEYS)}); drop "
+            raise StateKeyError(f"{where} lacks {missing} (it needs all of {list(self._EXTRA_KEYS)}); drop "
                            f"state_dict['adaptive_amp'] to load only torch's fields")
         mode = extra["mode"]
         if not isinstance(mode, str):
-            raise TypeError(f"{where}['mode'] must be a str, one of {_MODES}, got {_ck_describe(mode)}")
+            raise StateTypeError(f"{where}['mode'] must be a str, one of {_MODES}, got {_ck_describe(mode)}")
         if mode not in _MODES:
             raise ValueError(f"{where}['mode'] must be one of {_MODES}, got {mode!r}")
         if mode != self._mode:
@@ -1135,7 +1145,7 @@ class GradScaler(torch.amp.GradScaler):
                                  f"{_ck_describe(hist)}")
         elif hist is not None:
             if not isinstance(hist, (list, tuple)):
-                raise TypeError(f"{where}['amax_history'] must be None or a list of floats, got "
+                raise StateTypeError(f"{where}['amax_history'] must be None or a list of floats, got "
                                 f"{_ck_describe(hist)}")
             if len(hist) == 0:
                 raise ValueError(f"{where}['amax_history'] must be None or a non-empty list, got []")
@@ -1148,7 +1158,7 @@ class GradScaler(torch.amp.GradScaler):
 
         counters = extra["counters"]
         if not isinstance(counters, (list, tuple)):
-            raise TypeError(f"{where}['counters'] must be a list of 4 ints [hysteresis_left, skipped, "
+            raise StateTypeError(f"{where}['counters'] must be a list of 4 ints [hysteresis_left, skipped, "
                             f"history_position, extra_margin], got {_ck_describe(counters)}")
         if len(counters) != 4:
             raise ValueError(f"{where}['counters'] must have 4 entries [hysteresis_left, skipped, "
@@ -1206,6 +1216,18 @@ class GradScaler(torch.amp.GradScaler):
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
+class StateTypeError(TypeError, ValueError):
+    """A state_dict entry of the wrong type: a TypeError as before, and a ValueError as every other refused
+    value, so that ``except ValueError`` catches every refused checkpoint."""
+
+
+class StateKeyError(KeyError, ValueError):
+    """A state_dict that lacks an entry: a KeyError, as torch's, and a ValueError (see StateTypeError)."""
+
+    def __str__(self) -> str:  # the message itself, not KeyError's repr of it
+        return str(self.args[0]) if self.args else ""
+
+
 def _ck_describe(value) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
@@ -1214,7 +1236,7 @@ def _ck_describe(value) -> str:
 def _ck_real(where: str, value, none_ok: bool = False) -> float:
     """A real number (int or float, not bool) as a float, else TypeError naming `where`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{where} must be a float{' or None' if none_ok else ''}, got {_ck_describe(value)}")
+        raise StateTypeError(f"{where} must be a float{' or None' if none_ok else ''}, got {_ck_describe(value)}")
     try:
         return float(value)
     except OverflowError:  # an int too large for a float
@@ -1225,7 +1247,7 @@ def _ck_int(where: str, value, lo: Optional[int], hi: Optional[int]) -> int:
     """An int (not bool) in [lo, hi] (None: unbounded), else TypeError/ValueError naming `where`."""
     span = "an int" if lo is None else f"an int in [{lo}, {hi}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where} must be {span}, got {_ck_describe(value)}")
+        raise StateTypeError(f"{where} must be {span}, got {_ck_describe(value)}")
     value = int(value)
     if lo is not None and not lo <= value <= hi:
         raise ValueError(f"{where} must be {span}, got {value}")

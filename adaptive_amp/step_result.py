@@ -18,7 +18,8 @@ import torch
 
 class StepResult:
     """What :meth:`AdaptiveMixedPrecision.step` returns, whatever the policy: ``bool(result)`` is whether
-    every optimizer stepped (False: an overflow skipped the step).
+    every optimizer stepped (False: an overflow or a non-finite loss skipped the step). It behaves as that
+    bool: ``result == False``, ``result != True``, ``hash``, ``int`` and pickling all read the value.
 
     Reading it costs nothing when the host already knows (no loss scaling, or
     an optimizer the scaler steps from the host). For an optimizer that skips
@@ -69,6 +70,28 @@ class StepResult:
             self._stepped = not bool(self._host.item())
             self._host = self._event = None  # the slot is free for a later step
         return self._stepped
+
+    # As the bool it stands for: ``result == False`` is True for a skipped step, hashes and pickles as that
+    # bool. Each of these reads the value (a deferred one waits for its step, as bool() does).
+    def __eq__(self, other):
+        if isinstance(other, StepResult):
+            return bool(self) == bool(other)
+        return bool(self) == other
+
+    def __ne__(self, other):
+        equal = self.__eq__(other)
+        return equal if equal is NotImplemented else not equal
+
+    def __hash__(self) -> int:
+        return hash(bool(self))
+
+    def __int__(self) -> int:
+        return int(bool(self))
+
+    __index__ = __int__
+
+    def __reduce__(self):
+        return (StepResult, (bool(self),))  # the value, read: a device flag does not travel
 
     def __repr__(self) -> str:
         if self._stepped is None:

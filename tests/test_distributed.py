@@ -71,16 +71,18 @@ def _nan_loss_on_one_rank(rank, store, out, steps):
         amp = CollectiveAdaptiveMixedPrecision(model, opt, "params=float32,compute=float16,loss_scale=dynamic",
                                                read_every=50, progress=False)
         gen = torch.Generator().manual_seed(rank)
-        norms = {}
+        norms, stepped = {}, []
         for i in range(steps):
             with amp.autocast():
                 loss = model(torch.randn(4, 8, generator=gen)).float().pow(2).mean()
             if rank == 1 and 2 <= i <= 4:
                 loss = loss * float("nan")
+            if rank == 1 and i == steps - 1:  # without the scaler, a NaN the gradients do not see
+                loss = loss + float("nan")
             amp.backward(loss)
             if not amp.scaler.is_enabled():  # the global norm, gathered by hand
                 norms[i] = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor().item()
-            amp.step(max_grad_norm=100.0)
+            stepped.append(bool(amp.step(max_grad_norm=100.0)))
             amp.zero_grad()
         amp.monitor.read()
         history = amp.monitor.history()
@@ -88,7 +90,7 @@ def _nan_loss_on_one_rank(rank, store, out, steps):
         policies = [(s, str(p)) for s, p in amp.policy_history]
         decisions = [(e.step, e.kind) for e in amp.events if e.kind in ("promote", "switch_compute")]
         with open(out / f"rank{rank}.json", "w") as f:
-            json.dump({"history": policies, "decisions": decisions, "norms": norms,
+            json.dump({"history": policies, "decisions": decisions, "norms": norms, "stepped": stepped,
                        "recorded": {str(s): recorded[s] for s in norms}}, f)
     except BaseException:
         dist.destroy_process_group()
@@ -110,6 +112,7 @@ def test_a_nan_loss_on_one_rank_is_decided_on_by_every_rank(tmp_path):
     assert ranks[0] == ranks[1]
     assert [kind for _, kind in ranks[0]["decisions"]] == ["switch_compute"], ranks[0]
     assert ranks[0]["norms"], "no step ran without the scaler"
+    assert ranks[0]["stepped"][-1] is False  # rank 1's NaN loss skipped the last step on both ranks
     for step, norm in ranks[0]["norms"].items():
         assert ranks[0]["recorded"][step] == pytest.approx(norm, rel=1e-5)
 

@@ -2119,3 +2119,51 @@ def test_bench_scaler_on_the_cpu_freezes_the_asked_fraction(tmp_path, capsys):
     assert "unscale_ + step + update" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--no-unscale", "--scaler", "--scaler-frozen", "1.0"])
+
+
+# =========================================================================== an optimizer without gradients
+
+
+def _no_grad_step(scaler_cls, make):
+    """Two models as in a GAN step: only the second got gradients; both optimizers go through the scaler.
+    Returns (what step returned for the idle one as a bool or None, its params unchanged, the scale
+    trajectory, the busy model's params)."""
+    idle, busy = make_mlp(seed=1), make_mlp(seed=2)
+    opt_idle, opt_busy = make(idle.parameters()), make(busy.parameters())
+    scaler = scaler_cls("cpu", init_scale=2.0**10, growth_interval=2)
+    before = [p.detach().clone() for p in idle.parameters()]
+    scales = []
+    for i in range(4):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
+        scaler.scale(busy(x).square().mean()).backward()
+        got = scaler.step(opt_idle)
+        scaler.step(opt_busy)
+        scaler.update()
+        opt_busy.zero_grad()
+        scales.append(scaler.get_scale())
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, idle.parameters()))
+    got = None if got is None else bool(got)
+    return got, unchanged, scales, [p.detach().clone() for p in busy.parameters()]
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+                                  lambda ps: adaptive_amp.optim.AdamW(ps, lr=1e-2, stochastic_rounding=False),
+                                  lambda ps: adaptive_amp.optim.SGD(ps, lr=1e-2, momentum=0.9)],
+                         ids=["torch_fused_adamw", "adaptive_amp_adamw", "adaptive_amp_sgd"])
+def test_step_of_a_fused_optimizer_without_gradients_is_a_no_op_as_in_torch(make):
+    ours = _no_grad_step(GradScaler, make)
+    theirs = _no_grad_step(TorchScaler, make)
+    assert ours[1] and theirs[1], "the optimizer without gradients changed nothing"
+    assert ours[0] in (None, True)  # (torch returns the optimizer's None; ours says the step was not skipped)
+    assert ours[2] == theirs[2]
+    for a, b in zip(ours[3], theirs[3]):
+        assert_bitwise_equal(a, b)
+    # With no gradient anywhere, both refuse the update the same way.
+    for cls in (GradScaler, TorchScaler):
+        model = make_mlp()
+        opt = make(model.parameters())
+        scaler = cls("cpu")
+        scaler.scale(torch.ones((), requires_grad=True))
+        scaler.step(opt)
+        with pytest.raises(AssertionError, match="No inf checks were recorded prior to update"):
+            scaler.update()

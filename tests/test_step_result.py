@@ -64,3 +64,18 @@ def test_reading_waits_for_its_step_only():
     assert bool(result) is False
     assert not later.query()  # read while the later work still runs
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("stepped", [True, False])
+def test_a_result_compares_hashes_and_pickles_as_its_bool(stepped):
+    import pickle
+
+    for r in (StepResult(stepped), StepResult(found_inf=torch.tensor(0.0 if stepped else 1.0))):
+        assert (r == stepped) and (stepped == r) and not (r != stepped) and not (stepped != r)
+        assert (r == (not stepped)) is False and (r != (not stepped)) is True
+        assert (r == False) is (not stepped) and (r == True) is stepped  # noqa: E712 - the point of the test
+        assert r == int(stepped) and r == StepResult(stepped) and r != StepResult(not stepped)
+        assert hash(r) == hash(stepped) and int(r) == int(stepped) and [10, 20][r] == [10, 20][stepped]
+        assert len({r, stepped}) == 1 and {stepped: "x"}[r] == "x"
+        back = pickle.loads(pickle.dumps(r))
+        assert type(back) is StepResult and bool(back) is stepped and back == r and not back.deferred
