@@ -65,6 +65,7 @@ from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor, SumsOfSquares, builtin_values
 from .optim import _Fused
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
+from .layer_precision import OwnedHandles
 from .recipes import cast_for_policy, policy_hooks
 from .scaler import GradScaler
 from .step_result import HostSlots, StepResult
@@ -194,6 +195,9 @@ class AdaptiveMixedPrecision:
         self.model = model
         self._module = unwrap_model(model)  # a compiled model's layers, with the eager model's names
         self.optimizers = optimizers
+        # What the controller put on the model (statistics hooks, the policy's hooks, checkpointing), taken off by
+        # remove() or when the controller is garbage collected; the islands are the adjuster's, which does the same.
+        self._owned = OwnedHandles(self)
         self._policy_hooks = None
         self.device = _model_device(model)
         self.capabilities = capabilities or HardwareDetector().detect(self.device)
@@ -221,7 +225,7 @@ class AdaptiveMixedPrecision:
 
         # Registered now, before any compiled call of the model (policy="tune" makes some), so that its graphs
         # trace them.
-        self._collector = ActivationCollector(self.layers, root=self._module)
+        self._collector = self._owned.add(ActivationCollector(self.layers, root=self._module))
         self.tuning = None  # policy="tune": the TuneResult (trials, A/B table)
         self._tune_options = tune
         # A MemoryGuard (adaptive_amp.pressure): lighter recipes under memory pressure or out of memory.
@@ -304,7 +308,9 @@ class AdaptiveMixedPrecision:
         self.tuning = AdaptivePrecisionSelector().tune(self.model, self.optimizers[0], options.pop("batches"),
                                                        options.pop("loss_fn"), capabilities=self.capabilities,
                                                        **options)
-        self.optimizers = [AppliedRecipe(self.tuning.recipe, self.model, self.optimizers[0], precision=False).optimizer]
+        applied = AppliedRecipe(self.tuning.recipe, self.model, self.optimizers[0], precision=False)
+        self._owned.add(applied.checkpoint_undo)  # (the optimizer and the parameters' dtype stay: see remove())
+        self.optimizers = [applied.optimizer]
         return self.tuning.policy
 
     def _check_param_dtype(self, policy: PrecisionPolicy) -> None:
@@ -337,7 +343,7 @@ class AdaptiveMixedPrecision:
         # rather than run on the bf16 memory (adjust.forget_compiled_graphs). bf16-pure, without autocast, casts
         # fp32 inputs as a plain bf16 loop would; bf16-weights' embeddings return fp32 (recipes.policy_hooks).
         cast_for_policy(self.model, policy)
-        self._policy_hooks = policy_hooks(self.model, policy)
+        self._policy_hooks = self._owned.add(policy_hooks(self.model, policy))
 
     def _make_scaler(self, policy: PrecisionPolicy) -> GradScaler:
         """The policy's GradScaler (scaler_kwargs win over the policy's settings); a disabled one when the
@@ -361,7 +367,8 @@ class AdaptiveMixedPrecision:
         return before
 
     def remove(self) -> None:
-        """Take the policy off the model (islands unwrapped, TF32 settings restored). A model whose policy kept
+        """Take the policy off the model (islands, statistics and policy hooks, checkpointing off; TF32 settings
+        restored). Also done when the controller is garbage collected. A model whose policy kept
         parameters in bf16 ("bf16-pure", "bf16-weights") keeps them: they are the only copy."""
         self._removed = True
         self._undo_setup()
@@ -372,10 +379,8 @@ class AdaptiveMixedPrecision:
         """Islands, statistics hooks and the policy's hooks off the model (each idempotent)."""
         if self.adjuster is not None:
             self.adjuster.remove()
-        self._collector.remove()
-        if self._policy_hooks is not None:
-            self._policy_hooks.remove()
-            self._policy_hooks = None
+        self._owned.remove()
+        self._policy_hooks = None
 
     # ------------------------------------------------------------ the step
     @property

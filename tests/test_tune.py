@@ -344,11 +344,13 @@ def test_checkpoint_blocks_same_gradients_and_undo():
     zm.loss(zm.model, batches[0]).backward()
     ref = [p.grad.clone() for p in zm.model.parameters()]
     zm.model.zero_grad(set_to_none=True)
+    classes = [type(m) for _, m in find_blocks(zm.model)]
     undo = checkpoint_blocks(zm.model)
     zm.loss(zm.model, batches[0]).backward()
     for g, r in zip((p.grad for p in zm.model.parameters()), ref):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
     undo()
+    assert [type(m) for _, m in find_blocks(zm.model)] == classes
     assert all("forward" not in m.__dict__ for _, m in find_blocks(zm.model))
 
 
