@@ -167,6 +167,8 @@ def test_fp8_kinds_plug_into_the_per_layer_precision_mechanism():
     layer_precision = pytest.importorskip("adaptive_amp.layer_precision")
     import functools
 
+    from adaptive_amp import zoo
+
     for kind in fp8.KINDS:
         layer_precision.register_kind(kind, functools.partial(fp8.wrap_forward, kind=kind))
     torch.manual_seed(0)
@@ -180,6 +182,23 @@ def test_fp8_kinds_plug_into_the_per_layer_precision_mechanism():
     assert not torch.equal(out, plain) and list(model.parameters()) == params
     handle.remove()
     assert torch.equal(model(x), plain)
+
+    # GPT-2's Conv1D layers, eager and compiled, under bf16 autocast; a copy is the plain model.
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    batch = zm.make_batch(2, seed=1)
+    handles = [layer_precision.apply_kind(m, "fp8-tensorwise") for m in zm.model.modules() if fp8.matmul_sizes(m)]
+    assert len(handles) == 9
+    with torch.autocast("cpu", torch.bfloat16):
+        eager = zm.loss(zm.model, batch)
+        compiled = zm.loss(torch.compile(zm.model, backend="aot_eager"), batch)
+    eager.backward()
+    assert torch.equal(eager.detach(), compiled.detach())
+    assert all(p.grad is not None and p.dtype == torch.float32 for p in zm.model.parameters())
+    copied = copy.deepcopy(zm.model)
+    assert type(copied.transformer.h[0].attn.c_attn).forward is not type(zm.model.transformer.h[0].attn.c_attn).forward
+    for h in handles:
+        h.remove()
+    assert torch.equal(zm.loss(zm.model, batch), zm.loss(copied, batch))
 
 
 # ---------------------------------------------------------------------------- measurement and selection

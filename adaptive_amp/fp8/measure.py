@@ -171,11 +171,15 @@ def layer_gain(module: nn.Module, input_shape: Sequence[int], kind: str = "fp8-t
     params = [p for p in (module.weight, module.bias) if p is not None]
 
     def step(fn):
+        forward = (lambda t: fn(module, t))
+        if compiled:  # the forward compiled (AOT autograd compiles its backward); autograd.grad stays outside
+            forward = torch.compile(forward)
+
         def run():
             with torch.autocast("cuda", dtype=dtype):
-                out = fn(module, x)
+                out = forward(x)
             return torch.autograd.grad(out, [x, *params], grad)
-        return torch.compile(run) if compiled else run
+        return run
 
     runs = {"bf16": step(_bf16_forward), "fp8": step(lambda m, t: fp8_forward(m, t, kind))}
     for _ in range(warmup):
