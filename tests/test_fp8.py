@@ -303,6 +303,19 @@ def test_cast_statistics_counts_underflow_and_saturation():
     assert fp8.cast_statistics(rows, rowwise=True)["underflow"] == 0.25  # the second row has its own scale
 
 
+def test_a_layers_guard_row_from_its_input():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 32)
+    x = torch.randn(256, 64)
+    row = fp8.fp8_layer_row("fc", layer, x)
+    assert row["name"] == "fc" and row["underflow"] < 1e-3 and 0.01 < row["error"] < 0.1
+    assert row["amax"] == float(x.abs().max())
+    x[:, 5] *= 1e4  # an outlier channel: the others lose their codes in the one scale of the tensor
+    bad = fp8.fp8_layer_row("fc", layer, x, "fp8-rowwise", error=False)
+    assert bad["underflow"] > 0.01 and "error" not in bad  # rows share the outlier channel: scaling by row is no help
+    assert fp8.Fp8Guard().observe(0, [bad])[0].kind == "fp8_demote"
+
+
 def _reads(steps, growth, seed=0):
     """Synthetic statistics of one layer's input every 10 steps: `growth(step)` multiplies one channel."""
     gen = torch.Generator().manual_seed(seed)

@@ -48,6 +48,13 @@ def fp8_forward(module: nn.Module, input: torch.Tensor, kind: str = "fp8-tensorw
     return output
 
 
+def plain_forward(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """The layer's computation without fp8 (``F.linear``, autocast applying as usual): what fp8 is measured
+    against, also for a layer whose class already runs it in fp8."""
+    weight = module.weight.t() if is_conv1d(module) else module.weight
+    return torch.nn.functional.linear(input, weight, module.bias)
+
+
 def wrap_forward(forward: Callable, kind: str = "fp8-tensorwise") -> Callable:
     """A kind's wrap for the per-layer precision mechanism (``register_kind(kind, functools.partial(
     wrap_forward, kind=kind))``): the returned ``forward(module, input)`` runs the layer in fp8 instead of

@@ -12,7 +12,8 @@ fraction of its nonzero values that the scaled e4m3 cast turns into zero;
 (zero for dynamic scaling of the same tensor; a stale or delayed scale can
 saturate); ``error`` (optional, NaN when not measured): the layer's output
 relative error against a higher-precision recompute. :func:`cast_statistics`
-computes the first three from a tensor.
+computes the first three from a tensor, :func:`fp8_layer_row` the whole row
+of a layer from its input.
 
 :class:`Fp8Guard` demotes a layer to bf16 (event ``fp8_demote``) when its
 row crosses a threshold: too many values underflow or saturate, the error is
@@ -32,8 +33,11 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import torch
+from torch import nn
 
 from ..detectors import Detector, Event
+from .config import check_kind
+from .execution import fp8_forward, plain_forward
 
 #: The LayerStats kind whose rows this guard reads.
 STATS_KIND = "fp8"
@@ -59,6 +63,21 @@ def cast_statistics(x: torch.Tensor, *, scale: Optional[torch.Tensor] = None, ro
     return {"amax": float(x.abs().max()) if x.numel() else 0.0,
             "underflow": int(flushed.sum()) / n_nonzero if n_nonzero else 0.0,
             "saturated": int(saturated.sum()) / x.numel() if x.numel() else 0.0}
+
+
+def fp8_layer_row(name: str, module: nn.Module, input: torch.Tensor, kind: str = "fp8-tensorwise", *,
+                  error: bool = True) -> dict:
+    """The guard's row for one fp8 layer at a statistics step: :func:`cast_statistics` of its input (per row for
+    the rowwise kind) and, with `error`, its fp8 output's relative error against a float32 recompute."""
+    check_kind(kind)
+    row = dict(cast_statistics(input, rowwise=kind == "fp8-rowwise"), name=name)
+    if error:
+        with torch.no_grad(), torch.autocast(input.device.type, enabled=False):
+            got = fp8_forward(module, input.float(), kind).float()
+            ref = plain_forward(module, input.float()).float()
+            den = float(ref.norm())
+            row["error"] = float((got - ref).norm()) / den if den > 0 else math.nan
+    return row
 
 
 class Fp8Guard(Detector):

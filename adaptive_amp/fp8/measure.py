@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from .config import check_kind
-from .eligibility import is_conv1d
-from .execution import fp8_forward
+from .execution import fp8_forward, plain_forward
 
 
 def _call(model: nn.Module, batch: Any):
@@ -109,13 +108,6 @@ def _forward_backward(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, fn
     return out.detach(), grad_x, grad_w
 
 
-def _bf16_forward(module, x):
-    # The layer's own computation written out, so that a layer already running in fp8 is still measured
-    # against bf16.
-    weight = module.weight.t() if is_conv1d(module) else module.weight
-    return torch.nn.functional.linear(x, weight, module.bias)
-
-
 def layer_error(module: nn.Module, inputs: Sequence[torch.Tensor], kind: str = "fp8-tensorwise", *,
                 dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> LayerError:
     """`module` run in fp8 (`kind`) against `dtype` autocast on each of `inputs`, backward with the same random
@@ -129,7 +121,7 @@ def layer_error(module: nn.Module, inputs: Sequence[torch.Tensor], kind: str = "
         with torch.no_grad(), torch.autocast(x.device.type, dtype=dtype):
             shape = module(x).shape
         grad = torch.randn(shape, generator=gen).to(x.device)
-        ref = _forward_backward(module, x, grad, _bf16_forward, dtype)
+        ref = _forward_backward(module, x, grad, plain_forward, dtype)
         got = _forward_backward(module, x, grad, lambda m, t: fp8_forward(m, t, kind), dtype)
         for s, a, b in zip(sums, got, ref):
             s.add(a, b)
@@ -181,7 +173,7 @@ def layer_gain(module: nn.Module, input_shape: Sequence[int], kind: str = "fp8-t
             return torch.autograd.grad(out, [x, *params], grad)
         return run
 
-    runs = {"bf16": step(_bf16_forward), "fp8": step(lambda m, t: fp8_forward(m, t, kind))}
+    runs = {"bf16": step(plain_forward), "fp8": step(lambda m, t: fp8_forward(m, t, kind))}
     for _ in range(warmup):
         for run in runs.values():
             run()

@@ -26,7 +26,7 @@ from torch import nn
 from ..layers import unwrap_model
 from .config import KINDS, check_kind
 from .eligibility import eligible_layers, matmul_sizes
-from .measure import LayerError, LayerGain, capture_inputs, layer_error, layer_gain
+from .measure import LayerError, capture_inputs, layer_error, layer_gain
 
 #: Default smallest speed-up (bf16 time / fp8 time) worth a layer's fp8 rounding: below it, timing noise and
 #: the fp8 casts' memory traffic can make a "gain" a loss in the whole step.
