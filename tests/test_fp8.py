@@ -211,10 +211,14 @@ def test_capture_inputs_sees_each_layer_and_leaves_no_hook():
     layers = fp8.eligible_layers(zm.model, check_device=False).layers
     batches = [zm.make_batch(2, seed=i) for i in range(2)]
     seen = fp8.capture_inputs(zm.model, layers, batches)
-    assert set(seen) == set(layers) and all(len(v) == 2 for v in seen.values())
-    hidden = zm.model.config.n_embd
-    assert seen["transformer.h.0.mlp.c_proj"][0].shape[-1] == 4 * hidden
+    assert set(seen.inputs) == set(layers) and all(len(v) == 2 for v in seen.inputs.values())
+    hidden, seq = zm.model.config.n_embd, zm.seq_len
+    assert seen.inputs["transformer.h.0.mlp.c_proj"][0].shape == (2, seq, 4 * hidden)
     assert not any(m._forward_pre_hooks for m in zm.model.modules())
+    few = fp8.capture_inputs(zm.model, layers, batches, max_tokens=5)
+    assert few.inputs["lm_head"][1].shape == (5, hidden) and few.shapes["lm_head"] == [(2, seq, hidden)] * 2
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        fp8.capture_inputs(zm.model, layers, batches, max_tokens=0)
 
 
 def test_layer_error_is_fp8s_rounding_and_leaves_the_parameters_gradients_alone():
@@ -251,7 +255,7 @@ def test_selection_puts_layers_that_gain_and_tolerate_fp8_in_it_each_with_its_re
         calls.append((layer.in_features, layer.out_features, shape, kind))
         return gains[(layer.in_features, layer.out_features)][kind]
 
-    choices = fp8.select_fp8_layers(model, batches, gain_fn=gain_fn)
+    choices = fp8.select_fp8_layers(model, batches, gain_fn=gain_fn, max_tokens=16)
     assert list(choices) == ["0", "2", "4"]
     assert choices["0"].kind == "fp8-tensorwise"
     assert choices["0"].reason.startswith("gains 1.31x, error ") and choices["0"].reason.endswith("within 0.1")

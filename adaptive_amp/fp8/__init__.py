@@ -15,11 +15,11 @@ from .eligibility import (Eligibility, device_unsupported, eligible_layers, fp8_
                           matmul_sizes, require_fp8, torchao_missing)
 from .execution import check_layer, fp8_forward, plain_forward, wrap_forward
 from .guard import Fp8Guard, cast_statistics, fp8_layer_row
-from .measure import LayerError, LayerGain, capture_inputs, layer_error, layer_gain
+from .measure import Captured, LayerError, LayerGain, capture_inputs, layer_error, layer_gain
 from .select import MAX_ERROR, MIN_GAIN, LayerChoice, select_fp8_layers
 
 __all__ = ["KINDS", "RECIPES", "float8_config", "Eligibility", "device_unsupported", "eligible_layers",
            "fp8_unavailable", "layer_unsupported", "matmul_sizes", "require_fp8", "torchao_missing", "check_layer",
-           "fp8_forward", "plain_forward", "wrap_forward", "Fp8Guard", "cast_statistics", "fp8_layer_row", "LayerError", "LayerGain",
+           "fp8_forward", "plain_forward", "wrap_forward", "Fp8Guard", "cast_statistics", "fp8_layer_row", "Captured", "LayerError", "LayerGain",
            "capture_inputs", "layer_error", "layer_gain", "MAX_ERROR", "MIN_GAIN", "LayerChoice",
            "select_fp8_layers"]

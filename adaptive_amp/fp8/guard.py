@@ -89,7 +89,8 @@ class Fp8Guard(Detector):
             well-scaled activation loses about 1e-5; outlier channels 1000x the rest lose percents).
         max_saturated: largest fraction of values beyond e4m3's range (1e-4).
         max_error: largest output relative error against a higher-precision recompute (0.15: fp8's own
-            rounding costs 4-6%).
+            rounding costs 4-6%; above the selection's 0.1, so that a layer chosen near that bound is not
+            demoted by the noise of one read).
         amax_growth: amax this many times the median of the layer's previous `window` reads is growth no
             training drift makes (16).
         window: reads of a layer's amax history kept (20).

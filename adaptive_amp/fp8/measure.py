@@ -1,7 +1,8 @@
 """What fp8 would do to one layer, measured: its speed and its error, on the user's device and data.
 
 * :func:`capture_inputs`: the inputs each layer sees, from a few sample
-  batches, through forward pre-hooks (removed afterwards; nothing trains).
+  batches, through forward pre-hooks (removed afterwards; nothing trains),
+  with their full shapes.
 * :func:`layer_error`: the layer's output and input gradient (and weight
   gradient) in fp8 against bf16 autocast, on those inputs, with one fixed
   random output gradient: relative error (``||fp8 - bf16|| / ||bf16||``)
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -33,18 +34,36 @@ def _call(model: nn.Module, batch: Any):
     return model(batch)
 
 
+@dataclass
+class Captured:
+    """What :func:`capture_inputs` saw: each layer's inputs (at most `max_tokens` rows of each) and the full
+    shape of each input (what the layer's timing runs at)."""
+
+    inputs: Dict[str, List[torch.Tensor]]
+    shapes: Dict[str, List[Tuple[int, ...]]]
+
+
 def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iterable[Any],
-                   run: Optional[Callable[[nn.Module, Any], Any]] = None) -> Dict[str, List[torch.Tensor]]:
-    """name -> the inputs (first positional argument, detached) that each of `layers` received while
+                   run: Optional[Callable[[nn.Module, Any], Any]] = None,
+                   max_tokens: Optional[int] = None) -> Captured:
+    """The inputs (first positional argument, detached) that each of `layers` (name -> module) received while
     ``run(model, batch)`` (default: ``model(**batch)`` for a dict, ``model(*batch)`` for a tuple, else
-    ``model(batch)``) ran on each batch, without gradients. A layer not called has no entry."""
+    ``model(batch)``) ran on each batch, without gradients. `max_tokens`: keep at most that many rows
+    (positions) of each input, as ``(rows, features)``, so that a large model's captures fit beside it; the
+    shapes are kept whole. A layer not called has no entry."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 (or None: all), got {max_tokens}")
     run = run or _call
-    seen: Dict[str, List[torch.Tensor]] = {}
+    out = Captured({}, {})
 
     def hook_for(name):
         def hook(module, args):
             if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
-                seen.setdefault(name, []).append(args[0].detach())
+                x = args[0].detach()
+                out.shapes.setdefault(name, []).append(tuple(x.shape))
+                if max_tokens is not None:
+                    x = x.reshape(-1, x.shape[-1])[:max_tokens].clone()
+                out.inputs.setdefault(name, []).append(x)
         return hook
 
     handles = [m.register_forward_pre_hook(hook_for(n)) for n, m in layers.items()]
@@ -55,7 +74,7 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
     finally:
         for h in handles:
             h.remove()
-    return seen
+    return out
 
 
 @dataclass(frozen=True)

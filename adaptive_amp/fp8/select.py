@@ -62,7 +62,8 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
                       run: Optional[Callable[[nn.Module, Any], Any]] = None,
                       kinds: Sequence[str] = KINDS, min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR,
                       dtype: torch.dtype = torch.bfloat16, warmup: int = 5, iters: int = 20,
-                      compiled: bool = False, gain_fn: Optional[GainFn] = None) -> Dict[str, LayerChoice]:
+                      compiled: bool = False, max_tokens: Optional[int] = 8192,
+                      gain_fn: Optional[GainFn] = None) -> Dict[str, LayerChoice]:
     """name -> :class:`LayerChoice` for every nn.Linear and Conv1D of `model` (module order).
 
     batches: a few sample batches; each layer's inputs are captured from ``run(model, batch)`` (see
@@ -70,7 +71,10 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
     kinds: the recipes to try (``"fp8-tensorwise"``, ``"fp8-rowwise"``).
     min_gain: the smallest measured speed-up (bf16 ms / fp8 ms) that puts a layer in fp8 (default 1.05).
     max_error: the largest relative error of the output and of the input gradient against bf16 (default 0.1).
-    dtype, warmup, iters, compiled: how the gain is timed (:func:`~adaptive_amp.fp8.measure.layer_gain`).
+    dtype, warmup, iters, compiled: how the gain is timed (:func:`~adaptive_amp.fp8.measure.layer_gain`), at
+        the largest input shape the layer saw.
+    max_tokens: rows of each captured input the error is measured on (default 8192; None: all of them): the
+        captures of every layer are held at once.
     gain_fn: ``(layer, input_shape, kind) -> speed-up``, in place of timing on the GPU (a gain measured
         elsewhere, a table); with it the layers are judged wherever they are.
 
@@ -84,7 +88,7 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
     root = unwrap_model(model)
     found = eligible_layers(root, check_device=gain_fn is None)
     choices: Dict[str, LayerChoice] = {}
-    inputs = capture_inputs(model, found.layers, batches, run) if found.layers else {}
+    captured = capture_inputs(model, found.layers, batches, run, max_tokens) if found.layers else None
     timed: Dict[tuple, float] = {}
 
     def gain_of(module, shape, kind) -> float:
@@ -104,11 +108,11 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
             continue
         if name not in found.layers:
             continue
-        xs = inputs.get(name)
+        xs = captured.inputs.get(name) if captured is not None else None
         if not xs:
             choices[name] = LayerChoice(name, None, "skipped: not called by the sample batches")
             continue
-        shape = max((tuple(x.shape) for x in xs), key=lambda s: torch.Size(s).numel())
+        shape = max(captured.shapes[name], key=lambda s: torch.Size(s).numel())
         gains = {k: gain_of(module, shape, k) for k in kinds}
         errors = {k: layer_error(module, xs, k, dtype=dtype) for k in kinds}
         fits = [k for k in kinds if gains[k] >= min_gain and errors[k].worst <= max_error]
