@@ -16,7 +16,8 @@ The conversions change a live model and optimizer and can be undone:
   state; undoing gives the state back (fp32 moments bitwise, bf16 moments
   upcast) and removes the keys it added to the groups.
 * :func:`cast_parameters`: parameters and floating buffers to bf16 in place
-  (the Parameter objects, which the optimizers hold, stay the same) and back;
+  (the Parameter objects, which the optimizers hold, stay the same) and back,
+  tables such as rotary frequencies left float32 (:func:`derived_buffers`);
   :func:`cast_floats_hook` casts a pure recipe's floating inputs;
   :func:`cast_matmul_weights` casts only the matmul layers' weights, and
   :func:`float32_embeddings` keeps the residual stream fp32 (bf16-weights).
@@ -311,14 +312,28 @@ def _uncast(before) -> None:
         forget_compiled_graphs()
 
 
+def derived_buffers(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """The floating buffers a module registered non-persistent: tables it computes from its configuration
+    (rotary inverse frequencies ``inv_freq``, sine/cosine caches), not state it trains or saves (BatchNorm's
+    running statistics are persistent). :func:`cast_parameters` keeps them float32, as autocast does: a
+    rotary angle is position x frequency, and a frequency rounded to bf16 (relative error up to 2**-9) turns
+    the angles of late positions by radians (2047 x 0.75 x 2**-9 = 3 rad), so queries and keys are rotated
+    by the wrong amounts and their gradients point elsewhere."""
+    root = unwrap_model(model)
+    return [(f"{name}.{b}" if name else b, t) for name, m in root.named_modules()
+            for b, t in m._buffers.items()
+            if t is not None and t.is_floating_point() and b in m._non_persistent_buffers_set]
+
+
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
     """Floating-point parameters (and their gradients) and buffers of `model` to `dtype`, in place, as
     ``model.to(dtype)`` does (the controller's bf16-pure casts that way, and a trial must run the same model:
-    BatchNorm's running statistics must match its weights' dtype, Llama's rotary frequencies are rounded
-    alike). Returns the undo (back to each tensor's dtype before, values upcast exactly from what training
-    left)."""
+    BatchNorm's running statistics must match its weights' dtype), except the :func:`derived_buffers`, which
+    stay as they are (Llama's rotary frequencies: float32). Returns the undo (back to each tensor's dtype
+    before, values upcast exactly from what training left)."""
     root = unwrap_model(model)
-    before = _cast_in_place([*root.parameters(), *root.buffers()], dtype)
+    derived = {id(t) for _, t in derived_buffers(root)}
+    before = _cast_in_place([*root.parameters(), *(b for b in root.buffers() if id(b) not in derived)], dtype)
     return lambda: _uncast(before)
 
 
