@@ -11,6 +11,14 @@ context for the policy and makes each island run with autocast off on fp32
 inputs. It never touches parameters or the optimizer, so a policy can change
 between any two steps, and ``remove()`` leaves the model as it was.
 
+The policy's per-layer map (``policy.layers``: a layer in ``"bf16"``, its
+autocast in bf16, or in an fp8 kind of :mod:`adaptive_amp.fp8`, its matmuls
+through torchao's float8 training) is applied the same way, each layer's kind
+through its own handle; an island wins over another kind on the same layer.
+fp8 is checked before anything changes (torchao, a GPU with fp8 matmuls, the
+layer's sizes: :func:`adaptive_amp.fp8.require_fp8`), so a refused policy
+leaves the model as it was.
+
 Islands are applied with :mod:`adaptive_amp.layer_precision` (kind ``"fp32"``):
 the module's class is swapped for a cached subclass whose ``forward`` runs
 the layer's own inside ``torch.autocast(enabled=False)`` on fp32 inputs, and
@@ -57,8 +65,27 @@ try:
 except ImportError:  # pragma: no cover - torch without AOT autograd's config
     _functorch_config = None
 
-from .layer_precision import OwnedHandles, apply_kind
+from .layer_precision import OwnedHandles, apply_kind, register_kind, registered_kinds
 from .layers import expand_names, unwrap_model
+
+
+def _bf16(forward, device_type: str):
+    def bf16_forward(self, *args, **kwargs):
+        # Inside an fp16 or fp32 policy, or where an fp8 layer was demoted: this layer's autocast in bf16.
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            return forward(self, *args, **kwargs)
+    return bf16_forward
+
+
+register_kind("bf16", _bf16)
+
+
+def _layer_kind_options(kind: str, device_type: str) -> dict:
+    """The options apply_kind takes for a kind of the per-layer map; an fp8 kind is registered on first use
+    (adaptive_amp.fp8.execution registers them when imported, without importing torchao)."""
+    if kind.startswith("fp8-") and kind not in registered_kinds():
+        from .fp8 import execution  # noqa: F401 - registers the fp8 kinds
+    return {"device_type": device_type} if kind in ("fp32", "bf16") else {}
 
 
 #: (name, value) of each AOT autograd setting the policy's compiled passes need, where this torch has it.
@@ -186,6 +213,9 @@ class DynamicPrecisionAdjuster:
         self.policy = None
         # island name -> its layer_precision handle, in the order promoted
         self._islands = OwnedHandles(self)
+        # layer name -> the handle of its other kind in the policy's per-layer map (fp8, bf16)
+        self._kinds = OwnedHandles(self)
+        self._kind_handles: dict = {}
         self.set_policy(policy)
 
     @property
@@ -195,6 +225,12 @@ class DynamicPrecisionAdjuster:
     @property
     def islands(self) -> tuple:
         return self._islands.keys()
+
+    @property
+    def layer_kinds(self) -> dict:
+        """{layer name: kind} of each layer the policy's map runs in a kind other than fp32 (fp8, bf16), as
+        applied (the islands are :attr:`islands`)."""
+        return {name: self._kind_handles[name].kind for name in self._kinds.keys()}
 
     def autocast(self):
         """The autocast context of the policy (disabled when the policy computes in fp32); a compiled model
@@ -216,10 +252,42 @@ class DynamicPrecisionAdjuster:
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"policy.compute_dtype is {dtype}; expected torch.float32, float16 or bfloat16")
         modules = dict(self.model.named_modules())
-        for name in self._island_names(policy):
+        islands = self._island_names(policy)
+        for name in islands:
             if name not in self._islands and "forward" in modules[name].__dict__:
                 raise ValueError(f"policy.islands: {name!r} has a forward set on the instance (another library's "
                                  "hooks, say), which would bypass the island; remove it first or leave the layer out")
+        kinds = self._layer_kind_names(policy, islands)
+        for name, kind in kinds.items():
+            handle = self._kind_handles.get(name)
+            if (handle is None or handle.kind != kind) and "forward" in modules[name].__dict__:
+                raise ValueError(f"policy.layers: {name!r} has a forward set on the instance (another library's "
+                                 f"hooks, say), which would bypass its {kind}; remove it first or leave the layer out")
+        for kind in sorted({k for k in kinds.values() if k.startswith("fp8-")}):
+            names = [n for n, k in kinds.items() if k == kind]
+            from .fp8.eligibility import require_fp8
+
+            try:
+                require_fp8(self.model, names, kind=kind)
+            except (RuntimeError, ValueError) as exc:
+                raise type(exc)(f"policy.layers: {', '.join(names)} in {kind}: {exc}") from None
+
+    def _layer_kind_names(self, policy, islands: tuple) -> dict:
+        """{layer name: kind} of the policy's map entries other than fp32, patterns expanded, a later entry
+        winning over an earlier one, and an island over both."""
+        resolved: dict = {}
+        for entry, kind in getattr(policy, "layers", ()):
+            names, unknown = expand_names((entry,), self.model)
+            if unknown:
+                raise ValueError(f"policy.layers: {entry!r} ({kind}) names no module of the model (a name from "
+                                 "model.named_modules() without torch.compile's '_orig_mod.', or a pattern such as "
+                                 "'*.mlp.*' that matches at least one layer)")
+            for name in names:
+                resolved.pop(name, None)
+                resolved[name] = kind
+        for name in islands:
+            resolved.pop(name, None)
+        return resolved
 
     def _island_names(self, policy) -> tuple:
         names, unknown = expand_names(policy.islands, self.model)
@@ -230,7 +298,9 @@ class DynamicPrecisionAdjuster:
         return tuple(names)
 
     def set_policy(self, policy) -> None:
-        """Switch to `policy`: new islands applied, dropped ones removed. Parameters are not touched."""
+        """Switch to `policy`: new islands and per-layer kinds (``policy.layers``: fp8, bf16) applied, dropped
+        or changed ones removed. Parameters are not touched. A layer with an island runs in fp32 whatever
+        else the map says of it."""
         self.check_policy(policy)
         wanted = self._island_names(policy)
         modules = dict(self.model.named_modules())
@@ -239,13 +309,23 @@ class DynamicPrecisionAdjuster:
         for name in wanted:
             if name not in self._islands:
                 self._islands.add(apply_kind(modules[name], "fp32", device_type=self.device_type), key=name)
+        kinds = self._layer_kind_names(policy, wanted)
+        for name in [n for n in self._kinds.keys() if kinds.get(n) != self._kind_handles[n].kind]:
+            self._kinds.pop(name).remove()
+            del self._kind_handles[name]
+        for name, kind in kinds.items():
+            if name not in self._kinds:
+                handle = apply_kind(modules[name], kind, **_layer_kind_options(kind, self.device_type))
+                self._kind_handles[name] = self._kinds.add(handle, key=name)
         self.policy = policy
 
     def remove(self) -> None:
         """Take every island off: the model's modules are of their own classes again (but for other owners'
         kinds: another controller's islands stay)."""
+        self._kinds.remove()
+        self._kind_handles.clear()
         self._islands.remove()
 
     def __repr__(self):
         return (f"DynamicPrecisionAdjuster(compute_dtype={self.policy.compute_dtype}, "
-                f"islands={list(self._islands.keys())}, device_type={self.device_type!r})")
+                f"islands={list(self._islands.keys())}, layers={self.layer_kinds}, device_type={self.device_type!r})")

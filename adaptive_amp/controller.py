@@ -170,6 +170,16 @@ class AdaptiveMixedPrecision:
             ``amp.tuning`` holds the trials.
         memory_guard: an adaptive_amp.pressure.MemoryGuard: lighter recipes under memory pressure,
             and after an out-of-memory error in :meth:`train_step`.
+        fp8: fp8 layers' settings (adaptive_amp.fp8). A policy names its fp8 layers in its per-layer map
+            (``"params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise"``); where fp8 cannot run
+            (torchao missing, no GPU with fp8 matmuls, a layer whose sizes fp8 cannot take) construction
+            fails naming the reason and the layers, the model unchanged. policy="bf16+fp8" measures
+            instead (adaptive_amp.fp8.select_fp8_layers on `sample_inputs`, or on ``fp8["batches"]``):
+            bf16 autocast, each layer that gains and tolerates fp8 in it, every layer's decision in
+            ``policy.reasons``. Keys: ``guard`` (an adaptive_amp.fp8.Fp8Guard; False: none), ``batches``, and
+            select_fp8_layers' options (kinds, min_gain, max_error, gain_fn, run, ...). With `adapt`, the
+            guard reads every fp8 layer at statistics steps and, between steps, moves a layer that stops
+            tolerating fp8 to bf16 (event "fp8_demote") and back after a stable period ("fp8_restore").
     """
 
     def __init__(self, model: nn.Module, optimizer_or_optimizers, policy: Union[str, PrecisionPolicy] = "auto",
@@ -181,7 +191,7 @@ class AdaptiveMixedPrecision:
                  track_grad_norm: bool = True,
                  scaler_kwargs: Optional[dict] = None,
                  monitor: Optional[StabilityMonitor] = None, progress: bool = True,
-                 tune: Optional[dict] = None, memory_guard=None):
+                 tune: Optional[dict] = None, memory_guard=None, fp8: Optional[dict] = None):
         if isinstance(optimizer_or_optimizers, torch.optim.Optimizer):
             optimizers = [optimizer_or_optimizers]
         else:
@@ -228,6 +238,8 @@ class AdaptiveMixedPrecision:
         self._collector = self._owned.add(ActivationCollector(self.layers, root=self._module))
         self.tuning = None  # policy="tune": the TuneResult (trials, A/B table)
         self._tune_options = tune
+        self._fp8_options = dict(fp8 or {})
+        self._fp8_watch = None  # the guard's eye on the fp8 layers (adaptive_amp.fp8.training.Fp8Watch)
         # A MemoryGuard (adaptive_amp.pressure): lighter recipes under memory pressure or out of memory.
         self.memory_guard = memory_guard
         self.adjuster = None
@@ -269,6 +281,7 @@ class AdaptiveMixedPrecision:
         # during the next step (see step()).
         self._pending: Optional[tuple] = None
         self._host_slots = HostSlots()
+        self._watch_fp8()
 
     # ------------------------------------------------------------ set-up
     def _resolve_policy(self, policy, sample_inputs, loss_fn, overrides, progress) -> PrecisionPolicy:
@@ -278,6 +291,8 @@ class AdaptiveMixedPrecision:
             raise TypeError(f"policy must be 'auto', a PrecisionPolicy or its string form, got {type(policy).__name__}")
         if policy.strip().lower() == "tune":
             return self._tune(sample_inputs, loss_fn, overrides, progress)
+        if policy.strip().lower() == "bf16+fp8":
+            return self._measure_fp8(sample_inputs, overrides)
         if policy.strip().lower() != "auto":
             return PrecisionPolicy.from_string(policy)
         if sample_inputs is not None:
@@ -312,6 +327,52 @@ class AdaptiveMixedPrecision:
         self._owned.add(applied.checkpoint_undo)  # (the optimizer and the parameters' dtype stay: see remove())
         self.optimizers = [applied.optimizer]
         return self.tuning.policy
+
+    def _measure_fp8(self, sample_inputs, overrides) -> PrecisionPolicy:
+        """policy="bf16+fp8": bf16 autocast, and in fp8 each layer measured to gain and tolerate it."""
+        from .analysis import _split_inputs
+        from .fp8.training import measured_policy
+
+        options = {k: v for k, v in self._fp8_options.items() if k != "guard"}
+        batches = options.pop("batches", None)
+        if batches is None:
+            if sample_inputs is None:
+                raise ValueError("policy='bf16+fp8' measures each layer on sample batches: pass sample_inputs= "
+                                 "(one batch) or fp8=dict(batches=[...])")
+            batches = [sample_inputs]
+        if overrides is not None:
+            raise ValueError("policy='bf16+fp8' measures its fp8 layers instead of taking overrides; write the "
+                             "policy string instead (e.g. 'params=float32,compute=bfloat16,layers=name:fp8-tensorwise')")
+        if "run" not in options:
+            def run(model, batch):
+                args, kwargs = _split_inputs(batch)
+                return model(*args, **kwargs)
+            options["run"] = run
+        base = PrecisionPolicy(compute_dtype=torch.bfloat16, tf32=bool(self.capabilities.tf32), reasons=(
+            "compute=bfloat16: policy bf16+fp8, bf16 autocast and fp8 in each layer measured to gain and "
+            "tolerate it",))
+        return measured_policy(self.model, base, batches, **options)
+
+    def _watch_fp8(self) -> None:
+        """Guard the policy's fp8 layers at statistics steps (adaptive_amp.fp8.training.Fp8Watch)."""
+        guard = self._fp8_options.get("guard")
+        if guard is False or not any(k.startswith("fp8-") for k in self.adjuster.layer_kinds.values()):
+            return
+        from .fp8.training import Fp8Watch
+
+        self._fp8_watch = Fp8Watch(guard)
+        self._fp8_watch.sync(self.adjuster)
+        self._owned.add(self._fp8_watch)
+
+    def _guard_fp8(self, step: int) -> None:
+        """Between steps: the guard's verdict on the fp8 layers' rows of this step, each a policy change."""
+        from .fp8.training import policy_after
+
+        watch = self._fp8_watch
+        for event in watch.observe(step):
+            policy = policy_after(event, self.policy, watch.kinds[event.layer])
+            self._decide(event.kind, event.message, policy, layer=event.layer, **event.data)
+        watch.sync(self.adjuster)
 
     def _check_param_dtype(self, policy: PrecisionPolicy) -> None:
         """bf16 parameters ("bf16-pure", "bf16-weights"): insist on optimizers that round stochastically
@@ -406,6 +467,9 @@ class AdaptiveMixedPrecision:
         collect = self._activations_due() and not self._collected_activations
         collector = self._collector
         collector.take()  # nothing from forwards run outside this context
+        watch = self._fp8_watch if self.adapt and self._stats_due() else None
+        if watch is not None:
+            watch.armed = True  # the fp8 layers keep their inputs for the guard (read after the step)
         if collect:
             # Islands are not measured: they compute in fp32 and cannot be blamed for a compute-dtype overflow.
             collector.start(fmt=self.compute_fmt, skip=self.adjuster.islands)
@@ -415,6 +479,8 @@ class AdaptiveMixedPrecision:
                 yield
         finally:
             collector.stop()
+            if watch is not None:
+                watch.armed = False
         if not collect or self._removed:
             return  # (removed inside the block: its hooks and records went with it)
         outputs, inputs = collector.stats()  # rows in forward order; eager layers were measured as they ran
@@ -503,6 +569,8 @@ class AdaptiveMixedPrecision:
             self._judge(step, result, watched)  # (a read window reads the device anyway)
         if read_due:
             self._adapt()
+        if self._fp8_watch is not None and self.adapt:
+            self._guard_fp8(step)
         if self.memory_guard is not None:
             self.memory_guard.after_step(self)
         return result

@@ -74,3 +74,18 @@ def check_layer(module: nn.Module, kind: str = "fp8-tensorwise") -> None:
     reason = layer_unsupported(module)
     if reason is not None:
         raise ValueError(f"module: cannot run in {kind}: {reason}")
+
+
+def _register_kinds() -> None:
+    # The per-layer precision map applies fp8 through the one per-layer mechanism; importing this module is what
+    # makes its kinds known there (the adjuster imports it only for a policy that has an fp8 layer).
+    import functools
+
+    from ..layer_precision import register_kind
+    from .config import KINDS
+
+    for kind in KINDS:
+        register_kind(kind, functools.partial(wrap_forward, kind=kind))
+
+
+_register_kinds()
