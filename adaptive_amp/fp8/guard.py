@@ -57,7 +57,11 @@ def cast_statistics(x: torch.Tensor, *, scale: Optional[torch.Tensor] = None, ro
         scale = top / amax.clamp(min=1e-12)
     scaled = x * scale
     nonzero = x != 0
-    saturated = scaled.abs() > top
+    # Beyond half an ulp above the format's largest value, not above the value itself: the amax times
+    # max / amax lands a rounding error above max for 4 in 10 random bf16 tensors, a value the cast rounds
+    # to max anyway (no loss), and a dynamic scale would otherwise "saturate" every fifth tensor.
+    half_ulp = 0.5 * 2.0 ** math.floor(math.log2(top)) * torch.finfo(dtype).eps
+    saturated = scaled.abs() > top + half_ulp
     flushed = nonzero & (scaled.clamp(-top, top).to(dtype).float() == 0)
     n_nonzero = int(nonzero.sum())
     return {"amax": float(x.abs().max()) if x.numel() else 0.0,
