@@ -435,8 +435,8 @@ class AdaptivePrecisionSelector:
       fp16 native (GPU only)  -> params fp32, compute fp16, dynamic loss scaling
       otherwise               -> fp32 throughout
     TF32 is on wherever it is native (fp32 islands and fp32 ops benefit). fp8 is
-    only recommended in the reasons: it needs per-tensor scaling this policy
-    does not describe. On the CPU, fp16 is never chosen: torch's CPU autocast
+    only recommended in the reasons: which layers gain from it is measured
+    (policy "bf16+fp8" of AdaptiveMixedPrecision) or written in ``layers``. On the CPU, fp16 is never chosen: torch's CPU autocast
     speaks bf16, and fp16 without loss scaling underflows.
     """
 
@@ -510,8 +510,9 @@ class AdaptivePrecisionSelector:
 
         # 5. fp8: advice only.
         if caps.fp8:
-            reasons.append(f"fp8: {where} has native fp8; consider fp8 matmuls (e.g. Transformer Engine) "
-                           "for large linear layers (not selected automatically: needs per-tensor scaling)")
+            reasons.append(f"fp8: {where} has native fp8; policy 'bf16+fp8' (AdaptiveMixedPrecision) measures which "
+                           "layers gain and tolerate it, or name them in the policy's layers "
+                           "(layers=*.mlp.*:fp8-tensorwise); not selected here without a measurement")
 
         return PrecisionPolicy(param_dtype=param, compute_dtype=compute, param_scope=scope, tf32=tf32,
                                islands=islands, loss_scale=loss_scale, layers=layers, reasons=tuple(reasons))

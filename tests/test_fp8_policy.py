@@ -235,6 +235,9 @@ def test_an_ordinary_run_raises_no_event_and_a_demoted_layer_returns_with_back_o
 
     _, events, amp = _llama_run(FP8, 10, lambda step: 1.0)
     assert events == [] and amp.adjuster.layer_kinds == {LAYER: "fp8-tensorwise"}
+    # bf16 compute, every MLP layer in fp8 (the inputs arrive in bf16)
+    _, events, amp = _llama_run("params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise", 6, lambda step: 1.0)
+    assert events == [] and len(amp._fp8_watch.rows) == 6
     spikes = {3, 9}
     _, events, amp = _llama_run(FP8, 16, lambda step: 1e5 if step in spikes else 1.0,
                                 guard=Fp8Guard(stable_steps=3, min_history=1))
