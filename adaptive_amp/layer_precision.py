@@ -127,9 +127,14 @@ class KindHandle:
 
 
 def apply_kind(module: nn.Module, kind: str, **options) -> KindHandle:
-    """Run `module`'s forward inside `kind` ("fp32", "checkpoint", or one :func:`register_kind` added) until the
-    returned handle's ``remove()``. Applying a kind the module already runs in (another owner's) adds an owner.
-    Raises ValueError (nothing changed) for an unknown kind or a module whose forward was set on the instance."""
+    """Run `module`'s forward inside `kind` until the returned handle's ``remove()``.
+
+    Kinds: ``"fp32"`` (option ``device_type``, the device whose autocast is turned off: autocast off and the
+    floating inputs cast to fp32, an fp32 island), ``"checkpoint"`` (no options: non-reentrant
+    ``torch.utils.checkpoint``), or one :func:`register_kind` added. Applying a (kind, options) the module
+    already runs in (another owner's) adds an owner: it runs once, until every owner's handle is removed.
+    Raises ValueError (nothing changed) for an unknown kind, options the kind refuses, or a module whose
+    forward was set on the instance."""
     if kind not in _KINDS:
         raise ValueError(f"kind is {kind!r}; registered kinds: {sorted(_KINDS)} (add one with register_kind)")
     if not isinstance(module, nn.Module):
