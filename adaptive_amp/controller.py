@@ -36,6 +36,13 @@ step is still skipped rather than writing infs into the weights.
 No decision rebuilds the optimizer or touches parameters, and no step is
 lost beyond those the scaler had already skipped.
 
+Layers a policy's per-layer map puts in fp8 (``layers=*.mlp.*:fp8-tensorwise``,
+or measured: policy ``"bf16+fp8"``) are guarded: at statistics steps each
+one's input gives adaptive_amp.fp8.Fp8Guard a row (cast statistics, output
+error against a float32 recompute), and between steps a layer that stops
+tolerating fp8 moves to bf16 in the map (event ``fp8_demote``) and back after
+a stable period (``fp8_restore``), waiting twice as long after each relapse.
+
 A policy that keeps parameters in its compute dtype ("bf16-pure") runs
 without autocast, as the plain loop does: autocast would compute its fp32
 ops (layer norms, pow in GELU, softmax, ...) in fp32 and keep fp32 copies
@@ -369,10 +376,12 @@ class AdaptiveMixedPrecision:
         from .fp8.training import policy_after
 
         watch = self._fp8_watch
-        for event in watch.observe(step):
+        events = watch.observe(step)  # (nothing outside statistics steps)
+        for event in events:
             policy = policy_after(event, self.policy, watch.kinds[event.layer])
             self._decide(event.kind, event.message, policy, layer=event.layer, **event.data)
-        watch.sync(self.adjuster)
+        if events:
+            watch.sync(self.adjuster)
 
     def _check_param_dtype(self, policy: PrecisionPolicy) -> None:
         """bf16 parameters ("bf16-pure", "bf16-weights"): insist on optimizers that round stochastically
