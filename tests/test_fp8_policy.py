@@ -249,6 +249,8 @@ def test_an_ordinary_run_raises_no_event_and_a_demoted_layer_returns_with_back_o
     assert events[2].data["wait"] == 6  # the second failure waits twice as long
     assert [p.rpartition(":")[2] for _, p in amp.policy_history] == ["fp8-tensorwise", "bf16"] * 2 + ["fp8-tensorwise"]
     assert amp.adjuster.layer_kinds == {LAYER: "fp8-tensorwise"}
+    text = str(amp.report(plots=False))
+    assert f"layers={LAYER}:bf16" in text and "demoted to bf16" in text and "back to fp8" in text
 
 
 @pytest.mark.cuda
