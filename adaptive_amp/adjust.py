@@ -11,10 +11,27 @@ context for the policy and makes each island run with autocast off on fp32
 inputs. It never touches parameters or the optimizer, so a policy can change
 between any two steps, and ``remove()`` leaves the model as it was.
 
-Islands are made by wrapping the module's ``forward`` (an instance attribute
-that shadows the class method) rather than by a pre-hook/hook pair: the
-autocast context is then entered and left in one ``with`` block, which stays
-correct when the forward raises and which torch.compile traces as one region.
+The policy's per-layer map (``policy.layers``: a layer in ``"bf16"``, its
+autocast in bf16, or in an fp8 kind of :mod:`adaptive_amp.fp8`, its matmuls
+through torchao's float8 training) is applied the same way, each layer's kind
+through its own handle; an island wins over another kind on the same layer.
+fp8 is checked before anything changes (torchao, a GPU with fp8 matmuls, the
+layer's sizes: :func:`adaptive_amp.fp8.require_fp8`), so a refused policy
+leaves the model as it was.
+
+Islands are applied with :mod:`adaptive_amp.layer_precision` (kind ``"fp32"``):
+the module's class is swapped for a cached subclass whose ``forward`` runs
+the layer's own inside ``torch.autocast(enabled=False)`` on fp32 inputs, and
+the adjuster keeps the handle. Nothing is set on the module instance, so
+another controller's islands, MemoryGuard's activation checkpointing and the
+user's hooks compose with ours in any order; a ``copy.deepcopy`` or
+``torch.save`` of the model copies the layers' own classes and weights; and
+``remove()``, or the adjuster being garbage collected, puts each class back.
+The autocast context is entered and left in one ``with`` block, which stays
+correct when the forward raises and which torch.compile traces as one region,
+also across a graph break inside the layer (a pre-hook/hook pair cannot do
+that: layer_precision.py says why). The class is guarded, so a changed set of
+islands retraces a compiled model once and an unchanged one never does.
 
 A compiled model's backward is compiled with its forward, and by default
 (``torch._functorch.config.backward_pass_autocast = "same_as_forward"`` in
@@ -38,8 +55,7 @@ model compiled and trained.
 
 from __future__ import annotations
 
-import functools
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -49,21 +65,27 @@ try:
 except ImportError:  # pragma: no cover - torch without AOT autograd's config
     _functorch_config = None
 
+from .layer_precision import OwnedHandles, apply_kind, register_kind, registered_kinds
 from .layers import expand_names, unwrap_model
 
-_MISSING = object()
+
+def _bf16(forward, device_type: str):
+    def bf16_forward(self, *args, **kwargs):
+        # Inside an fp16 or fp32 policy, or where an fp8 layer was demoted: this layer's autocast in bf16.
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            return forward(self, *args, **kwargs)
+    return bf16_forward
 
 
-def _to_fp32(value):
-    """Floating-point tensors (also inside tuples, lists and dicts) -> fp32; anything else unchanged."""
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.is_floating_point() and value.dtype != torch.float32 else value
-    if isinstance(value, (tuple, list)):
-        items = [_to_fp32(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
-    if isinstance(value, dict):
-        return type(value)((k, _to_fp32(v)) for k, v in value.items())
-    return value
+register_kind("bf16", _bf16)
+
+
+def _layer_kind_options(kind: str, device_type: str) -> dict:
+    """The options apply_kind takes for a kind of the per-layer map; an fp8 kind is registered on first use
+    (adaptive_amp.fp8.execution registers them when imported, without importing torchao)."""
+    if kind.startswith("fp8-") and kind not in registered_kinds():
+        from .fp8 import execution  # noqa: F401 - registers the fp8 kinds
+    return {"device_type": device_type} if kind in ("fp32", "bf16") else {}
 
 
 #: (name, value) of each AOT autograd setting the policy's compiled passes need, where this torch has it.
@@ -178,17 +200,22 @@ class DynamicPrecisionAdjuster:
         adjuster.remove()                 # model back as it was
 
     Works with ``torch.compile(model)``, compiled before or after the
-    adjuster wraps it: an island changes the module's ``forward``, which
-    dynamo guards, so a changed policy retraces once and an unchanged one
-    never does.
+    adjuster wraps it: an island changes the module's class, which dynamo
+    guards, so a changed policy retraces once and an unchanged one never
+    does. Several adjusters (controllers) on one model each keep their own
+    islands; the adjuster holds no reference the model keeps, and its islands
+    come off when it is garbage collected.
     """
 
     def __init__(self, model: nn.Module, policy):
         self.model = unwrap_model(model)
         self.device_type = _device_type(model)
         self.policy = None
-        # island name -> the value of module.__dict__["forward"] before we wrapped it (_MISSING: none)
-        self._wrapped: Dict[str, object] = {}
+        # island name -> its layer_precision handle, in the order promoted
+        self._islands = OwnedHandles(self)
+        # layer name -> the handle of its other kind in the policy's per-layer map (fp8, bf16)
+        self._kinds = OwnedHandles(self)
+        self._kind_handles: dict = {}
         self.set_policy(policy)
 
     @property
@@ -197,7 +224,13 @@ class DynamicPrecisionAdjuster:
 
     @property
     def islands(self) -> tuple:
-        return tuple(self._wrapped)
+        return self._islands.keys()
+
+    @property
+    def layer_kinds(self) -> dict:
+        """{layer name: kind} of each layer the policy's map runs in a kind other than fp32 (fp8, bf16), as
+        applied (the islands are :attr:`islands`)."""
+        return {name: self._kind_handles[name].kind for name in self._kinds.keys()}
 
     def autocast(self):
         """The autocast context of the policy (disabled when the policy computes in fp32); a compiled model
@@ -218,7 +251,43 @@ class DynamicPrecisionAdjuster:
         dtype = policy.compute_dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"policy.compute_dtype is {dtype}; expected torch.float32, float16 or bfloat16")
-        self._island_names(policy)
+        modules = dict(self.model.named_modules())
+        islands = self._island_names(policy)
+        for name in islands:
+            if name not in self._islands and "forward" in modules[name].__dict__:
+                raise ValueError(f"policy.islands: {name!r} has a forward set on the instance (another library's "
+                                 "hooks, say), which would bypass the island; remove it first or leave the layer out")
+        kinds = self._layer_kind_names(policy, islands)
+        for name, kind in kinds.items():
+            handle = self._kind_handles.get(name)
+            if (handle is None or handle.kind != kind) and "forward" in modules[name].__dict__:
+                raise ValueError(f"policy.layers: {name!r} has a forward set on the instance (another library's "
+                                 f"hooks, say), which would bypass its {kind}; remove it first or leave the layer out")
+        for kind in sorted({k for k in kinds.values() if k.startswith("fp8-")}):
+            names = [n for n, k in kinds.items() if k == kind]
+            from .fp8.eligibility import require_fp8
+
+            try:
+                require_fp8(self.model, names, kind=kind)
+            except (RuntimeError, ValueError) as exc:
+                raise type(exc)(f"policy.layers: {', '.join(names)} in {kind}: {exc}") from None
+
+    def _layer_kind_names(self, policy, islands: tuple) -> dict:
+        """{layer name: kind} of the policy's map entries other than fp32, patterns expanded, a later entry
+        winning over an earlier one, and an island over both."""
+        resolved: dict = {}
+        for entry, kind in getattr(policy, "layers", ()):
+            names, unknown = expand_names((entry,), self.model)
+            if unknown:
+                raise ValueError(f"policy.layers: {entry!r} ({kind}) names no module of the model (a name from "
+                                 "model.named_modules() without torch.compile's '_orig_mod.', or a pattern such as "
+                                 "'*.mlp.*' that matches at least one layer)")
+            for name in names:
+                resolved.pop(name, None)
+                resolved[name] = kind
+        for name in islands:
+            resolved.pop(name, None)
+        return resolved
 
     def _island_names(self, policy) -> tuple:
         names, unknown = expand_names(policy.islands, self.model)
@@ -229,51 +298,34 @@ class DynamicPrecisionAdjuster:
         return tuple(names)
 
     def set_policy(self, policy) -> None:
-        """Switch to `policy`: wraps new islands, unwraps dropped ones. Parameters are not touched."""
+        """Switch to `policy`: new islands and per-layer kinds (``policy.layers``: fp8, bf16) applied, dropped
+        or changed ones removed. Parameters are not touched. A layer with an island runs in fp32 whatever
+        else the map says of it."""
         self.check_policy(policy)
         wanted = self._island_names(policy)
         modules = dict(self.model.named_modules())
-        for name in [n for n in self._wrapped if n not in wanted]:
-            self._unwrap(name, modules.get(name))
+        for name in [n for n in self._islands.keys() if n not in wanted]:
+            self._islands.pop(name).remove()
         for name in wanted:
-            if name not in self._wrapped:
-                self._wrap(name, modules[name])
+            if name not in self._islands:
+                self._islands.add(apply_kind(modules[name], "fp32", device_type=self.device_type), key=name)
+        kinds = self._layer_kind_names(policy, wanted)
+        for name in [n for n in self._kinds.keys() if kinds.get(n) != self._kind_handles[n].kind]:
+            self._kinds.pop(name).remove()
+            del self._kind_handles[name]
+        for name, kind in kinds.items():
+            if name not in self._kinds:
+                handle = apply_kind(modules[name], kind, **_layer_kind_options(kind, self.device_type))
+                self._kind_handles[name] = self._kinds.add(handle, key=name)
         self.policy = policy
 
     def remove(self) -> None:
-        """Unwrap every island: the model's modules are exactly as before the adjuster."""
-        modules = dict(self.model.named_modules())
-        for name in list(self._wrapped):
-            self._unwrap(name, modules.get(name))
-
-    def _wrap(self, name: str, module: nn.Module) -> None:
-        previous = module.__dict__.get("forward", _MISSING)
-        inner = module.forward  # the bound class method, or a forward someone else set on the instance
-        device_type = self.device_type
-
-        @functools.wraps(inner)
-        def island_forward(*args, **kwargs):
-            # Autocast would recast the island's ops to the compute dtype; turning it off alone is not
-            # enough, since inputs already produced in fp16/bf16 would keep the ops in that dtype.
-            with torch.autocast(device_type, enabled=False):
-                return inner(*_to_fp32(args), **_to_fp32(kwargs))
-
-        island_forward._adaptive_amp_island = name
-        module.forward = island_forward
-        self._wrapped[name] = previous
-
-    def _unwrap(self, name: str, module: Optional[nn.Module]) -> None:
-        previous = self._wrapped.pop(name)
-        if module is None:  # the module left the model since; nothing to restore
-            return
-        if getattr(module.__dict__.get("forward"), "_adaptive_amp_island", None) != name:
-            raise RuntimeError(f"the forward of island {name!r} was replaced after the adjuster wrapped it; "
-                               "cannot restore it safely")
-        if previous is _MISSING:
-            del module.forward  # the class's forward shows through again
-        else:
-            module.forward = previous
+        """Take every island off: the model's modules are of their own classes again (but for other owners'
+        kinds: another controller's islands stay)."""
+        self._kinds.remove()
+        self._kind_handles.clear()
+        self._islands.remove()
 
     def __repr__(self):
         return (f"DynamicPrecisionAdjuster(compute_dtype={self.policy.compute_dtype}, "
-                f"islands={list(self._wrapped)}, device_type={self.device_type!r})")
+                f"islands={list(self._islands.keys())}, layers={self.layer_kinds}, device_type={self.device_type!r})")

@@ -39,6 +39,13 @@ step is still skipped rather than writing infs into the weights.
 No decision rebuilds the optimizer or touches parameters, and no step is
 lost beyond those the scaler had already skipped.
 
+Layers a policy's per-layer map puts in fp8 (``layers=*.mlp.*:fp8-tensorwise``,
+or measured: policy ``"bf16+fp8"``) are guarded: at statistics steps each
+one's input gives adaptive_amp.fp8.Fp8Guard a row (cast statistics, output
+error against a float32 recompute), and between steps a layer that stops
+tolerating fp8 moves to bf16 in the map (event ``fp8_demote``) and back after
+a stable period (``fp8_restore``), waiting twice as long after each relapse.
+
 A policy that keeps parameters in its compute dtype ("bf16-pure") runs
 without autocast, as the plain loop does: autocast would compute its fp32
 ops (layer norms, pow in GELU, softmax, ...) in fp32 and keep fp32 copies
@@ -68,10 +75,10 @@ from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor, SumsOfSquares, builtin_values
 from .optim import _Fused
-from .scaler import OptState, _takes_grad_scaler
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
+from .layer_precision import OwnedHandles
 from .recipes import cast_for_policy, policy_hooks
-from .scaler import GradScaler
+from .scaler import GradScaler, OptState, _takes_grad_scaler
 from .step_result import HostSlots, StepResult
 
 _COMPUTE_FORMATS = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -191,6 +198,16 @@ class AdaptiveMixedPrecision:
         progress: show progress bars for the set-up's long work (the sensitivity
             analysis of ``"auto"``, the trials of ``"tune"``); tqdm's when it is
             installed (the ``progress`` extra). False: silent.
+        fp8: fp8 layers' settings (adaptive_amp.fp8). A policy names its fp8 layers in its per-layer map
+            (``"params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise"``); where fp8 cannot run
+            (torchao missing, no GPU with fp8 matmuls, a layer whose sizes fp8 cannot take) construction
+            fails naming the reason and the layers, the model unchanged. policy="bf16+fp8" measures
+            instead (adaptive_amp.fp8.select_fp8_layers on `sample_inputs`, or on ``fp8["batches"]``):
+            bf16 autocast, each layer that gains and tolerates fp8 in it, every layer's decision in
+            ``policy.reasons``. Keys: ``guard`` (an adaptive_amp.fp8.Fp8Guard; False: none), ``batches``, and
+            select_fp8_layers' options (kinds, min_gain, max_error, gain_fn, run, ...). With `adapt`, the
+            guard reads every fp8 layer at statistics steps and, between steps, moves a layer that stops
+            tolerating fp8 to bf16 (event "fp8_demote") and back after a stable period ("fp8_restore").
     """
 
     def __init__(self, model: nn.Module, optimizer_or_optimizers, policy: Union[str, PrecisionPolicy] = "auto",
@@ -202,7 +219,7 @@ class AdaptiveMixedPrecision:
                  track_grad_norm: bool = True,
                  scaler_kwargs: Optional[dict] = None,
                  monitor: Optional[StabilityMonitor] = None, progress: bool = True,
-                 tune: Optional[dict] = None, memory_guard=None):
+                 tune: Optional[dict] = None, memory_guard=None, fp8: Optional[dict] = None):
         if isinstance(optimizer_or_optimizers, torch.optim.Optimizer):
             optimizers = [optimizer_or_optimizers]
         else:
@@ -216,6 +233,9 @@ class AdaptiveMixedPrecision:
         self.model = model
         self._module = unwrap_model(model)  # a compiled model's layers, with the eager model's names
         self.optimizers = optimizers
+        # What the controller put on the model (statistics hooks, the policy's hooks, checkpointing), taken off by
+        # remove() or when the controller is garbage collected; the islands are the adjuster's, which does the same.
+        self._owned = OwnedHandles(self)
         self._policy_hooks = None
         self.device = _model_device(model)
         self.capabilities = capabilities or HardwareDetector().detect(self.device)
@@ -243,9 +263,11 @@ class AdaptiveMixedPrecision:
 
         # Registered now, before any compiled call of the model (policy="tune" makes some), so that its graphs
         # trace them.
-        self._collector = ActivationCollector(self.layers, root=self._module)
+        self._collector = self._owned.add(ActivationCollector(self.layers, root=self._module))
         self.tuning = None  # policy="tune": the TuneResult (trials, A/B table)
         self._tune_options = tune
+        self._fp8_options = dict(fp8 or {})
+        self._fp8_watch = None  # the guard's eye on the fp8 layers (adaptive_amp.fp8.training.Fp8Watch)
         # A MemoryGuard (adaptive_amp.pressure): lighter recipes under memory pressure or out of memory.
         self.memory_guard = memory_guard
         self.adjuster = None
@@ -296,6 +318,7 @@ class AdaptiveMixedPrecision:
         self._loss_check: Optional[tuple] = None
         self._loss_slots = HostSlots()
         self._applied: Optional[list] = None  # gradients a failed step() applied already (see step())
+        self._watch_fp8()
 
     # ------------------------------------------------------------ set-up
     def _resolve_policy(self, policy, sample_inputs, loss_fn, overrides, progress) -> PrecisionPolicy:
@@ -305,6 +328,8 @@ class AdaptiveMixedPrecision:
             raise TypeError(f"policy must be 'auto', a PrecisionPolicy or its string form, got {type(policy).__name__}")
         if policy.strip().lower() == "tune":
             return self._tune(sample_inputs, loss_fn, overrides, progress)
+        if policy.strip().lower() == "bf16+fp8":
+            return self._measure_fp8(sample_inputs, overrides)
         if policy.strip().lower() != "auto":
             return PrecisionPolicy.from_string(policy)
         if sample_inputs is not None:
@@ -335,8 +360,58 @@ class AdaptiveMixedPrecision:
         self.tuning = AdaptivePrecisionSelector().tune(self.model, self.optimizers[0], options.pop("batches"),
                                                        options.pop("loss_fn"), capabilities=self.capabilities,
                                                        **options)
-        self.optimizers = [AppliedRecipe(self.tuning.recipe, self.model, self.optimizers[0], precision=False).optimizer]
+        applied = AppliedRecipe(self.tuning.recipe, self.model, self.optimizers[0], precision=False)
+        self._owned.add(applied.checkpoint_undo)  # (the optimizer and the parameters' dtype stay: see remove())
+        self.optimizers = [applied.optimizer]
         return self.tuning.policy
+
+    def _measure_fp8(self, sample_inputs, overrides) -> PrecisionPolicy:
+        """policy="bf16+fp8": bf16 autocast, and in fp8 each layer measured to gain and tolerate it."""
+        from .analysis import _split_inputs
+        from .fp8.training import measured_policy
+
+        options = {k: v for k, v in self._fp8_options.items() if k != "guard"}
+        batches = options.pop("batches", None)
+        if batches is None:
+            if sample_inputs is None:
+                raise ValueError("policy='bf16+fp8' measures each layer on sample batches: pass sample_inputs= "
+                                 "(one batch) or fp8=dict(batches=[...])")
+            batches = [sample_inputs]
+        if overrides is not None:
+            raise ValueError("policy='bf16+fp8' measures its fp8 layers instead of taking overrides; write the "
+                             "policy string instead (e.g. 'params=float32,compute=bfloat16,layers=name:fp8-tensorwise')")
+        if "run" not in options:
+            def run(model, batch):
+                args, kwargs = _split_inputs(batch)
+                return model(*args, **kwargs)
+            options["run"] = run
+        base = PrecisionPolicy(compute_dtype=torch.bfloat16, tf32=bool(self.capabilities.tf32), reasons=(
+            "compute=bfloat16: policy bf16+fp8, bf16 autocast and fp8 in each layer measured to gain and "
+            "tolerate it",))
+        return measured_policy(self.model, base, batches, **options)
+
+    def _watch_fp8(self) -> None:
+        """Guard the policy's fp8 layers at statistics steps (adaptive_amp.fp8.training.Fp8Watch)."""
+        guard = self._fp8_options.get("guard")
+        if guard is False or not any(k.startswith("fp8-") for k in self.adjuster.layer_kinds.values()):
+            return
+        from .fp8.training import Fp8Watch
+
+        self._fp8_watch = Fp8Watch(guard)
+        self._fp8_watch.sync(self.adjuster)
+        self._owned.add(self._fp8_watch)
+
+    def _guard_fp8(self, step: int) -> None:
+        """Between steps: the guard's verdict on the fp8 layers' rows of this step, each a policy change."""
+        from .fp8.training import policy_after
+
+        watch = self._fp8_watch
+        events = watch.observe(step)  # (nothing outside statistics steps)
+        for event in events:
+            policy = policy_after(event, self.policy, watch.kinds[event.layer])
+            self._decide(event.kind, event.message, policy, layer=event.layer, **event.data)
+        if events:
+            watch.sync(self.adjuster)
 
     def _check_param_dtype(self, policy: PrecisionPolicy) -> None:
         """bf16 parameters ("bf16-pure", "bf16-weights"): insist on optimizers that round stochastically
@@ -368,7 +443,7 @@ class AdaptiveMixedPrecision:
         # rather than run on the bf16 memory (adjust.forget_compiled_graphs). bf16-pure, without autocast, casts
         # fp32 inputs as a plain bf16 loop would; bf16-weights' embeddings return fp32 (recipes.policy_hooks).
         cast_for_policy(self.model, policy)
-        self._policy_hooks = policy_hooks(self.model, policy)
+        self._policy_hooks = self._owned.add(policy_hooks(self.model, policy))
 
     def _make_scaler(self, policy: PrecisionPolicy) -> GradScaler:
         """The policy's GradScaler (scaler_kwargs win over the policy's settings); a disabled one when the
@@ -392,7 +467,8 @@ class AdaptiveMixedPrecision:
         return before
 
     def remove(self) -> None:
-        """Take the policy off the model (islands unwrapped, TF32 settings restored). A model whose policy kept
+        """Take the policy off the model (islands, statistics and policy hooks, checkpointing off; TF32 settings
+        restored). Also done when the controller is garbage collected. A model whose policy kept
         parameters in bf16 ("bf16-pure", "bf16-weights") keeps them: they are the only copy."""
         self._removed = True
         self._undo_setup()
@@ -403,10 +479,8 @@ class AdaptiveMixedPrecision:
         """Islands, statistics hooks and the policy's hooks off the model (each idempotent)."""
         if self.adjuster is not None:
             self.adjuster.remove()
-        self._collector.remove()
-        if self._policy_hooks is not None:
-            self._policy_hooks.remove()
-            self._policy_hooks = None
+        self._owned.remove()
+        self._policy_hooks = None
 
     # ------------------------------------------------------------ the step
     @property
@@ -433,6 +507,9 @@ class AdaptiveMixedPrecision:
         collect = self._activations_due() and not self._collected_activations
         collector = self._collector
         collector.take()  # nothing from forwards run outside this context
+        watch = self._fp8_watch if self.adapt and self._stats_due() else None
+        if watch is not None:
+            watch.armed = True  # the fp8 layers keep their inputs for the guard (read after the step)
         if collect:
             # Islands are not measured: they compute in fp32 and cannot be blamed for a compute-dtype overflow.
             collector.start(fmt=self.compute_fmt, skip=self.adjuster.islands)
@@ -442,6 +519,8 @@ class AdaptiveMixedPrecision:
                 yield
         finally:
             collector.stop()
+            if watch is not None:
+                watch.armed = False
         if not collect or self._removed:
             return  # (removed inside the block: its hooks and records went with it)
         outputs, inputs = collector.stats()  # rows in forward order; eager layers were measured as they ran
@@ -698,6 +777,8 @@ class AdaptiveMixedPrecision:
             self._judge(step, result, watched)  # (a read window reads the device anyway)
         if read_due:
             self._adapt()
+        if self._fp8_watch is not None and self.adapt:
+            self._guard_fp8(step)
         if self.memory_guard is not None:
             self.memory_guard.after_step(self)
         return result

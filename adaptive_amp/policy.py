@@ -1,7 +1,8 @@
 """Precision policies and the selector that picks one for a model and a device.
 
 A :class:`PrecisionPolicy` says which dtype parameters are kept in, which
-dtype matmuls compute in, which modules stay in float32 ("islands"), whether
+dtype matmuls compute in, what precision single layers run in instead (one
+per-layer map: float32 "islands", layers in fp8 or in bf16), whether
 float32 matmuls may use TF32, and how to scale the loss. Its string form
 follows jmp (``"params=float32,compute=float16"``) and reads back with
 :meth:`PrecisionPolicy.from_string`. :class:`AdaptivePrecisionSelector` turns
@@ -35,6 +36,11 @@ LOSS_SCALE_MODES = ("dynamic", "predictive")  # GradScaler's modes
 
 # Characters the string form uses as separators: module names must not hold them.
 _SEPARATORS = set(",;=: ")
+
+#: What a layer of the per-layer map can run in (PrecisionPolicy.layers): "fp32" (an island: autocast off),
+#: "bf16" (its autocast in bfloat16, inside an fp16 or fp32 policy, or where fp8 was), and the fp8 kinds of
+#: adaptive_amp.fp8 (its matmuls through torchao's float8 training; adaptive_amp.fp8.KINDS).
+LAYER_KINDS = ("fp32", "bf16", "fp8-tensorwise", "fp8-rowwise")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -181,6 +187,16 @@ class PrecisionPolicy:
         compiled model's ``_orig_mod.`` is dropped, so a name means the same
         layer compiled or not), or glob patterns over layer names
         (``transformer.h.*.mlp.c_proj``, see adaptive_amp.layers).
+    ``layers``
+        the per-layer precision map: (name or pattern, kind) entries, kind one of LAYER_KINDS
+        (``(("*.mlp.*", "fp8-tensorwise"), ("lm_head", "bf16"))``; a dict or the string form
+        ``"*.mlp.*:fp8-tensorwise;lm_head:bf16"`` too). Its "fp32" entries are the islands: they are moved
+        into `islands`, which stays their view, and `layers` keeps the other kinds. A later entry wins over
+        an earlier one on the layers both name (a pattern, then one layer out of it). An fp32 island wins
+        over any other kind on the same layer: promoting an fp8 layer to fp32 is adding the island, and
+        taking the island away gives the layer back to its entry here (:meth:`with_layer` moves a layer
+        outright). The string form writes ``islands=a;b`` while every entry is fp32, and
+        ``layers=name:kind;...`` (islands included) once one is not.
     ``loss_scale``
         GradScaler settings, or None for no loss scaling. Left out, a
         policy that computes in float16 gets dynamic loss scaling with torch's
@@ -196,7 +212,8 @@ class PrecisionPolicy:
     tf32: bool = False
     islands: Tuple[str, ...] = ()
     loss_scale: Optional[LossScale] = DEFAULT_LOSS_SCALE  # type: ignore[assignment]
-    param_scope: str = "all"  # (last but reasons: the fields before it keep their positions)
+    param_scope: str = "all"  # (after loss_scale: the fields before it keep their positions)
+    layers: Tuple[Tuple[str, str], ...] = ()
     reasons: Tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self):
@@ -214,7 +231,15 @@ class PrecisionPolicy:
         for name in islands:
             if not name or _SEPARATORS & set(name):
                 raise ValueError(f"islands: bad module name {name!r} (must be non-empty, without , ; = : or spaces)")
+        entries = _layer_entries(self.layers)
+        islands += tuple(name for name, kind in entries if kind == "fp32")
         set_("islands", tuple(dict.fromkeys(canonical_name(n) for n in islands)))  # drop repeats, keep order
+        others: dict = {}
+        for name, kind in entries:
+            if kind != "fp32":
+                others.pop(name, None)  # the later entry wins, and takes the later place
+                others[name] = kind
+        set_("layers", tuple(others.items()))
         loss_scale = _as_loss_scale(self.loss_scale)
         reasons = tuple(self.reasons)
         if isinstance(loss_scale, _DefaultLossScale):
@@ -241,12 +266,35 @@ class PrecisionPolicy:
         """A copy with the given fields changed (the policy itself is immutable)."""
         return dataclasses.replace(self, **changes)
 
+    @property
+    def layer_map(self) -> dict:
+        """The per-layer map as {name or pattern: kind}, the islands as "fp32" (winning over another kind
+        written for the same name)."""
+        return {**dict(self.layers), **{name: "fp32" for name in self.islands}}
+
+    def with_layer(self, name: str, kind: Optional[str]) -> "PrecisionPolicy":
+        """This policy with layer (or pattern) `name` moved to `kind` (one of LAYER_KINDS; None: no entry, the
+        policy's own precision): its island and its entry of another kind are dropped first."""
+        name = canonical_name(name)
+        if kind is not None and kind not in LAYER_KINDS:
+            raise ValueError(f"kind is {kind!r}; expected one of {', '.join(LAYER_KINDS)} or None")
+        islands = tuple(i for i in self.islands if i != name)
+        layers = tuple((n, k) for n, k in self.layers if n != name)
+        if kind == "fp32":
+            islands += (name,)
+        elif kind is not None:
+            layers += ((name, kind),)
+        return dataclasses.replace(self, islands=islands, layers=layers)
+
     # ------------------------------------------------------------------ string form
     def __str__(self) -> str:
         parts = [f"params={dtype_name(self.param_dtype)}", f"compute={dtype_name(self.compute_dtype)}"]
         if self.param_scope != "all":
             parts.append(f"scope={self.param_scope}")
-        if self.islands:
+        if self.layers:
+            parts.append("layers=" + ";".join(f"{name}:{kind}" for name, kind in
+                                              self.layers + tuple((i, "fp32") for i in self.islands)))
+        elif self.islands:
             parts.append("islands=" + ";".join(self.islands))
         if self.tf32:
             parts.append("tf32=1")
@@ -258,7 +306,8 @@ class PrecisionPolicy:
 
     @classmethod
     def from_string(cls, s: str) -> "PrecisionPolicy":
-        """Read ``params=...,compute=...[,scope=matmul][,islands=a;b][,tf32=1][,loss_scale=dynamic:65536]``.
+        """Read ``params=...,compute=...[,scope=matmul][,islands=a;b][,layers=a:kind;b:kind][,tf32=1]
+        [,loss_scale=dynamic:65536]``.
 
         A lone dtype ("bf16") means params and compute both in it, as in jmp.
         Spaces are ignored. A missing compute is the params dtype.
@@ -273,6 +322,7 @@ class PrecisionPolicy:
     def to_dict(self) -> dict:
         return {"param_dtype": dtype_name(self.param_dtype), "compute_dtype": dtype_name(self.compute_dtype),
                 "param_scope": self.param_scope, "tf32": self.tf32, "islands": list(self.islands),
+                "layers": [list(entry) for entry in self.layers],
                 "loss_scale": None if self.loss_scale is None else dataclasses.asdict(self.loss_scale),
                 "reasons": list(self.reasons)}
 
@@ -295,7 +345,7 @@ class PrecisionPolicy:
 _KEYS = {"params": "param_dtype", "p": "param_dtype", "param_dtype": "param_dtype",
          "compute": "compute_dtype", "c": "compute_dtype", "compute_dtype": "compute_dtype",
          "scope": "param_scope", "param_scope": "param_scope",
-         "islands": "islands", "tf32": "tf32", "loss_scale": "loss_scale"}
+         "islands": "islands", "layers": "layers", "tf32": "tf32", "loss_scale": "loss_scale"}
 _BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
@@ -338,7 +388,7 @@ def parse_policy_fields(s: str) -> dict:
         name = _KEYS.get(key.lower())
         if name is None:
             raise ValueError(f"policy {s!r}: unknown field {key!r} (expected params, compute, scope, islands, "
-                             "tf32 or loss_scale)")
+                             "layers, tf32 or loss_scale)")
         if name in fields:
             raise ValueError(f"policy {s!r}: field {key!r} given twice")
         try:
@@ -346,6 +396,8 @@ def parse_policy_fields(s: str) -> dict:
                 fields[name] = parse_dtype(value, f"field {key!r}")
             elif name == "islands":
                 fields[name] = tuple(v for v in value.split(";") if v)
+            elif name == "layers":
+                fields[name] = _layer_entries(value)
             elif name == "param_scope":
                 if value.lower() not in PARAM_SCOPES:
                     raise ValueError(f"field {key!r}: expected one of {', '.join(PARAM_SCOPES)}, got {value!r}")
@@ -362,6 +414,35 @@ def parse_policy_fields(s: str) -> dict:
                 msg = f"field {key!r}: {msg}"
             raise ValueError(f"policy {s!r}: {msg}") from None
     return fields
+
+
+def _layer_entries(value) -> Tuple[Tuple[str, str], ...]:
+    """Entries of the per-layer map from pairs, a dict or the string form ``"name:kind;name:kind"``."""
+    if isinstance(value, str):
+        items = []
+        for item in value.replace(" ", "").split(";"):
+            if not item:
+                continue
+            name, colon, kind = item.rpartition(":")
+            if not colon:
+                raise ValueError(f"layers: {item!r} is not name:kind (kind one of {', '.join(LAYER_KINDS)})")
+            items.append((name, kind))
+    elif isinstance(value, Mapping):
+        items = list(value.items())
+    else:
+        items = list(value)
+    entries = []
+    for item in items:
+        if isinstance(item, str) or len(item) != 2:
+            raise ValueError(f"layers: entry {item!r} is not a (name, kind) pair")
+        name, kind = item
+        if not isinstance(name, str) or not name or _SEPARATORS & set(name):
+            raise ValueError(f"layers: bad module name {name!r} (must be non-empty, without , ; = : or spaces)")
+        kind = str(kind).strip().lower()
+        if kind not in LAYER_KINDS:
+            raise ValueError(f"layers: kind {kind!r} of {name!r} is unknown; expected one of {', '.join(LAYER_KINDS)}")
+        entries.append((canonical_name(name), kind))
+    return tuple(entries)
 
 
 def initial_loss_scale(grad_amax: float, margin_bits: int = 4, fmt_max: float = FP16_MAX) -> float:
@@ -389,8 +470,8 @@ class AdaptivePrecisionSelector:
       otherwise               -> fp32 throughout
 
     TF32 is on wherever it is native (fp32 islands and fp32 ops benefit). fp8 is
-    only recommended in the reasons: it needs per-tensor scaling this policy
-    does not describe. On the CPU, fp16 is never chosen: torch's CPU autocast
+    only recommended in the reasons: which layers gain from it is measured
+    (policy "bf16+fp8" of AdaptiveMixedPrecision) or written in ``layers``. On the CPU, fp16 is never chosen: torch's CPU autocast
     speaks bf16, and fp16 without loss scaling underflows.
     """
 
@@ -453,6 +534,9 @@ class AdaptivePrecisionSelector:
         else:
             islands = self._islands(analysis, compute, reasons)
         _check_islands_exist(model, islands, reasons)
+        layers = _layer_entries(forced.get("layers", ()))
+        for name, kind in layers:
+            reasons.append(f"layer {name}: {kind}, set by override")
 
         # 4. Loss scaling, which only fp16's narrow range needs.
         if "loss_scale" in forced:
@@ -465,11 +549,12 @@ class AdaptivePrecisionSelector:
 
         # 5. fp8: advice only.
         if caps.fp8:
-            reasons.append(f"fp8: {where} has native fp8; consider fp8 matmuls (e.g. Transformer Engine) "
-                           "for large linear layers (not selected automatically: needs per-tensor scaling)")
+            reasons.append(f"fp8: {where} has native fp8; policy 'bf16+fp8' (AdaptiveMixedPrecision) measures which "
+                           "layers gain and tolerate it, or name them in the policy's layers "
+                           "(layers=*.mlp.*:fp8-tensorwise); not selected here without a measurement")
 
         return PrecisionPolicy(param_dtype=param, compute_dtype=compute, param_scope=scope, tf32=tf32,
-                               islands=islands, loss_scale=loss_scale, reasons=tuple(reasons))
+                               islands=islands, loss_scale=loss_scale, layers=layers, reasons=tuple(reasons))
 
     def candidates(self, capabilities: Capabilities, analysis=None, names=None) -> tuple:
         """(recipes, skipped): the candidate recipes of :meth:`tune` for `names` (default all of CANDIDATES),
@@ -633,13 +718,15 @@ def _override_fields(overrides) -> dict:
     fields = {}
     for key, value in overrides.items():
         name = _KEYS.get(key, key)
-        if name not in ("param_dtype", "compute_dtype", "param_scope", "tf32", "islands", "loss_scale"):
+        if name not in ("param_dtype", "compute_dtype", "param_scope", "tf32", "islands", "layers", "loss_scale"):
             raise ValueError(f"overrides: unknown field {key!r} (expected param_dtype, compute_dtype, param_scope, "
-                             "tf32, islands or loss_scale)")
+                             "tf32, islands, layers or loss_scale)")
         if name in ("param_dtype", "compute_dtype"):
             value = parse_dtype(value, f"overrides: field {key!r}")
         elif name == "islands":
             value = (value,) if isinstance(value, str) else tuple(value)
+        elif name == "layers":
+            value = _layer_entries(value)
         elif name == "loss_scale":
             value = _as_loss_scale(value)
         elif name == "tf32":

@@ -32,7 +32,7 @@ next move of the ladder is made, each an event of kind ``"memory_pressure"``:
 
 With ``allow_recover``, after ``recover_after`` steps at a headroom of at least
 twice ``min_free`` plus twice what the last move freed, that move is undone
-(event ``"memory_recovered"``): moments and weights upcast, blocks unwrapped.
+(event ``"memory_recovered"``): moments and weights upcast, blocks no longer checkpointed.
 
 Under several processes (torch.distributed with more than one rank) the moves
 are collective, as ranks training one model must run one recipe: each check
@@ -298,7 +298,7 @@ class MemoryGuard:
                                     loss_scale=None)
         undo_cast = cast_for_policy(amp.model, policy)
         # The controller's hooks for this policy (embeddings return fp32); amp.remove() removes them with its own.
-        old_hooks, amp._policy_hooks = amp._policy_hooks, policy_hooks(amp.model, policy)
+        old_hooks, amp._policy_hooks = amp._policy_hooks, amp._owned.add(policy_hooks(amp.model, policy))
         amp._decide("memory_pressure", f"{reason}; the matmul layers' weights now bfloat16 with stochastic rounding, "
                     f"compute under bf16 autocast (was params={dtype_name(old_policy.param_dtype)}, "
                     f"compute={dtype_name(old_policy.compute_dtype)})", policy, move="bf16-weights")
@@ -306,6 +306,7 @@ class MemoryGuard:
 
         def undo():
             if amp._policy_hooks is not None:
+                amp._owned.discard(amp._policy_hooks)
                 amp._policy_hooks.remove()
             amp._policy_hooks = old_hooks
             undo_cast()
@@ -316,7 +317,8 @@ class MemoryGuard:
         return undo
 
     def _checkpoint(self, amp, reason):
-        undo = checkpoint_blocks(amp.model)
+        # Owned by the controller too, so that its remove() (or its collection) takes the checkpointing off.
+        undo = amp._owned.add(checkpoint_blocks(amp.model)).remove
         amp.events.append(Event(amp.step_count, "memory_pressure", f"{reason}; the model's blocks now recompute "
                                 "their activations in backward (activation checkpointing)",
                                 data={"move": "checkpoint"}))

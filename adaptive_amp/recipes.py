@@ -16,7 +16,8 @@ The conversions change a live model and optimizer and can be undone:
   state; undoing gives the state back (fp32 moments bitwise, bf16 moments
   upcast) and removes the keys it added to the groups.
 * :func:`cast_parameters`: parameters and floating buffers to bf16 in place
-  (the Parameter objects, which the optimizers hold, stay the same) and back;
+  (the Parameter objects, which the optimizers hold, stay the same) and back,
+  tables such as rotary frequencies left float32 (:func:`derived_buffers`);
   :func:`cast_floats_hook` casts a pure recipe's floating inputs;
   :func:`cast_matmul_weights` casts only the matmul layers' weights, and
   :func:`float32_embeddings` keeps the residual stream fp32 (bf16-weights).
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from .adjust import DynamicPrecisionAdjuster, forget_compiled_graphs
+from .layer_precision import apply_kind, base_class
 from .layers import expand_names, unwrap_model
 from .scaler import GradScaler
 
@@ -254,15 +255,32 @@ def _cast_floats(value, dtype: torch.dtype):
     return value
 
 
-def cast_floats_hook(dtype: torch.dtype):
-    """A forward pre-hook (``with_kwargs=True``) that casts a module's floating-point inputs to `dtype`: what
-    a plain loop in `dtype` does, for a pure policy (bf16 weights, no autocast) fed fp32 inputs."""
-    def hook(module, args, kwargs):
-        cast_args, cast_kwargs = _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+class CastFloats:
+    """A forward pre-hook (``with_kwargs=True``) that casts a module's floating-point inputs to `dtype`. An object
+    of a module-level class rather than a closure, so that a model carrying it pickles (``torch.save(model)``)."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, module, args, kwargs):
+        cast_args, cast_kwargs = _cast_floats(args, self.dtype), _cast_floats(kwargs, self.dtype)
         if cast_args is args and cast_kwargs is kwargs:
             return None  # (token ids, say: the call goes on as it was, without torch rebuilding its arguments)
         return cast_args, cast_kwargs
-    return hook
+
+    def __getstate__(self):
+        return self.dtype
+
+    def __setstate__(self, dtype):
+        self.dtype = dtype
+
+
+def cast_floats_hook(dtype: torch.dtype) -> CastFloats:
+    """A forward pre-hook (``with_kwargs=True``) that casts a module's floating-point inputs to `dtype`: what
+    a plain loop in `dtype` does, for a pure policy (bf16 weights, no autocast) fed fp32 inputs."""
+    return CastFloats(dtype)
 
 
 def _cast_in_place(tensors, dtype: torch.dtype) -> List[Tuple[torch.Tensor, torch.dtype]]:
@@ -294,14 +312,28 @@ def _uncast(before) -> None:
         forget_compiled_graphs()
 
 
+def derived_buffers(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """The floating buffers a module registered non-persistent: tables it computes from its configuration
+    (rotary inverse frequencies ``inv_freq``, sine/cosine caches), not state it trains or saves (BatchNorm's
+    running statistics are persistent). :func:`cast_parameters` keeps them float32, as autocast does: a
+    rotary angle is position x frequency, and a frequency rounded to bf16 (relative error up to 2**-9) turns
+    the angles of late positions by radians (2047 x 0.75 x 2**-9 = 3 rad), so queries and keys are rotated
+    by the wrong amounts and their gradients point elsewhere."""
+    root = unwrap_model(model)
+    return [(f"{name}.{b}" if name else b, t) for name, m in root.named_modules()
+            for b, t in m._buffers.items()
+            if t is not None and t.is_floating_point() and b in m._non_persistent_buffers_set]
+
+
 def cast_parameters(model: nn.Module, dtype: torch.dtype) -> Callable[[], None]:
     """Floating-point parameters (and their gradients) and buffers of `model` to `dtype`, in place, as
     ``model.to(dtype)`` does (the controller's bf16-pure casts that way, and a trial must run the same model:
-    BatchNorm's running statistics must match its weights' dtype, Llama's rotary frequencies are rounded
-    alike). Returns the undo (back to each tensor's dtype before, values upcast exactly from what training
-    left)."""
+    BatchNorm's running statistics must match its weights' dtype), except the :func:`derived_buffers`, which
+    stay as they are (Llama's rotary frequencies: float32). Returns the undo (back to each tensor's dtype
+    before, values upcast exactly from what training left)."""
     root = unwrap_model(model)
-    before = _cast_in_place([*root.parameters(), *root.buffers()], dtype)
+    derived = {id(t) for _, t in derived_buffers(root)}
+    before = _cast_in_place([*root.parameters(), *(b for b in root.buffers() if id(b) not in derived)], dtype)
     return lambda: _uncast(before)
 
 
@@ -391,7 +423,7 @@ def find_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     for name, module in unwrap_model(model).named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
-        if len({type(m) for m in module}) != 1:
+        if len({base_class(m) for m in module}) != 1:  # (one of them an island is still a block)
             continue
         size = sum(p.numel() for p in module.parameters())
         if size > best_size:
@@ -401,34 +433,27 @@ def find_blocks(model: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 
 def checkpoint_blocks(model: nn.Module) -> Callable[[], None]:
-    """Wrap each block's forward in non-reentrant ``torch.utils.checkpoint``; returns the undo.
+    """Run each block's forward in non-reentrant ``torch.utils.checkpoint``; returns the undo.
 
-    As islands are, by an instance attribute that shadows the class's forward (see adjust.py), so that
-    torch.compile sees the change and it is undone exactly."""
+    Applied as the ``"checkpoint"`` kind of :mod:`adaptive_amp.layer_precision`, which islands use too: a block
+    can be checkpointed and an island, the two changed in any order, and undoing one leaves the other (an
+    island promoted on a checkpointed block stays fp32 when the checkpointing is undone)."""
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError("checkpoint: the model has no repeated blocks (an nn.ModuleList of 2 or more modules "
                          "of one class) to checkpoint")
-    wrapped = []
-    for name, block in blocks:
-        previous = block.__dict__.get("forward", _MISSING)
-        inner = block.forward
-
-        @functools.wraps(inner)
-        def forward(*args, _inner=inner, **kwargs):
-            return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-        forward._adaptive_amp_checkpoint = name
-        block.forward = forward
-        wrapped.append((block, previous))
-
-    def undo():
-        for block, previous in wrapped:
-            if previous is _MISSING:
-                del block.forward
-            else:
-                block.forward = previous
-    return undo
+    named = [name for name, block in blocks if "forward" in block.__dict__]
+    if named:
+        raise ValueError(f"checkpoint: blocks {named} have a forward set on the instance (another library's "
+                         "hooks, say), which would bypass the checkpointing; remove it first")
+    handles = HookHandles(())
+    try:
+        for _, block in blocks:
+            handles.handles.append(apply_kind(block, "checkpoint"))
+    except BaseException:
+        handles.remove()
+        raise
+    return handles.remove
 
 
 # ---------------------------------------------------------------------------- float8
@@ -486,6 +511,7 @@ class AppliedRecipe:
         self.model = model
         self._undo: List[Callable[[], None]] = []
         self.converted: Optional[ConvertedOptimizer] = None
+        self.checkpoint_undo: Optional[Callable[[], None]] = None  # (the controller owns it: precision=False)
         try:
             if recipe.moment_dtype is not None:
                 self.converted = convert_optimizer(optimizer, recipe.moment_dtype)
@@ -501,7 +527,8 @@ class AppliedRecipe:
                 if hooks is not None:
                     self._undo.append(hooks.remove)
             if recipe.checkpoint:
-                self._undo.append(checkpoint_blocks(model))
+                self.checkpoint_undo = checkpoint_blocks(model)
+                self._undo.append(self.checkpoint_undo)
             if recipe.float8:
                 self._undo.append(float8_linears(model, recipe.islands))
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -541,7 +568,7 @@ class AppliedRecipe:
 
     def undo(self) -> None:
         """Everything applied, undone in reverse order (parameters back to their dtype, state to the
-        user's optimizer, blocks and islands unwrapped, TF32 as it was)."""
+        user's optimizer, checkpointing and islands off, TF32 as it was)."""
         while self._undo:
             self._undo.pop()()
         before = getattr(self, "_tf32_before", None)

@@ -34,7 +34,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 HISTORY_COLUMNS = ("step", "loss", "grad_norm", "scale", "found_inf", "skipped_steps")
 _FLOAT_COLUMNS = ("loss", "grad_norm", "scale")
 #: Event kinds that change the policy: their messages are the reasons shown with a policy change.
-POLICY_EVENT_KINDS = ("promote", "demote", "switch_compute", "memory_pressure", "memory_recovered")
+POLICY_EVENT_KINDS = ("promote", "demote", "switch_compute", "memory_pressure", "memory_recovered", "fp8_demote",
+                      "fp8_restore")
 PLOT_HINT = "plots need matplotlib: pip install 'adaptive-amp[plot]' (or pip install matplotlib)"
 #: Events of one kind quoted in the text report; the rest are counted.
 EVENT_MESSAGES_SHOWN = 3

@@ -47,7 +47,7 @@ class Net(nn.Module):
 
 
 def hooks_and_forwards(model):
-    return [(n, dict(m._forward_pre_hooks), dict(m._forward_hooks), "forward" in m.__dict__)
+    return [(n, dict(m._forward_pre_hooks), dict(m._forward_hooks), "forward" in m.__dict__, type(m))
             for n, m in model.named_modules()]
 
 
@@ -88,10 +88,11 @@ def test_set_policy_promotes_and_demotes_without_touching_parameters():
         model(x)
     assert model.a.seen[1] == torch.bfloat16
     assert model.b.seen[1] == torch.float32 and model.c.seen[1] == torch.float32
-    assert "forward" not in model.a.__dict__
+    assert type(model.a) is Recording
     adj.set_policy(Policy(torch.float16, ()))  # switch the format, no islands
     assert adj.autocast().fast_dtype == torch.float16
     assert all("forward" not in m.__dict__ for m in model.modules())
+    assert [type(m) for m in (model.a, model.b, model.c)] == [Recording] * 3
     assert [p for p in model.parameters()] == params and opt.param_groups[0]["params"] == params
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 
@@ -111,14 +112,15 @@ def test_remove_restores_model_exactly():
         assert torch.equal(model(tokens), ref)
 
 
-def test_forward_set_on_instance_is_restored():
+def test_a_forward_set_on_the_instance_is_refused_before_anything_changed():
+    # It would shadow the island's class, which could then not make the layer fp32.
     model = Net()
-    own = model.a.forward  # a bound method stored on the instance by someone else
-    model.a.forward = own
+    own = model.b.forward  # a bound method stored on the instance by someone else (accelerate's hooks, say)
+    model.b.forward = own
     adj = DynamicPrecisionAdjuster(model, Policy(torch.bfloat16, ("a",)))
-    assert model.a.__dict__["forward"] is not own
-    adj.remove()
-    assert model.a.__dict__["forward"] is own
+    with pytest.raises(ValueError, match="'b' has a forward set on the instance"):
+        adj.set_policy(Policy(torch.bfloat16, ("b",)))
+    assert adj.islands == ("a",) and type(model.b) is Recording and model.b.__dict__["forward"] is own
 
 
 def test_unknown_island_is_an_error():

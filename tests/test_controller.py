@@ -707,11 +707,11 @@ def test_gradient_overflows_with_the_loss_scaled_outside_backward_do_not_switch_
 
 def _model_state(model):
     """Everything construction could change: parameters and buffers (values and dtypes), every module's
-    hooks, and forwards set on instances (islands)."""
+    hooks, forwards set on instances, and classes (islands)."""
     hooks = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
              "_backward_hooks", "_backward_pre_hooks")
     return ({k: (v.dtype, v.detach().clone()) for k, v in model.state_dict().items()},
-            {name: ([list(getattr(m, h).items()) for h in hooks], m.__dict__.get("forward"))
+            {name: ([list(getattr(m, h).items()) for h in hooks], m.__dict__.get("forward"), type(m))
              for name, m in model.named_modules()})
 
 

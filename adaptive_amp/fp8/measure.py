@@ -1,0 +1,209 @@
+"""What fp8 would do to one layer, measured: its speed and its error, on the user's device and data.
+
+* :func:`capture_inputs`: the inputs each layer sees, from a few sample
+  batches, through forward pre-hooks (removed afterwards; nothing trains),
+  with their full shapes.
+* :func:`layer_error`: the layer's output and input gradient (and weight
+  gradient) in fp8 against bf16 autocast, on those inputs, with one fixed
+  random output gradient: relative error (``||fp8 - bf16|| / ||bf16||``)
+  and cosine. The parameters' ``.grad`` are not touched.
+* :func:`layer_gain`: forward and backward of the layer at its own shapes,
+  fp8 (quantization included) against bf16 autocast, timed with CUDA
+  events after a warm-up, interleaved, medians; gain = bf16 time / fp8 time.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .config import check_kind
+from .execution import fp8_forward, plain_forward
+
+
+def _call(model: nn.Module, batch: Any):
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+@dataclass
+class Captured:
+    """What :func:`capture_inputs` saw: each layer's inputs (at most `max_tokens` rows of each) and the full
+    shape of each input (what the layer's timing runs at)."""
+
+    inputs: Dict[str, List[torch.Tensor]]
+    shapes: Dict[str, List[Tuple[int, ...]]]
+
+
+def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iterable[Any],
+                   run: Optional[Callable[[nn.Module, Any], Any]] = None,
+                   max_tokens: Optional[int] = None) -> Captured:
+    """The inputs (first positional argument, detached) that each of `layers` (name -> module) received while
+    ``run(model, batch)`` (default: ``model(**batch)`` for a dict, ``model(*batch)`` for a tuple, else
+    ``model(batch)``) ran on each batch, without gradients. `max_tokens`: keep at most that many rows
+    (positions) of each input, as ``(rows, features)``, so that a large model's captures fit beside it; the
+    shapes are kept whole. A layer not called has no entry."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 (or None: all), got {max_tokens}")
+    run = run or _call
+    out = Captured({}, {})
+
+    def hook_for(name):
+        def hook(module, args):
+            if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                x = args[0].detach()
+                out.shapes.setdefault(name, []).append(tuple(x.shape))
+                if max_tokens is not None:
+                    x = x.reshape(-1, x.shape[-1])[:max_tokens].clone()
+                out.inputs.setdefault(name, []).append(x)
+        return hook
+
+    handles = [m.register_forward_pre_hook(hook_for(n)) for n, m in layers.items()]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                run(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return out
+
+
+@dataclass(frozen=True)
+class LayerError:
+    """fp8 against bf16 on one layer: relative errors and cosines of the output, the input gradient and the
+    weight gradient."""
+
+    output: float
+    grad_input: float
+    grad_weight: float
+    output_cosine: float
+    grad_input_cosine: float
+    grad_weight_cosine: float
+
+    @property
+    def worst(self) -> float:
+        """The largest of the output and input-gradient relative errors (what the selection bounds)."""
+        return max(self.output, self.grad_input)
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+class _Sums:
+    """||a - b||^2, ||b||^2, a.b and ||a||^2 accumulated over several tensors, in float64."""
+
+    def __init__(self):
+        self.diff = self.ref = self.dot = self.own = 0.0
+
+    def add(self, a: torch.Tensor, b: torch.Tensor):
+        a, b = a.double(), b.double()
+        self.diff += float((a - b).pow(2).sum())
+        self.ref += float(b.pow(2).sum())
+        self.dot += float((a * b).sum())
+        self.own += float(a.pow(2).sum())
+
+    def relative(self) -> float:
+        return math.sqrt(self.diff / self.ref) if self.ref > 0 else (0.0 if self.diff == 0 else math.inf)
+
+    def cosine(self) -> float:
+        den = math.sqrt(self.ref * self.own)
+        return self.dot / den if den > 0 else (1.0 if self.diff == 0 else 0.0)
+
+
+def _forward_backward(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, fn, dtype: torch.dtype):
+    x = x.detach().requires_grad_(True)
+    with torch.autocast(x.device.type, dtype=dtype):
+        out = fn(module, x)
+    grad_x, grad_w = torch.autograd.grad(out, (x, module.weight), grad.to(out.dtype))
+    return out.detach(), grad_x, grad_w
+
+
+def layer_error(module: nn.Module, inputs: Sequence[torch.Tensor], kind: str = "fp8-tensorwise", *,
+                dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> LayerError:
+    """`module` run in fp8 (`kind`) against `dtype` autocast on each of `inputs`, backward with the same random
+    normal output gradient (drawn from `seed`): the errors over all inputs together."""
+    check_kind(kind)
+    if not inputs:
+        raise ValueError("inputs is empty; pass the layer's inputs (capture_inputs)")
+    sums = [_Sums() for _ in range(3)]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for x in inputs:
+        with torch.no_grad(), torch.autocast(x.device.type, dtype=dtype):
+            shape = module(x).shape
+        grad = torch.randn(shape, generator=gen).to(x.device)
+        ref = _forward_backward(module, x, grad, plain_forward, dtype)
+        got = _forward_backward(module, x, grad, lambda m, t: fp8_forward(m, t, kind), dtype)
+        for s, a, b in zip(sums, got, ref):
+            s.add(a, b)
+    return LayerError(*(s.relative() for s in sums), *(s.cosine() for s in sums))
+
+
+@dataclass(frozen=True)
+class LayerGain:
+    """Median forward+backward milliseconds of one layer at one input shape, bf16 autocast and fp8."""
+
+    bf16_ms: float
+    fp8_ms: float
+
+    @property
+    def gain(self) -> float:
+        return self.bf16_ms / self.fp8_ms if self.fp8_ms > 0 else math.inf
+
+    def to_dict(self) -> dict:
+        return {"bf16_ms": self.bf16_ms, "fp8_ms": self.fp8_ms, "gain": self.gain}
+
+
+def layer_gain(module: nn.Module, input_shape: Sequence[int], kind: str = "fp8-tensorwise", *,
+               dtype: torch.dtype = torch.bfloat16, warmup: int = 5, iters: int = 20,
+               compiled: bool = False) -> LayerGain:
+    """Forward and backward (input and weight gradients) of `module` on a random input of `input_shape`,
+    in fp8 (`kind`, its casts included) and under `dtype` autocast, `iters` times each, interleaved, after
+    `warmup` calls each; CUDA-event medians. compiled=True times both through torch.compile (what a compiled
+    model runs: the casts fused). Needs the module on a CUDA device."""
+    check_kind(kind)
+    device = module.weight.device
+    if device.type != "cuda":
+        raise ValueError(f"module is on {device}; layer_gain times with CUDA events: move it to a CUDA GPU")
+    if warmup < 0 or iters < 1:
+        raise ValueError(f"warmup must be >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tuple(input_shape), device=device, generator=gen).requires_grad_(True)
+    with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+        grad = torch.randn(module(x).shape, device=device, generator=gen, dtype=dtype)
+    params = [p for p in (module.weight, module.bias) if p is not None]
+
+    def step(fn):
+        forward = (lambda t: fn(module, t))
+        if compiled:  # the forward compiled (AOT autograd compiles its backward); autograd.grad stays outside
+            forward = torch.compile(forward)
+
+        def run():
+            with torch.autocast("cuda", dtype=dtype):
+                out = forward(x)
+            return torch.autograd.grad(out, [x, *params], grad)
+        return run
+
+    runs = {"bf16": step(plain_forward), "fp8": step(lambda m, t: fp8_forward(m, t, kind))}
+    for _ in range(warmup):
+        for run in runs.values():
+            run()
+    times: Dict[str, List[float]] = {k: [] for k in runs}
+    for _ in range(iters):
+        for name, run in runs.items():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            stop.record()
+            times[name].append((start, stop))
+    torch.cuda.synchronize(device)
+    ms = {k: statistics.median(a.elapsed_time(b) for a, b in v) for k, v in times.items()}
+    return LayerGain(ms["bf16"], ms["fp8"])

@@ -1,0 +1,136 @@
+"""Which layers go to fp8, and in which recipe: by measurement, each decision with its reason.
+
+:func:`select_fp8_layers` takes a model and a few sample batches and returns,
+for every nn.Linear and Conv1D, a :class:`LayerChoice`: the kind it should
+run in (``"fp8-tensorwise"``, ``"fp8-rowwise"``, or None to leave it as it
+is) and why, e.g. ``"gains 1.31x, error 2.1e-2 within 0.1"``,
+``"skipped: 768 x 2304 on 8192 tokens too small to gain (0.92x < 1.05x)"``,
+``"skipped: out_features 50257 not divisible by 16"``.
+
+A layer is put in fp8 when, in some recipe, its forward and backward at its
+own shapes are at least ``min_gain`` times faster than bf16 autocast
+(:func:`~adaptive_amp.fp8.measure.layer_gain`) and its output and input
+gradient on the real inputs stay within ``max_error`` of bf16's
+(:func:`~adaptive_amp.fp8.measure.layer_error`); of such recipes the fastest.
+Layers of the same class and shapes are timed once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..layers import unwrap_model
+from .config import KINDS, check_kind
+from .eligibility import eligible_layers, matmul_sizes
+from .measure import LayerError, capture_inputs, layer_error, layer_gain
+
+#: Default smallest speed-up (bf16 time / fp8 time) worth a layer's fp8 rounding: below it, timing noise and
+#: the fp8 casts' memory traffic can make a "gain" a loss in the whole step.
+MIN_GAIN = 1.05
+#: Default largest relative error of the output and of the input gradient against bf16. fp8's own rounding
+#: (3 mantissa bits in e4m3, 2 in the e5m2 gradients of the tensorwise recipe) costs 4-6% on well-scaled data;
+#: a layer beyond 10% has values that one scale per tensor (or row) cannot hold.
+MAX_ERROR = 0.1
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """One layer's decision: `kind` (None: left as it was) and its `reason`, with what was measured."""
+
+    name: str
+    kind: Optional[str]
+    reason: str
+    gains: Dict[str, float] = field(default_factory=dict)
+    errors: Dict[str, LayerError] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "reason": self.reason, "gains": dict(self.gains),
+                "errors": {k: e.to_dict() for k, e in self.errors.items()}}
+
+    def __str__(self):
+        return f"{self.name}: {self.kind or 'unchanged'} ({self.reason})"
+
+
+GainFn = Callable[[nn.Module, Sequence[int], str], float]
+
+
+def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
+                      run: Optional[Callable[[nn.Module, Any], Any]] = None,
+                      kinds: Sequence[str] = KINDS, min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR,
+                      dtype: torch.dtype = torch.bfloat16, warmup: int = 5, iters: int = 20,
+                      compiled: bool = False, max_tokens: Optional[int] = 8192,
+                      gain_fn: Optional[GainFn] = None) -> Dict[str, LayerChoice]:
+    """name -> :class:`LayerChoice` for every nn.Linear and Conv1D of `model` (module order).
+
+    batches: a few sample batches; each layer's inputs are captured from ``run(model, batch)`` (see
+        :func:`~adaptive_amp.fp8.measure.capture_inputs`) and its error measured on them.
+    kinds: the recipes to try (``"fp8-tensorwise"``, ``"fp8-rowwise"``).
+    min_gain: the smallest measured speed-up (bf16 ms / fp8 ms) that puts a layer in fp8 (default 1.05).
+    max_error: the largest relative error of the output and of the input gradient against bf16 (default 0.1).
+    dtype, warmup, iters, compiled: how the gain is timed (:func:`~adaptive_amp.fp8.measure.layer_gain`), at
+        the largest input shape the layer saw.
+    max_tokens: rows of each captured input the error is measured on (default 8192; None: all of them): the
+        captures of every layer are held at once.
+    gain_fn: ``(layer, input_shape, kind) -> speed-up``, in place of timing on the GPU (a gain measured
+        elsewhere, a table); with it the layers are judged wherever they are.
+
+    Nothing on the model changes. When fp8 cannot run here (torchao missing, no GPU with fp8 matmuls) and no
+    `gain_fn` is given, every layer is skipped with that reason."""
+    kinds = tuple(check_kind(k) for k in kinds)
+    if not kinds:
+        raise ValueError("kinds is empty; pass one or more of " + ", ".join(KINDS))
+    if not min_gain > 0 or not max_error > 0:
+        raise ValueError(f"min_gain and max_error must be > 0, got min_gain={min_gain}, max_error={max_error}")
+    root = unwrap_model(model)
+    found = eligible_layers(root, check_device=gain_fn is None)
+    choices: Dict[str, LayerChoice] = {}
+    captured = capture_inputs(model, found.layers, batches, run, max_tokens) if found.layers else None
+    timed: Dict[tuple, float] = {}
+
+    def gain_of(module, shape, kind) -> float:
+        key = (type(module), matmul_sizes(module), module.bias is not None, tuple(shape), module.weight.dtype,
+               str(module.weight.device), kind)
+        if key not in timed:
+            if gain_fn is not None:
+                timed[key] = float(gain_fn(module, shape, kind))
+            else:
+                timed[key] = layer_gain(module, shape, kind, dtype=dtype, warmup=warmup, iters=iters,
+                                        compiled=compiled).gain
+        return timed[key]
+
+    for name, module in root.named_modules():
+        if name in found.skipped:
+            choices[name] = LayerChoice(name, None, f"skipped: {found.skipped[name]}")
+            continue
+        if name not in found.layers:
+            continue
+        xs = captured.inputs.get(name) if captured is not None else None
+        if not xs:
+            choices[name] = LayerChoice(name, None, "skipped: not called by the sample batches")
+            continue
+        shape = max(captured.shapes[name], key=lambda s: torch.Size(s).numel())
+        gains = {k: gain_of(module, shape, k) for k in kinds}
+        errors = {k: layer_error(module, xs, k, dtype=dtype) for k in kinds}
+        fits = [k for k in kinds if gains[k] >= min_gain and errors[k].worst <= max_error]
+        if fits:
+            best = max(fits, key=lambda k: gains[k])
+            reason = f"gains {gains[best]:.2f}x, error {errors[best].worst:.1e} within {max_error:g}"
+            choices[name] = LayerChoice(name, best, reason, gains, errors)
+            continue
+        n_in, n_out = matmul_sizes(module)
+        tokens = torch.Size(shape[:-1]).numel()
+        fastest = max(kinds, key=lambda k: gains[k])
+        if gains[fastest] < min_gain:
+            reason = (f"skipped: {n_in} x {n_out} on {tokens} tokens too small to gain "
+                      f"({gains[fastest]:.2f}x < {min_gain:g}x)")
+        else:
+            gaining = [k for k in kinds if gains[k] >= min_gain]
+            least = min(gaining, key=lambda k: errors[k].worst)
+            reason = (f"skipped: error {errors[least].worst:.1e} above {max_error:g} in {least} "
+                      f"(which gains {gains[least]:.2f}x)")
+        choices[name] = LayerChoice(name, None, reason, gains, errors)
+    return choices

@@ -1,0 +1,140 @@
+"""fp8 layers in a training run: the measured policy, and the guard fed at statistics steps.
+
+:func:`measured_policy` puts in a policy's per-layer map (``policy.layers``)
+the layers :func:`~adaptive_amp.fp8.select.select_fp8_layers` measured to gain
+and tolerate fp8, each layer's decision (chosen or left as it was) in the
+policy's reasons: what ``AdaptiveMixedPrecision(policy="bf16+fp8")`` runs.
+
+:class:`Fp8Watch` is the controller's eye on its fp8 layers: armed at a
+statistics step, a forward pre-hook on each keeps (a view of at most
+``max_rows`` rows of) its input; after the step :meth:`Fp8Watch.observe`
+turns them into the guard's rows (:func:`~adaptive_amp.fp8.guard.fp8_layer_row`:
+cast statistics and the output error against a float32 recompute) and hands
+them to :class:`~adaptive_amp.fp8.guard.Fp8Guard`. A layer the guard demotes
+stays watched (its rows say what fp8 would do), so that it can come back.
+:func:`policy_after` is the policy change each of the guard's events asks for,
+through the map: ``fp8_demote`` moves the layer to ``"bf16"``,
+``fp8_restore`` back to its fp8 kind.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import weakref
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+from torch import nn
+
+from ..detectors import Event
+from ..layer_precision import OwnedHandles
+from .guard import Fp8Guard, fp8_layer_row
+from .select import select_fp8_layers
+
+#: The policy name of AdaptiveMixedPrecision that measures which layers go to fp8 (bf16 autocast elsewhere).
+MEASURED_PRESET = "bf16+fp8"
+
+
+def measured_policy(model: nn.Module, base, batches: Iterable[Any], **options):
+    """`base` (a PrecisionPolicy) with every layer :func:`select_fp8_layers` chooses (``**options``: its
+    keyword arguments) in its fp8 kind; each layer's decision, taken or not, is a reason."""
+    choices = select_fp8_layers(model, batches, **options)
+    layers, reasons = [], []
+    for choice in choices.values():
+        if choice.kind is not None:
+            layers.append((choice.name, choice.kind))
+            reasons.append(f"layer {choice.name}: {choice.kind}, {choice.reason}")
+        else:
+            why = choice.reason[len("skipped: "):] if choice.reason.startswith("skipped: ") else choice.reason
+            reasons.append(f"layer {choice.name}: stays as it was, not fp8 ({why})")
+    if not choices:
+        reasons.append("fp8: the model has no nn.Linear or Conv1D layer")
+    return base.replace(layers=tuple(base.layers) + tuple(layers), reasons=tuple(base.reasons) + tuple(reasons))
+
+
+def _kind_in(layers, name: str) -> Optional[str]:
+    """The kind the map's entries (not the islands) give layer `name`: the last entry that names or matches it."""
+    kind = None
+    for entry, k in layers:
+        if entry == name or fnmatch.fnmatchcase(name, entry):
+            kind = k
+    return kind
+
+
+def policy_after(event: Event, policy, kind: str):
+    """The policy an Fp8Guard event asks for: ``fp8_demote`` puts the layer in bf16, ``fp8_restore`` back in
+    `kind` (its fp8 kind), each as the layer's own entry of the map (an island on it stays and wins)."""
+    name = event.layer
+    layers = tuple((n, k) for n, k in policy.layers if n != name)
+    if event.kind == Fp8Guard.kind:
+        return policy.replace(layers=layers + ((name, "bf16"),))
+    if event.kind == Fp8Guard.restore_kind:
+        # Where a pattern already says `kind`, dropping the demotion's entry is the whole move.
+        return policy.replace(layers=layers if _kind_in(layers, name) == kind else layers + ((name, kind),))
+    raise ValueError(f"event kind is {event.kind!r}; expected {Fp8Guard.kind!r} or {Fp8Guard.restore_kind!r}")
+
+
+class Fp8Watch:
+    """The inputs of a model's fp8 layers at statistics steps, turned into Fp8Guard's rows and events.
+
+    Args:
+        guard: the Fp8Guard deciding (default: one with its defaults).
+        max_rows: rows (tokens) of each input the rows are computed from (4096).
+        error: measure each layer's output error against a float32 recompute (one extra matmul pair a
+            layer at a statistics step).
+    """
+
+    def __init__(self, guard: Optional[Fp8Guard] = None, max_rows: int = 4096, error: bool = True):
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.guard = guard if guard is not None else Fp8Guard()
+        self.max_rows, self.error = int(max_rows), bool(error)
+        self.kinds: Dict[str, str] = {}  # layer -> the fp8 kind it runs in, or returns to once restored
+        self.rows: List[dict] = []  # the last statistics step's rows
+        self.armed = False
+        self._inputs: Dict[str, torch.Tensor] = {}
+        self._hooks = OwnedHandles(self)
+        self._modules: Dict[str, "weakref.ref[nn.Module]"] = {}
+
+    def sync(self, adjuster) -> None:
+        """Watch the fp8 layers of `adjuster`'s policy and the layers the guard holds in bf16."""
+        current = {n: k for n, k in adjuster.layer_kinds.items() if k.startswith("fp8-")}
+        for name in self.guard.demoted:
+            if name in self.kinds:
+                current.setdefault(name, self.kinds[name])
+        self.kinds = current
+        modules = dict(adjuster.model.named_modules())
+        for name in [n for n in self._hooks.keys() if n not in current]:
+            self._hooks.pop(name).remove()
+            self._modules.pop(name, None)
+        for name in current:
+            if name not in self._hooks:
+                self._hooks.add(modules[name].register_forward_pre_hook(_capture(weakref.ref(self), name)), key=name)
+                self._modules[name] = weakref.ref(modules[name])
+
+    def observe(self, step: int) -> List[Event]:
+        """The guard's events from the inputs captured since the last call (none: no events)."""
+        inputs, self._inputs = self._inputs, {}
+        rows = []
+        for name, x in inputs.items():
+            module = self._modules.get(name, lambda: None)()
+            if module is not None and name in self.kinds:
+                rows.append(fp8_layer_row(name, module, x, self.kinds[name], error=self.error))
+        if not rows:
+            return []
+        self.rows = rows
+        return self.guard.observe(step, rows)
+
+    def remove(self) -> None:
+        self._hooks.remove()
+        self._modules.clear()
+        self._inputs.clear()
+
+
+def _capture(watch_ref, name: str):
+    def capture_fp8_input(module, args):
+        watch = watch_ref()
+        if watch is not None and watch.armed and args and isinstance(args[0], torch.Tensor):
+            x = args[0].detach()
+            watch._inputs[name] = x.reshape(-1, x.shape[-1])[:watch.max_rows]
+    return capture_fp8_input

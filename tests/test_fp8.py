@@ -1,0 +1,449 @@
+"""FP8 per layer (adaptive_amp.fp8): eligibility and refusals, execution through torchao's float8 matmul (on
+the CPU torch._scaled_mm runs too, so parity with torchao's Float8Linear is checked here), measured selection,
+and the run-time guard on synthetic statistics."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torchao")
+logging.getLogger("torchao").setLevel(logging.ERROR)
+
+from adaptive_amp import fp8  # noqa: E402
+from adaptive_amp.detectors import LayerStats, SeriesView  # noqa: E402
+from adaptive_amp.fp8 import eligibility  # noqa: E402
+
+from conftest import requires_cuda  # noqa: E402
+
+
+def _conv1d(n_in, n_out, like: nn.Linear = None):
+    from transformers.pytorch_utils import Conv1D
+
+    layer = Conv1D(n_out, n_in)
+    if like is not None:
+        with torch.no_grad():
+            layer.weight.copy_(like.weight.t())
+            layer.bias.copy_(like.bias)
+    return layer
+
+
+def _float8_linear(linear: nn.Linear, kind: str):
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    return Float8Linear.from_float(copy.deepcopy(linear), config=Float8LinearConfig.from_recipe_name(fp8.RECIPES[kind]))
+
+
+# ---------------------------------------------------------------------------- eligibility
+
+
+def test_layers_fp8_can_take_and_why_not_the_others():
+    pytest.importorskip("transformers")
+    assert fp8.layer_unsupported(nn.Linear(64, 48)) is None
+    assert fp8.layer_unsupported(_conv1d(64, 48)) is None
+    assert fp8.matmul_sizes(_conv1d(64, 48)) == (64, 48)  # weight stored (in, out)
+    assert fp8.layer_unsupported(nn.Linear(64, 50257)) == "out_features 50257 not divisible by 16"
+    assert fp8.layer_unsupported(_conv1d(40, 48)) == "in_features 40 not divisible by 16"
+    assert "not an nn.Linear" in fp8.layer_unsupported(nn.LayerNorm(64))
+    assert "float32, bfloat16 or float16" in fp8.layer_unsupported(nn.Linear(64, 48).double())
+
+
+def test_every_layer_skipped_with_the_reason_where_fp8_cannot_run():
+    from adaptive_amp import zoo
+
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    found = fp8.eligible_layers(zm.model, "cpu")
+    assert not found.layers and len(found.skipped) == 9
+    assert all("compute capability 8.9" in why and "CPU" in why for why in found.skipped.values())
+    found = fp8.eligible_layers(zm.model, check_device=False)
+    assert len(found.layers) == 9 and not found.skipped
+
+
+def test_require_fp8_names_the_reason_and_changes_nothing(monkeypatch):
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 50))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="fp8-tensorwise cannot run here: fp8 matmuls need a CUDA GPU"):
+        fp8.require_fp8(model)
+    monkeypatch.setattr(eligibility.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"torchao is not installed \(pip install 'adaptive-amp\[fp8\]'"):
+        fp8.require_fp8(model)
+    monkeypatch.undo()
+    monkeypatch.setattr(eligibility, "device_unsupported", lambda device=None: None)  # as on an H100
+    assert list(fp8.require_fp8(model, ["0"], kind="fp8-rowwise")) == ["0"]
+    with pytest.raises(ValueError, match="layer '2' cannot run in fp8-tensorwise: out_features 50 not divisible by 16"):
+        fp8.require_fp8(model)
+    with pytest.raises(ValueError, match="layer '1' cannot run in fp8-tensorwise: a ReLU"):
+        fp8.require_fp8(model, ["0", "1"])
+    with pytest.raises(ValueError, match="names: the model has no module named 'mlp'"):
+        fp8.require_fp8(model, ["mlp"])
+    with pytest.raises(ValueError, match="kind is 'fp8'; the fp8 kinds are fp8-tensorwise, fp8-rowwise"):
+        fp8.require_fp8(model, kind="fp8")
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_device_refusals_name_the_gpu_and_its_capability(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert fp8.device_unsupported("cuda") == ("NVIDIA A100 has compute capability 8.0; fp8 matmuls need 8.9 or newer "
+                                              "(Ada, Hopper, Blackwell)")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fp8.device_unsupported("cuda") is None
+
+
+# ---------------------------------------------------------------------------- execution
+
+
+@pytest.mark.parametrize("kind", fp8.KINDS)
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_fp8_forward_is_torchaos_float8_linear_bitwise_for_linear_and_conv1d(kind, autocast):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    reference = _float8_linear(linear, kind)
+    conv = _conv1d(64, 48, like=linear)
+    weight, bias = linear.weight, linear.bias
+    x = torch.randn(4, 8, 64)
+    grad = torch.randn(4, 8, 48)
+    outs = []
+    for layer, run in ((linear, lambda t: fp8.fp8_forward(linear, t, kind)),
+                       (conv, lambda t: fp8.fp8_forward(conv, t, kind)),
+                       # torchao's module follows CUDA autocast only: hand it what autocast gives the matmul
+                       (reference, lambda t: reference(t.bfloat16() if autocast else t))):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            y = run(xi)
+        y.backward(grad.to(y.dtype))
+        grad_w = layer.weight.grad.t() if layer is conv else layer.weight.grad
+        outs.append((y, xi.grad, grad_w, layer.bias.grad))
+    assert outs[0][0].dtype == (torch.bfloat16 if autocast else torch.float32)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+    # The module is not swapped: the same Parameter objects, in their dtype, gradients where the optimizer looks.
+    assert linear.weight is weight and linear.bias is bias and weight.dtype == torch.float32
+    assert type(linear) is nn.Linear and set(linear.state_dict()) == {"weight", "bias"}
+    # fp8 is not bf16: the results differ from the plain layer's, within fp8's rounding.
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        plain = linear(x)
+    rel = float((outs[0][0].detach().float() - plain.detach().float()).norm() / plain.detach().float().norm())
+    assert 1e-3 < rel < 0.1
+
+
+def test_fp8_forward_compiles_without_a_graph_break():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    x = torch.randn(4, 8, 64)
+    eager = fp8.fp8_forward(linear, x, "fp8-rowwise")
+    compiled = torch.compile(lambda t: fp8.fp8_forward(linear, t, "fp8-rowwise"), backend="aot_eager", fullgraph=True)
+    xc = x.clone().requires_grad_(True)
+    out = compiled(xc)
+    out.sum().backward()
+    assert torch.equal(out, eager) and xc.grad is not None and linear.weight.grad is not None
+
+
+def test_wrap_forward_is_a_kind_for_the_per_layer_mechanism():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    x = torch.randn(5, 64)
+    forward = fp8.wrap_forward(nn.Linear.forward, kind="fp8-tensorwise")
+    assert torch.equal(forward(linear, x), fp8.fp8_forward(linear, x, "fp8-tensorwise"))
+    with pytest.raises(ValueError, match="the fp8 kinds are"):
+        fp8.wrap_forward(nn.Linear.forward, kind="fp8-blockwise")
+    with pytest.raises(ValueError, match="module: cannot run in fp8-rowwise: in_features 63 not divisible by 16"):
+        fp8.check_layer(nn.Linear(63, 32), "fp8-rowwise")
+
+
+def test_fp8_kinds_plug_into_the_per_layer_precision_mechanism():
+    layer_precision = pytest.importorskip("adaptive_amp.layer_precision")
+    import functools
+
+    from adaptive_amp import zoo
+
+    for kind in fp8.KINDS:
+        layer_precision.register_kind(kind, functools.partial(fp8.wrap_forward, kind=kind))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
+    x = torch.randn(4, 64)
+    plain = model(x)
+    params = list(model.parameters())
+    handle = layer_precision.apply_kind(model[0], "fp8-rowwise")
+    out = model(x)
+    assert torch.equal(out, model[2](model[1](fp8.fp8_forward(model[0], x, "fp8-rowwise"))))
+    assert not torch.equal(out, plain) and list(model.parameters()) == params
+    handle.remove()
+    assert torch.equal(model(x), plain)
+
+    # GPT-2's Conv1D layers, eager and compiled, under bf16 autocast; a copy is the plain model.
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    batch = zm.make_batch(2, seed=1)
+    handles = [layer_precision.apply_kind(m, "fp8-tensorwise") for m in zm.model.modules() if fp8.matmul_sizes(m)]
+    assert len(handles) == 9
+    with torch.autocast("cpu", torch.bfloat16):
+        eager = zm.loss(zm.model, batch)
+        compiled = zm.loss(torch.compile(zm.model, backend="aot_eager"), batch)
+    eager.backward()
+    assert torch.equal(eager.detach(), compiled.detach())
+    assert all(p.grad is not None and p.dtype == torch.float32 for p in zm.model.parameters())
+    copied = copy.deepcopy(zm.model)
+    assert type(copied.transformer.h[0].attn.c_attn).forward is not type(zm.model.transformer.h[0].attn.c_attn).forward
+    for h in handles:
+        h.remove()
+    assert torch.equal(zm.loss(zm.model, batch), zm.loss(copied, batch))
+
+
+# ---------------------------------------------------------------------------- measurement and selection
+
+
+def test_capture_inputs_sees_each_layer_and_leaves_no_hook():
+    from adaptive_amp import zoo
+
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    layers = fp8.eligible_layers(zm.model, check_device=False).layers
+    batches = [zm.make_batch(2, seed=i) for i in range(2)]
+    seen = fp8.capture_inputs(zm.model, layers, batches)
+    assert set(seen.inputs) == set(layers) and all(len(v) == 2 for v in seen.inputs.values())
+    hidden, seq = zm.model.config.n_embd, zm.seq_len
+    assert seen.inputs["transformer.h.0.mlp.c_proj"][0].shape == (2, seq, 4 * hidden)
+    assert not any(m._forward_pre_hooks for m in zm.model.modules())
+    few = fp8.capture_inputs(zm.model, layers, batches, max_tokens=5)
+    assert few.inputs["lm_head"][1].shape == (5, hidden) and few.shapes["lm_head"] == [(2, seq, hidden)] * 2
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        fp8.capture_inputs(zm.model, layers, batches, max_tokens=0)
+
+
+def test_layer_error_is_fp8s_rounding_and_leaves_the_parameters_gradients_alone():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 32)
+    x = torch.randn(128, 64)
+    err = fp8.layer_error(layer, [x], "fp8-tensorwise")
+    assert 0.01 < err.output < 0.1 and 0.01 < err.grad_input < 0.1 and err.output_cosine > 0.99
+    assert layer.weight.grad is None and layer.bias.grad is None  # measured through autograd.grad
+    rowwise = fp8.layer_error(layer, [x[:64], x[64:]], "fp8-rowwise")  # e4m3 gradients: closer than e5m2's
+    assert rowwise.grad_input < err.grad_input and rowwise.grad_weight_cosine > 0.99
+    with pytest.raises(ValueError, match="inputs is empty"):
+        fp8.layer_error(layer, [], "fp8-tensorwise")
+
+
+def test_layer_gain_refuses_a_cpu_layer():
+    with pytest.raises(ValueError, match="module is on cpu; layer_gain times with CUDA events"):
+        fp8.layer_gain(nn.Linear(64, 64), (8, 64))
+
+
+def _tiny_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.GELU(), nn.Linear(64, 50))
+
+
+def test_selection_puts_layers_that_gain_and_tolerate_fp8_in_it_each_with_its_reason():
+    model = _tiny_mlp()
+    batches = [torch.randn(32, 64) for _ in range(2)]
+    gains = {(64, 256): {"fp8-tensorwise": 1.31, "fp8-rowwise": 1.12}, (256, 64): {"fp8-tensorwise": 0.92,
+                                                                                   "fp8-rowwise": 0.8}}
+    calls = []
+
+    def gain_fn(layer, shape, kind):
+        calls.append((layer.in_features, layer.out_features, shape, kind))
+        return gains[(layer.in_features, layer.out_features)][kind]
+
+    choices = fp8.select_fp8_layers(model, batches, gain_fn=gain_fn, max_tokens=16)
+    assert list(choices) == ["0", "2", "4"]
+    assert choices["0"].kind == "fp8-tensorwise"
+    assert choices["0"].reason.startswith("gains 1.31x, error ") and choices["0"].reason.endswith("within 0.1")
+    assert choices["2"].kind is None
+    assert choices["2"].reason == "skipped: 256 x 64 on 32 tokens too small to gain (0.92x < 1.05x)"
+    assert choices["4"].kind is None and choices["4"].reason == "skipped: out_features 50 not divisible by 16"
+    assert calls[0] == (64, 256, (32, 64), "fp8-tensorwise") and len(calls) == 4
+    # A tight error bound leaves the fast layer where it is, saying so; a layer of equal shape is timed once.
+    strict = fp8.select_fp8_layers(model, batches, gain_fn=gain_fn, max_error=1e-3, kinds=["fp8-rowwise"])
+    assert strict["0"].kind is None and strict["0"].reason.startswith("skipped: error ")
+    assert "above 0.001 in fp8-rowwise (which gains 1.12x)" in strict["0"].reason
+    assert "fp8-rowwise" in strict["0"].errors and "fp8-tensorwise" not in strict["0"].errors
+    assert str(choices["0"]).startswith("0: fp8-tensorwise (gains 1.31x")
+
+
+def test_selection_prefers_the_faster_recipe_that_tolerates_and_names_bad_arguments():
+    model = _tiny_mlp()
+    batches = [torch.randn(32, 64)]
+    choices = fp8.select_fp8_layers(model, batches, gain_fn=lambda m, s, k: {"fp8-tensorwise": 1.2,
+                                                                             "fp8-rowwise": 1.4}[k])
+    assert choices["0"].kind == "fp8-rowwise" and choices["0"].gains == {"fp8-tensorwise": 1.2, "fp8-rowwise": 1.4}
+    assert choices["0"].to_dict()["errors"]["fp8-rowwise"]["output"] < 0.1
+    unused = fp8.select_fp8_layers(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), batches,
+                                   run=lambda m, b: m[0](b), gain_fn=lambda m, s, k: 2.0)
+    assert unused["1"].reason == "skipped: not called by the sample batches"
+    with pytest.raises(ValueError, match="kind is 'fp8-e5m2'"):
+        fp8.select_fp8_layers(model, batches, kinds=["fp8-e5m2"], gain_fn=lambda m, s, k: 2.0)
+    with pytest.raises(ValueError, match="min_gain and max_error must be > 0"):
+        fp8.select_fp8_layers(model, batches, max_error=0, gain_fn=lambda m, s, k: 2.0)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_selection_on_the_cpu_skips_every_layer_with_why():
+    choices = fp8.select_fp8_layers(_tiny_mlp(), [torch.randn(8, 64)])
+    assert {c.kind for c in choices.values()} == {None}
+    assert all("need a CUDA GPU of compute capability 8.9" in c.reason for c in choices.values())
+
+
+# ---------------------------------------------------------------------------- run-time guard
+
+
+def test_cast_statistics_counts_underflow_and_saturation():
+    x = torch.tensor([448.0, 1.0, 1e-4, 0.0])
+    stats = fp8.cast_statistics(x)  # scale 1: 1e-4 is below e4m3's smallest subnormal (2**-9) by half
+    assert stats == {"amax": 448.0, "underflow": 1 / 3, "saturated": 0.0}
+    stale = fp8.cast_statistics(x, scale=torch.tensor(2.0))  # a scale from a smaller amax: 448 saturates
+    assert stale["saturated"] == 0.25
+    rows = torch.tensor([[448.0, 1e-4], [1e-3, 1e-4]])
+    assert fp8.cast_statistics(rows, rowwise=True)["underflow"] == 0.25  # the second row has its own scale
+
+
+def test_a_dynamic_scale_saturates_nothing():
+    # amax * (448 / amax) rounds above 448 for many bf16 tensors: the cast rounds it to 448, nothing is lost
+    for seed in range(20):
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(seed)).bfloat16() * 3.3
+        assert fp8.cast_statistics(x)["saturated"] == 0.0, seed
+        assert fp8.cast_statistics(x, rowwise=True)["saturated"] == 0.0, seed
+
+
+def test_a_layers_guard_row_from_its_input():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 32)
+    x = torch.randn(256, 64)
+    row = fp8.fp8_layer_row("fc", layer, x)
+    assert row["name"] == "fc" and row["underflow"] < 1e-3 and 0.01 < row["error"] < 0.1
+    assert row["amax"] == float(x.abs().max())
+    x[:, 5] *= 1e4  # an outlier channel: the others lose their codes in the one scale of the tensor
+    bad = fp8.fp8_layer_row("fc", layer, x, "fp8-rowwise", error=False)
+    assert bad["underflow"] > 0.01 and "error" not in bad  # rows share the outlier channel: scaling by row is no help
+    assert fp8.Fp8Guard().observe(0, [bad])[0].kind == "fp8_demote"
+
+
+def _reads(steps, growth, seed=0):
+    """Synthetic statistics of one layer's input every 10 steps: `growth(step)` multiplies one channel."""
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(0, steps, 10):
+        x = torch.randn(256, 64, generator=gen) * (1 + step / steps)  # the ordinary drift of training
+        x[:, 5] *= growth(step)
+        yield step, fp8.cast_statistics(x)
+
+
+def test_guard_demotes_a_layer_growing_outlier_channels_and_leaves_an_ordinary_one():
+    guard = fp8.Fp8Guard()
+    events = []
+    for step, stats in _reads(2000, lambda s: 1.0):
+        events += guard.observe(step, [dict(stats, name="ordinary")])
+    assert events == [] and guard.demoted == {}
+    for step, stats in _reads(2000, lambda s: 10 ** (4 * s / 2000)):  # 1x -> 10^4x over 2000 steps
+        events += guard.observe(step, [dict(stats, name="mlp.down_proj")])
+    assert [e.kind for e in events] == ["fp8_demote"]
+    demote = events[0]
+    assert demote.layer == "mlp.down_proj" and demote.data["to"] == "bf16" and 800 < demote.step < 1800
+    assert "underflows in the scaled e4m3 cast" in demote.message and "500 stable steps" in demote.message
+    assert list(guard.demoted) == ["mlp.down_proj"]
+
+
+def test_guard_brings_a_layer_back_after_a_stable_period_doubling_the_wait_at_each_failure():
+    guard = fp8.Fp8Guard(stable_steps=100, min_history=3)
+    ok = {"name": "l", "amax": 4.0, "underflow": 1e-5, "saturated": 0.0}
+    bad = dict(ok, underflow=0.05)
+    log = []
+
+    def read(step, row):
+        log.extend((e.step, e.kind, e.data.get("wait")) for e in guard.observe(step, [row]))
+
+    read(0, ok)
+    read(10, bad)  # demoted: wait 100
+    read(60, ok)
+    read(100, bad)  # still bad while in bf16: the stable period starts again
+    read(150, ok)
+    read(200, ok)  # 100 stable steps: back
+    read(210, dict(ok, error=0.5))  # fails again: wait 200
+    read(400, ok)
+    read(410, ok)
+    assert log == [(10, "fp8_demote", 100), (200, "fp8_restore", None), (210, "fp8_demote", 200),
+                   (410, "fp8_restore", None)]
+    state = guard.state_dict()
+    again = fp8.Fp8Guard(stable_steps=100, min_history=3)
+    again.load_state_dict(state)
+    assert again.state_dict() == state and again._failures == {"l": 2}
+
+
+def test_guard_amax_growth_after_warm_up_and_saturation_and_non_finite_inputs():
+    guard = fp8.Fp8Guard(min_history=3)
+    row = {"name": "l", "underflow": 0.0, "saturated": 0.0}
+    events = []
+    for step, amax in enumerate([4.0, 100.0, 4.0, 5.0, 4.0, 70.0]):  # 100 falls in the warm-up
+        events += guard.observe(step, [dict(row, amax=amax)])
+    assert [(e.step, e.kind) for e in events] == [(5, "fp8_demote")]
+    assert "amax 70 is 18x the median of its last 5 reads" in events[0].message
+    guard = fp8.Fp8Guard(min_history=3)
+    events = guard.observe(0, [dict(row, amax=4.0, saturated=0.01), dict(row, name="m", amax=math.inf)])
+    assert [e.layer for e in events] == ["l", "m"]
+    assert "1.00% of its input saturates" in events[0].message and "not finite" in events[1].message
+    with pytest.raises(ValueError, match="amax_growth must be > 1"):
+        fp8.Fp8Guard(amax_growth=1.0)
+    with pytest.raises(ValueError, match="min_history <= window"):
+        fp8.Fp8Guard(min_history=30, window=20)
+
+
+def test_guard_reads_fp8_layer_statistics_as_a_monitor_detector():
+    guard = fp8.Fp8Guard()
+    stats = [LayerStats(step=50, kind="fp8", fmt="float8_e4m3fn",
+                        rows=[{"name": "a", "amax": 3.0, "underflow": 0.2, "saturated": 0.0}]),
+             LayerStats(step=50, kind="activation", fmt=None, rows=[{"name": "a", "amax": 3.0}])]
+    empty = np.zeros(1)
+    view = SeriesView(steps=np.array([50]), known_loss=np.ones(1, bool), loss=empty, found=np.zeros(1, bool),
+                      grad_norm=empty, scale=empty, first_new=0, layer_stats=stats)
+    events = guard.detect(view)
+    assert [(e.step, e.kind, e.layer) for e in events] == [(50, "fp8_demote", "a")]
+    assert "20.00% of its input underflows" in str(events[0])
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_fp8_on_the_gpu_matches_torchao_compiled_and_gains_on_a_large_layer():
+    if fp8.fp8_unavailable("cuda"):
+        pytest.skip(fp8.fp8_unavailable("cuda"))
+    torch.manual_seed(0)
+    linear = nn.Linear(4096, 4096, bias=False, device="cuda")
+    for kind in fp8.KINDS:
+        reference = _float8_linear(linear, kind)
+        x = torch.randn(8, 1024, 4096, device="cuda")
+        with torch.autocast("cuda", torch.bfloat16):
+            ours = fp8.fp8_forward(linear, x, kind)
+            theirs = reference(x)
+            compiled = torch.compile(lambda t: fp8.fp8_forward(linear, t, kind), fullgraph=True)(x)
+        assert torch.equal(ours, theirs)
+        assert float((compiled.float() - ours.float()).norm() / ours.float().norm()) < 1e-2
+    assert fp8.require_fp8(linear) == {"": linear}
+    gain = fp8.layer_gain(linear, (8192, 4096), "fp8-tensorwise", compiled=True)
+    assert gain.bf16_ms > 0 and gain.fp8_ms > 0 and gain.gain > 1.0, gain  # H100/H200: about 1.25x
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_selection_on_the_gpu_times_each_shape_once_and_skips_small_layers():
+    if fp8.fp8_unavailable("cuda"):
+        pytest.skip(fp8.fp8_unavailable("cuda"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 14336, bias=False), nn.SiLU(), nn.Linear(14336, 4096, bias=False),
+                          nn.Linear(4096, 64, bias=False)).cuda()
+    batches = [torch.randn(8192, 4096, device="cuda")]
+    choices = fp8.select_fp8_layers(model, batches, compiled=True)
+    assert choices["0"].kind is not None, choices["0"]
+    assert choices["3"].kind is None and "too small to gain" in choices["3"].reason, choices["3"]
+    for c in choices.values():
+        print(c)

@@ -1,0 +1,285 @@
+"""The per-layer precision map (PrecisionPolicy.layers) and fp8 through the controller: the map's string,
+dict and moves; fp8 refused where it cannot run with nothing converted; fp8 applied eager and compiled;
+policy="bf16+fp8" measuring; and the guard demoting a layer whose input grows an outlier channel.
+
+On the CPU torch._scaled_mm runs, so fp8 is exercised for real with the device check patched "as on an H100"."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from adaptive_amp.layer_precision import base_class
+from adaptive_amp.policy import LAYER_KINDS, PrecisionPolicy
+
+from conftest import requires_cuda
+
+FC = "transformer.h.0.mlp.c_fc"
+LAYER = "model.layers.0.mlp.down_proj"
+
+
+# ---------------------------------------------------------------------------- the map on the policy
+
+
+def test_one_map_in_the_string_the_dict_and_the_islands_view():
+    p = PrecisionPolicy.from_string(f"params=float32,compute=bfloat16,layers={FC}:fp8-tensorwise;lm_head:fp32")
+    assert p.islands == ("lm_head",) and p.layers == ((FC, "fp8-tensorwise"),)
+    assert p.layer_map == {FC: "fp8-tensorwise", "lm_head": "fp32"}
+    assert str(p) == f"params=float32,compute=bfloat16,layers={FC}:fp8-tensorwise;lm_head:fp32"
+    assert PrecisionPolicy.from_string(str(p)) == p and PrecisionPolicy.from_dict(p.to_dict()) == p
+    assert PrecisionPolicy.from_json(p.to_json()) == p
+    # fp32 entries only: written as islands, as before
+    q = PrecisionPolicy.from_string("params=float32,compute=float16,layers=a:fp32;b:fp32")
+    assert q == PrecisionPolicy.from_string("params=float32,compute=float16,islands=a;b")
+    assert "islands=a;b" in str(q) and "layers" not in str(q)
+    # a later entry wins over an earlier one on the same name, and takes the later place
+    r = PrecisionPolicy(layers={"*.mlp.*": "fp8-rowwise", "x": "bf16"}).replace(layers=(("*.mlp.*", "fp8-rowwise"),
+                                                                                        ("x", "bf16"),
+                                                                                        ("*.mlp.*", "bf16")))
+    assert r.layers == (("x", "bf16"), ("*.mlp.*", "bf16"))
+    assert set(LAYER_KINDS) >= {"fp32", "bf16"}
+
+
+def test_a_layer_moves_fp8_bf16_fp32_and_back_and_an_island_wins():
+    from adaptive_amp import fp8
+
+    assert set(fp8.KINDS) <= set(LAYER_KINDS)
+    p = PrecisionPolicy(compute_dtype="bf16", layers=((FC, "fp8-tensorwise"),))
+    bf16 = p.with_layer(FC, "bf16")
+    assert bf16.layer_map == {FC: "bf16"}
+    fp32 = bf16.with_layer(FC, "fp32")
+    assert fp32.islands == (FC,) and fp32.layers == ()
+    assert fp32.with_layer(FC, "fp8-tensorwise") == p
+    assert p.with_layer(FC, None).layer_map == {}
+    # an island added over an fp8 layer (the controller's overflow promotion) wins; taking it away gives fp8 back
+    promoted = p.replace(islands=(FC,))
+    assert promoted.layer_map == {FC: "fp32"}
+    assert promoted.replace(islands=()).layer_map == {FC: "fp8-tensorwise"}
+
+
+@pytest.mark.parametrize("text, match", [
+    ("params=float32,layers=a:fp9", "kind 'fp9' of 'a' is unknown; expected one of fp32, bf16"),
+    ("params=float32,layers=a", "'a' is not name:kind"),
+])
+def test_bad_map_entries_are_refused_by_name(text, match):
+    with pytest.raises(ValueError, match=match):
+        PrecisionPolicy.from_string(text)
+
+
+# ---------------------------------------------------------------------------- fp8 through the controller
+
+
+def _quiet_torchao():
+    pytest.importorskip("torchao")
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+
+
+@pytest.fixture
+def fp8_here(monkeypatch):
+    """fp8 allowed on the CPU, as on a GPU with fp8 matmuls (torch._scaled_mm runs on the CPU)."""
+    _quiet_torchao()
+    from adaptive_amp.fp8 import eligibility
+
+    monkeypatch.setattr(eligibility, "device_unsupported", lambda device=None: None)
+
+
+def _kinds(model):
+    return {n: getattr(type(m), "_kinds_applied", ()) for n, m in model.named_modules()
+            if getattr(type(m), "_kinds_applied", ())}
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 50))
+
+
+def test_fp8_where_it_cannot_run_is_refused_at_construction_with_nothing_converted(monkeypatch):
+    _quiet_torchao()
+    from adaptive_amp import AdaptiveMixedPrecision
+    from adaptive_amp.fp8 import eligibility
+
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks = lambda: sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())  # noqa: E731
+    before = hooks()
+    with pytest.raises(RuntimeError, match=r"policy.layers: 0 in fp8-tensorwise: .*need a CUDA GPU .*on the CPU"):
+        AdaptiveMixedPrecision(model, opt, policy="params=float32,compute=bfloat16,layers=0:fp8-tensorwise;2:bf16")
+    assert not _kinds(model) and hooks() == before
+    monkeypatch.setattr(eligibility, "device_unsupported", lambda device=None: None)
+    with pytest.raises(ValueError, match="layer '2' cannot run in fp8-rowwise: out_features 50 not divisible by 16"):
+        AdaptiveMixedPrecision(model, opt, policy="params=float32,compute=bfloat16,layers=*:fp8-rowwise")
+    assert not _kinds(model) and hooks() == before
+    monkeypatch.setattr(eligibility.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="torchao is not installed"):
+        AdaptiveMixedPrecision(model, opt, policy="params=float32,compute=bfloat16,layers=0:fp8-tensorwise")
+    assert not _kinds(model) and hooks() == before
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_controller_runs_fp8_layers_of_the_map_eager_and_compiled(fp8_here, compiled):
+    from adaptive_amp import AdaptiveMixedPrecision
+    from adaptive_amp.fp8 import fp8_forward
+
+    model = _mlp()
+    reference = nn.Sequential(*[m for m in _mlp()])  # the same weights (seed 0)
+    x = torch.randn(8, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp = AdaptiveMixedPrecision(model, opt, policy="params=float32,compute=bfloat16,layers=0:fp8-tensorwise;2:fp32",
+                                 progress=False)
+    assert amp.adjuster.layer_kinds == {"0": "fp8-tensorwise"} and amp.adjuster.islands == ("2",)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    with amp.autocast():
+        out = run(x)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        h = reference[1](fp8_forward(reference[0], x, "fp8-tensorwise"))
+    expected = reference[2](h.float())
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+    assert out.dtype == torch.float32  # the island
+    # fp8 -> bf16 -> fp32 -> back, each applied by the one mechanism
+    for kind in ("bf16", "fp32", "fp8-tensorwise"):
+        amp.adjuster.set_policy(amp.policy.with_layer("0", kind))
+        with amp.autocast():
+            run(x)
+        assert (amp.adjuster.layer_kinds.get("0") or ("fp32" if "0" in amp.adjuster.islands else None)) == kind
+    assert len(model[0]._forward_pre_hooks) == 1  # the guard's eye on the fp8 layer
+    amp.remove()
+    assert not _kinds(model) and type(model[0]) is nn.Linear and base_class(model[0]) is nn.Linear
+    assert not model[0]._forward_pre_hooks
+
+
+def test_bf16_plus_fp8_measures_each_layer_and_gives_every_decision_a_reason(monkeypatch):
+    _quiet_torchao()
+    from adaptive_amp import AdaptiveMixedPrecision
+    from adaptive_amp.fp8 import eligibility
+
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 32)
+    # on the CPU: nothing goes to fp8, each layer with why
+    amp = AdaptiveMixedPrecision(model, opt, policy="bf16+fp8", sample_inputs=x, progress=False)
+    assert amp.policy.layers == () and amp.policy.compute_dtype == torch.bfloat16
+    assert sum("not fp8 (fp8 matmuls need a CUDA GPU" in r for r in amp.policy.reasons) == 2
+    amp.remove()
+    # as on an H100, with a gain table: the first layer gains, the second cannot take fp8 (50 outputs)
+    monkeypatch.setattr(eligibility, "device_unsupported", lambda device=None: None)
+    gains = lambda layer, shape, kind: 1.4 if kind == "fp8-tensorwise" else 1.1  # noqa: E731
+    amp = AdaptiveMixedPrecision(model, opt, policy="bf16+fp8", sample_inputs=x, progress=False,
+                                 fp8=dict(gain_fn=gains))
+    assert amp.policy.layers == (("0", "fp8-tensorwise"),)
+    assert any(r.startswith("layer 0: fp8-tensorwise, gains 1.40x") for r in amp.policy.reasons)
+    assert any(r.startswith("layer 2: stays as it was, not fp8 (out_features 50") for r in amp.policy.reasons)
+    assert "layers=0:fp8-tensorwise" in str(amp.policy) and "layers=0:fp8-tensorwise" in str(amp.report())
+    with pytest.raises(ValueError, match="policy='bf16[+]fp8' measures each layer on sample batches"):
+        AdaptiveMixedPrecision(model, opt, policy="bf16+fp8")
+
+
+# ---------------------------------------------------------------------------- guarded at run time
+
+
+def _llama_run(policy, steps, outlier, guard=None):
+    """A tiny zoo Llama (SwiGLU) trained `steps` steps, statistics every step; `outlier(step)` is the value
+    planted in channel 0 of LAYER's input (the SwiGLU output), whose weight column is held at zero so that
+    the outlier does not change what the layer computes exactly: only its fp8 cast suffers from it."""
+    from adaptive_amp import AdaptiveMixedPrecision, zoo
+
+    zm = zoo.build("llama", "tiny", seed=0)
+    layer = dict(zm.model.named_modules())[LAYER]
+    at = {"step": 0}
+
+    def plant(module, args):
+        with torch.no_grad():
+            module.weight[:, 0] = 0
+        x = args[0].clone()
+        x[..., 0] = outlier(at["step"])
+        return (x,)
+
+    layer.register_forward_pre_hook(plant)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy=policy, stats_every=1, progress=False,
+                                 fp8=dict(guard=guard) if guard is not None else None)
+    losses = []
+    for step in range(steps):
+        at["step"] = step
+        with amp.autocast():
+            loss = zm.loss(zm.model, zm.make_batch(4, seed=step))
+        amp.backward(loss)
+        amp.step()
+        amp.zero_grad()
+        losses.append(loss.item())
+    return losses, [e for e in amp.events if e.kind.startswith("fp8")], amp
+
+
+FP8 = f"params=float32,compute=float32,layers={LAYER}:fp8-tensorwise"
+BF16 = f"params=float32,compute=float32,layers={LAYER}:bf16"
+
+
+def test_a_layer_growing_an_outlier_channel_is_demoted_before_the_loss_departs(fp8_here):
+    from adaptive_amp.fp8 import Fp8Guard
+
+    steps, grow = 10, (lambda step: 4.0 ** step)  # fp8 alone departs from bf16 at step 7
+    bf16, _, _ = _llama_run(BF16, steps, grow)
+    unguarded, none, _ = _llama_run(FP8, steps, grow, guard=False)
+    guarded, events, amp = _llama_run(FP8, steps, grow, guard=Fp8Guard())
+    assert none == []
+    departs = next(i for i, (a, b) in enumerate(zip(unguarded, bf16)) if abs(a - b) > 1e-3)
+    assert [e.kind for e in events] == ["fp8_demote"] and events[0].layer == LAYER
+    assert events[0].step <= departs - 2, (events, departs)
+    assert max(abs(a - b) for a, b in zip(guarded, bf16)) < 5e-4
+    assert amp.policy.layer_map == {LAYER: "bf16"} and amp.adjuster.layer_kinds == {LAYER: "bf16"}
+    assert any("fp8_demote" in r or "demoted to bf16" in r for r in amp.policy.reasons)
+
+
+def test_an_ordinary_run_raises_no_event_and_a_demoted_layer_returns_with_back_off(fp8_here):
+    from adaptive_amp.fp8 import Fp8Guard
+
+    _, events, amp = _llama_run(FP8, 10, lambda step: 1.0)
+    assert events == [] and amp.adjuster.layer_kinds == {LAYER: "fp8-tensorwise"}
+    # bf16 compute, every MLP layer in fp8 (the inputs arrive in bf16)
+    _, events, amp = _llama_run("params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise", 6, lambda step: 1.0)
+    assert events == [] and len(amp._fp8_watch.rows) == 6
+    spikes = {3, 9}
+    _, events, amp = _llama_run(FP8, 16, lambda step: 1e5 if step in spikes else 1.0,
+                                guard=Fp8Guard(stable_steps=3, min_history=1))
+    # (an event is dated by the first step under the policy it makes)
+    assert [(e.kind, e.step) for e in events] == [("fp8_demote", 4), ("fp8_restore", 7), ("fp8_demote", 10),
+                                                  ("fp8_restore", 16)]
+    assert events[2].data["wait"] == 6  # the second failure waits twice as long
+    assert [p.rpartition(":")[2] for _, p in amp.policy_history] == ["fp8-tensorwise", "bf16"] * 2 + ["fp8-tensorwise"]
+    assert amp.adjuster.layer_kinds == {LAYER: "fp8-tensorwise"}
+    text = str(amp.report(plots=False))
+    assert f"layers={LAYER}:bf16" in text and "demoted to bf16" in text and "back to fp8" in text
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp8_layers_of_a_zoo_llama_train_on_the_gpu(compiled):
+    """On a GPU with fp8 matmuls: the MLPs of a tiny Llama in fp8 through the controller, eager and compiled,
+    train as bf16 does; where the GPU has none, construction refuses with the reason."""
+    _quiet_torchao()
+    from adaptive_amp import AdaptiveMixedPrecision, fp8, zoo
+
+    zm = zoo.build("llama", "tiny", seed=0, device="cuda")
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    policy = "params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise;*.o_proj:fp8-rowwise"
+    why = fp8.fp8_unavailable("cuda")
+    if why is not None:
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            AdaptiveMixedPrecision(zm.model, opt, policy=policy, progress=False)
+        return
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy=policy, stats_every=2, progress=False)
+    model = torch.compile(zm.model) if compiled else zm.model
+    losses = []
+    for step in range(20):
+        with amp.autocast():
+            loss = zm.loss(model, zm.make_batch(8, seed=step % 4, device="cuda"))
+        amp.backward(loss)
+        amp.step()
+        amp.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] and all(map(torch.isfinite, map(torch.tensor, losses)))
+    assert not [e for e in amp.events if e.kind.startswith("fp8")]
+    assert len(amp.adjuster.layer_kinds) == 8 and len(amp._fp8_watch.rows) == 8
