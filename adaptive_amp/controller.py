@@ -367,7 +367,7 @@ class AdaptiveMixedPrecision:
 
     def _measure_fp8(self, sample_inputs, overrides) -> PrecisionPolicy:
         """policy="bf16+fp8": bf16 autocast, and in fp8 each layer measured to gain and tolerate it."""
-        from .analysis import _split_inputs
+        from .analysis import split_inputs
         from .fp8.training import measured_policy
 
         options = {k: v for k, v in self._fp8_options.items() if k != "guard"}
@@ -382,7 +382,7 @@ class AdaptiveMixedPrecision:
                              "policy string instead (e.g. 'params=float32,compute=bfloat16,layers=name:fp8-tensorwise')")
         if "run" not in options:
             def run(model, batch):
-                args, kwargs = _split_inputs(batch)
+                args, kwargs = split_inputs(batch)
                 return model(*args, **kwargs)
             options["run"] = run
         base = PrecisionPolicy(compute_dtype=torch.bfloat16, tf32=bool(self.capabilities.tf32), reasons=(
