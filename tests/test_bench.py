@@ -95,7 +95,7 @@ def test_suites_option_refuses_unknown_names_and_runs_a_command_suite_alone(caps
 
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--suites", "gpt2,warp"])
-    assert "unknown suite 'warp'" in capsys.readouterr().err
+    assert "unknown suite(s) 'warp'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--suites", "tune,gpt2"])
     assert "tune runs alone" in capsys.readouterr().err

@@ -147,5 +147,5 @@ def test_full_runs_the_gpu_lengths_on_the_cpu_and_bad_counts_are_refused(tmp_pat
     for option in ("--steps", "--seeds"):
         with pytest.raises(SystemExit):
             main([option, "0", "--out", str(tmp_path / "demo")])
-        assert f"{option} must be >= 1" in capsys.readouterr().err
+        assert f"{option} is 0; pass at least 1" in capsys.readouterr().err
     assert not (tmp_path / "demo").exists()
