@@ -31,17 +31,10 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
+from ._process_group import world_group
 from .controller import AdaptiveMixedPrecision
 
 __all__ = ["CollectiveAdaptiveMixedPrecision", "agree_on_layers", "world_group"]
-
-
-def world_group():
-    """The default process group when torch.distributed runs with several ranks, else None."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist.group.WORLD
-    return None
 
 
 def agree_on_layers(layers: Sequence[str], candidates: Sequence[str], group=None,

@@ -51,6 +51,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from ._process_group import world_group
 from .monitor import Event
 from .policy import dtype_name
 from .recipes import cast_for_policy, checkpoint_blocks, convert_optimizer, convertible, find_blocks, policy_hooks
@@ -131,8 +132,6 @@ class MemoryGuard:
         group = getattr(amp, "process_group", None)
         if group is not None:
             return group
-        from .distributed import world_group
-
         return world_group()
 
     def _any(self, amp, flags: Sequence[bool]) -> List[bool]:
