@@ -635,7 +635,7 @@ class AdaptiveMixedPrecision:
     def _step_unscaled(self, active, skip: Optional[torch.Tensor], loss, done: list) -> tuple:
         """Each optimizer's step without loss scaling, skipped when the loss is not finite: on the device by
         optimizers that can (handed the flag as a found_inf), from the host otherwise. Returns
-        (StepResult, the optimizers that stepped or were handed the flag)."""
+        (a StepResult, or the flag when the device decided; the optimizers that stepped or were handed it)."""
         if skip is None:
             for opt in active:
                 opt.step()
@@ -665,7 +665,7 @@ class AdaptiveMixedPrecision:
             done.append(opt)
         if not finite or len(on_host) == len(active):
             return StepResult(finite), stepped
-        return StepResult(found_inf=skip, slots=self._host_slots), stepped
+        return skip, stepped  # (made a StepResult once the step has launched everything: see _finish_step)
 
     def step(self, max_grad_norm: Optional[float] = None, norm_type: float = 2.0) -> StepResult:
         """Unscale and check, clip, step every optimizer, update the scale, monitor, adapt.
@@ -746,8 +746,6 @@ class AdaptiveMixedPrecision:
         self._clip_total, self._clip_max = None, None
         if scaling:
             self.scaler.update()
-            # After everything the update launches.
-            result = self._result(result)
             if grad_norm is None:
                 grad_norm = self.scaler.last_grad_norm
         elif grad_norm is None and self.track_grad_norm and stepped_fused:
@@ -757,6 +755,12 @@ class AdaptiveMixedPrecision:
                                  found_inf=self.scaler.found_inf if scaling else skip,
                                  scale=self.scaler._get_scale_async().clone() if scaling else None,
                                  max_grad_norm=clip_max)
+        # Taken after everything the step launches (the scale update, the monitor's copy of the scale), so that
+        # reading it waits for this step only.
+        if scaling:
+            result = self._result(result)
+        elif isinstance(result, torch.Tensor):
+            result = StepResult(found_inf=result, slots=self._host_slots)
         watched = self._watched == step
         self._loss_known = loss is not None  # losses scaled outside backward() are not recorded
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False

@@ -44,7 +44,9 @@ class StepResult:
                 raise ValueError("StepResult: a CUDA found_inf needs HostSlots to copy it into (slots=)")
             self._host, self._event = slots.take(self, found_inf)
         else:
-            self._stepped = not bool(found_inf)  # host memory: reading it waits for nothing
+            # A copy now (the flag's memory may be reused), read when asked, as on CUDA: a step reads it where
+            # a CUDA step would wait for it, so that a CPU run shows the same host reads as a GPU run.
+            self._host = found_inf.detach().reshape(()).clone()
         self._found_inf = found_inf
 
     @property
@@ -56,7 +58,7 @@ class StepResult:
     @property
     def ready(self) -> bool:
         """Whether reading the value would not wait for the device."""
-        return self._stepped is not None or self._event.query()
+        return self._stepped is not None or self._event is None or self._event.query()
 
     @property
     def found_inf(self) -> Optional[torch.Tensor]:
@@ -66,7 +68,8 @@ class StepResult:
 
     def __bool__(self) -> bool:
         if self._stepped is None:
-            self._event.synchronize()
+            if self._event is not None:
+                self._event.synchronize()
             self._stepped = not bool(self._host.item())
             self._host = self._event = None  # the slot is free for a later step
         return self._stepped

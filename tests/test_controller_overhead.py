@@ -11,8 +11,9 @@ ops as they reach the kernels, with their tensors' sizes) and the two loops' lis
 * a statistics step adds one ``tensor_stats`` launch per layer and one for all the gradients, and otherwise
   only bookkeeping on the statistics rows;
 * with an optimizer that skips on the device (fused), whether it stepped is taken once, after everything the
-  step launches: on the CPU a free read, on CUDA a copy to pinned memory behind an event that the controller
-  waits for during the next step (tests/test_step_result.py: that wait ignores the work queued since).
+  step launches: a copy (on CUDA to pinned memory behind an event) that the controller reads during the next
+  step, after that step's launches (tests/test_step_result.py: on CUDA that wait ignores the work queued
+  since). A CPU result is read where a CUDA one would be waited for, so the reads counted here are those.
 
 A ``.cpu()`` of a CPU tensor dispatches nothing, so the monitor's one transfer per read window is not seen
 here; the monitor's own tests cover when it reads.
@@ -20,6 +21,7 @@ here; the monitor's own tests cover when it reads.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 
 import pytest
@@ -113,10 +115,53 @@ def test_an_ordinary_step_adds_no_pass_and_no_host_read(recipe, gpt2, count_stat
         assert extra == Counter(), f"{recipe}: the controller's step runs ops the plain loop does not: {extra}"
         # The same host reads as the plain loop's: transformers' GPT-2 reads one in its forward (whether the
         # position ids pack several sequences, when no attention mask is given); the fp16 loops' GradScaler.step
-        # reads found_inf (a non-fused optimizer on the CPU, as torch's GradScaler does).
-        assert c.reads() == p.reads(), f"{recipe}: {c.reads()} host reads against the plain loop's {p.reads()}"
+        # reads found_inf (a non-fused optimizer on the CPU, as torch's GradScaler does). One more where, without
+        # loss scaling, an optimizer cannot skip a step on the device ("auto" here: bf16 autocast with torch's
+        # non-fused AdamW, which the e2e loops use on the CPU): a step whose loss is not finite is skipped from the
+        # host, as torch's GradScaler skips such an optimizer's overflowing step, so the controller reads the
+        # loss's finiteness (copied behind the forward: on CUDA the read waits for the forward only).
+        host_skip = int(ctl.amp._decides_skip_on_host())
+        assert host_skip == (recipe == "auto")
+        assert c.reads() == p.reads() + host_skip, \
+            f"{recipe}: {c.reads()} host reads against the plain loop's {p.reads()}"
     finally:
         ctl.amp.remove()
+
+
+def test_an_optimizer_that_skips_on_the_device_adds_no_host_read_without_loss_scaling(gpt2):
+    """bf16 autocast with a fused AdamW: a non-finite loss's skip is handed to the optimizer on the device, so
+    an ordinary step reads nothing more to the host than the plain loop (its result is read when asked)."""
+    zm, batches = gpt2
+    models = [copy.deepcopy(zm.model) for _ in range(2)]
+    plain_opt, opt = (torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for m in models)
+    amp = AdaptiveMixedPrecision(models[1], opt, policy="params=float32,compute=bfloat16", progress=False)
+
+    def plain(batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = zm.loss(models[0], batch)
+        loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+
+    def controlled(batch):
+        with amp.autocast():
+            loss = zm.loss(models[1], batch)
+        amp.backward(loss)
+        result = amp.step()
+        amp.zero_grad()
+        return result
+
+    try:
+        plain(batches[0])
+        controlled(batches[0])  # (the first step: statistics, the optimizer's state)
+        assert not amp._decides_skip_on_host()
+        p = _recorded(lambda: plain(batches[1]))
+        results = []
+        c = _recorded(lambda: results.append(controlled(batches[1])))
+        assert c.reads() == p.reads(), f"{c.reads()} host reads against the plain loop's {p.reads()}"
+        assert results[0].deferred and bool(results[0])
+    finally:
+        amp.remove()
 
 
 def test_a_statistics_step_adds_one_launch_per_layer_and_one_for_the_gradients(gpt2, count_stats):
@@ -143,8 +188,8 @@ def test_a_statistics_step_adds_one_launch_per_layer_and_one_for_the_gradients(g
 
 def test_the_host_read_of_a_device_skip_comes_after_the_steps_launches(gpt2):
     """fp16 with a fused optimizer: whether the step was skipped is known on the device only; the controller
-    takes it after launching the scale update and the monitor's copy of the scale (on the CPU a read, on
-    CUDA a non-blocking copy)."""
+    copies it after launching the scale update and the monitor's copy of the scale, and reads the last step's
+    during this one, once this step's work is launched."""
     zm, batches = gpt2
     model = zm.model.__class__(zm.config)
     model.load_state_dict(zm.model.state_dict())
