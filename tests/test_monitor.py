@@ -307,8 +307,10 @@ def test_a_cuda_read_waits_for_nothing_at_its_window_and_equals_the_host_read():
         polled = cuda.poll(step)
         host.poll(step)
         if step == 7:
-            # poll returned with the device still busy: the read queued its copy and did not wait for it.
-            assert not torch.cuda.current_stream().query() and polled == [] and cuda.steps_recorded == 4
+            # poll returned with the device still busy: the read queued its copy and did not wait for it. (Each
+            # step here records layer statistics, so each starts a read of its own: steps 0-6 are read, and
+            # step 7's read is in flight.)
+            assert not torch.cuda.current_stream().query() and polled == [] and cuda.steps_recorded == 7
     for mon in (cuda, host):
         mon.read()
     assert str(cuda.history()) == str(host.history())
