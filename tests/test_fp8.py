@@ -5,6 +5,7 @@ and the run-time guard on synthetic statistics."""
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 
@@ -420,16 +421,19 @@ def test_fp8_on_the_gpu_matches_torchao_compiled_and_gains_on_a_large_layer():
     torch.manual_seed(0)
     linear = nn.Linear(4096, 4096, bias=False, device="cuda")
     for kind in fp8.KINDS:
+        torch._dynamo.reset()
         reference = _float8_linear(linear, kind)
         x = torch.randn(8, 1024, 4096, device="cuda")
         with torch.autocast("cuda", torch.bfloat16):
             ours = fp8.fp8_forward(linear, x, kind)
             theirs = reference(x)
-            compiled = torch.compile(lambda t: fp8.fp8_forward(linear, t, kind), fullgraph=True)(x)
+            ours_compiled = torch.compile(functools.partial(fp8.fp8_forward, linear, kind=kind), fullgraph=True)(x)
+            theirs_compiled = torch.compile(reference)(x)
         assert torch.equal(ours, theirs)
-        # Inductor fuses the amax, scale and cast: an element can round to the neighbouring fp8 value, so the
-        # compiled output differs from the eager one by about 1% (fp8 itself is about 4% from bf16).
-        assert float((compiled.float() - ours.float()).norm() / ours.float().norm()) < 3e-2
+        # Compiled, against torchao's own module compiled the same way (inductor fuses the amax, scale and cast,
+        # so compiled and eager outputs differ by an fp8 rounding here and there).
+        error = (ours_compiled.float() - theirs_compiled.float()).norm() / theirs_compiled.float().norm()
+        assert float(error) < 1e-2, (kind, float(error))
     assert fp8.require_fp8(linear) == {"": linear}
     gain = fp8.layer_gain(linear, (8192, 4096), "fp8-tensorwise", compiled=True)
     assert gain.bf16_ms > 0 and gain.fp8_ms > 0 and gain.gain > 1.0, gain  # H100/H200: about 1.25x
