@@ -266,7 +266,7 @@ class AdaptiveMixedPrecision:
         self._collector = self._owned.add(ActivationCollector(self.layers, root=self._module))
         self.tuning = None  # policy="tune": the TuneResult (trials, A/B table)
         self._tune_options = tune
-        self._fp8_options = dict(fp8 or {})
+        self._fp8_options = _fp8_options(fp8)
         self._fp8_watch = None  # the guard's eye on the fp8 layers (adaptive_amp.fp8.training.Fp8Watch)
         # A MemoryGuard (adaptive_amp.pressure): lighter recipes under memory pressure or out of memory.
         self.memory_guard = memory_guard
@@ -1158,6 +1158,26 @@ class AdaptiveMixedPrecision:
     def __repr__(self):
         return (f"AdaptiveMixedPrecision(policy={str(self.policy)!r}, device={self.device}, step={self._step}, "
                 f"events={len(self.events)})")
+
+
+def _fp8_options(fp8) -> Dict[str, Any]:
+    """The controller's `fp8` argument checked before anything changes: a dict of Fp8Guard (``guard``),
+    ``batches`` and adaptive_amp.fp8.select_fp8_layers' keyword arguments."""
+    if fp8 is None:
+        return {}
+    if not isinstance(fp8, dict):
+        raise TypeError(f"fp8 must be a dict (guard=, batches= and select_fp8_layers' options), got "
+                        f"{type(fp8).__name__}")
+    import inspect
+
+    from .fp8.select import select_fp8_layers
+
+    known = {"guard", "batches"} | {name for name, p in inspect.signature(select_fp8_layers).parameters.items()
+                                     if p.kind == p.KEYWORD_ONLY}
+    unknown = sorted(set(fp8) - known)
+    if unknown:
+        raise ValueError(f"fp8: unknown key(s) {', '.join(map(repr, unknown))}; expected {', '.join(sorted(known))}")
+    return dict(fp8)
 
 
 def _field_int(name: str, value, lo: int = 0, hi: Optional[int] = None) -> int:

@@ -430,10 +430,14 @@ def _layer_entries(value) -> Tuple[Tuple[str, str], ...]:
     elif isinstance(value, Mapping):
         items = list(value.items())
     else:
-        items = list(value)
+        try:
+            items = list(value)
+        except TypeError:
+            raise TypeError(f"layers must be (name, kind) pairs, a dict or a 'name:kind;...' string, got "
+                            f"{type(value).__name__}") from None
     entries = []
     for item in items:
-        if isinstance(item, str) or len(item) != 2:
+        if isinstance(item, str) or not isinstance(item, (tuple, list)) or len(item) != 2:
             raise ValueError(f"layers: entry {item!r} is not a (name, kind) pair")
         name, kind = item
         if not isinstance(name, str) or not name or _SEPARATORS & set(name):

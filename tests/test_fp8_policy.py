@@ -69,6 +69,22 @@ def test_bad_map_entries_are_refused_by_name(text, match):
         PrecisionPolicy.from_string(text)
 
 
+def test_a_map_or_fp8_option_of_the_wrong_type_is_refused_by_name():
+    from adaptive_amp import AdaptiveMixedPrecision
+
+    with pytest.raises(TypeError, match="layers must be"):
+        PrecisionPolicy(compute_dtype="bf16", layers=3)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match="fp8 must be a dict"):
+        AdaptiveMixedPrecision(model, opt, policy="auto", fp8=5, progress=False)
+    with pytest.raises(ValueError, match="fp8: unknown key.*'batchez'"):
+        AdaptiveMixedPrecision(model, opt, policy="bf16+fp8", sample_inputs=torch.randn(4, 16),
+                               fp8=dict(batchez=[torch.randn(4, 16)]), progress=False)
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
 # ---------------------------------------------------------------------------- fp8 through the controller
 
 
