@@ -30,7 +30,7 @@ def _info(args) -> int:
             print(json.dumps({"build": info, "hardware": None, "policy": None}, indent=2))
         else:
             print("build:\n" + _indent(_key_values(info)))
-            print("\nhardware and policy: need torch (pip install 'adaptive-amp[torch]')")
+            print("\nhardware and policy: need torch (pip install torch)")
         return 0
     from .hardware import HardwareDetector
     from .policy import AdaptivePrecisionSelector

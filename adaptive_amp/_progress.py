@@ -8,7 +8,7 @@ import sys
 def progress_bar(total: int, desc: str, *, unit: str = "it", enabled: bool = True, text: bool = False):
     """A bar with ``update(n=1)``, ``set_postfix_str(s)`` and ``close()``.
 
-    Without tqdm (``pip install 'adaptive-amp[progress]'``) it is silent, or with
+    Without tqdm (``pip install tqdm``, or the ``progress`` extra) it is silent, or with
     ``text=True`` prints a line to stderr every 10% (for work that takes minutes).
     """
     if enabled:

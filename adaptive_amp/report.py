@@ -17,7 +17,7 @@ to record lists and dicts:
 * ``analysis``: optional ``PrecisionAnalysis.to_dict()`` (per-layer
   sensitivity); ``summary``: optional extra scalars (``step_time_ms``...).
 
-Plots need matplotlib (``pip install 'adaptive-amp[plot]'``), imported only
+Plots need matplotlib (``pip install matplotlib``, or the ``plot`` extra), imported only
 when a plot is drawn and used through its Agg canvas, so a report never
 touches the caller's pyplot state or backend.
 """
@@ -36,7 +36,7 @@ _FLOAT_COLUMNS = ("loss", "grad_norm", "scale")
 #: Event kinds that change the policy: their messages are the reasons shown with a policy change.
 POLICY_EVENT_KINDS = ("promote", "demote", "switch_compute", "memory_pressure", "memory_recovered", "fp8_demote",
                       "fp8_restore")
-PLOT_HINT = "plots need matplotlib: pip install 'adaptive-amp[plot]' (or pip install matplotlib)"
+PLOT_HINT = "plots need matplotlib: pip install matplotlib (the plot extra)"
 #: Events of one kind quoted in the text report; the rest are counted.
 EVENT_MESSAGES_SHOWN = 3
 SENSITIVE_LAYERS_SHOWN = 8

@@ -3,7 +3,7 @@
 A layer (an nn.Linear or transformers Conv1D) runs in fp8 as a *kind* of the
 per-layer precision map: ``"fp8-tensorwise"`` or ``"fp8-rowwise"``
 (:mod:`.config`), its three matmuls through torchao's float8 training
-(:func:`fp8_forward`, optional extra ``pip install adaptive-amp[fp8]``), its
+(:func:`fp8_forward`, the ``fp8`` extra: ``pip install -e ".[fp8]"`` in the clone), its
 parameters untouched. :func:`select_fp8_layers` decides per layer from
 measurements on the user's device and data; :func:`require_fp8` refuses,
 with the reason, a layer or machine fp8 cannot run on; :class:`Fp8Guard`

@@ -11,7 +11,7 @@ A *kind* is the name the per-layer precision map gives a layer
   feature for the weight), e4m3 throughout, scales rounded down to powers of
   two (slower, and tolerant of outlier tokens).
 
-torchao is an optional extra (``pip install adaptive-amp[fp8]``): nothing here
+torchao is an optional extra (``pip install -e ".[fp8]"`` in the clone): nothing here
 imports it until a recipe's configuration is asked for.
 """
 

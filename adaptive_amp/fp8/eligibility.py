@@ -63,7 +63,7 @@ def layer_unsupported(module: nn.Module) -> Optional[str]:
 def torchao_missing() -> Optional[str]:
     """None if torchao's float8 training imports, else why not."""
     if importlib.util.find_spec("torchao") is None:
-        return (f"torchao is not installed (pip install 'adaptive-amp[fp8]', or torchao>={TORCHAO_MIN_VERSION}): "
+        return (f"torchao is not installed (pip install 'torchao>={TORCHAO_MIN_VERSION}', or the fp8 extra): "
                 "fp8 layers run through its float8 training")
     try:
         import torchao.float8  # noqa: F401
