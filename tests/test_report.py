@@ -246,7 +246,7 @@ def no_matplotlib(monkeypatch):
 
 
 def test_without_matplotlib_plots_say_how_to_install(report, tmp_path, no_matplotlib):
-    with pytest.raises(ImportError, match=r"pip install 'adaptive-amp\[plot\]'"):
+    with pytest.raises(ImportError, match=r"pip install matplotlib"):
         report.plot_timeline(str(tmp_path / "t.png"))
     with pytest.raises(ImportError, match="matplotlib"):
         report.plot_sensitivity(str(tmp_path / "s.png"))

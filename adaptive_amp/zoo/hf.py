@@ -20,7 +20,7 @@ def _transformers():
     except ImportError as exc:
         raise ImportError("the zoo's transformers models (gpt2, llama, bert, t5, vit) need the transformers "
                           f"package ({exc}); install it with `pip install transformers` or "
-                          "`pip install -e ".[test]"` in the clone. The zoo's resnet needs only torch.") from None
+                          "`pip install -e '.[test]'` in the clone. The zoo's resnet needs only torch.") from None
 
 
 def _size(size: str, table: Dict[str, dict], family: str) -> dict:
