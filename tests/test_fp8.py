@@ -413,11 +413,16 @@ def test_guard_reads_fp8_layer_statistics_as_a_monitor_detector():
 # ---------------------------------------------------------------------------- on a GPU
 
 
+def _skip_without_fp8_gpu():
+    why = fp8.fp8_unavailable("cuda")
+    if why:
+        pytest.skip(why)
+
+
 @pytest.mark.cuda
 @requires_cuda
 def test_fp8_on_the_gpu_matches_torchao_compiled_and_gains_on_a_large_layer():
-    if fp8.fp8_unavailable("cuda"):
-        pytest.skip(fp8.fp8_unavailable("cuda"))
+    _skip_without_fp8_gpu()
     torch.manual_seed(0)
     linear = nn.Linear(4096, 4096, bias=False, device="cuda")
     for kind in fp8.KINDS:
@@ -442,8 +447,7 @@ def test_fp8_on_the_gpu_matches_torchao_compiled_and_gains_on_a_large_layer():
 @pytest.mark.cuda
 @requires_cuda
 def test_selection_on_the_gpu_times_each_shape_once_and_skips_small_layers():
-    if fp8.fp8_unavailable("cuda"):
-        pytest.skip(fp8.fp8_unavailable("cuda"))
+    _skip_without_fp8_gpu()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4096, 14336, bias=False), nn.SiLU(), nn.Linear(14336, 4096, bias=False),
                           nn.Linear(4096, 64, bias=False)).cuda()
