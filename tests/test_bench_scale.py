@@ -24,7 +24,7 @@ def test_scale_smoke_compares_our_recipe_with_torch_and_says_so(tmp_path, capsys
     assert abs(runs["torch-bf16", 0]["first_loss"] - runs["bf16-weights", 0]["first_loss"]) < 0.05
     assert runs["bf16-weights", 0]["policy"].startswith("params=bfloat16") and runs["bf16-weights", 0]["batch"] == 2
     assert report["shape"]["num_hidden_layers"] == 2 and report["shape"]["num_key_value_heads"] == 2
-    assert "float8 training needs a CUDA GPU" in report["skipped"]["torchao-rowwise"]
+    assert "fp8 matmuls need a CUDA GPU" in report["skipped"]["torchao-rowwise"]
     text = capsys.readouterr().out
     assert "Speed: ours (bf16-weights, batch 2) trained at" in text and "torch's seed spread" in text
     assert "torchao-rowwise did not run" in text
@@ -40,8 +40,30 @@ def test_scale_tune_takes_seed_zeros_choice_for_the_other_seeds(tmp_path):
     assert runs[1]["chosen"] == runs[0]["chosen"] and runs[0]["tuning_seconds"] > 0
 
 
+def test_scale_resume_keeps_the_other_recipes_runs_and_batches_per_recipe(tmp_path):
+    out = tmp_path / "scale.json"
+    common = ["scale", "--tiny", "--device", "cpu", "--steps", "3", "--json", str(out)]
+    assert main([*common, "--recipes", "torch-bf16", "--batch", "torch-bf16=1"]) == 0
+    assert main([*common, "--recipes", "bf16-pure,bf16-weights", "--batch", "bf16-pure=3,2", "--resume"]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["recipe"], r["batch"]) for r in report["runs"]] == [("torch-bf16", 1), ("bf16-pure", 3),
+                                                                    ("bf16-weights", 2)]
+    assert report["earlier"][0]["device"] == "cpu"
+    assert any(line.startswith("Speed: ours (bf16-") for line in report["verdict"])
+    # A recipe named again replaces its runs; a report of another shape is not mixed in.
+    assert main([*common, "--recipes", "torch-bf16", "--batch", "2", "--resume"]) == 0
+    assert [(r["recipe"], r["batch"]) for r in json.loads(out.read_text())["runs"]] == [
+        ("bf16-pure", 3), ("bf16-weights", 2), ("torch-bf16", 2)]
+    with pytest.raises(SystemExit):
+        main([*common, "--layers", "1", "--recipes", "torch-bf16", "--resume"])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--recipes", "torch-bf16,fp8"], "choose recipes from"),
+    (["--batch", "torch-bf16=0"], "not a whole number >= 1"),
+    (["--batch", "fp8=2"], "'fp8' is no recipe"),
+    (["--resume"], "--resume adds to the report in --json PATH"),
+    (["--compile", "layers"], "invalid choice"),
     (["--layers", "0"], "not a whole number >= 1"),
     (["--heads", "5"], "--hidden must be a multiple of --heads"),
     (["--memory-fraction", "2"], "--memory-fraction"),

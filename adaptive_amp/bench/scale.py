@@ -19,15 +19,27 @@ the same batches for every recipe and seed. Recipes (``--recipes``):
   bf16-pure           ``AdaptiveMixedPrecision(policy="bf16-pure")``, the same optimizer: everything in bf16
   bf16+fp8            ``AdaptiveMixedPrecision(policy="bf16+fp8")`` with fused AdamW: bf16 autocast, and fp8
                       (torchao's float8 matmul) in each layer measured on this GPU to gain and tolerate it
+  bf16-weights+fp8    the same fp8 layers over bf16-weights (``adaptive_amp.optim.AdamW``, stochastic rounding)
+  bf16-pure+fp8       the same fp8 layers over bf16-pure, fp32 moments
+  bf16-pure+bf16-moments+fp8
+                      the same with the optimizer's moments in bf16
 
 The torchao recipes are skipped, with the reason, when torchao is missing or the GPU has no float8 matmuls.
 
 Each recipe runs at the largest batch that fits (a short search: 1, 2, 4, ... sequences until a step runs
 out of memory or passes --memory-fraction of the GPU, then one batch between the last that fit and the first
-that did not), or at --batch. With --checkpointing auto, a recipe that does not fit one sequence retries with
+that did not), or at --batch (one number for every recipe, or ``recipe=N,...``). With --checkpointing auto, a recipe that does not fit one sequence retries with
 activation checkpointing (transformers' ``gradient_checkpointing_enable``). Then --steps steps per seed:
 tokens/s over the steps after warm-up and at steady state (the median of ten windows), peak memory, and the
 final loss (the mean of the last 10% of the training losses; every batch is new).
+
+Compiled (--compile): ``blocks`` (the default on a GPU) compiles each decoder layer (``module.compile()``; the
+32 layers share one graph, so compiling takes the time of one layer, as torchtitan does), ``model`` the whole
+model (``torch.compile(model)``), ``off`` none. Every recipe is compiled the same way.
+
+A full comparison takes longer than one sitting may allow: with --json PATH and --resume, the runs already in
+PATH are kept (those of the recipes named now are replaced) and the verdict is drawn over all of them, so the
+recipes can run one command at a time on the same machine.
 
 The verdict compares ours (the tuned run, else the fastest of our named recipes) with the fastest torch
 recipe and the fastest torchao recipe: tokens/s (targets: >= 1.3x torch's, >= 1.1x torchao's), peak memory at
@@ -50,7 +62,8 @@ import torch
 
 TORCH_RECIPES = ("torch-bf16",)
 TORCHAO_RECIPES = ("torchao-tensorwise", "torchao-rowwise")
-OUR_NAMED_RECIPES = ("bf16-weights", "bf16-pure", "bf16+fp8")
+FP8_RECIPES = ("bf16+fp8", "bf16-weights+fp8", "bf16-pure+fp8", "bf16-pure+bf16-moments+fp8")
+OUR_NAMED_RECIPES = ("bf16-weights", "bf16-pure", *FP8_RECIPES)
 RECIPES = (*TORCH_RECIPES, *TORCHAO_RECIPES, "tune", *OUR_NAMED_RECIPES)
 DEFAULT_RECIPES = ("torch-bf16", "torchao-tensorwise", "torchao-rowwise", "tune", "bf16-weights")
 
@@ -95,9 +108,9 @@ def stream(shape: dict, batch: int, n: int, seed: int, device) -> list:
 def skip_reason(recipe: str, device) -> Optional[str]:
     """Why `recipe` cannot run here (None: it can)."""
     if recipe in TORCHAO_RECIPES:
-        from ..recipes import float8_available
+        from ..fp8 import fp8_unavailable
 
-        why = float8_available() if device.type == "cuda" else "float8 training needs a CUDA GPU"
+        why = fp8_unavailable(device)
         if why:
             return why
         try:
@@ -124,14 +137,26 @@ class Trainer:
         self.zm = self.model = self.step = self.amp = None
 
 
+def compile_model(zm, mode: str):
+    """The model the loss runs under --compile `mode`: ``blocks`` compiles each decoder layer in place (one
+    graph for all of them), ``model`` wraps the whole model, ``off`` leaves it eager."""
+    if mode == "blocks":
+        for layer in zm.model.model.layers:
+            layer.compile()
+        return zm.model
+    return torch.compile(zm.model) if mode == "model" else zm.model
+
+
 def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches=None, choice=None) -> Trainer:
-    """`recipe` on a fresh model of seed `seed` (compiled unless --no-compile); `choice`: tune only this
+    """`recipe` on a fresh model of seed `seed` (compiled as --compile says); `choice`: tune only this
     candidate (seed 0's choice, for the other seeds' loss spread)."""
     zm = build(shape, seed, device)
     if args.checkpointing_now:
         zm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cuda = device.type == "cuda"
-    info: Dict[str, object] = {"parameters": zm.num_parameters(), "checkpointing": bool(args.checkpointing_now)}
+    compiled = args.compile != "off"
+    info: Dict[str, object] = {"parameters": zm.num_parameters(), "checkpointing": bool(args.checkpointing_now),
+                               "compile": args.compile}
     if recipe in TORCHAO_RECIPES:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -139,7 +164,7 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
         # torchtitan's choice too: the output head stays in bf16 (its gradients feed every layer).
         convert_to_float8_training(zm.model, config=config, module_filter_fn=lambda mod, fqn: fqn != "lm_head"
                                    and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
-    model = torch.compile(zm.model) if args.compile else zm.model
+    model = compile_model(zm, args.compile)
     if recipe in TORCH_RECIPES or recipe in TORCHAO_RECIPES:
         opt = torch.optim.AdamW(zm.model.parameters(), lr=args.lr, fused=cuda)
 
@@ -155,31 +180,33 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
         return Trainer(recipe, zm, model, step, info=info)
     from .. import AdaptiveMixedPrecision
 
+    t0 = time.perf_counter()
     if recipe == "tune":
         opt = torch.optim.AdamW(zm.model.parameters(), lr=args.lr, fused=cuda)
-        t0 = time.perf_counter()
         amp = AdaptiveMixedPrecision(
             model, opt, policy="tune", progress=False,
             tune=dict(batches=tune_batches, loss_fn=zm.loss, candidates=[choice] if choice else args.tune_candidates,
                       steps=args.tune_steps, rounds=1, timed_steps=args.tune_timed_steps,
                       progress=(lambda m: print(f"   {m}", flush=True)) if args.verbose else None))
-        info.update(tuning_seconds=round(time.perf_counter() - t0, 2), chosen=amp.tuning.recipe.name)
+        info.update(chosen=amp.tuning.recipe.name)
         print(amp.tuning.table(), flush=True)
-    elif recipe == "bf16+fp8":
-        opt = torch.optim.AdamW(zm.model.parameters(), lr=args.lr, fused=cuda)
-        t0 = time.perf_counter()
-        # Each layer's inputs are captured from the eager model; the gains are timed compiled when the run is.
-        amp = AdaptiveMixedPrecision(model, opt, policy="bf16+fp8", progress=False,
-                                     fp8=dict(batches=(tune_batches or stream(shape, 1, 2, 0, device))[:2],
-                                              run=lambda _, batch: zm.loss(zm.model, batch), compiled=args.compile))
-        info.update(tuning_seconds=round(time.perf_counter() - t0, 2),
-                    fp8_layers=sum(kind.startswith("fp8-") for kind in amp.adjuster.layer_kinds.values()))
     else:
-        from ..optim import AdamW
+        base = recipe[:-len("+fp8")] if recipe in FP8_RECIPES else recipe
+        if base == "bf16":
+            opt = torch.optim.AdamW(zm.model.parameters(), lr=args.lr, fused=cuda)
+        else:
+            from ..optim import AdamW
 
-        opt = AdamW(zm.model.parameters(), lr=args.lr, stochastic_rounding=True)
-        amp = AdaptiveMixedPrecision(model, opt, policy=recipe, progress=False)
-    info["policy"] = str(amp.policy)
+            opt = AdamW(zm.model.parameters(), lr=args.lr, stochastic_rounding=True,
+                        moment_dtype=torch.bfloat16 if base.endswith("+bf16-moments") else torch.float32)
+        policy = base.replace("+bf16-moments", "") + ("+fp8" if recipe in FP8_RECIPES else "")
+        # Each layer's inputs are captured from the eager model; the gains are timed compiled when the run is.
+        fp8 = dict(batches=(tune_batches or stream(shape, 1, 2, 0, device))[:2],
+                   run=lambda _, batch: zm.loss(zm.model, batch), compiled=compiled) if recipe in FP8_RECIPES else None
+        amp = AdaptiveMixedPrecision(model, opt, policy=policy, progress=False, fp8=fp8)
+        if fp8 is not None:
+            info["fp8_layers"] = sum(kind.startswith("fp8-") for kind in amp.adjuster.layer_kinds.values())
+    info.update(tuning_seconds=round(time.perf_counter() - t0, 2), policy=str(amp.policy))
     return Trainer(recipe, zm, model, lambda batch: amp.train_step(lambda: zm.loss(model, batch)), amp, info)
 
 
@@ -352,7 +379,7 @@ def table(report: dict) -> str:
         peak = f"{r['peak_gib']:8.1f}" if r.get("peak_gib") is not None else f"{'-':>8}"
         lines.append(f"{r['recipe']:19} {r['seed']:>4} {r['batch']:>5} {'yes' if r['checkpointing'] else 'no':>4} "
                      f"{r['tokens_per_s']:10.0f} {r['steady_tokens_per_s']:10.0f} {peak} {r['final_loss']:10.4f}  "
-                     f"{r.get('policy', '')}" + (f" (tuning {r['tuning_seconds']:.0f} s)" if "tuning_seconds" in r
+                     f"{r.get('policy', '')}" + (f" (set-up {r['tuning_seconds']:.0f} s)" if "tuning_seconds" in r
                                                  else ""))
     return "\n".join(lines)
 
@@ -375,6 +402,20 @@ def _recipe_list(text: str) -> List[str]:
     return names
 
 
+def _batches(text: str) -> Dict[str, int]:
+    """--batch: ``N`` (every recipe; key "*") or ``recipe=N,recipe=N``."""
+    out: Dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, _, number = part.rpartition("=")
+        name = name.strip() or "*"
+        if name != "*" and name not in RECIPES:
+            raise argparse.ArgumentTypeError(f"{part!r}: {name!r} is no recipe; choose from {', '.join(RECIPES)}")
+        out[name] = _positive(number)
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a batch (4) or batches per recipe (torch-bf16=1,tune=4)")
+    return out
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -388,6 +429,8 @@ def _positive(text: str) -> int:
 _EPILOG = """examples:
   python -m adaptive_amp bench scale --layers 8 --recipes torch-bf16 --max-seconds 360   # one recipe, < 10 min
   python -m adaptive_amp bench scale --steps 500 --seeds 2 --json scale.json         # the full comparison
+  python -m adaptive_amp bench scale --recipes torch-bf16 --batch 1 --steps 100 --json s.json --resume
+                                                                                   # one recipe a command
   python -m adaptive_amp bench scale --tiny --device cpu --steps 6                   # CPU smoke run, seconds
 """
 
@@ -404,8 +447,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=_positive, default=None, help="key-value heads (default 8)")
     p.add_argument("--seq", type=_positive, default=None, help="tokens a sequence (default 2048)")
     p.add_argument("--vocab", type=_positive, default=None, help="vocabulary (default 32000)")
-    p.add_argument("--batch", type=_positive, default=None,
-                   help="sequences a step for every recipe (default: each recipe's largest that fits)")
+    p.add_argument("--batch", type=_batches, default=None,
+                   help="sequences a step: N for every recipe, or recipe=N,... (default, and for a recipe not "
+                        "named: the largest that fits)")
     p.add_argument("--max-batch", type=_positive, default=64, help="the batch search stops here (default 64)")
     p.add_argument("--memory-fraction", type=float, default=0.95,
                    help="a batch fits when its peak stays under this share of the GPU's memory (default 0.95)")
@@ -423,11 +467,14 @@ def main(argv=None) -> int:
                    help="tune: the candidates (each compiles once in its probe)")
     p.add_argument("--tune-steps", type=_positive, default=4, help="tune: trial steps per candidate")
     p.add_argument("--tune-timed-steps", type=_positive, default=2, help="tune: timed steps per candidate")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model (default: on a GPU yes, on the CPU no)")
+    p.add_argument("--compile", choices=("blocks", "model", "off"), default=None,
+                   help="torch.compile each decoder layer (blocks), the whole model (model) or nothing (off) "
+                        "(default: blocks on a GPU, off on the CPU)")
     p.add_argument("--device", default=None, help="cuda (default when torch sees a GPU) or cpu")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (a CPU smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write every run, the searches and the verdict as JSON")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already in --json PATH (the same shape) and add these recipes' runs to them")
     p.add_argument("--verbose", action="store_true", help="print the tuning's progress")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -450,7 +497,9 @@ def main(argv=None) -> int:
     if shape["hidden_size"] % shape["num_attention_heads"] or \
             shape["num_attention_heads"] % shape["num_key_value_heads"]:
         p.error("--hidden must be a multiple of --heads, and --heads a multiple of --kv-heads")
-    args.compile = device.type == "cuda" if args.compile is None else args.compile
+    args.compile = args.compile or ("blocks" if device.type == "cuda" else "off")
+    if args.resume and not args.json:
+        p.error("--resume adds to the report in --json PATH: give --json")
     args.tune_candidates = [c.strip() for c in args.tune_candidates.split(",") if c.strip()]
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 work outside autocast, as torch users run it
@@ -459,6 +508,23 @@ def main(argv=None) -> int:
               "args": {k: v for k, v in vars(args).items()}, "search": {}, "skipped": {}, "runs": []}
     print(f"scale: LlamaForCausalLM {shape} on {report['device']}, torch {report['torch']}, transformers "
           f"{report['transformers']}, torchao {report['torchao']}", flush=True)
+
+    if args.resume and os.path.exists(args.json):
+        try:
+            with open(args.json) as f:
+                before = json.load(f)
+        except (OSError, ValueError) as exc:
+            p.error(f"--resume: cannot read {args.json}: {exc}")
+        if before.get("shape") != shape:
+            p.error(f"--resume: {args.json} holds a model of shape {before.get('shape')}, not {shape}; "
+                    "name another --json")
+        again = set(args.recipes)
+        report["runs"] = [r for r in before.get("runs", []) if r.get("recipe") not in again]
+        for key in ("search", "skipped"):
+            report[key] = {k: v for k, v in before.get(key, {}).items() if k not in again}
+        # Where and when the kept runs ran, should it differ from this command's.
+        report["earlier"] = before.get("earlier", []) + [
+            {k: before.get(k) for k in ("date", "device", "torch", "transformers", "torchao")}]
 
     def save():
         if args.json:
@@ -472,7 +538,7 @@ def main(argv=None) -> int:
             print(f"-- {recipe}: skipped: {why}", flush=True)
             continue
         args.checkpointing_now = args.checkpointing == "on"
-        batch = args.batch
+        batch = None if args.batch is None else args.batch.get(recipe, args.batch.get("*"))
         if batch is None and device.type != "cuda":
             batch = 2  # no device memory to search on the CPU
         if batch is None:
