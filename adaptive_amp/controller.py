@@ -401,6 +401,31 @@ class AdaptiveMixedPrecision:
         self._fp8_watch.sync(self.adjuster)
         self._owned.add(self._fp8_watch)
 
+    def _fp8_state_for(self, policy: PrecisionPolicy, saved: Optional[dict]):
+        """(guard, kinds) a loaded state's fp8 watch runs with: a copy of this controller's guard with the saved
+        demotions, back-off and amax history loaded, and the fp8 kind each watched layer runs in or returns
+        to; checked in full before anything changes (a malformed `saved` raises). None when the guard is off
+        (``fp8=dict(guard=False)``) or there is nothing to watch."""
+        guard = self._fp8_options.get("guard")
+        fp8_layers = any(kind.startswith("fp8-") for _, kind in policy.layers)
+        if guard is False or (not fp8_layers and saved is None):
+            return None
+        from .fp8.guard import Fp8Guard
+
+        if self._fp8_watch is not None:
+            guard = self._fp8_watch.guard
+        guard = copy.deepcopy(guard if guard is not None else Fp8Guard())
+        kinds = {}
+        if saved is not None:
+            if not isinstance(saved, dict) or not isinstance(saved.get("kinds"), dict):
+                raise TypeError("a dict with 'guard' and 'kinds' (Fp8Watch.state_dict()) is expected")
+            guard.load_state_dict(saved["guard"])
+            kinds = {str(k): str(v) for k, v in saved["kinds"].items()}
+            bad = {k: v for k, v in kinds.items() if not v.startswith("fp8-")}
+            if bad:
+                raise ValueError(f"kinds {bad} are not fp8 kinds")
+        return guard, kinds
+
     def _guard_fp8(self, step: int) -> None:
         """Between steps: the guard's verdict on the fp8 layers' rows of this step, each a policy change."""
         from .fp8.training import policy_after
@@ -1087,7 +1112,8 @@ class AdaptiveMixedPrecision:
                           # the last step's device-decided result, read now and judged during the next step
                           # as it would have been without the checkpoint
                           "pending": None if self._pending is None else
-                          [self._pending[0], bool(self._pending[1]), self._pending[2]]}})
+                          [self._pending[0], bool(self._pending[1]), self._pending[2]]},
+                **({} if self._fp8_watch is None else {"fp8": self._fp8_watch.state_dict()})})
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved. Everything is checked first: a refused state changes
@@ -1134,6 +1160,10 @@ class AdaptiveMixedPrecision:
             parsed = _parse_adaptation(state)
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{where}: missing or malformed adaptation state ({exc})") from None
+        try:
+            fp8_state = self._fp8_state_for(policy, state.get("fp8"))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{where}: state['fp8'] is refused ({exc})") from None
         last = monitor._last_step()
         if last is not None and last >= parsed["step"]:
             raise ValueError(f"{where}: state['monitor'] has recorded step {last}, but state['step'] says the next "
@@ -1141,6 +1171,15 @@ class AdaptiveMixedPrecision:
         self.adjuster.set_policy(policy)
         self._apply_tf32(policy.tf32)
         self.policy, self.scaler, self.monitor = policy, scaler, monitor
+        if fp8_state is not None:
+            if self._fp8_watch is None:
+                from .fp8.training import Fp8Watch
+
+                self._fp8_watch = Fp8Watch(fp8_state[0])
+                self._owned.add(self._fp8_watch)
+            self._fp8_watch.guard, self._fp8_watch.kinds = fp8_state[0], fp8_state[1]
+        if self._fp8_watch is not None:
+            self._fp8_watch.sync(self.adjuster)
         self.events, self.policy_history = parsed["events"], parsed["policy_history"]
         self._step = parsed["step"]
         self._last_change = parsed["last_change"]

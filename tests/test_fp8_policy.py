@@ -299,3 +299,62 @@ def test_fp8_layers_of_a_zoo_llama_train_on_the_gpu(compiled):
     assert losses[-1] < losses[0] and all(map(torch.isfinite, map(torch.tensor, losses)))
     assert not [e for e in amp.events if e.kind.startswith("fp8")]
     assert len(amp.adjuster.layer_kinds) == 8 and len(amp._fp8_watch.rows) == 8
+
+
+def test_a_resumed_run_keeps_the_guards_demotions_and_back_off(fp8_here, tmp_path):
+    """A checkpoint taken while a layer is demoted: the resumed run holds it in bf16 and brings it back at the
+    step the uninterrupted run does, with the same back-off."""
+    from adaptive_amp import AdaptiveMixedPrecision, zoo
+    from adaptive_amp.fp8 import Fp8Guard
+
+    spikes, at = {3, 9}, {"step": 0}
+
+    def plant(module, args):  # an outlier channel at the spikes, its weight column zero (as in _llama_run)
+        with torch.no_grad():
+            module.weight[:, 0] = 0
+        x = args[0].clone()
+        x[..., 0] = 1e5 if at["step"] in spikes else 1.0
+        return (x,)
+
+    def run(amp, zm, steps):
+        for step in steps:
+            at["step"] = step
+            with amp.autocast():
+                loss = zm.loss(zm.model, zm.make_batch(4, seed=step))
+            amp.backward(loss)
+            amp.step()
+            amp.zero_grad()
+
+    def controller(zm):
+        dict(zm.model.named_modules())[LAYER].register_forward_pre_hook(plant)
+        opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+        return AdaptiveMixedPrecision(zm.model, opt, policy=FP8, stats_every=1, progress=False,
+                                      fp8=dict(guard=Fp8Guard(stable_steps=3, min_history=1)))
+
+    whole = zoo.build("llama", "tiny", seed=0)
+    amp = controller(whole)
+    run(amp, whole, range(16))
+    expected = [(e.kind, e.step, e.data.get("wait")) for e in amp.events if e.kind.startswith("fp8")]
+    assert [k for k, _, _ in expected] == ["fp8_demote", "fp8_restore", "fp8_demote", "fp8_restore"]
+
+    first = zoo.build("llama", "tiny", seed=0)
+    amp = controller(first)
+    run(amp, first, range(5))
+    assert amp.adjuster.layer_kinds == {LAYER: "bf16"}  # demoted when saved
+    path = tmp_path / "ckpt.pt"
+    torch.save({"amp": amp.state_dict(), "model": first.model.state_dict()}, path)
+    saved = torch.load(path, weights_only=True)
+
+    second = zoo.build("llama", "tiny", seed=1)
+    second.model.load_state_dict(saved["model"])
+    resumed = controller(second)
+    assert resumed.adjuster.layer_kinds == {LAYER: "fp8-tensorwise"}
+    bad = dict(saved["amp"], fp8={"guard": {"history": {}}, "kinds": {}})
+    with pytest.raises(ValueError, match=r"state\['fp8'\] is refused"):
+        resumed.load_state_dict(bad)
+    assert resumed.adjuster.layer_kinds == {LAYER: "fp8-tensorwise"} and resumed.step_count == 0
+    resumed.load_state_dict(saved["amp"])
+    assert resumed.adjuster.layer_kinds == {LAYER: "bf16"}
+    run(resumed, second, range(5, 16))
+    got = [(e.kind, e.step, e.data.get("wait")) for e in resumed.events if e.kind.startswith("fp8")]
+    assert got == expected

@@ -125,6 +125,11 @@ class Fp8Watch:
         self.rows = rows
         return self.guard.observe(step, rows)
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs: the guard's state and the fp8 kind of each watched layer (a demoted one's
+        is the kind it returns to)."""
+        return {"guard": self.guard.state_dict(), "kinds": dict(self.kinds)}
+
     def remove(self) -> None:
         self._hooks.remove()
         self._modules.clear()
