@@ -105,3 +105,7 @@ def test_suites_option_refuses_unknown_names_and_runs_a_command_suite_alone(caps
     with pytest.raises(SystemExit):  # --suites scale hands its options to the suite, which checks them
         main(["--suites", "scale", "--tiny", "--device", "cpu", "--layers", "0"])
     assert "--layers" in capsys.readouterr().err
+    for suite in ("tune", "scale"):  # a command suite's own help, and its own options
+        with pytest.raises(SystemExit):
+            main(["--suites", suite, "--help"])
+        assert f"python -m adaptive_amp bench {suite}" in capsys.readouterr().out

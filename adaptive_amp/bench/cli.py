@@ -76,6 +76,12 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:
         return _run_command(argv[0], argv[1:])
+    # "--suites tune --help" is the tune suite's help, not this parser's: find the suite before -h is read.
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--suites", default="")
+    named, rest = early.parse_known_args(argv)
+    if named.suites in COMMANDS:
+        return _run_command(named.suites, rest)
     parser = argparse.ArgumentParser(prog="python -m adaptive_amp bench", description=__doc__.split("\n\n")[1],
                                      epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
