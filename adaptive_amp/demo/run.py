@@ -297,8 +297,11 @@ def compare_times(ours: List[float], theirs: List[float], what: str) -> tuple:
     sa, sb = spread(ours), spread(theirs)
     numbers = (f"{a:.2f} ms against {b:.2f} ms per step (medians of {len(ours)} and {len(theirs)} timings, "
                f"spreads +-{sa:.2f} and +-{sb:.2f} ms)")
-    if not (sa == sa and sb == sb) or abs(a - b) <= sa + sb:
-        return f"{numbers}: no measurable difference", "same"
+    if not (sa == sa and sb == sb):
+        return f"{numbers}: too few timings to tell a difference", "same"
+    if abs(a - b) <= sa + sb:
+        return (f"{numbers}: the {abs(a - b):.2f} ms between them ({abs(a / b - 1):.0%}) is within the timing "
+                f"noise (+-{sa + sb:.2f} ms): no measurable difference"), "same"
     return f"{numbers}: {a / b:.2f}x {what}'s time", "faster" if a < b else "slower"
 
 
