@@ -476,7 +476,8 @@ class AdaptivePrecisionSelector:
 
     TF32 is on wherever it is native (fp32 islands and fp32 ops benefit). fp8 is
     only recommended in the reasons: which layers gain from it is measured
-    (policy "bf16+fp8" of AdaptiveMixedPrecision) or written in ``layers``. On the CPU, fp16 is never chosen: torch's CPU autocast
+    (policies "bf16+fp8", "bf16-weights+fp8", "bf16-pure+fp8" of AdaptiveMixedPrecision, the "+fp8"
+    candidates of :meth:`tune`) or written in ``layers``. On the CPU, fp16 is never chosen: torch's CPU autocast
     speaks bf16, and fp16 without loss scaling underflows.
     """
 
@@ -554,7 +555,8 @@ class AdaptivePrecisionSelector:
 
         # 5. fp8: advice only.
         if caps.fp8:
-            reasons.append(f"fp8: {where} has native fp8; policy 'bf16+fp8' (AdaptiveMixedPrecision) measures which "
+            reasons.append(f"fp8: {where} has native fp8; policy 'bf16+fp8' (AdaptiveMixedPrecision; also "
+                           "'bf16-weights+fp8', 'bf16-pure+fp8', and tune's '+fp8' candidates) measures which "
                            "layers gain and tolerate it, or name them in the policy's layers "
                            "(layers=*.mlp.*:fp8-tensorwise); not selected here without a measurement")
 

@@ -18,6 +18,8 @@ import adaptive_amp
 from adaptive_amp import AdaptiveMixedPrecision, zoo
 from adaptive_amp.policy import PrecisionPolicy
 
+from conftest import requires_cuda
+
 
 def _quiet_torchao():
     pytest.importorskip("torchao")
@@ -319,3 +321,39 @@ def test_memory_guard_moves_keep_the_fp8_layers_and_undo_gives_the_fp32_weights_
     assert all(math.isfinite(v) for v in steps(2))
     amp.remove()
     assert not _kinds(zm.model)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("base", ["bf16-weights", "bf16-pure"])
+def test_fp8_presets_train_on_the_gpu(base, compiled):
+    """On a GPU with fp8 matmuls: a tiny Llama's layers in fp8 (a gain table: they are too small to gain) over
+    bf16 weights, eager and compiled with inductor, train and raise no guard event; without a measurement
+    table, where the GPU has no fp8 matmuls, every layer stays as it was, with the reason."""
+    _quiet_torchao()
+    from adaptive_amp import fp8
+
+    zm = zoo.build("llama", "tiny", seed=0, device="cuda")
+    opt = _sr_adamw(zm.model)
+    batch = zm.make_batch(8, seed=0, device="cuda")
+    options = dict(batches=[batch], run=lambda m, b: zm.loss(m, b))
+    why = fp8.fp8_unavailable("cuda")
+    if why is not None:
+        amp = AdaptiveMixedPrecision(zm.model, opt, policy=f"{base}+fp8", progress=False, fp8=options)
+        assert amp.policy.layers == () and sum(why in r for r in amp.policy.reasons) == 15
+        return
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy=f"{base}+fp8", stats_every=2, progress=False,
+                                 fp8=dict(gain_fn=_gains, **options))
+    assert len(amp.adjuster.layer_kinds) == 15
+    model = torch.compile(zm.model) if compiled else zm.model
+    losses = []
+    for step in range(20):
+        with amp.autocast():
+            loss = zm.loss(model, zm.make_batch(8, seed=step % 4, device="cuda"))
+        amp.backward(loss)
+        amp.step()
+        amp.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] and all(map(math.isfinite, losses))
+    assert not [e for e in amp.events if e.kind.startswith("fp8")] and len(amp._fp8_watch.rows) == 15

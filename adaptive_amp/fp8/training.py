@@ -36,7 +36,6 @@ from ..detectors import Event
 from ..layer_precision import OwnedHandles
 from ..layers import unwrap_model
 from ..names import FP8_BASES
-from ..tune import _rng_states, _set_rng_states
 from .guard import Fp8Guard, fp8_layer_row
 from .select import select_fp8_layers
 
@@ -118,6 +117,8 @@ def tuning_fp8_map(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[[
     in eval mode, so that nothing trains and no dropout draws from the RNG; a compiled model's layers timed
     compiled (``compiled=``, unless given). The RNG states and every module's training flag are left as they
     were (the tuning restores nothing it did not snapshot). ``**options``: :func:`check_tuning_options`."""
+    from ..tune import _rng_states, _set_rng_states  # (the tuning's own: what its snapshot restores)
+
     options = check_tuning_options(options)
     root = unwrap_model(model)
     options.setdefault("compiled", root is not model)
