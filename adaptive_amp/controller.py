@@ -40,11 +40,12 @@ No decision rebuilds the optimizer or touches parameters, and no step is
 lost beyond those the scaler had already skipped.
 
 Layers a policy's per-layer map puts in fp8 (``layers=*.mlp.*:fp8-tensorwise``,
-or measured: policy ``"bf16+fp8"``, ``"bf16-weights+fp8"``, ``"bf16-pure+fp8"``) are guarded: at statistics steps each
-one's input gives adaptive_amp.fp8.Fp8Guard a row (cast statistics, output
-error against a float32 recompute), and between steps a layer that stops
-tolerating fp8 moves to bf16 in the map (event ``fp8_demote``) and back after
-a stable period (``fp8_restore``), waiting twice as long after each relapse.
+or measured: policy ``"bf16+fp8"``, ``"bf16-weights+fp8"``, ``"bf16-pure+fp8"``)
+are guarded: at statistics steps each one's input gives
+adaptive_amp.fp8.Fp8Guard a row (cast statistics, output error against a
+float32 recompute), and between steps a layer that stops tolerating fp8
+moves to bf16 in the map (event ``fp8_demote``) and back after a stable
+period (``fp8_restore``), waiting twice as long after each relapse.
 
 A policy that keeps parameters in its compute dtype ("bf16-pure") runs
 without autocast, as the plain loop does: autocast would compute its fp32
@@ -207,7 +208,8 @@ class AdaptiveMixedPrecision:
             bf16 autocast, each layer that gains and tolerates fp8 in it, every layer's decision in
             ``policy.reasons``; "bf16-weights+fp8" and "bf16-pure+fp8" measure the same over those presets
             (bf16 weights, an optimizer with stochastic rounding as they need). With policy="tune", the
-            selection's options apply to the "+fp8" candidates (unless ``tune`` has its own ``fp8``). Keys: ``guard`` (an adaptive_amp.fp8.Fp8Guard; False: none), ``batches``, and
+            selection's options apply to the "+fp8" candidates (unless ``tune`` has its own ``fp8``).
+            Keys: ``guard`` (an adaptive_amp.fp8.Fp8Guard; False: none), ``batches``, and
             select_fp8_layers' options (kinds, min_gain, max_error, gain_fn, run, ...). With `adapt`, the
             guard reads every fp8 layer at statistics steps and, between steps, moves a layer that stops
             tolerating fp8 to bf16 (event "fp8_demote") and back after a stable period ("fp8_restore").

@@ -578,10 +578,11 @@ class AdaptivePrecisionSelector:
         ``batches[k % len(batches)]``. candidates: names from CANDIDATES (default: all that run here); fp32
         islands variants come from `analysis` (a PrecisionAnalysis). memory_budget: bytes or "20GiB".
         The "+fp8" candidates share one per-layer fp8 map, measured once before any trial
-        (adaptive_amp.fp8.tuning_fp8_map: select_fp8_layers on `batches`, each layer's inputs from `loss_fn`),
-        and each is listed as skipped, with why, where fp8 cannot run or no layer gains; `fp8`: a dict of
-        select_fp8_layers' options (min_gain, max_error, kinds, gain_fn, compiled, ...). The chosen policy's
-        reasons then end with each layer's decision. options: rounds, timed_steps, loss_tolerance, min_cosine, tie, contenders, state_margin,
+        (adaptive_amp.fp8.tuning_fp8_map: select_fp8_layers on `batches`, each layer's inputs from `loss_fn`;
+        its time is ``phase_seconds["fp8 selection"]``), and each is listed as skipped, with why, where fp8
+        cannot run or no layer gains; `fp8`: a dict of select_fp8_layers' options (min_gain, max_error, kinds,
+        gain_fn, compiled, ...). An fp8 choice's reasons end with each layer's decision.
+        options: rounds, timed_steps, loss_tolerance, min_cosine, tie, contenders, state_margin,
         checkpoint_when_needed, offload_snapshot, progress (see adaptive_amp.tune.Tuner).
 
         Returns a TuneResult: ``.policy`` is the choice, every trial in its reasons; ``.recipe`` adds what a
