@@ -397,6 +397,8 @@ class AdaptiveMixedPrecision:
             options["run"] = run
         policy = recipe_policy(base, tf32=bool(self.capabilities.tf32))
         self._check_param_dtype(policy)  # (the optimizer refused before the measurement's time is spent)
+        if policy.param_dtype != torch.float32:  # each gain timed as the run will compute: from bf16 weights
+            options.setdefault("weight_dtype", policy.param_dtype)
         what = "compute=bfloat16: policy {}, bf16 autocast" if base == "bf16" else f"policy {{}}: {base}'s policy"
         policy = policy.replace(reasons=(what.format(name) + " and fp8 in each layer measured to gain and "
                                          "tolerate it",))

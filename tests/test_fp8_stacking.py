@@ -111,9 +111,16 @@ def test_fp8_presets_train_fp8_layers_over_the_memory_recipes(fp8_here, family, 
     params = dict(zm.model.named_parameters())
     hooks = _hooks(zm.model)
     opt = _sr_adamw(zm.model)
+    timed = set()
+
+    def gains(layer, shape, kind):  # (a layer as the run computes it: its weights in bf16, not the model's)
+        timed.add((layer.weight.dtype, any(layer is m for m in zm.model.modules())))
+        return _gains(layer, shape, kind)
+
     amp = AdaptiveMixedPrecision(zm.model, opt, policy=f"{base}+fp8", stats_every=2, progress=False,
-                                 fp8=dict(gain_fn=_gains, batches=[zm.make_batch(4, seed=0)],
+                                 fp8=dict(gain_fn=gains, batches=[zm.make_batch(4, seed=0)],
                                           run=lambda m, b: zm.loss(m, b)))
+    assert timed == {(torch.bfloat16, False)}
     # The base preset's policy plus the measured layers, each with its reason.
     assert amp.policy.replace(layers=()) == recipe_policy(base, amp.capabilities.tf32)
     assert plain.policy.replace(tf32=amp.policy.tf32) == recipe_policy(base, amp.capabilities.tf32)

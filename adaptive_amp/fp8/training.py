@@ -92,7 +92,7 @@ def measured_policy(model: nn.Module, base, batches: Iterable[Any], **options):
 
 #: select_fp8_layers' options a tuning takes (its `fp8=`): its batches and run are the tuning's.
 _TUNING_OPTIONS = ("kinds", "min_gain", "max_error", "dtype", "warmup", "iters", "compiled", "max_tokens",
-                   "gain_fn")
+                   "gain_fn", "weight_dtype")
 
 
 def check_tuning_options(fp8) -> dict:
@@ -115,7 +115,9 @@ def tuning_fp8_map(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[[
     """The fp8 map every ``+fp8`` candidate of a tuning shares, measured once: each layer's inputs captured from
     ``loss_fn(model, batch)`` on the tuning's `batches`, run on the eager model (a compiled model's own module)
     in eval mode, so that nothing trains and no dropout draws from the RNG; a compiled model's layers timed
-    compiled (``compiled=``, unless given). The RNG states and every module's training flag are left as they
+    compiled (``compiled=``, unless given), from the weights as they are (one map for every base: bf16
+    weights would time the bf16 baseline without its weight cast; ``weight_dtype=`` to time as if they were
+    in it). The RNG states and every module's training flag are left as they
     were (the tuning restores nothing it did not snapshot). ``**options``: :func:`check_tuning_options`."""
     from ..tune import _rng_states, _set_rng_states  # (the tuning's own: what its snapshot restores)
 
