@@ -578,8 +578,9 @@ class AdaptivePrecisionSelector:
         ``batches[k % len(batches)]``. candidates: names from CANDIDATES (default: all that run here); fp32
         islands variants come from `analysis` (a PrecisionAnalysis). memory_budget: bytes or "20GiB".
         The "+fp8" candidates share one per-layer fp8 map, measured once before any trial
-        (adaptive_amp.fp8.tuning_fp8_map: select_fp8_layers on `batches`, each layer's inputs from `loss_fn`;
-        its time is ``phase_seconds["fp8 selection"]``), and each is listed as skipped, with why, where fp8
+        (adaptive_amp.fp8.tuning_fp8_map: select_fp8_layers on `batches`, each layer's inputs from `loss_fn`,
+        its gains timed from bf16 weights when every "+fp8" candidate trains bf16 weights; its time is
+        ``phase_seconds["fp8 selection"]``), and each is listed as skipped, with why, where fp8
         cannot run or no layer gains; `fp8`: a dict of select_fp8_layers' options (min_gain, max_error, kinds,
         gain_fn, compiled, ...). An fp8 choice's reasons end with each layer's decision.
         options: rounds, timed_steps, loss_tolerance, min_cosine, tie, contenders, state_margin,
@@ -598,6 +599,10 @@ class AdaptivePrecisionSelector:
         from .fp8.training import check_tuning_options, tuning_fp8_map
 
         fp8_options = check_tuning_options(fp8)
+        asked = list(CANDIDATES) if candidates is None else candidate_names(candidates)
+        if all(n.startswith(("bf16-weights", "bf16-pure")) for n in asked if "+fp8" in n):
+            # Every fp8 candidate trains bf16 weights: time the layers as those runs compute them.
+            fp8_options.setdefault("weight_dtype", torch.bfloat16)
         try:
             batches = list(batches)
         except TypeError:

@@ -248,6 +248,25 @@ def test_without_fp8_here_each_fp8_candidate_is_skipped_with_why_before_any_tria
                                     "measures them")]
 
 
+def test_a_tuning_whose_fp8_candidates_all_train_bf16_weights_times_the_layers_from_bf16_weights(fp8_here):
+    from adaptive_amp.policy import AdaptivePrecisionSelector
+
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    batches = [zm.make_batch(4, seed=i) for i in range(2)]
+    for candidates, dtype in ((["bf16-weights", "bf16-weights+fp8", "bf16-pure+fp8"], torch.bfloat16),
+                              (["bf16", "bf16+fp8", "bf16-pure+fp8"], torch.float32)):
+        timed = set()
+
+        def gains(layer, shape, kind):
+            timed.add(layer.weight.dtype)
+            return _gains(layer, shape, kind)
+
+        result = AdaptivePrecisionSelector().tune(zm.model, opt, batches, zm.loss, candidates=candidates,
+                                                  fp8=dict(gain_fn=gains), steps=2, rounds=1, timed_steps=1)
+        assert timed == {dtype} and [t.name for t in result.trials] == candidates
+
+
 def test_bad_fp8_tuning_input_is_refused_by_name_with_nothing_changed(fp8_here, monkeypatch):
     from adaptive_amp.policy import AdaptivePrecisionSelector
 
