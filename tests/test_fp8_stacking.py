@@ -248,6 +248,28 @@ def test_without_fp8_here_each_fp8_candidate_is_skipped_with_why_before_any_tria
                                     "measures them")]
 
 
+@pytest.mark.parametrize("where, why", [
+    ("torchao missing", "no layer in fp8: torchao is not installed"),
+    ("no layer gains", "no layer in fp8: no layer gains and tolerates fp8 (15 measured: layer "),
+])
+def test_where_fp8_cannot_pay_each_fp8_candidate_is_skipped_with_why(fp8_here, monkeypatch, where, why):
+    from adaptive_amp.fp8 import eligibility
+    from adaptive_amp.policy import AdaptivePrecisionSelector
+
+    zm = zoo.build("llama", "tiny", seed=0)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    fp8 = dict(gain_fn=lambda layer, shape, kind: 1.0)
+    if where == "torchao missing":
+        monkeypatch.setattr(eligibility, "torchao_missing", lambda: "torchao is not installed (test)")
+        fp8 = None
+    result = AdaptivePrecisionSelector().tune(zm.model, opt, [zm.make_batch(4, seed=0)], zm.loss,
+                                              candidates=["bf16", "bf16+fp8", "bf16-pure+fp8+ckpt"], fp8=fp8,
+                                              steps=2, rounds=1, timed_steps=1)
+    assert [t.name for t in result.trials] == ["bf16"]
+    assert [n for n, _ in result.skipped] == ["bf16+fp8", "bf16-pure+fp8+ckpt"]
+    assert all(w.startswith(why) for _, w in result.skipped), result.skipped
+
+
 def test_a_tuning_whose_fp8_candidates_all_train_bf16_weights_times_the_layers_from_bf16_weights(fp8_here):
     from adaptive_amp.policy import AdaptivePrecisionSelector
 
