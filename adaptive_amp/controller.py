@@ -40,11 +40,12 @@ No decision rebuilds the optimizer or touches parameters, and no step is
 lost beyond those the scaler had already skipped.
 
 Layers a policy's per-layer map puts in fp8 (``layers=*.mlp.*:fp8-tensorwise``,
-or measured: policy ``"bf16+fp8"``) are guarded: at statistics steps each
-one's input gives adaptive_amp.fp8.Fp8Guard a row (cast statistics, output
-error against a float32 recompute), and between steps a layer that stops
-tolerating fp8 moves to bf16 in the map (event ``fp8_demote``) and back after
-a stable period (``fp8_restore``), waiting twice as long after each relapse.
+or measured: policy ``"bf16+fp8"``, ``"bf16-weights+fp8"``, ``"bf16-pure+fp8"``)
+are guarded: at statistics steps each one's input gives
+adaptive_amp.fp8.Fp8Guard a row (cast statistics, output error against a
+float32 recompute), and between steps a layer that stops tolerating fp8
+moves to bf16 in the map (event ``fp8_demote``) and back after a stable
+period (``fp8_restore``), waiting twice as long after each relapse.
 
 A policy that keeps parameters in its compute dtype ("bf16-pure") runs
 without autocast, as the plain loop does: autocast would compute its fp32
@@ -75,7 +76,8 @@ from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor, SumsOfSquares, builtin_values
 from .optim import _Fused
-from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name
+from .names import fp8_preset
+from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name, recipe_policy
 from .layer_precision import OwnedHandles
 from .recipes import cast_for_policy, policy_hooks
 from .scaler import GradScaler, OptState, _takes_grad_scaler
@@ -204,7 +206,10 @@ class AdaptiveMixedPrecision:
             fails naming the reason and the layers, the model unchanged. policy="bf16+fp8" measures
             instead (adaptive_amp.fp8.select_fp8_layers on `sample_inputs`, or on ``fp8["batches"]``):
             bf16 autocast, each layer that gains and tolerates fp8 in it, every layer's decision in
-            ``policy.reasons``. Keys: ``guard`` (an adaptive_amp.fp8.Fp8Guard; False: none), ``batches``, and
+            ``policy.reasons``; "bf16-weights+fp8" and "bf16-pure+fp8" measure the same over those presets
+            (bf16 weights, an optimizer with stochastic rounding as they need). With policy="tune", the
+            selection's options apply to the "+fp8" candidates (unless ``tune`` has its own ``fp8``).
+            Keys: ``guard`` (an adaptive_amp.fp8.Fp8Guard; False: none), ``batches``, and
             select_fp8_layers' options (kinds, min_gain, max_error, gain_fn, run, ...). With `adapt`, the
             guard reads every fp8 layer at statistics steps and, between steps, moves a layer that stops
             tolerating fp8 to bf16 (event "fp8_demote") and back after a stable period ("fp8_restore").
@@ -328,8 +333,9 @@ class AdaptiveMixedPrecision:
             raise TypeError(f"policy must be 'auto', a PrecisionPolicy or its string form, got {type(policy).__name__}")
         if policy.strip().lower() == "tune":
             return self._tune(sample_inputs, loss_fn, overrides, progress)
-        if policy.strip().lower() == "bf16+fp8":
-            return self._measure_fp8(sample_inputs, overrides)
+        base = fp8_preset(policy)
+        if base is not None:
+            return self._measure_fp8(policy.strip(), base, sample_inputs, overrides)
         if policy.strip().lower() != "auto":
             return PrecisionPolicy.from_string(policy)
         if sample_inputs is not None:
@@ -339,8 +345,8 @@ class AdaptiveMixedPrecision:
 
     def _tune(self, sample_inputs, loss_fn, overrides, progress) -> PrecisionPolicy:
         """policy="tune": analyze (with sample_inputs, for the islands variants), measure the candidates, and
-        apply the chosen recipe's optimizer, parameter dtype, checkpointing and float8 (the policy is applied
-        below as any other)."""
+        apply the chosen recipe's optimizer, parameter dtype and checkpointing (the policy, its fp8 layers
+        included, is applied below as any other)."""
         from .recipes import AppliedRecipe
 
         options = dict(self._tune_options or {})
@@ -353,6 +359,9 @@ class AdaptiveMixedPrecision:
                              "tune=dict(candidates=[...])")
         if len(self.optimizers) != 1:
             raise ValueError(f"policy='tune' tunes one optimizer; got {len(self.optimizers)}")
+        selection = {k: v for k, v in self._fp8_options.items() if k not in ("guard", "batches", "run")}
+        if selection and "fp8" not in options:
+            options["fp8"] = selection  # (the "+fp8" candidates' map is measured on the tuning's batches)
         if sample_inputs is not None and "analysis" not in options:
             options["analysis"] = self.analysis = PrecisionAnalyzer(
                 include=self.include, exclude=self.exclude, progress=progress).analyze(self.model, sample_inputs,
@@ -365,8 +374,9 @@ class AdaptiveMixedPrecision:
         self.optimizers = [applied.optimizer]
         return self.tuning.policy
 
-    def _measure_fp8(self, sample_inputs, overrides) -> PrecisionPolicy:
-        """policy="bf16+fp8": bf16 autocast, and in fp8 each layer measured to gain and tolerate it."""
+    def _measure_fp8(self, name: str, base: str, sample_inputs, overrides) -> PrecisionPolicy:
+        """policy="<base>+fp8" (adaptive_amp.names.fp8_preset): the base recipe's policy, and in fp8 each layer
+        measured to gain and tolerate it."""
         from .analysis import split_inputs
         from .fp8.training import measured_policy
 
@@ -374,21 +384,25 @@ class AdaptiveMixedPrecision:
         batches = options.pop("batches", None)
         if batches is None:
             if sample_inputs is None:
-                raise ValueError("policy='bf16+fp8' measures each layer on sample batches: pass sample_inputs= "
+                raise ValueError(f"policy={name!r} measures each layer on sample batches: pass sample_inputs= "
                                  "(one batch) or fp8=dict(batches=[...])")
             batches = [sample_inputs]
         if overrides is not None:
-            raise ValueError("policy='bf16+fp8' measures its fp8 layers instead of taking overrides; write the "
+            raise ValueError(f"policy={name!r} measures its fp8 layers instead of taking overrides; write the "
                              "policy string instead (e.g. 'params=float32,compute=bfloat16,layers=name:fp8-tensorwise')")
         if "run" not in options:
             def run(model, batch):
                 args, kwargs = split_inputs(batch)
                 return model(*args, **kwargs)
             options["run"] = run
-        base = PrecisionPolicy(compute_dtype=torch.bfloat16, tf32=bool(self.capabilities.tf32), reasons=(
-            "compute=bfloat16: policy bf16+fp8, bf16 autocast and fp8 in each layer measured to gain and "
-            "tolerate it",))
-        return measured_policy(self.model, base, batches, **options)
+        policy = recipe_policy(base, tf32=bool(self.capabilities.tf32))
+        self._check_param_dtype(policy)  # (the optimizer refused before the measurement's time is spent)
+        if policy.param_dtype != torch.float32:  # each gain timed as the run will compute: from bf16 weights
+            options.setdefault("weight_dtype", policy.param_dtype)
+        what = "compute=bfloat16: policy {}, bf16 autocast" if base == "bf16" else f"policy {{}}: {base}'s policy"
+        policy = policy.replace(reasons=(what.format(name) + " and fp8 in each layer measured to gain and "
+                                         "tolerate it",))
+        return measured_policy(self.model, policy, batches, **options)
 
     def _watch_fp8(self) -> None:
         """Guard the policy's fp8 layers at statistics steps (adaptive_amp.fp8.training.Fp8Watch)."""

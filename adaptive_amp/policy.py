@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Tuple, Union
 
@@ -23,7 +24,7 @@ import torch
 from .hardware import Capabilities, HardwareDetector
 from .layers import canonical_name, expand_names
 from .names import CANDIDATES, format_name, recipe_names
-from .recipes import Recipe, float8_available
+from .recipes import Recipe
 
 # Canonical names are torch's (str(torch.float16) without "torch."); the other spellings are those of
 # adaptive_amp.names, the one table of names.
@@ -475,7 +476,8 @@ class AdaptivePrecisionSelector:
 
     TF32 is on wherever it is native (fp32 islands and fp32 ops benefit). fp8 is
     only recommended in the reasons: which layers gain from it is measured
-    (policy "bf16+fp8" of AdaptiveMixedPrecision) or written in ``layers``. On the CPU, fp16 is never chosen: torch's CPU autocast
+    (policies "bf16+fp8", "bf16-weights+fp8", "bf16-pure+fp8" of AdaptiveMixedPrecision, the "+fp8"
+    candidates of :meth:`tune`) or written in ``layers``. On the CPU, fp16 is never chosen: torch's CPU autocast
     speaks bf16, and fp16 without loss scaling underflows.
     """
 
@@ -553,26 +555,34 @@ class AdaptivePrecisionSelector:
 
         # 5. fp8: advice only.
         if caps.fp8:
-            reasons.append(f"fp8: {where} has native fp8; policy 'bf16+fp8' (AdaptiveMixedPrecision) measures which "
+            reasons.append(f"fp8: {where} has native fp8; policy 'bf16+fp8' (AdaptiveMixedPrecision; also "
+                           "'bf16-weights+fp8', 'bf16-pure+fp8', and tune's '+fp8' candidates) measures which "
                            "layers gain and tolerate it, or name them in the policy's layers "
                            "(layers=*.mlp.*:fp8-tensorwise); not selected here without a measurement")
 
         return PrecisionPolicy(param_dtype=param, compute_dtype=compute, param_scope=scope, tf32=tf32,
                                islands=islands, loss_scale=loss_scale, layers=layers, reasons=tuple(reasons))
 
-    def candidates(self, capabilities: Capabilities, analysis=None, names=None) -> tuple:
+    def candidates(self, capabilities: Capabilities, analysis=None, names=None, fp8=None) -> tuple:
         """(recipes, skipped): the candidate recipes of :meth:`tune` for `names` (default all of CANDIDATES),
-        and (name, why) for those that cannot run here."""
-        return candidate_recipes(capabilities, analysis, names)
+        and (name, why) for those that cannot run here (`fp8`: see :func:`candidate_recipes`)."""
+        return candidate_recipes(capabilities, analysis, names, fp8)
 
     def tune(self, model: torch.nn.Module, optimizer, batches, loss_fn, candidates=None, steps: int = 8,
-             memory_budget=None, *, capabilities: Optional[Capabilities] = None, analysis=None, **options):
+             memory_budget=None, *, capabilities: Optional[Capabilities] = None, analysis=None, fp8=None,
+             **options):
         """Measured selection: train each candidate recipe briefly on `batches` from one snapshot and pick the
         fastest that agrees with the reference's loss and fits `memory_budget` (see adaptive_amp.tune).
 
         loss_fn is ``loss_fn(model, batch) -> loss`` (it runs under each candidate's autocast); step k trains on
         ``batches[k % len(batches)]``. candidates: names from CANDIDATES (default: all that run here); fp32
         islands variants come from `analysis` (a PrecisionAnalysis). memory_budget: bytes or "20GiB".
+        The "+fp8" candidates share one per-layer fp8 map, measured once before any trial
+        (adaptive_amp.fp8.tuning_fp8_map: select_fp8_layers on `batches`, each layer's inputs from `loss_fn`,
+        its gains timed from bf16 weights when every "+fp8" candidate trains bf16 weights; its time is
+        ``phase_seconds["fp8 selection"]``), and each is listed as skipped, with why, where fp8
+        cannot run or no layer gains; `fp8`: a dict of select_fp8_layers' options (min_gain, max_error, kinds,
+        gain_fn, compiled, ...). An fp8 choice's reasons end with each layer's decision.
         options: rounds, timed_steps, loss_tolerance, min_cosine, tie, contenders, state_margin,
         checkpoint_when_needed, offload_snapshot, progress (see adaptive_amp.tune.Tuner).
 
@@ -586,9 +596,35 @@ class AdaptivePrecisionSelector:
             opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []
             device = next((p.device for p in trained_parameters(model, opts)), torch.device("cpu"))
             capabilities = HardwareDetector().detect(device)
-        recipes, skipped = self.candidates(capabilities, analysis, candidates)
-        return Tuner(model, optimizer, batches, loss_fn, capabilities, recipes, skipped, steps=steps,
-                     memory_budget=memory_budget, analysis=analysis, **options).run()
+        from .fp8.training import check_tuning_options, tuning_fp8_map
+
+        fp8_options = check_tuning_options(fp8)
+        asked = list(CANDIDATES) if candidates is None else candidate_names(candidates)
+        if all(n.startswith(("bf16-weights", "bf16-pure")) for n in asked if "+fp8" in n):
+            # Every fp8 candidate trains bf16 weights: time the layers as those runs compute them.
+            fp8_options.setdefault("weight_dtype", torch.bfloat16)
+        try:
+            batches = list(batches)
+        except TypeError:
+            pass  # (Tuner says why)
+        measured, seconds = [], []
+
+        def fp8_map():
+            if not measured:  # once a tuning, for every "+fp8" candidate
+                t0 = time.perf_counter()
+                measured.append(tuning_fp8_map(model, batches, loss_fn, **fp8_options))
+                seconds.append(time.perf_counter() - t0)
+            return measured[0]
+
+        recipes, skipped = candidate_recipes(capabilities, analysis, candidates, fp8=fp8_map)
+        result = Tuner(model, optimizer, batches, loss_fn, capabilities, recipes, skipped, steps=steps,
+                       memory_budget=memory_budget, analysis=analysis, **options).run()
+        if measured:
+            result.phase_seconds["fp8 selection"] = seconds[0]
+            result.seconds += seconds[0]
+            if result.policy.layers:
+                result.policy = result.policy.replace(reasons=tuple(result.policy.reasons) + measured[0].reasons)
+        return result
 
     def _islands(self, analysis, compute: torch.dtype, reasons: list) -> Tuple[str, ...]:
         if analysis is None:
@@ -647,9 +683,26 @@ def candidate_names(names) -> list:
     return out
 
 
-def candidate_recipes(capabilities, analysis=None, names=None) -> tuple:
+def recipe_policy(base: str, tf32: bool = False, islands: Tuple[str, ...] = ()) -> PrecisionPolicy:
+    """The policy of a recipe's base (``fp32``, ``bf16``, ``fp16``, ``bf16-weights``, ``bf16-pure``; see
+    adaptive_amp.names), with `islands` in float32: what its candidate and its policy preset train with."""
+    if base == "fp32":
+        return PrecisionPolicy(tf32=tf32)
+    if base in ("bf16", "fp16"):
+        return PrecisionPolicy(compute_dtype=torch.bfloat16 if base == "bf16" else torch.float16, islands=islands,
+                               loss_scale=LossScale() if base == "fp16" else None, tf32=tf32)
+    if base in ("bf16-weights", "bf16-pure"):
+        return PrecisionPolicy(torch.bfloat16, torch.bfloat16, param_scope="matmul" if base == "bf16-weights"
+                               else "all", islands=islands, tf32=tf32)
+    raise ValueError(f"base is {base!r}; expected one of fp32, bf16, fp16, bf16-weights, bf16-pure")
+
+
+def candidate_recipes(capabilities, analysis=None, names=None, fp8=None) -> tuple:
     """(recipes, skipped) for the names asked (default: all of CANDIDATES): each a Recipe, or (name, why) when
-    it cannot run here. Islands variants exist only where the analysis flags layers for that dtype."""
+    it cannot run here. Islands variants exist only where the analysis flags layers for that dtype. `fp8`:
+    ``fp8() -> adaptive_amp.fp8.Fp8Map``, the measured map the "+fp8" candidates put in their policy's
+    per-layer map (called at the first of them that can otherwise run; AdaptivePrecisionSelector.tune measures
+    it once); without it, or where the map is empty (no fp8 here, no layer gains), they are skipped with why."""
     names = list(CANDIDATES) if names is None else candidate_names(names)
     tf32 = bool(getattr(capabilities, "tf32", False))
     gpu = getattr(capabilities, "device_type", "cpu") == "cuda"
@@ -673,20 +726,21 @@ def candidate_recipes(capabilities, analysis=None, names=None) -> tuple:
         base, ckpt = name.replace("+ckpt", ""), name.endswith("+ckpt")
         safety = CANDIDATES.index(base) * 2 + int(ckpt)
         kw = dict(name=name, checkpoint=ckpt, safety=safety)
-        if base == "fp32":
-            recipes.append(Recipe(policy=PrecisionPolicy(tf32=tf32), **kw))
-        elif base in ("bf16", "bf16+islands", "fp16", "fp16+islands"):
-            dtype = torch.bfloat16 if base.startswith("bf16") else torch.float16
-            if gpu and not getattr(capabilities, "bf16" if dtype == torch.bfloat16 else "fp16", False):
+        with_fp8 = base.endswith("+fp8")
+        base = base[:-len("+fp8")] if with_fp8 else base
+        first = base.split("+")[0]
+        if first == "fp32":
+            recipe = Recipe(policy=recipe_policy("fp32", tf32), **kw)
+        elif first in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if first == "bf16" else torch.float16
+            if gpu and not getattr(capabilities, first, False):
                 skipped.append((name, f"{dtype_name(dtype)} is not native on {capabilities.name}"))
                 continue
             islands = islands_for(name, base, dtype)
             if islands is None:
                 continue
-            scale = LossScale() if dtype == torch.float16 else None
-            recipes.append(Recipe(policy=PrecisionPolicy(compute_dtype=dtype, islands=islands, loss_scale=scale,
-                                                         tf32=tf32), **kw))
-        elif base.startswith(("bf16-pure", "bf16-weights")):
+            recipe = Recipe(policy=recipe_policy(first, tf32, islands), **kw)
+        else:  # bf16-weights, bf16-pure
             if gpu and not getattr(capabilities, "bf16", False):
                 skipped.append((name, f"bf16 is not native on {capabilities.name}"))
                 continue
@@ -694,17 +748,19 @@ def candidate_recipes(capabilities, analysis=None, names=None) -> tuple:
             if islands is None:
                 continue
             moments = torch.bfloat16 if base.endswith("bf16-moments") else torch.float32
-            scope = "matmul" if base.startswith("bf16-weights") else "all"
-            recipes.append(Recipe(policy=PrecisionPolicy(torch.bfloat16, torch.bfloat16, param_scope=scope,
-                                                         islands=islands, tf32=tf32), moment_dtype=moments, **kw))
-        elif base == "float8":
-            why = float8_available()
-            if why is not None:
-                skipped.append((name, why))
+            recipe = Recipe(policy=recipe_policy(first, tf32, islands), moment_dtype=moments, **kw)
+        if with_fp8:
+            measured = fp8() if fp8 is not None else None
+            if measured is None:
+                skipped.append((name, "its fp8 layers are measured on the model: AdaptivePrecisionSelector.tune "
+                                      "measures them"))
                 continue
-            recipes.append(Recipe(policy=PrecisionPolicy(compute_dtype=torch.bfloat16, tf32=tf32), float8=True, **kw))
+            if not measured.layers:
+                skipped.append((name, f"no layer in fp8: {measured.why_none}"))
+                continue
+            recipe = recipe.replace(policy=recipe.policy.replace(layers=measured.layers))
+        recipes.append(recipe)
     return recipes, skipped
-
 
 
 def _override_fields(overrides) -> dict:

@@ -3,8 +3,9 @@
 A :class:`Recipe` is what a trial of :mod:`adaptive_amp.tune` runs and what
 the memory guard (:mod:`adaptive_amp.pressure`) moves between: a precision
 policy (compute and parameter dtypes, TF32, fp32 islands, loss scaling) plus
-the optimizer's moment dtype, activation checkpointing of the model's blocks
-and torchao float8 linears.
+the optimizer's moment dtype and activation checkpointing of the model's
+blocks. A policy's per-layer map (``policy.layers``) carries its fp8 layers
+(the ``+fp8`` recipes): the adjuster applies them as it applies islands.
 
 The conversions change a live model and optimizer and can be undone:
 
@@ -25,8 +26,6 @@ The conversions change a live model and optimizer and can be undone:
 * :func:`checkpoint_blocks`: the model's repeated blocks (the longest
   ``nn.ModuleList`` of modules of one class) recompute their activations in
   the backward pass (``torch.utils.checkpoint``, non-reentrant).
-* :func:`float8_linears`: torchao's ``convert_to_float8_training`` on the
-  ``nn.Linear`` layers large enough to pay, islands left out.
 """
 
 from __future__ import annotations
@@ -56,15 +55,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Recipe:
-    """A way to train: a PrecisionPolicy plus the optimizer's moments, checkpointing and float8.
+    """A way to train: a PrecisionPolicy plus the optimizer's moments and checkpointing.
 
-    policy: the adaptive_amp.policy.PrecisionPolicy (dtypes, TF32, islands, loss scaling); the policy
-        module builds recipes (AdaptivePrecisionSelector.candidates), this one only applies them.
+    policy: the adaptive_amp.policy.PrecisionPolicy (dtypes, TF32, islands and the per-layer map with its fp8
+        layers, loss scaling); the policy module builds recipes (AdaptivePrecisionSelector.candidates), this
+        one only applies them.
     moment_dtype: None keeps the user's optimizer as it is; a dtype converts it to
         adaptive_amp.optim (stochastic rounding) with moments in that dtype.
         Recipes with bf16 parameters need it.
     checkpoint: recompute the blocks' activations in the backward pass.
-    float8: torchao float8 training for the large nn.Linear layers.
     safety: lower is numerically safer (the reference is the safest that fits).
     """
 
@@ -72,7 +71,6 @@ class Recipe:
     policy: Any
     moment_dtype: Optional[torch.dtype] = None
     checkpoint: bool = False
-    float8: bool = False
     safety: int = 0
 
     def __post_init__(self):
@@ -105,14 +103,12 @@ class Recipe:
             extras.append(f"optimizer=adaptive_amp.optim(SR),moments={dtype_name(self.moment_dtype)}")
         if self.checkpoint:
             extras.append("checkpoint=blocks")
-        if self.float8:
-            extras.append("float8=torchao")
         return ";".join([str(self.policy)] + extras)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "policy": str(self.policy),
                 "moment_dtype": None if self.moment_dtype is None else dtype_name(self.moment_dtype),
-                "checkpoint": self.checkpoint, "float8": self.float8}
+                "checkpoint": self.checkpoint}
 
 
 # ---------------------------------------------------------------------------- optimizer
@@ -460,7 +456,8 @@ def checkpoint_blocks(model: nn.Module) -> Callable[[], None]:
 
 
 def float8_available() -> Optional[str]:
-    """None if torchao's float8 training can be used here, else why not."""
+    """None if torchao's float8 training (``convert_to_float8_training``, what the scale benchmark compares
+    with) can be used here, else why not. fp8 layers of a policy are checked by adaptive_amp.fp8."""
     if importlib.util.find_spec("torchao") is None:
         return "torchao is not installed (pip install torchao), so float8 training is not tried"
     if not torch.cuda.is_available():
@@ -468,31 +465,6 @@ def float8_available() -> Optional[str]:
     if torch.cuda.get_device_capability() < (8, 9):
         return "float8 matmuls need sm_89 or newer"
     return None
-
-
-def float8_linears(model: nn.Module, islands=(), min_features: int = 4096) -> Callable[[], None]:
-    """torchao ``convert_to_float8_training`` on the nn.Linear layers whose both sizes are at least
-    `min_features` (float8 pays only on large matmuls) and that are not islands; returns the undo (the
-    original modules put back: torchao's modules share their weights, so the optimizer is unaffected)."""
-    from torchao.float8 import convert_to_float8_training
-
-    root = unwrap_model(model)
-    islands = set(islands)
-    chosen = {name: m for name, m in root.named_modules()
-              if isinstance(m, nn.Linear) and name not in islands
-              and min(m.in_features, m.out_features) >= min_features
-              and m.in_features % 16 == 0 and m.out_features % 16 == 0}
-    if not chosen:
-        raise ValueError(f"float8: no nn.Linear layer has both sizes >= {min_features} (float8 does not pay on "
-                         "smaller matmuls)")
-    convert_to_float8_training(root, module_filter_fn=lambda mod, fqn: fqn in chosen)
-
-    def undo():
-        for name, original in chosen.items():
-            parent_name, _, attr = name.rpartition(".")
-            parent = root.get_submodule(parent_name) if parent_name else root
-            setattr(parent, attr, original)
-    return undo
 
 
 # ---------------------------------------------------------------------------- applying a recipe
@@ -505,8 +477,8 @@ class AppliedRecipe:
     GradScaler (disabled without loss scaling), ``autocast()`` the policy's autocast with islands."""
 
     def __init__(self, recipe: Recipe, model: nn.Module, optimizer, precision: bool = True):
-        # precision=False: only the optimizer, parameter dtype, checkpointing and float8 (a controller applies
-        # the policy's autocast, islands, scaler and TF32 itself).
+        # precision=False: only the optimizer, parameter dtype and checkpointing (a controller applies the
+        # policy's autocast, islands and fp8 layers, scaler and TF32 itself).
         self.recipe = recipe
         self.model = model
         self._undo: List[Callable[[], None]] = []
@@ -529,8 +501,6 @@ class AppliedRecipe:
             if recipe.checkpoint:
                 self.checkpoint_undo = checkpoint_blocks(model)
                 self._undo.append(self.checkpoint_undo)
-            if recipe.float8:
-                self._undo.append(float8_linears(model, recipe.islands))
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
             self.device = device
             self._tf32_before = None

@@ -1156,7 +1156,13 @@ def _fp32_moments(recipe) -> bool:
 
 def _bf16_extent(recipe) -> int:
     """How much `recipe` keeps in bf16 beyond torch's autocast, one for each: bf16 weights, bf16 moments, bf16
-    compute outside the matmuls (bf16-pure's residual stream and norms). 0 for autocast, fp16 and fp32."""
+    compute outside the matmuls (bf16-pure's residual stream and norms). 0 for autocast, fp16 and fp32.
+
+    fp8 layers (a "+fp8" recipe's per-layer map) add nothing to their base's: they round a matmul's operands,
+    not state that carries over steps (weights and moments stay in their recipe's dtype), so the trial's loss
+    and gradient agreement see what they cost as they see autocast's rounding, and while training the Fp8Guard
+    demotes a layer that stops tolerating fp8, which nothing does for a slow drift of bf16 state. Among
+    candidates within `tie` the safer (fp8's base) still wins."""
     return (int(recipe.param_dtype != torch.float32) + int(not _fp32_moments(recipe))
             + int(recipe.policy.pure))
 

@@ -24,7 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-4, help="the default optimizer's learning rate")
     p.add_argument("--candidates", help="comma-separated names (fp32, bf16, bf16+islands, fp16, fp16+islands, "
                                         "bf16-weights, bf16-weights+islands, bf16-weights+bf16-moments, bf16-pure, "
-                                        "bf16-pure+bf16-moments, float8; +ckpt for checkpointing; other spellings: "
+                                        "bf16-pure+bf16-moments, bf16+fp8, bf16-weights+fp8, "
+                                        "bf16-weights+bf16-moments+fp8, bf16-pure+fp8, "
+                                        "bf16-pure+bf16-moments+fp8; +ckpt for checkpointing; other spellings: "
                                         "adaptive_amp.names)")
     p.add_argument("--steps", type=int, default=8, help="training steps per trial (loss comparison)")
     p.add_argument("--rounds", type=int, default=3,

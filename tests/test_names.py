@@ -77,8 +77,37 @@ def test_candidate_aliases_are_the_canonical_candidates():
     assert all(names.recipe_name(c) == c for c in CANDIDATES)
 
 
+def test_fp8_candidates_stack_on_the_bf16_recipes_in_one_canonical_order():
+    assert candidate_names(["bf16-pure+fp8+bf16-moments", "float8", "bfloat16+fp8+ckpt",
+                            "bf16-weights+ckpt+fp8+bf16-moments", "pure-bf16+fp8"]) == [
+        "bf16-pure+bf16-moments+fp8", "bf16+fp8", "bf16+fp8+ckpt", "bf16-weights+bf16-moments+fp8+ckpt",
+        "bf16-pure+fp8"]
+    assert [c for c in CANDIDATES if c.endswith("+fp8")] == [
+        "bf16+fp8", "bf16-weights+fp8", "bf16-weights+bf16-moments+fp8", "bf16-pure+fp8",
+        "bf16-pure+bf16-moments+fp8"]
+    assert [names.fp8_preset(p) for p in ("bf16+fp8", "bf16-weights+fp8", "BF16-pure + fp8", "pure-bf16+fp8",
+                                          "bf16-pure", "params=float32,compute=bfloat16", "tune")] == [
+        "bf16", "bf16-weights", "bf16-pure", "bf16-pure", None, None, None]
+
+
 @pytest.mark.parametrize("bad, match", [
-    (["fp8"], "the float8 recipe is 'float8'"),
+    ("fp16+fp8", "policy 'fp16[+]fp8': fp8 stacks on bf16, bf16-weights, bf16-pure .*not on fp16"),
+    ("fp32+fp8", "policy 'fp32[+]fp8': fp8 stacks on .*not on fp32"),
+    ("bf16-pure+bf16-moments+fp8", "policy .*: a policy measuring its fp8 layers is one of 'bf16[+]fp8'"),
+    ("bf16-pure+fp8+ckpt", "the optimizer's moments are the optimizer's own"),
+])
+def test_a_policy_with_fp8_on_another_base_or_with_other_suffixes_is_refused_by_name(bad, match):
+    with pytest.raises(ValueError, match=match):
+        names.fp8_preset(bad)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (["fp8"], "candidates 'fp8': fp8 names no recipe alone; it stacks on a bf16 recipe: 'bf16[+]fp8'"),
+    (["fp16+fp8"], "candidates 'fp16[+]fp8': fp8 stacks on bf16, bf16-weights, bf16-pure"),
+    (["fp32+fp8+ckpt"], "not on fp32"),
+    (["bf16+fp8+nope"], "unknown; choose from fp32"),
+    (["bf16+islands+fp8"], "unknown; choose from fp32"),
+    (["float8", "bf16+fp8"], "'bf16[+]fp8' is 'bf16[+]fp8', given twice"),
     (["bf16", "bfloat16"], "'bfloat16' is 'bf16', given twice"),
     (["bf16+nope"], "unknown; choose from fp32"),
     ([], "candidates is empty"),
@@ -91,5 +120,6 @@ def test_bad_candidate_names_are_refused_by_name(bad, match):
 def test_the_vocabulary_is_written_down_once():
     doc = names.__doc__
     for name in (*names.FORMATS, *names.FORMAT_ALIASES, *names.AMBIGUOUS_FORMATS, "bf16-pure", "bf16-weights",
-                 "+islands", "+bf16-moments", "+ckpt", "pure-bf16"):
+                 "+islands", "+bf16-moments", "+fp8", "+ckpt", "pure-bf16", "bf16-pure+bf16-moments+fp8+ckpt",
+                 "bf16+fp8", "bf16-weights+fp8", "bf16-pure+fp8", "float8"):
         assert name in doc, name

@@ -426,7 +426,7 @@ def test_tune_restores_everything_bitwise_and_records_every_trial():
     random.setstate(state[1])
     np.random.set_state(state[2])
     result = tune(zm.model, opt, batches, zm.loss, capabilities=CPU,
-                  candidates=["fp32", "bf16", "bf16-pure", "bf16-pure+bf16-moments", "float8"], **FAST)
+                  candidates=["fp32", "bf16", "bf16-pure", "bf16-pure+bf16-moments", "bf16+fp8"], **FAST)
     _assert_same(before, _everything(zm, opt))
     names = [t.name for t in result.trials]
     assert names == ["fp32", "bf16", "bf16-pure"]  # bf16 moments could not be chosen (the next test)
@@ -435,8 +435,9 @@ def test_tune_restores_everything_bitwise_and_records_every_trial():
         assert len(t.losses) == 3 and all(math.isfinite(v) for v in t.losses)
         assert t.step_time_ms is not None and t.state_bytes > 0 and t.activation_bytes > 0
         assert any(r.startswith(f"trial {t.name}:") for r in result.policy.reasons)
-    # float8 is listed as skipped, with why: torchao missing, or (where it is installed) no CUDA GPU.
-    assert any("float8" in r and ("torchao" in r or "CUDA GPU" in r) for r in result.policy.reasons)
+    # bf16+fp8 is listed as skipped, with why: torchao missing, or (where it is installed) no CUDA GPU.
+    assert any(r.startswith("trial bf16+fp8: skipped: no layer in fp8: ") and ("torchao" in r or "CUDA GPU" in r)
+               for r in result.policy.reasons)
     by = {t.name: t for t in result.trials}
     assert by["bf16"].grad_cosine > 0.99 and by["bf16"].agrees
     chosen = result.chosen
@@ -1066,19 +1067,19 @@ def test_tune_on_cuda_stops_a_trial_whose_first_step_is_over_the_budget():
 
 @pytest.mark.cuda
 @requires_cuda
-def test_float8_candidate_trains_through_torchao_and_undo_restores_the_model():
+def test_fp8_candidates_train_their_measured_layers_and_the_model_is_restored():
     # torchao is an optional dependency: this runs where it is installed and the GPU has fp8 matmuls.
-    from adaptive_amp.recipes import float8_available
+    from adaptive_amp.fp8 import fp8_unavailable
 
-    why = float8_available()
+    why = fp8_unavailable("cuda")
     if why is not None:
         pytest.skip(why)
     torch.manual_seed(0)
-    width = 4096  # float8 pays only on large matmuls; smaller layers stay as they are
-    model = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1024), nn.GELU(),
-                          nn.Linear(1024, width)).cuda()
+    width = 4096  # fp8 gains on large matmuls; the measurement leaves the small one as it is
+    model = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, 64), nn.GELU(),
+                          nn.Linear(64, width)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = [torch.randn(256, width, device="cuda") for _ in range(3)]
+    x = [torch.randn(4096, width, device="cuda") for _ in range(3)]
     batches = [(a, a.roll(1, dims=1)) for a in x]
 
     def loss_fn(m, batch):
@@ -1086,11 +1087,13 @@ def test_float8_candidate_trains_through_torchao_and_undo_restores_the_model():
 
     modules = [type(m) for m in model]
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = tune(model, opt, batches, loss_fn, candidates=["bf16", "float8"], **FAST)
+    result = tune(model, opt, batches, loss_fn, candidates=["bf16", "bf16+fp8", "bf16-weights+fp8"], **FAST)
     by = {t.name: t for t in result.trials}
-    assert "float8" in by and by["float8"].error is None, [r for r in result.policy.reasons]
-    assert all(math.isfinite(v) for v in by["float8"].losses)
-    assert [type(m) for m in model] == modules  # torchao's modules were put back
+    assert {"bf16+fp8", "bf16-weights+fp8"} <= set(by), result.policy.reasons
+    for name in ("bf16+fp8", "bf16-weights+fp8"):
+        assert by[name].error is None and all(math.isfinite(v) for v in by[name].losses)
+    assert "fp8 selection" in result.phase_seconds
+    assert [type(m) for m in model] == modules and not any(m._forward_pre_hooks for m in model)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
 

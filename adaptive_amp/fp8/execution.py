@@ -16,7 +16,7 @@ forward a kind of the per-layer precision mechanism registers.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -48,11 +48,16 @@ def fp8_forward(module: nn.Module, input: torch.Tensor, kind: str = "fp8-tensorw
     return output
 
 
-def plain_forward(module: nn.Module, input: torch.Tensor) -> torch.Tensor:
+def plain_forward(module: nn.Module, input: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The layer's computation without fp8 (``F.linear``, autocast applying as usual): what fp8 is measured
-    against, also for a layer whose class already runs it in fp8."""
-    weight = module.weight.t() if is_conv1d(module) else module.weight
-    return torch.nn.functional.linear(input, weight, module.bias)
+    against, also for a layer whose class already runs it in fp8. `dtype`: the input, weight and bias read in
+    it (copies: the parameters stay as they are), e.g. a float32 recompute of a layer whose weights train in
+    bf16 (bf16-weights, bf16-pure)."""
+    weight, bias = module.weight, module.bias
+    if dtype is not None:
+        input, weight = input.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    return torch.nn.functional.linear(input, weight.t() if is_conv1d(module) else weight, bias)
 
 
 def wrap_forward(forward: Callable, kind: str = "fp8-tensorwise") -> Callable:

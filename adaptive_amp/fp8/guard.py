@@ -72,13 +72,14 @@ def cast_statistics(x: torch.Tensor, *, scale: Optional[torch.Tensor] = None, ro
 def fp8_layer_row(name: str, module: nn.Module, input: torch.Tensor, kind: str = "fp8-tensorwise", *,
                   error: bool = True) -> dict:
     """The guard's row for one fp8 layer at a statistics step: :func:`cast_statistics` of its input (per row for
-    the rowwise kind) and, with `error`, its fp8 output's relative error against a float32 recompute."""
+    the rowwise kind) and, with `error`, its fp8 output's relative error against a float32 recompute (of float32
+    copies of its weights whatever their dtype: bf16 under bf16-weights and bf16-pure)."""
     check_kind(kind)
     row = dict(cast_statistics(input, rowwise=kind == "fp8-rowwise"), name=name)
     if error:
         with torch.no_grad(), torch.autocast(input.device.type, enabled=False):
             got = fp8_forward(module, input.float(), kind).float()
-            ref = plain_forward(module, input.float()).float()
+            ref = plain_forward(module, input, dtype=torch.float32)
             den = float(ref.norm())
             row["error"] = float((got - ref).norm()) / den if den > 0 else math.nan
     return row

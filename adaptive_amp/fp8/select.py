@@ -25,7 +25,7 @@ from torch import nn
 
 from ..layers import unwrap_model
 from .config import KINDS, check_kind
-from .eligibility import eligible_layers, matmul_sizes
+from .eligibility import _conv1d_class, eligible_layers, is_conv1d, matmul_sizes
 from .measure import LayerError, capture_inputs, layer_error, layer_gain
 
 #: Default smallest speed-up (bf16 time / fp8 time) worth a layer's fp8 rounding: below it, timing noise and
@@ -63,7 +63,8 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
                       kinds: Sequence[str] = KINDS, min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR,
                       dtype: torch.dtype = torch.bfloat16, warmup: int = 5, iters: int = 20,
                       compiled: bool = False, max_tokens: Optional[int] = 8192,
-                      gain_fn: Optional[GainFn] = None) -> Dict[str, LayerChoice]:
+                      gain_fn: Optional[GainFn] = None,
+                      weight_dtype: Optional[torch.dtype] = None) -> Dict[str, LayerChoice]:
     """name -> :class:`LayerChoice` for every nn.Linear and Conv1D of `model` (module order).
 
     batches: a few sample batches; each layer's inputs are captured from ``run(model, batch)`` (see
@@ -77,6 +78,9 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
         captures of every layer are held at once.
     gain_fn: ``(layer, input_shape, kind) -> speed-up``, in place of timing on the GPU (a gain measured
         elsewhere, a table); with it the layers are judged wherever they are.
+    weight_dtype: the dtype the layers' weights will train in, when not the one they have now (bfloat16 for
+        bf16-weights and bf16-pure): each gain is then timed on a copy of the layer with its parameters in it
+        (the bf16 baseline then casts no weight, and fp8 casts from bf16, as in that training run).
 
     Nothing on the model changes. When fp8 cannot run here (torchao missing, no GPU with fp8 matmuls) and no
     `gain_fn` is given, every layer is skipped with that reason."""
@@ -92,13 +96,14 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
     timed: Dict[tuple, float] = {}
 
     def gain_of(module, shape, kind) -> float:
-        key = (type(module), matmul_sizes(module), module.bias is not None, tuple(shape), module.weight.dtype,
-               str(module.weight.device), kind)
+        key = (type(module), matmul_sizes(module), module.bias is not None, tuple(shape),
+               weight_dtype or module.weight.dtype, str(module.weight.device), kind)
         if key not in timed:
+            layer = module if weight_dtype in (None, module.weight.dtype) else _retyped(module, weight_dtype)
             if gain_fn is not None:
-                timed[key] = float(gain_fn(module, shape, kind))
+                timed[key] = float(gain_fn(layer, shape, kind))
             else:
-                timed[key] = layer_gain(module, shape, kind, dtype=dtype, warmup=warmup, iters=iters,
+                timed[key] = layer_gain(layer, shape, kind, dtype=dtype, warmup=warmup, iters=iters,
                                         compiled=compiled).gain
         return timed[key]
 
@@ -134,3 +139,19 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
                       f"(which gains {gains[least]:.2f}x)")
         choices[name] = LayerChoice(name, None, reason, gains, errors)
     return choices
+
+
+def _retyped(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of an nn.Linear or Conv1D with its parameters in `dtype`, without the original's hooks or class
+    (what is timed is its matmul alone): the layer as a run whose weights are in `dtype` computes it."""
+    n_in, n_out = matmul_sizes(module)
+    weight = module.weight
+    with torch.device("meta"):  # (no initialization: the values are copied)
+        layer = (_conv1d_class()(n_out, n_in) if is_conv1d(module) else
+                 nn.Linear(n_in, n_out, bias=module.bias is not None))
+    layer = layer.to_empty(device=weight.device).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if module.bias is not None:
+            layer.bias.copy_(module.bias)
+    return layer.requires_grad_(weight.requires_grad)

@@ -1,9 +1,14 @@
-"""fp8 layers in a training run: the measured policy, and the guard fed at statistics steps.
+"""fp8 layers in a training run: the measured map, the measured policies, and the guard fed at statistics steps.
 
-:func:`measured_policy` puts in a policy's per-layer map (``policy.layers``)
-the layers :func:`~adaptive_amp.fp8.select.select_fp8_layers` measured to gain
-and tolerate fp8, each layer's decision (chosen or left as it was) in the
-policy's reasons: what ``AdaptiveMixedPrecision(policy="bf16+fp8")`` runs.
+:func:`measure_fp8_map` turns :func:`~adaptive_amp.fp8.select.select_fp8_layers`'
+decisions into an :class:`Fp8Map`: the entries of a policy's per-layer map
+(``policy.layers``) for the layers measured to gain and tolerate fp8, each
+layer's decision (chosen or left as it was) as a reason, and why no layer
+when none. :func:`measured_policy` adds it to a base policy: what
+``AdaptiveMixedPrecision(policy="<base>+fp8")`` runs (:data:`MEASURED_PRESETS`:
+fp8 over bf16 autocast, over bf16 weights, over bf16-pure).
+:func:`tuning_fp8_map` measures the map a tuning's ``+fp8`` candidates share,
+once, on the tuning's batches and loss function.
 
 :class:`Fp8Watch` is the controller's eye on its fp8 layers: armed at a
 statistics step, a forward pre-hook on each keeps (a view of at most
@@ -21,35 +26,113 @@ from __future__ import annotations
 
 import fnmatch
 import weakref
-from typing import Any, Dict, Iterable, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..detectors import Event
 from ..layer_precision import OwnedHandles
+from ..layers import unwrap_model
+from ..names import FP8_BASES
 from .guard import Fp8Guard, fp8_layer_row
 from .select import select_fp8_layers
 
-#: The policy name of AdaptiveMixedPrecision that measures which layers go to fp8 (bf16 autocast elsewhere).
-MEASURED_PRESET = "bf16+fp8"
+#: The policy names of AdaptiveMixedPrecision that measure which layers go to fp8: the base recipe's policy
+#: (adaptive_amp.names.FP8_BASES) plus the measured layers; adaptive_amp.names.fp8_preset reads them.
+MEASURED_PRESETS = tuple(f"{base}+fp8" for base in FP8_BASES)
+#: The first of them: bf16 autocast, and fp8 in each layer measured to gain and tolerate it.
+MEASURED_PRESET = MEASURED_PRESETS[0]
 
 
-def measured_policy(model: nn.Module, base, batches: Iterable[Any], **options):
-    """`base` (a PrecisionPolicy) with every layer :func:`select_fp8_layers` chooses (``**options``: its
-    keyword arguments) in its fp8 kind; each layer's decision, taken or not, is a reason."""
+@dataclass(frozen=True)
+class Fp8Map:
+    """What a measurement puts in fp8: ``layers``, entries of a policy's per-layer map (name, fp8 kind);
+    ``reasons``, one per measured layer (chosen or not, and why); ``why_none``, when no layer was chosen, why
+    (the one reason every layer shares, such as no GPU with fp8 matmuls, or a summary)."""
+
+    layers: Tuple[Tuple[str, str], ...] = ()
+    reasons: Tuple[str, ...] = ()
+    why_none: Optional[str] = None
+
+
+def measure_fp8_map(model: nn.Module, batches: Iterable[Any], **options) -> Fp8Map:
+    """The :class:`Fp8Map` of :func:`select_fp8_layers` on `model` and `batches` (``**options``: its keyword
+    arguments). Nothing on the model changes."""
     choices = select_fp8_layers(model, batches, **options)
-    layers, reasons = [], []
+    layers, reasons, why_not = [], [], []
     for choice in choices.values():
         if choice.kind is not None:
             layers.append((choice.name, choice.kind))
             reasons.append(f"layer {choice.name}: {choice.kind}, {choice.reason}")
         else:
             why = choice.reason[len("skipped: "):] if choice.reason.startswith("skipped: ") else choice.reason
+            why_not.append(why)
             reasons.append(f"layer {choice.name}: stays as it was, not fp8 ({why})")
     if not choices:
         reasons.append("fp8: the model has no nn.Linear or Conv1D layer")
-    return base.replace(layers=tuple(base.layers) + tuple(layers), reasons=tuple(base.reasons) + tuple(reasons))
+        return Fp8Map((), tuple(reasons), "the model has no nn.Linear or Conv1D layer")
+    why_none = None
+    if not layers:
+        shared = set(why_not)
+        why_none = (why_not[0] if len(shared) == 1 else
+                    f"no layer gains and tolerates fp8 ({len(why_not)} measured: " + "; ".join(reasons[:3])
+                    + ("; ..." if len(reasons) > 3 else "") + ")")
+    return Fp8Map(tuple(layers), tuple(reasons), why_none)
+
+
+def measured_policy(model: nn.Module, base, batches: Iterable[Any], **options):
+    """`base` (a PrecisionPolicy) with every layer :func:`select_fp8_layers` chooses (``**options``: its
+    keyword arguments) in its fp8 kind; each layer's decision, taken or not, is a reason."""
+    measured = measure_fp8_map(model, batches, **options)
+    return base.replace(layers=tuple(base.layers) + measured.layers,
+                        reasons=tuple(base.reasons) + measured.reasons)
+
+
+#: select_fp8_layers' options a tuning takes (its `fp8=`): its batches and run are the tuning's.
+_TUNING_OPTIONS = ("kinds", "min_gain", "max_error", "dtype", "warmup", "iters", "compiled", "max_tokens",
+                   "gain_fn", "weight_dtype")
+
+
+def check_tuning_options(fp8) -> dict:
+    """A tuning's `fp8` argument checked (before anything changes): None or a dict of select_fp8_layers'
+    options but ``run`` and ``batches``."""
+    if fp8 is None:
+        return {}
+    if not isinstance(fp8, dict):
+        raise TypeError(f"fp8 is a {type(fp8).__name__}; pass a dict of select_fp8_layers' options "
+                        f"({', '.join(_TUNING_OPTIONS)}) or None")
+    unknown = sorted(set(fp8) - set(_TUNING_OPTIONS))
+    if unknown:
+        raise ValueError(f"fp8: unknown key(s) {', '.join(map(repr, unknown))}; a tuning measures on its own batches "
+                         f"and loss_fn, and takes {', '.join(_TUNING_OPTIONS)}")
+    return dict(fp8)
+
+
+def tuning_fp8_map(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[[nn.Module, Any], Any],
+                   **options) -> Fp8Map:
+    """The fp8 map every ``+fp8`` candidate of a tuning shares, measured once: each layer's inputs captured from
+    ``loss_fn(model, batch)`` on the tuning's `batches`, run on the eager model (a compiled model's own module)
+    in eval mode, so that nothing trains and no dropout draws from the RNG; a compiled model's layers timed
+    compiled (``compiled=``, unless given), from the weights as they are (one map for every base: bf16
+    weights would time the bf16 baseline without its weight cast; ``weight_dtype=`` to time as if they were
+    in it). The RNG states and every module's training flag are left as they
+    were (the tuning restores nothing it did not snapshot). ``**options``: :func:`check_tuning_options`."""
+    from ..tune import _rng_states, _set_rng_states  # (the tuning's own: what its snapshot restores)
+
+    options = check_tuning_options(options)
+    root = unwrap_model(model)
+    options.setdefault("compiled", root is not model)
+    modes = [(m, m.training) for m in root.modules()]
+    rng = _rng_states()
+    try:
+        root.eval()
+        return measure_fp8_map(root, list(batches), run=loss_fn, **options)
+    finally:
+        for m, training in modes:
+            m.training = training
+        _set_rng_states(rng)
 
 
 def _kind_in(layers, name: str) -> Optional[str]:
