@@ -17,7 +17,7 @@ from adaptive_amp.policy import AdaptivePrecisionSelector  # noqa: E402
 from adaptive_amp.recipes import find_blocks  # noqa: E402
 from adaptive_amp.tune import Tuner, _call_block, compiled_blocks  # noqa: E402
 
-from conftest import assert_bitwise_equal  # noqa: E402
+from conftest import assert_bitwise_equal, requires_cuda  # noqa: E402
 
 CPU = Capabilities(device_type="cpu", name="test cpu", bf16=True)
 tune = AdaptivePrecisionSelector().tune
@@ -210,3 +210,28 @@ def test_the_finalists_compile_with_the_users_backend():
     assert tuner.compiled and tuner.module is zm.model and tuner.backend.compiler_fn is backend
     assert Tuner(zm.model, opt, batches, zm.loss, CPU,
                  AdaptivePrecisionSelector().candidates(CPU, None, ["fp32"])[0]).module is zm.model
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_compiled_tuning_on_a_gpu_with_inductor_leaves_the_model_as_it_was():
+    # What the H200 runs at scale, on a tiny Llama: inductor's block graphs, CUDA-event timing, the eager peak as
+    # the memory, and the user's compiled model as it was afterwards.
+    from adaptive_amp.hardware import HardwareDetector
+
+    torch._dynamo.reset()
+    zm = zoo.build("llama", "tiny", seed=0, device="cuda")
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=3e-3)
+    batches = [zm.make_batch(4, seed=i, device="cuda") for i in range(3)]
+    compiled = torch.compile(zm.model)
+    before = _state(zm, opt)
+    result = tune(compiled, opt, batches, zm.loss, capabilities=HardwareDetector().detect(torch.device("cuda")),
+                  candidates=FOUR, steps=3, rounds=1, timed_steps=2)
+    assert result.compiled and all(t.error is None for t in result.trials)
+    assert all(t.peak_bytes and t.eager_step_times_ms for t in result.trials)
+    assert result.chosen.step_times_ms and result.timing.startswith("eager screen")
+    after = _state(zm, opt)
+    for k in before:
+        assert_bitwise_equal(before[k], after[k], k)
+    assert all(m._compiled_call_impl is None for m in zm.model.modules()) and _cache_entries() == 0
+    torch.testing.assert_close(zm.loss(compiled, batches[0]), zm.loss(zm.model, batches[0]))
