@@ -54,7 +54,7 @@ that keeps the loss and fits the memory budget.
    (with state_margin=0 the fastest wins, whatever it keeps in bf16). So once
    the reference keeps fp32 moments (it fits and agrees with itself), a
    candidate with bf16 moments cannot be chosen and is not tried: its probe
-   and trajectory (and, compiled, its compile) would be spent for nothing. It
+   and trajectory would be spent for nothing. It
    is listed as skipped, with why. When a
    candidate does not fit
    the budget (or runs out of memory) and the model has repeated blocks, the
@@ -1341,7 +1341,8 @@ def _bf16_extent(recipe) -> int:
 
 
 def _raise_recompile_limit(n: int):
-    """Every candidate compiles its own graph: let dynamo keep them all (else it falls back to eager)."""
+    """Every candidate (compiled, every finalist) compiles its own graph: let dynamo keep them all (else it falls
+    back to eager)."""
     cfg = getattr(torch, "_dynamo", None) and torch._dynamo.config
     if cfg is None:
         return None
