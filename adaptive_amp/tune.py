@@ -54,13 +54,59 @@ that keeps the loss and fits the memory budget.
    (with state_margin=0 the fastest wins, whatever it keeps in bf16). So once
    the reference keeps fp32 moments (it fits and agrees with itself), a
    candidate with bf16 moments cannot be chosen and is not tried: its probe
-   and trajectory (and, compiled, its compile) would be spent for nothing. It
+   and trajectory would be spent for nothing. It
    is listed as skipped, with why. When a
    candidate does not fit
    the budget (or runs out of memory) and the model has repeated blocks, the
    same candidate with activation checkpointing is tried next. A trial that
    already takes more memory than the budget after a step stops there (its
    peak only grows over the steps): it has no loss comparison.
+
+Compiled models (a ``torch.compile`` wrapper). Running every trial on the
+compiled model, as eager ones run, compiled the whole model once per candidate
+(each changes dtypes or autocast, so dynamo retraces): on an H200, 27 s per
+candidate for Llama 1.1B and 33 s for GPT-2 medium, a quarter to a third of a
+10,000-step run. So tuning a compiled model screens eagerly and compiles only
+what can win:
+
+* The screen: the probes and trajectories (steps 2-3) run on the module the
+  user compiled (``unwrap_model``), eagerly: the losses and the gradient
+  cosine, which compiling does not change beyond rounding, are judged there,
+  and nothing is compiled per candidate. The memory checked against the budget
+  is the eager one: on CUDA the eager peak, which saves more activations than
+  the compiled graph does, so the check is conservative (a candidate that
+  would fit only compiled is passed over, or tried with checkpointing); on the
+  CPU the state alone, as before. No eager timing rounds follow: eager step
+  times only pick what to compile.
+* The finalists: eager and compiled step times rank recipes differently,
+  because inductor fuses the casts and elementwise kernels that make autocast
+  slow eagerly (H200, 8 x 512 tokens: GPT-2 small's bf16-pure took 0.79x bf16
+  autocast's step eagerly and 1.22x compiled; GPT-2 medium's 0.74x and 0.97x).
+  Keeping more in bf16 gains less compiled. So for each bf16 extent (step 5:
+  autocast, bf16 weights, bf16 throughout) the eligible candidate with the
+  fastest eager steps is a finalist if it is the lowest extent's (torch's
+  recipe, the one that must never be lost to) or if its eager steps beat every
+  lower finalist's by more than half of ``state_margin`` (it must beat them by
+  all of it, compiled, to be chosen). With ``state_margin`` > 0 there are at
+  most two finalists, the lowest extent's and the next that qualifies: a third
+  would have to beat the second by ``state_margin`` compiled, and compiled the
+  second gains most of what bf16 saves (H200, GPT-2 medium, 8 x 1024 tokens:
+  bf16-weights trained at 1.12x bf16 autocast's tokens/s; bf16-pure's trial was
+  1.07x). Each compile costs seconds, which the budget of a few percent of a
+  run cannot spend on a candidate that is not expected to win. A lone finalist
+  is chosen without compiling anything.
+* Compiled timing: each finalist is applied to the eager module with its
+  repeated blocks (:func:`~adaptive_amp.recipes.find_blocks`) compiled by the
+  user's backend (:func:`compiled_blocks`): one graph that all blocks share,
+  compiled once per finalist (a block's compile, not the model's), then one
+  warm-up step and ``rounds * timed_steps`` timed steps. The rest of the model
+  (embeddings, head, loss) runs eagerly in all finalists alike. The choice
+  (step 5) uses these times; ``Trial.eager_step_times_ms`` keeps the screen's.
+  Afterwards the blocks are as they were (``_compiled_call_impl`` back, the
+  graphs dropped), and the user's compiled model compiles the chosen recipe
+  at its first step, as it would have without tuning: that compile is counted
+  once, in training, not per candidate. ``TuneResult.timing`` says how the
+  times were taken and ``phase_seconds["compiling"]`` what compiling cost.
 
 Every trial, its numbers and why it was or was not chosen go into the
 returned policy's ``reasons`` and into :class:`TuneResult` (``table()``,
@@ -69,6 +115,7 @@ returned policy's ``reasons`` and into :class:`TuneResult` (``table()``,
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import numbers
@@ -530,14 +577,17 @@ class Trial:
     fits: Optional[bool] = None
     agrees: Optional[bool] = None
     verdict: str = ""
+    # Compiled models: the eager screen's step times (step_times_ms then holds the compiled ones, finalists only)
+    eager_step_times_ms: List[float] = field(default_factory=list)
 
     @property
     def step_time_ms(self) -> Optional[float]:
-        if not self.step_times_ms:
-            return None
-        s = sorted(self.step_times_ms)
-        mid = len(s) // 2
-        return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+        return _median(self.step_times_ms)
+
+    @property
+    def eager_step_time_ms(self) -> Optional[float]:
+        """Compiled models: the median of the eager screen's steps."""
+        return _median(self.eager_step_times_ms)
 
     @property
     def memory_bytes(self) -> Optional[int]:
@@ -565,7 +615,16 @@ class Trial:
                 "losses": list(self.losses), "grad_cosine": self.grad_cosine,
                 "loss_diff_mean": None if c is None else c.mean, "loss_diff_ci": None if c is None else [c.ci_low, c.ci_high],
                 "loss_diff_p": None if c is None else c.p_value, "loss_diffs": None if c is None else list(c.differences),
-                "error": self.error, "fits": self.fits, "agrees": self.agrees, "verdict": self.verdict}
+                "error": self.error, "fits": self.fits, "agrees": self.agrees, "verdict": self.verdict,
+                "eager_step_time_ms": self.eager_step_time_ms, "eager_step_times_ms": list(self.eager_step_times_ms)}
+
+
+def _median(values: Sequence[float]) -> Optional[float]:
+    if not values:
+        return None
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 class _SavedBytes:
@@ -718,6 +777,10 @@ class Tuner:
         self.say = progress or (lambda msg: None)
         self.device = next((p.device for p in trained_parameters(model, [optimizer])), torch.device("cpu"))
         self.compiled = unwrap_model(model) is not model
+        # What the trials run (module docstring, "Compiled models"): compiled, the module the user compiled, eager.
+        self.module = unwrap_model(model) if self.compiled else model
+        self.backend = _compile_backend(model) if self.compiled else None
+        self.finalists: List[str] = []  # compiled: the candidates whose blocks were compiled and timed
         self.recipes, self.skipped = list(recipes), list(skipped)
         why = convertible(optimizer)
         if why is not None:
@@ -745,9 +808,9 @@ class Tuner:
         with a.autocast():
             if saved is not None:
                 with saved.hooks():
-                    loss = self.loss_fn(self.model, batch)
+                    loss = self.loss_fn(self.module, batch)
             else:
-                loss = self.loss_fn(self.model, batch)
+                loss = self.loss_fn(self.module, batch)
         a.scaler.scale(loss).backward()
         a.scaler.step(a.optimizer)
         a.scaler.update()
@@ -762,7 +825,7 @@ class Tuner:
             for p in params:
                 p.grad = None
             with a.autocast():
-                loss = self.loss_fn(self.model, self.batches[0])
+                loss = self.loss_fn(self.module, self.batches[0])
             (loss * scale if scale != 1.0 else loss).backward()
             grads = [(p.grad.float() / scale) if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
                      for p in params]
@@ -794,7 +857,7 @@ class Tuner:
         self._restore()
         cuda = self.device.type == "cuda"
         with self._phase("recipes applied and undone"):
-            a = AppliedRecipe(recipe, self.model, self.optimizer)
+            a = AppliedRecipe(recipe, self.module, self.optimizer)
         try:
             with self._phase("probes"):
                 grads = self._probe(a)
@@ -853,7 +916,7 @@ class Tuner:
     def _time_round(self, recipe: Recipe, trial: Trial, offset: int):
         self._restore()
         with self._phase("recipes applied and undone"):
-            a = AppliedRecipe(recipe, self.model, self.optimizer)
+            a = AppliedRecipe(recipe, self.module, self.optimizer)
         timer = _Timer(self.device)
         try:
             with self._phase("timing rounds"):
@@ -866,6 +929,101 @@ class Tuner:
                     a.optimizer.zero_grad(set_to_none=True)
                     timer.stop(start)
                 trial.step_times_ms.extend(timer.times_ms())
+        finally:
+            a.optimizer.zero_grad(set_to_none=True)
+            with self._phase("recipes applied and undone"):
+                a.undo()
+
+    def _finalists(self, trials: List[Trial], recipes: Dict[str, Recipe]) -> List[Trial]:
+        """Compiled: the candidates whose blocks are compiled and timed (module docstring, "Compiled models").
+        For each bf16 extent (:func:`_bf16_extent`) the one of the eager screen's eligible trials with the
+        fastest eager steps (one within `tie` of it but safer wins the tie), kept when it is the lowest extent's or
+        its eager steps beat every lower kept one's by more than half of `state_margin`; with `state_margin` > 0
+        no more than two (the lowest extent's and one above it). The others' verdicts say why they were not
+        compiled."""
+        ok = self._eligible([t for t in trials if _usable(t)], recipes)
+        levels: Dict[int, List[Trial]] = defaultdict(list)
+        for t in ok:
+            levels[_bf16_extent(recipes[t.name])].append(t)
+        kept: List[Trial] = []
+        for level in sorted(levels):
+            pool = levels[level]
+            fastest = min(pool, key=lambda t: t.step_time_ms)
+            pick = min((t for t in pool if t.step_time_ms <= fastest.step_time_ms * (1 + self.tie)),
+                       key=lambda t: t.safety)
+            for t in pool:
+                if t is not pick and not t.verdict:
+                    t.verdict = (f"agrees; not compiled: eager {_num(t.step_time_ms)} ms/step against "
+                                 f"{_num(pick.step_time_ms)} for {pick.name}, which keeps as much in bf16")
+            if len(kept) == 2 and self.state_margin > 0:
+                if not pick.verdict:
+                    pick.verdict = (f"agrees; not compiled: to be chosen it would have to be more than "
+                                    f"state_margin={self.state_margin:.0%} faster compiled than the finalist "
+                                    f"{kept[1].name}, which keeps less in bf16 and gains most of what bf16 "
+                                    "saves compiled")
+                continue
+            behind = [k for k in kept if pick.step_time_ms * (1 + self.state_margin / 2) >= k.step_time_ms]
+            if behind:
+                if not pick.verdict:
+                    pick.verdict = (f"agrees; not compiled: eager {_num(pick.step_time_ms)} ms/step, not more than "
+                                    f"state_margin/2={self.state_margin / 2:.0%} faster than {behind[0].name}'s "
+                                    f"{_num(behind[0].step_time_ms)}, which keeps less in bf16 (compiled, the "
+                                    "gain of keeping more in bf16 shrinks)")
+                continue
+            kept.append(pick)
+        return kept
+
+    def _time_finalists(self, trials: List[Trial], recipes: Dict[str, Recipe]) -> None:
+        """Compiled: the eager screen's step times move to ``eager_step_times_ms``; each finalist's blocks are
+        compiled and its steps timed (:meth:`_time_compiled`); a lone finalist keeps its eager times (nothing to
+        compare)."""
+        finalists = self._finalists(trials, recipes)
+        for t in trials:
+            t.eager_step_times_ms, t.step_times_ms = list(t.step_times_ms), []
+        if len(finalists) == 1:
+            finalists[0].step_times_ms = list(finalists[0].eager_step_times_ms)
+            return
+        if finalists:
+            self.say("tune: compiled timing of " + ", ".join(t.name for t in finalists))
+        offset = self.steps
+        for t in finalists:
+            try:
+                self._time_compiled(recipes[t.name], t, offset)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile is recorded, not fatal
+                if not _is_oom(exc) and not isinstance(exc, (RuntimeError, ValueError, TypeError)):
+                    raise
+                t.step_times_ms = []
+                if _is_oom(exc):
+                    t.error, t.fits = f"out of memory while timed compiled: {_short(exc)}", False
+                else:
+                    t.error = f"could not be timed compiled: {type(exc).__name__}: {_short(exc)}"
+                self._free()
+            else:
+                self.finalists.append(t.name)
+
+    def _time_compiled(self, recipe: Recipe, trial: Trial, offset: int):
+        """The recipe applied to the eager module with its blocks compiled (:func:`compiled_blocks`, the user's
+        backend): one step that compiles ("compiling"), one warm-up step, then ``rounds * timed_steps`` timed
+        steps ("compiled timing"). Undone afterwards."""
+        self._restore()
+        with self._phase("recipes applied and undone"):
+            a = AppliedRecipe(recipe, self.module, self.optimizer)
+        timer = _Timer(self.device)
+        n = len(self.batches)
+        try:
+            with compiled_blocks(self.module, self.backend):
+                with self._phase("compiling"):
+                    self._step(a, self.batches[offset % n])
+                    a.optimizer.zero_grad(set_to_none=True)
+                with self._phase("compiled timing"):
+                    self._step(a, self.batches[(offset + 1) % n])  # warm-up: allocator, caches
+                    a.optimizer.zero_grad(set_to_none=True)
+                    for k in range(self.rounds * self.timed_steps):
+                        start = timer.start()
+                        self._step(a, self.batches[(offset + 2 + k) % n])
+                        a.optimizer.zero_grad(set_to_none=True)
+                        timer.stop(start)
+                    trial.step_times_ms = timer.times_ms()
         finally:
             a.optimizer.zero_grad(set_to_none=True)
             with self._phase("recipes applied and undone"):
@@ -915,7 +1073,9 @@ class Tuner:
         passed_over: List[Recipe] = []  # skipped: they could not be chosen (see _cannot_win)
         try:
             self._run_queue(list(self.recipes), trials, recipes, passed_over)
-            contenders = self._contenders([t for t in trials if t.error is None and t.fits], recipes)
+            # (Compiled, the eager screen's times only pick what to compile: no eager rounds.)
+            contenders = [] if self.compiled else self._contenders([t for t in trials if t.error is None and t.fits],
+                                                                   recipes)
             if self.rounds > 1 and contenders:
                 self.say("tune: timing rounds for " + ", ".join(t.name for t in contenders))
             for r in range(1, self.rounds):
@@ -936,6 +1096,8 @@ class Tuner:
                 self.skipped = [(n, why) for n, why in self.skipped if n not in names]
                 self.say("tune: no candidate with fp32 moments is left; trials of " + ", ".join(sorted(names)))
                 self._run_queue(passed_over, trials, recipes, None)
+            if self.compiled:
+                self._time_finalists(trials, recipes)
         finally:
             self._restore()
             self.snapshot = self._ref_grads = None
@@ -1101,6 +1263,9 @@ class Tuner:
         reasons.append(f"tune: measured {len(trials)} candidate(s) on {where}, {self.steps} steps each on the same "
                        f"batches, {self.rounds} timing round(s) of {self.timed_steps} step(s); reference "
                        f"{reference.name}; {seconds:.1f} s")
+        timing = self._timing()
+        if self.compiled:
+            reasons.append(f"tune: {timing}")
         recipe = recipes[chosen.name]
         reasons.append(f"tune: chose {chosen.name} ({recipe.describe()}): {_num(chosen.step_time_ms)} ms/step, "
                        f"memory {_bytes(chosen.memory_bytes)} ({chosen.memory_source})")
@@ -1111,7 +1276,21 @@ class Tuner:
         policy = recipe.policy.replace(reasons=tuple(reasons))
         return TuneResult(policy=policy, recipe=recipe, trials=trials, skipped=list(self.skipped),
                           reference=reference.name, budget=self.budget, seconds=seconds,
-                          device=str(self.device), compiled=self.compiled, phase_seconds=dict(self.phases))
+                          device=str(self.device), compiled=self.compiled, phase_seconds=dict(self.phases),
+                          timing=timing)
+
+    def _timing(self) -> str:
+        """How the step times were measured, for TuneResult.timing and the reasons."""
+        if not self.compiled:
+            return f"eager: the trajectories and {self.rounds - 1} more timing round(s) of the contenders"
+        backend = self.backend if isinstance(self.backend, str) else getattr(
+            self.backend, "compiler_name", getattr(self.backend, "__name__", type(self.backend).__name__))
+        if not self.finalists:
+            return ("eager screen (probes, trajectories and memory on the module the user compiled), no compiled "
+                    "timing: one candidate could be chosen, timed eagerly")
+        return (f"eager screen (probes, trajectories and memory on the module the user compiled), then "
+                f"{', '.join(self.finalists)} timed with the blocks compiled ({backend}), "
+                f"{self.phases.get('compiling', 0.0):.1f} s compiling")
 
 
     def _no_reference(self, trials: List[Trial]) -> str:
@@ -1168,7 +1347,8 @@ def _bf16_extent(recipe) -> int:
 
 
 def _raise_recompile_limit(n: int):
-    """Every candidate compiles its own graph: let dynamo keep them all (else it falls back to eager)."""
+    """Every candidate (compiled, every finalist) compiles its own graph: let dynamo keep them all (else it falls
+    back to eager)."""
     cfg = getattr(torch, "_dynamo", None) and torch._dynamo.config
     if cfg is None:
         return None
@@ -1176,6 +1356,43 @@ def _raise_recompile_limit(n: int):
     before = getattr(cfg, key)
     setattr(cfg, key, max(before, n))
     return key, before
+
+
+def _compile_backend(model: nn.Module):
+    """The backend `model` (a torch.compile wrapper) was compiled with, so that its blocks compile as it does
+    (inductor with the user's mode and options, or aot_eager, ...); "inductor" where it cannot be read."""
+    backend = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
+    while getattr(backend, "_torchdynamo_orig_backend", None) is not None:
+        backend = backend._torchdynamo_orig_backend
+    return backend if callable(backend) and not isinstance(backend, type) and \
+        type(backend).__name__ not in ("ConvertFrame", "CatchErrorsWrapper") else "inductor"
+
+
+def _call_block(module: nn.Module, *args, **kwargs):
+    """A block's call, compiled by :func:`compiled_blocks`: the module is an argument, so that every block of one
+    class runs the same graph (dynamo's inlined nn modules), and the graphs live on this function's code alone."""
+    return module._call_impl(*args, **kwargs)
+
+
+@contextmanager
+def compiled_blocks(module: nn.Module, backend="inductor"):
+    """`module`'s repeated blocks (:func:`~adaptive_amp.recipes.find_blocks`; the whole module if it has none)
+    run compiled with `backend` inside the block: one graph that every block shares, compiled at the first call.
+    Afterwards each block's ``_compiled_call_impl`` is what it was and the graphs are dropped. Yields the number of
+    modules compiled."""
+    blocks = [b for _, b in find_blocks(module)] or [module]
+    before = [b._compiled_call_impl for b in blocks]
+    compiled = torch.compile(_call_block, backend=backend)
+    try:
+        for b in blocks:
+            b._compiled_call_impl = functools.partial(compiled, b)
+        yield len(blocks)
+    finally:
+        for b, impl in zip(blocks, before):
+            b._compiled_call_impl = impl
+        reset_code = getattr(getattr(torch._dynamo, "eval_frame", None), "reset_code", None)
+        if reset_code is not None:
+            reset_code(_call_block.__code__)
 
 
 def _restore_recompile_limit(saved):
@@ -1227,6 +1444,12 @@ class TuneResult:
     device: str
     compiled: bool
     phase_seconds: Dict[str, float] = field(default_factory=dict)  # where `seconds` went (Tuner._phase)
+    timing: str = ""  # how the step times were measured (compiled: the eager screen, the compiled finalists)
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds of the tuning spent compiling (compiled models' finalists; 0 otherwise)."""
+        return float(self.phase_seconds.get("compiling", 0.0))
 
     @property
     def chosen(self) -> Trial:
@@ -1255,7 +1478,7 @@ class TuneResult:
         return {"chosen": self.recipe.name, "recipe": self.recipe.to_dict(), "describe": self.recipe.describe(),
                 "policy": str(self.policy), "reference": self.reference, "budget_bytes": self.budget,
                 "seconds": self.seconds, "phase_seconds": dict(self.phase_seconds), "device": self.device,
-                "compiled": self.compiled,
+                "compiled": self.compiled, "timing": self.timing, "compile_seconds": self.compile_seconds,
                 "memory_source": chosen.memory_source, "trials": [t.to_dict() for t in self.trials],
                 "skipped": [{"name": n, "why": w} for n, w in self.skipped], "reasons": list(self.policy.reasons)}
 
@@ -1298,6 +1521,10 @@ def tuning_rows(d: dict) -> List[dict]:
     for s in d.get("skipped", []):
         rows.append({"candidate": s["name"], "ms/step": None, "memory MiB": None, "loss diff": None, "95% CI": "-",
                      "p": None, "grad cos": "-", "verdict": "skipped: " + s["why"]})
+    if any(t.get("eager_step_times_ms") for t in d["trials"]):  # compiled: the eager screen's times too
+        eager = {t["name"]: t.get("eager_step_time_ms") for t in d["trials"]}
+        rows = [{**{k: v for k, v in r.items() if k != "verdict"}, "eager ms/step": eager.get(r["candidate"]),
+                 "verdict": r["verdict"]} for r in rows]
     return rows
 
 
@@ -1309,6 +1536,8 @@ def tuning_table(d: dict) -> str:
     phases = d.get("phase_seconds") or {}
     if phases:
         head += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])) + ")"
+    if d.get("compiled") and d.get("timing"):
+        head += "\ntiming: " + d["timing"]
     return (head + "\n" + comparison_table(tuning_rows(d)) +
             f"\nchosen: {d['chosen']} ({d.get('describe') or d.get('policy')})")
 

@@ -77,3 +77,19 @@ def test_bench_tune_through_the_cli_says_what_it_compared(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "the tuning chose" in out and "torch's bf16 autocast" in out
     assert "one seed: no spread" in out
+
+
+def test_bench_tune_compiled_judges_the_cost_and_never_a_loss_targets(tmp_path, capsys):
+    from adaptive_amp.bench import tuning as script
+    assert "gpt2-small" in script.MODELS
+    assert script.main(["--tiny", "--device", "cpu", "--modes", "compiled", "--compile-backend", "aot_eager",
+                        "--train-steps", "4", "--tune-steps", "2", "--timed-steps", "1",
+                        "--compiled-candidates", "fp32,bf16-pure", "--parts", "tuned,torch",
+                        "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
+    t, tuned = run["targets"], run["tuned"]["0"]
+    assert isinstance(t["cost_within_target"], bool) and isinstance(t["never_a_loss"], bool)
+    assert t["tuning_compile_seconds"] == tuned["tuning"]["compile_seconds"] >= 0
+    assert tuned["tuning"]["timing"].startswith("eager screen") and tuned["first_step_seconds"] > 0
+    out = capsys.readouterr().out
+    assert "the 3% target" in out and "0.99x never-a-loss target" in out

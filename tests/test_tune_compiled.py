@@ -1,0 +1,237 @@
+"""Tuning a compiled model (adaptive_amp.tune, "Compiled models"): an eager screen, then only the finalists'
+repeated blocks compiled and timed, and the user's compiled model left as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from functorch.compile import make_boxed_func  # noqa: E402
+from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+
+from adaptive_amp import zoo  # noqa: E402
+from adaptive_amp.hardware import Capabilities  # noqa: E402
+from adaptive_amp.policy import AdaptivePrecisionSelector  # noqa: E402
+from adaptive_amp.recipes import find_blocks  # noqa: E402
+from adaptive_amp.tune import Tuner, _call_block, compiled_blocks  # noqa: E402
+
+from conftest import assert_bitwise_equal, requires_cuda  # noqa: E402
+
+CPU = Capabilities(device_type="cpu", name="test cpu", bf16=True)
+tune = AdaptivePrecisionSelector().tune
+FOUR = ["fp32", "bf16", "bf16-weights", "bf16-pure"]
+
+
+def _counting():
+    """A backend (aot_eager's kernels) that lists every graph it compiles ("fw" or "bw")."""
+    graphs = []
+
+    def compiler(kind):
+        def compile_graph(gm, example_inputs):
+            graphs.append(kind)
+            return make_boxed_func(gm.forward)
+        return compile_graph
+    return aot_autograd(fw_compiler=compiler("fw"), bw_compiler=compiler("bw")), graphs
+
+
+def _setup(family="llama"):
+    torch._dynamo.reset()
+    zm = zoo.build(family, "tiny", seed=0)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=3e-3)
+    batches = [zm.make_batch(4, seed=i) for i in range(3)]
+    return zm, opt, batches
+
+
+def _timed(monkeypatch, zm, eager_ms: dict, compiled_ms: dict):
+    """A loss_fn, and the tuning's step timer replaced by one that reports each recipe's step time from
+    `eager_ms` or `compiled_ms` (as its blocks run): the choice without the timing noise of a shared CPU."""
+    from adaptive_amp import tune as tune_module
+    from adaptive_amp.recipes import matmul_layers
+
+    weight = matmul_layers(zm.model)[-1][1].weight
+    norm = next(p for p in zm.model.parameters() if p.dim() == 1)
+    block = find_blocks(zm.model)[0][1]
+    last = {}
+
+    def loss_fn(model, batch):
+        last["name"] = ("bf16-pure" if norm.dtype == torch.bfloat16 else "bf16-weights"
+                        if weight.dtype == torch.bfloat16 else "bf16" if torch.is_autocast_enabled("cpu") else "fp32")
+        last["compiled"] = block._compiled_call_impl is not None
+        return zm.loss(model, batch)
+
+    class Timer:
+        def __init__(self, device):
+            self.marks = []
+
+        def start(self):
+            return None
+
+        def stop(self, start):
+            self.marks.append((compiled_ms if last["compiled"] else eager_ms)[last["name"]])
+
+        def times_ms(self):
+            return list(self.marks)
+    monkeypatch.setattr(tune_module, "_Timer", Timer)
+    return loss_fn
+
+
+def _cache_entries() -> int:
+    return len(torch._C._dynamo.eval_frame._debug_get_cache_entry_list(_call_block.__code__))
+
+
+def _state(zm, opt):
+    out = {f"param {n}": p.detach().clone() for n, p in zm.model.state_dict(keep_vars=True).items()}
+    out.update({f"state {i} {k}": v.clone() for i, st in enumerate(opt.state.values()) for k, v in st.items()})
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
+def test_compiled_tuning_runs_every_trajectory_eagerly_and_compiles_only_the_finalists(family, monkeypatch):
+    zm, opt, batches = _setup(family)
+    zm.loss(zm.model, batches[0]).backward()  # some optimizer state and gradients to leave as they were
+    opt.step()
+    backend, graphs = _counting()
+    compiled = torch.compile(zm.model, backend=backend)
+    before = _state(zm, opt)
+    # Eagerly bf16-pure is twice as fast as bf16 autocast; compiled, bf16-weights is the fastest.
+    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16": 8, "bf16-weights": 6, "bf16-pure": 4},
+                     {"fp32": 5, "bf16": 3, "bf16-weights": 2.5, "bf16-pure": 2.9})
+    result = tune(compiled, opt, batches, loss_fn, capabilities=CPU, candidates=FOUR, steps=3, rounds=2,
+                  timed_steps=2)
+    by = {t.name: t for t in result.trials}
+    assert list(by) == FOUR and all(t.error is None and len(t.losses) == 3 for t in by.values())
+    # The screen compiled nothing: each finalist (the fastest of the lowest bf16 extent, and of the next that
+    # beats it eagerly) compiled one forward and one backward graph, which all its blocks share.
+    assert graphs == ["fw", "bw"] * 2 and [n for n in FOUR if by[n].step_times_ms] == ["bf16", "bf16-weights"]
+    assert "not compiled" in by["fp32"].verdict and by["fp32"].step_time_ms is None
+    assert by["bf16-pure"].verdict.startswith("agrees; not compiled: to be chosen it would have to be")
+    assert [t.eager_step_times_ms for t in by.values()] == [[10, 10], [8, 8], [6, 6], [4, 4]]
+    assert by["bf16-weights"].step_times_ms == [2.5] * 4  # rounds * timed_steps
+    assert result.recipe.name == "bf16-weights"
+    assert result.compile_seconds > 0 and "compiled timing" in result.phase_seconds
+    assert "then bf16, bf16-weights timed with the blocks compiled" in result.timing
+    assert "eager ms/step" in result.table() and "timing: eager screen" in result.table()
+    assert result.to_dict()["trials"][0]["eager_step_time_ms"] == 10
+    # The user's compiled model as it was: weights and optimizer state bitwise, no block compiled, no graph left.
+    after = _state(zm, opt)
+    assert before.keys() == after.keys()
+    for k in before:
+        assert_bitwise_equal(before[k], after[k], k)
+    assert all(m._compiled_call_impl is None for m in zm.model.modules()) and _cache_entries() == 0
+    assert all(p.dtype == torch.float32 for p in zm.model.parameters())
+    torch.testing.assert_close(zm.loss(compiled, batches[0]), zm.loss(zm.model, batches[0]))
+
+
+def test_with_no_state_margin_every_extent_that_beats_the_lower_ones_is_a_finalist(monkeypatch):
+    zm, opt, batches = _setup()
+    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16": 8, "bf16-weights": 6, "bf16-pure": 4},
+                     {"fp32": 5, "bf16": 3, "bf16-weights": 2.5, "bf16-pure": 2.4})
+    backend, graphs = _counting()
+    result = tune(torch.compile(zm.model, backend=backend), opt, batches, loss_fn, capabilities=CPU,
+                  candidates=FOUR, steps=3, rounds=1, timed_steps=1, state_margin=0)
+    assert graphs == ["fw", "bw"] * 3 and result.recipe.name == "bf16-pure"
+
+
+def test_compiled_times_decide_where_they_reverse_the_eager_ones(monkeypatch):
+    # As GPT-2 small measured on an H200: bf16-pure faster than bf16 autocast eagerly, slower compiled. Torch's
+    # recipe is always a finalist, so the tuning does not lose to it.
+    zm, opt, batches = _setup()
+    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16": 8, "bf16-pure": 5}, {"fp32": 5, "bf16": 3, "bf16-pure": 3.6})
+    result = tune(torch.compile(zm.model, backend="aot_eager"), opt, batches, loss_fn, capabilities=CPU,
+                  candidates=["fp32", "bf16", "bf16-pure"], steps=3, rounds=1, timed_steps=1)
+    assert result.recipe.name == "bf16" and result.trials[2].verdict.startswith("agrees, slower (3.6 ms")
+
+
+def test_compiled_tuning_chooses_what_eager_tuning_chooses_when_the_answer_is_clear(monkeypatch):
+    zm, opt, batches = _setup()
+    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16-pure": 4}, {"fp32": 5, "bf16-pure": 2})
+    eager = tune(zm.model, opt, batches, loss_fn, capabilities=CPU, candidates=["fp32", "bf16-pure"], steps=3,
+                 rounds=1, timed_steps=1)
+    backend, graphs = _counting()
+    result = tune(torch.compile(zm.model, backend=backend), opt, batches, loss_fn, capabilities=CPU,
+                  candidates=["fp32", "bf16-pure"], steps=3, rounds=1, timed_steps=1)
+    assert eager.recipe.name == result.recipe.name == "bf16-pure" and graphs == ["fw", "bw"] * 2
+    assert [t.losses for t in eager.trials] == [t.losses for t in result.trials]  # the same eager trajectories
+    assert not eager.trials[0].eager_step_times_ms and eager.timing.startswith("eager:")
+
+
+def test_a_lone_finalist_is_chosen_without_compiling(monkeypatch):
+    # bf16-pure, slower in the screen, is not a finalist: fp32 is chosen on its eager times, nothing compiled.
+    zm, opt, batches = _setup()
+    loss_fn = _timed(monkeypatch, zm, {"fp32": 4, "bf16-pure": 10}, {})
+    backend, graphs = _counting()
+    result = tune(torch.compile(zm.model, backend=backend), opt, batches, loss_fn, capabilities=CPU,
+                  candidates=["fp32", "bf16-pure"], steps=3, rounds=1, timed_steps=1)
+    assert result.recipe.name == "fp32" and not graphs and result.compile_seconds == 0
+    assert "no compiled timing" in result.timing and "not compiled" in result.trials[1].verdict
+    assert result.trials[0].step_times_ms == result.trials[0].eager_step_times_ms == [4, 4]
+
+
+def test_eager_tuning_compiles_nothing(monkeypatch):
+    from adaptive_amp import tune as tune_module
+
+    zm, opt, batches = _setup()
+    monkeypatch.setattr(tune_module, "compiled_blocks", lambda *a, **k: pytest.fail("eager models compile nothing"))
+    result = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32", "bf16-pure"], steps=3,
+                  rounds=2, timed_steps=1)
+    assert not result.compiled and result.compile_seconds == 0
+    assert all(not t.eager_step_times_ms and t.step_times_ms for t in result.trials)
+
+
+def test_compiled_blocks_share_one_graph_and_are_undone():
+    zm, _, batches = _setup()
+    blocks = [b for _, b in find_blocks(zm.model)]
+    assert len(blocks) >= 2
+    backend, graphs = _counting()
+    expected = zm.loss(zm.model, batches[0])
+    theirs = object()  # a block the user compiled gets its own compiled call back
+    blocks[0]._compiled_call_impl = theirs
+    try:
+        with compiled_blocks(zm.model, backend) as n:
+            assert n == len(blocks) and all(b._compiled_call_impl is not None for b in blocks)
+            zm.loss(zm.model, batches[0]).backward()
+            loss = zm.loss(zm.model, batches[0])
+            assert _cache_entries() == 1
+        assert graphs == ["fw", "bw"]  # one graph for every block
+        torch.testing.assert_close(loss, expected)
+        assert blocks[0]._compiled_call_impl is theirs and all(b._compiled_call_impl is None for b in blocks[1:])
+        assert _cache_entries() == 0
+    finally:
+        blocks[0]._compiled_call_impl = None
+
+
+def test_the_finalists_compile_with_the_users_backend():
+    zm, opt, batches = _setup()
+    backend, _ = _counting()
+    tuner = Tuner(torch.compile(zm.model, backend=backend), opt, batches, zm.loss, CPU,
+                  AdaptivePrecisionSelector().candidates(CPU, None, ["fp32"])[0])
+    assert tuner.compiled and tuner.module is zm.model and tuner.backend.compiler_fn is backend
+    assert Tuner(zm.model, opt, batches, zm.loss, CPU,
+                 AdaptivePrecisionSelector().candidates(CPU, None, ["fp32"])[0]).module is zm.model
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_compiled_tuning_on_a_gpu_with_inductor_leaves_the_model_as_it_was():
+    # What the H200 runs at scale, on a tiny Llama: inductor's block graphs, CUDA-event timing, the eager peak as
+    # the memory, and the user's compiled model as it was afterwards.
+    from adaptive_amp.hardware import HardwareDetector
+
+    torch._dynamo.reset()
+    zm = zoo.build("llama", "tiny", seed=0, device="cuda")
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=3e-3)
+    batches = [zm.make_batch(4, seed=i, device="cuda") for i in range(3)]
+    compiled = torch.compile(zm.model)
+    before = _state(zm, opt)
+    result = tune(compiled, opt, batches, zm.loss, capabilities=HardwareDetector().detect(torch.device("cuda")),
+                  candidates=FOUR, steps=3, rounds=1, timed_steps=2)
+    assert result.compiled and all(t.error is None for t in result.trials)
+    assert all(t.peak_bytes and t.eager_step_times_ms for t in result.trials)
+    assert result.chosen.step_times_ms and result.timing.startswith("eager screen")
+    after = _state(zm, opt)
+    for k in before:
+        assert_bitwise_equal(before[k], after[k], k)
+    assert all(m._compiled_call_impl is None for m in zm.model.modules()) and _cache_entries() == 0
+    torch.testing.assert_close(zm.loss(compiled, batches[0]), zm.loss(zm.model, batches[0]))
