@@ -358,3 +358,44 @@ def test_a_resumed_run_keeps_the_guards_demotions_and_back_off(fp8_here, tmp_pat
     run(resumed, second, range(5, 16))
     got = [(e.kind, e.step, e.data.get("wait")) for e in resumed.events if e.kind.startswith("fp8")]
     assert got == expected
+
+
+def test_blocks_compiled_one_at_a_time_trace_no_graph_per_layer_for_the_guard(fp8_here):
+    """``block.compile()`` on each decoder layer (regional compilation): the fp8 layers' watch adds no graph (one
+    per layer would pass dynamo's recompile limit on a 32-layer model and leave the rest eager), and still reads
+    every fp8 layer at statistics steps."""
+    import transformers
+
+    from adaptive_amp import AdaptiveMixedPrecision
+
+    def graphs_traced(guard):
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                          use_cache=False)
+        model = transformers.LlamaForCausalLM(config)
+        graphs = []
+
+        def counting(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        amp = AdaptiveMixedPrecision(model, opt, policy="params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise",
+                                     stats_every=2, progress=False, fp8=dict(guard=guard), exclude=["*"])
+        for layer in model.model.layers:
+            layer.compile(backend=counting)
+        ids = torch.randint(0, 128, (2, 16))
+        for _ in range(4):  # statistics at steps 0 and 2
+            amp.train_step(lambda: model(input_ids=ids, labels=ids).loss)
+        rows = [] if amp._fp8_watch is None else amp._fp8_watch.rows
+        amp.remove()
+        torch._dynamo.reset()
+        return len(graphs), rows
+
+    unwatched, _ = graphs_traced(False)
+    watched, rows = graphs_traced(None)
+    # (the activation statistics' hooks are left out: exclude=["*"]) one graph and its backward for ordinary
+    # steps, one pair for statistics steps, whatever the number of layers
+    assert watched == unwatched <= 4, (watched, unwatched)
+    assert len(rows) == 18 and len({r["name"] for r in rows}) == 18

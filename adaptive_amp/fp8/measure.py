@@ -68,7 +68,9 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
 
     handles = [m.register_forward_pre_hook(hook_for(n)) for n, m in layers.items()]
     try:
-        with torch.no_grad():
+        # Eager even where the model (or its blocks) is compiled: the hooks are each layer's own, and tracing
+        # them would compile a graph per layer for a measurement that trains nothing.
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             for batch in batches:
                 run(model, batch)
     finally:

@@ -175,7 +175,6 @@ class Fp8Watch:
         self.kinds: Dict[str, str] = {}  # layer -> the fp8 kind it runs in, or returns to once restored
         self.rows: List[dict] = []  # the last statistics step's rows
         self.armed = False
-        self._inputs: Dict[str, torch.Tensor] = {}
         self._hooks = OwnedHandles(self)
         self._modules: Dict[str, "weakref.ref[nn.Module]"] = {}
 
@@ -189,19 +188,27 @@ class Fp8Watch:
         modules = dict(adjuster.model.named_modules())
         for name in [n for n in self._hooks.keys() if n not in current]:
             self._hooks.pop(name).remove()
-            self._modules.pop(name, None)
+            module = self._modules.pop(name, lambda: None)()
+            if module is not None:
+                module.__dict__.pop(_KEPT, None)
+        ref = weakref.ref(self)
         for name in current:
             if name not in self._hooks:
-                self._hooks.add(modules[name].register_forward_pre_hook(_capture(weakref.ref(self), name)), key=name)
+                self._hooks.add(modules[name].register_forward_pre_hook(_capture(ref)), key=name)
                 self._modules[name] = weakref.ref(modules[name])
 
     def observe(self, step: int) -> List[Event]:
         """The guard's events from the inputs captured since the last call (none: no events)."""
-        inputs, self._inputs = self._inputs, {}
+        inputs = {}
+        for name, ref in self._modules.items():
+            module = ref()
+            x = None if module is None else module.__dict__.pop(_KEPT, None)
+            if x is not None:
+                inputs[name] = x
         rows = []
         for name, x in inputs.items():
-            module = self._modules.get(name, lambda: None)()
-            if module is not None and name in self.kinds:
+            module = self._modules[name]()
+            if name in self.kinds:
                 rows.append(fp8_layer_row(name, module, x, self.kinds[name], error=self.error))
         if not rows:
             return []
@@ -215,14 +222,24 @@ class Fp8Watch:
 
     def remove(self) -> None:
         self._hooks.remove()
+        for ref in self._modules.values():
+            module = ref()
+            if module is not None:
+                module.__dict__.pop(_KEPT, None)
         self._modules.clear()
-        self._inputs.clear()
 
 
-def _capture(watch_ref, name: str):
+#: The attribute an fp8 layer keeps its input in from a statistics step's forward until the watch reads it.
+_KEPT = "_fp8_watch_input"
+
+
+def _capture(watch_ref):
+    # Every fp8 layer's hook is the same function over the same watch: nothing in it is the layer's own (its
+    # name is looked up after the step), so that dynamo traces one graph for blocks compiled one at a time
+    # (``block.compile()``), as it does without the watch, instead of one per layer.
     def capture_fp8_input(module, args):
         watch = watch_ref()
         if watch is not None and watch.armed and args and isinstance(args[0], torch.Tensor):
             x = args[0].detach()
-            watch._inputs[name] = x.reshape(-1, x.shape[-1])[:watch.max_rows]
+            setattr(module, _KEPT, x.reshape(-1, x.shape[-1])[:watch.max_rows])  # (a second call: the last)
     return capture_fp8_input
