@@ -62,7 +62,10 @@ that keeps the loss and fits the memory budget.
    already takes more memory than the budget after a step stops there (its
    peak only grows over the steps): it has no loss comparison.
 
-Compiled models (a ``torch.compile`` wrapper). Running every trial on the
+Compiled models (a ``torch.compile`` wrapper, or modules compiled in place with
+``module.compile()``: each repeated block, as large models are often compiled, or
+the whole model; their compiled calls are set aside while tuning and put back
+after). Running every trial on the
 compiled model, as eager ones run, compiled the whole model once per candidate
 (each changes dtypes or autocast, so dynamo retraces): on an H200, 27 s per
 candidate for Llama 1.1B and 33 s for GPT-2 medium, a quarter to a third of a
@@ -776,10 +779,16 @@ class Tuner:
         self.offload = offload_snapshot
         self.say = progress or (lambda msg: None)
         self.device = next((p.device for p in trained_parameters(model, [optimizer])), torch.device("cpu"))
-        self.compiled = unwrap_model(model) is not model
+        wrapped = unwrap_model(model) is not model
         # What the trials run (module docstring, "Compiled models"): compiled, the module the user compiled, eager.
-        self.module = unwrap_model(model) if self.compiled else model
-        self.backend = _compile_backend(model) if self.compiled else None
+        self.module = unwrap_model(model) if wrapped else model
+        # Modules compiled in place (``module.compile()``: each block, as for large models, or the whole model):
+        # their compiled calls are set aside while tuning, so that the screen runs eagerly as for a wrapper.
+        self._in_place = [m for m in self.module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+        self.compiled = wrapped or bool(self._in_place)
+        self.backend = (_compile_backend(getattr(model, "dynamo_ctx", None)) if wrapped else
+                        _compile_backend(_compile_context(self._in_place[0]._compiled_call_impl)) if self._in_place
+                        else None)
         self.finalists: List[str] = []  # compiled: the candidates whose blocks were compiled and timed
         self.recipes, self.skipped = list(recipes), list(skipped)
         why = convertible(optimizer)
@@ -1064,6 +1073,17 @@ class Tuner:
     def run(self) -> "TuneResult":
         started = time.perf_counter()
         dynamo_limit = _raise_recompile_limit(len(self.recipes) * 2 + 8)
+        set_aside = [(m, m._compiled_call_impl) for m in self._in_place]
+        for m, _ in set_aside:
+            m._compiled_call_impl = None
+        try:
+            return self._run(started)
+        finally:
+            for m, impl in set_aside:
+                m._compiled_call_impl = impl
+            _restore_recompile_limit(dynamo_limit)
+
+    def _run(self, started: float) -> "TuneResult":
         with self._phase("snapshot"):
             self.snapshot = Snapshot(self.model, [self.optimizer], offload=self.offload)
         self._allocated = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -1102,7 +1122,6 @@ class Tuner:
             self._restore()
             self.snapshot = self._ref_grads = None
             self._free(collect=False)
-            _restore_recompile_limit(dynamo_limit)
         return self._choose(trials, self._reference, recipes, time.perf_counter() - started)
 
     def _run_queue(self, queue: List[Recipe], trials: List[Trial], recipes: Dict[str, Recipe],
@@ -1358,10 +1377,18 @@ def _raise_recompile_limit(n: int):
     return key, before
 
 
-def _compile_backend(model: nn.Module):
-    """The backend `model` (a torch.compile wrapper) was compiled with, so that its blocks compile as it does
-    (inductor with the user's mode and options, or aot_eager, ...); "inductor" where it cannot be read."""
-    backend = getattr(getattr(model, "dynamo_ctx", None), "callback", None)
+def _compile_context(impl):
+    """The dynamo context (its ``callback`` is the backend) of a function torch.compile returned, such as the
+    ``_compiled_call_impl`` of a module compiled in place; None where it cannot be found."""
+    cells = getattr(impl, "__closure__", None) or ()
+    return next((c.cell_contents for c in cells if hasattr(c.cell_contents, "callback")), None)
+
+
+def _compile_backend(context):
+    """The backend of `context` (a torch.compile wrapper's ``dynamo_ctx``, or :func:`_compile_context`'s), so that
+    the blocks compile as the user's model does (inductor with the user's mode and options, or aot_eager, ...);
+    "inductor" where it cannot be read."""
+    backend = getattr(context, "callback", None)
     while getattr(backend, "_torchdynamo_orig_backend", None) is not None:
         backend = backend._torchdynamo_orig_backend
     return backend if callable(backend) and not isinstance(backend, type) and \

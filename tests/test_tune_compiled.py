@@ -235,3 +235,24 @@ def test_compiled_tuning_on_a_gpu_with_inductor_leaves_the_model_as_it_was():
         assert_bitwise_equal(before[k], after[k], k)
     assert all(m._compiled_call_impl is None for m in zm.model.modules()) and _cache_entries() == 0
     torch.testing.assert_close(zm.loss(compiled, batches[0]), zm.loss(zm.model, batches[0]))
+
+
+def test_blocks_compiled_in_place_are_screened_eagerly_and_put_back(monkeypatch):
+    """``block.compile()`` on each repeated block (how large models are often compiled): the screen compiles
+    nothing, the finalists compile with the blocks' own backend, and each block's compiled call is put back."""
+    zm, opt, batches = _setup()
+    backend, graphs = _counting()
+    blocks = [b for _, b in find_blocks(zm.model)]
+    for b in blocks:
+        b.compile(backend=backend)
+    impls = [b._compiled_call_impl for b in blocks]
+    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16": 8, "bf16-weights": 6, "bf16-pure": 4},
+                     {"fp32": 5, "bf16": 3, "bf16-weights": 2.5, "bf16-pure": 2.9})
+    result = tune(zm.model, opt, batches, loss_fn, capabilities=CPU, candidates=FOUR, steps=3, rounds=2,
+                  timed_steps=2)
+    assert result.compiled and graphs == ["fw", "bw"] * 2  # the two finalists, with the blocks' backend
+    assert result.recipe.name == "bf16-weights" and "timed with the blocks compiled" in result.timing
+    assert [b._compiled_call_impl for b in blocks] == impls and _cache_entries() == 0
+    graphs.clear()
+    zm.loss(zm.model, batches[0]).backward()  # the user's own compiled blocks, as before the tuning
+    assert graphs == ["fw", "bw"]
