@@ -71,7 +71,7 @@ from torch import nn
 from .adjust import DynamicPrecisionAdjuster
 from .analysis import PrecisionAnalyzer
 from .collect import STATS_DTYPES as _STATS_DTYPES, ActivationCollector
-from .layers import Selector, find_layers, unwrap_model
+from .layers import Selector, find_layers, is_compiled, unwrap_model
 from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor, SumsOfSquares, builtin_values
@@ -210,7 +210,8 @@ class AdaptiveMixedPrecision:
             (bf16 weights, an optimizer with stochastic rounding as they need). With policy="tune", the
             selection's options apply to the "+fp8" candidates (unless ``tune`` has its own ``fp8``).
             Keys: ``guard`` (an adaptive_amp.fp8.Fp8Guard; False: none), ``batches``, and
-            select_fp8_layers' options (kinds, min_gain, max_error, gain_fn, run, ...). With `adapt`, the
+            select_fp8_layers' options (kinds, min_gain, max_error, gain_fn, run, ...; ``compiled`` defaults
+            to whether the model runs compiled, as a wrapper or with modules compiled in place). With `adapt`, the
             guard reads every fp8 layer at statistics steps and, between steps, moves a layer that stops
             tolerating fp8 to bf16 (event "fp8_demote") and back after a stable period ("fp8_restore").
     """
@@ -390,6 +391,7 @@ class AdaptiveMixedPrecision:
         if overrides is not None:
             raise ValueError(f"policy={name!r} measures its fp8 layers instead of taking overrides; write the "
                              "policy string instead (e.g. 'params=float32,compute=bfloat16,layers=name:fp8-tensorwise')")
+        options.setdefault("compiled", is_compiled(self.model))  # gains timed as the run will compute
         if "run" not in options:
             def run(model, batch):
                 args, kwargs = split_inputs(batch)

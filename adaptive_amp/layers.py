@@ -44,6 +44,13 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_compiled(model: nn.Module) -> bool:
+    """Whether `model` runs compiled: a ``torch.compile`` wrapper, or a module of it compiled in place
+    (``module.compile()``: each repeated block, or the whole model)."""
+    return unwrap_model(model) is not model or any(
+        getattr(m, "_compiled_call_impl", None) is not None for m in unwrap_model(model).modules())
+
+
 def canonical_name(name: str) -> str:
     """`name` without torch.compile's ``_orig_mod`` components (``_orig_mod.lm_head`` -> ``lm_head``)."""
     parts = name.split(".")

@@ -399,3 +399,37 @@ def test_blocks_compiled_one_at_a_time_trace_no_graph_per_layer_for_the_guard(fp
     # steps, one pair for statistics steps, whatever the number of layers
     assert watched == unwatched <= 4, (watched, unwatched)
     assert len(rows) == 18 and len({r["name"] for r in rows}) == 18
+
+
+def test_a_compiled_model_has_its_fp8_gains_timed_compiled(monkeypatch):
+    """policy="bf16+fp8" on a compiled model (a wrapper, or blocks compiled in place) times each layer as the run
+    computes it: compiled; an eager model eagerly; fp8=dict(compiled=...) decides where given."""
+    _quiet_torchao()
+    from adaptive_amp import AdaptiveMixedPrecision
+    from adaptive_amp.fp8 import eligibility, select
+
+    monkeypatch.setattr(eligibility, "device_unsupported", lambda device=None: None)
+    seen = []
+
+    def layer_gain(module, shape, kind="fp8-tensorwise", *, compiled=False, **kw):
+        seen.append(compiled)
+
+        class G:
+            gain = 1.0
+        return G()
+
+    monkeypatch.setattr(select, "layer_gain", layer_gain)
+    x = torch.randn(8, 32)
+
+    def measured(model, **fp8):
+        seen.clear()
+        opt = torch.optim.SGD(_mlp().parameters(), lr=0.1)
+        AdaptiveMixedPrecision(model, opt, policy="bf16+fp8", sample_inputs=x, progress=False, fp8=fp8).remove()
+        return set(seen)
+
+    assert measured(_mlp()) == {False}
+    assert measured(torch.compile(_mlp(), backend="aot_eager")) == {True}
+    in_place = _mlp()
+    in_place[0].compile(backend="aot_eager")
+    assert measured(in_place) == {True}
+    assert measured(torch.compile(_mlp(), backend="aot_eager"), compiled=False) == {False}

@@ -463,8 +463,9 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=_positive, default=1,
                    help="seeds per recipe (weights and batches); 2 or more give torch's loss spread (default 1)")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--tune-candidates", default="fp32,bf16,bf16-weights,bf16-pure",
-                   help="tune: the candidates (each compiles once in its probe)")
+    p.add_argument("--tune-candidates", default="fp32,bf16,bf16-weights,bf16+fp8,bf16-weights+fp8,bf16-pure+fp8",
+                   help="tune: the candidates (default: fp32 as the reference, torch's bf16 autocast, bf16 weights, "
+                        "and fp8 over each; on a compiled model only the finalists compile)")
     p.add_argument("--tune-steps", type=_positive, default=4, help="tune: trial steps per candidate")
     p.add_argument("--tune-timed-steps", type=_positive, default=2, help="tune: timed steps per candidate")
     p.add_argument("--compile", choices=("blocks", "model", "off"), default=None,

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..detectors import Event
 from ..layer_precision import OwnedHandles
-from ..layers import unwrap_model
+from ..layers import is_compiled, unwrap_model
 from ..names import FP8_BASES
 from .guard import Fp8Guard, fp8_layer_row
 from .select import select_fp8_layers
@@ -123,7 +123,7 @@ def tuning_fp8_map(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[[
 
     options = check_tuning_options(options)
     root = unwrap_model(model)
-    options.setdefault("compiled", root is not model)
+    options.setdefault("compiled", is_compiled(model))
     modes = [(m, m.training) for m in root.modules()]
     rng = _rng_states()
     try:
