@@ -56,6 +56,12 @@ def test_scale_resume_keeps_the_other_recipes_runs_and_batches_per_recipe(tmp_pa
         ("bf16-pure", 3), ("bf16-weights", 2), ("torch-bf16", 2)]
     with pytest.raises(SystemExit):
         main([*common, "--layers", "1", "--recipes", "torch-bf16", "--resume"])
+    # One seed a command: seed 1 joins seed 0's run of the recipe, and the loss spread can be judged.
+    assert main([*common, "--recipes", "torch-bf16", "--batch", "2", "--seed", "1", "--resume"]) == 0
+    report = json.loads(out.read_text())
+    assert sorted((r["recipe"], r["seed"]) for r in report["runs"] if r["recipe"] == "torch-bf16") == [
+        ("torch-bf16", 0), ("torch-bf16", 1)]
+    assert any("torch's seed spread" in line for line in report["verdict"])
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -64,6 +70,7 @@ def test_scale_resume_keeps_the_other_recipes_runs_and_batches_per_recipe(tmp_pa
     (["--batch", "fp8=2"], "'fp8' is no recipe"),
     (["--resume"], "--resume adds to the report in --json PATH"),
     (["--compile", "layers"], "invalid choice"),
+    (["--seed", "-1"], "seeds are 0, 1"),
     (["--layers", "0"], "not a whole number >= 1"),
     (["--heads", "5"], "--hidden must be a multiple of --heads"),
     (["--memory-fraction", "2"], "--memory-fraction"),

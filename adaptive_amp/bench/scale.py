@@ -38,8 +38,9 @@ Compiled (--compile): ``blocks`` (the default on a GPU) compiles each decoder la
 model (``torch.compile(model)``), ``off`` none. Every recipe is compiled the same way.
 
 A full comparison takes longer than one sitting may allow: with --json PATH and --resume, the runs already in
-PATH are kept (those of the recipes named now are replaced) and the verdict is drawn over all of them, so the
-recipes can run one command at a time on the same machine.
+PATH are kept (those of the recipes and seeds run now are replaced), a recipe's batch search is reused, and
+the verdict is drawn over all of them, so that the recipes, and with --seed S their seeds, can run one command
+at a time on the same machine.
 
 The verdict compares ours (the tuned run, else the fastest of our named recipes) with the fastest torch
 recipe and the fastest torchao recipe: tokens/s (targets: >= 1.3x torch's, >= 1.1x torchao's), peak memory at
@@ -462,6 +463,8 @@ def main(argv=None) -> int:
                         "this many seconds and reports the steps it ran (the batch search is not counted)")
     p.add_argument("--seeds", type=_positive, default=1,
                    help="seeds per recipe (weights and batches); 2 or more give torch's loss spread (default 1)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="run this seed only (0, 1, ...): with --resume, one seed a command")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--tune-candidates", default="fp32,bf16,bf16-weights,bf16+fp8,bf16-weights+fp8,bf16-pure+fp8",
                    help="tune: the candidates (default: fp32 as the reference, torch's bf16 autocast, bf16 weights, "
@@ -501,6 +504,9 @@ def main(argv=None) -> int:
     args.compile = args.compile or ("blocks" if device.type == "cuda" else "off")
     if args.resume and not args.json:
         p.error("--resume adds to the report in --json PATH: give --json")
+    if args.seed is not None and args.seed < 0:
+        p.error(f"--seed {args.seed}: seeds are 0, 1, ...")
+    seeds = list(range(args.seeds)) if args.seed is None else [args.seed]
     args.tune_candidates = [c.strip() for c in args.tune_candidates.split(",") if c.strip()]
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 work outside autocast, as torch users run it
@@ -519,10 +525,12 @@ def main(argv=None) -> int:
         if before.get("shape") != shape:
             p.error(f"--resume: {args.json} holds a model of shape {before.get('shape')}, not {shape}; "
                     "name another --json")
-        again = set(args.recipes)
-        report["runs"] = [r for r in before.get("runs", []) if r.get("recipe") not in again]
-        for key in ("search", "skipped"):
-            report[key] = {k: v for k, v in before.get(key, {}).items() if k not in again}
+        again = {(recipe, seed) for recipe in args.recipes for seed in seeds}
+        report["runs"] = [r for r in before.get("runs", []) if (r.get("recipe"), r.get("seed")) not in again]
+        report["skipped"] = {k: v for k, v in before.get("skipped", {}).items() if k not in args.recipes}
+        # A recipe's batch search is kept (and its batch reused) unless --batch names its batch now.
+        report["search"] = {k: v for k, v in before.get("search", {}).items()
+                            if args.batch is None or (k not in args.batch and "*" not in args.batch)}
         # Where and when the kept runs ran, should it differ from this command's.
         report["earlier"] = before.get("earlier", []) + [
             {k: before.get(k) for k in ("date", "device", "torch", "transformers", "torchao")}]
@@ -542,6 +550,10 @@ def main(argv=None) -> int:
         batch = None if args.batch is None else args.batch.get(recipe, args.batch.get("*"))
         if batch is None and device.type != "cuda":
             batch = 2  # no device memory to search on the CPU
+        earlier = report["search"].get(recipe, {})
+        if batch is None and earlier.get("batch"):
+            batch, args.checkpointing_now = earlier["batch"], bool(earlier.get("checkpointing"))
+            print(f"-- {recipe}: batch {batch}, from the batch search already in {args.json}", flush=True)
         if batch is None:
             print(f"-- {recipe}: searching the largest batch that fits", flush=True)
             found = search_batch(recipe, shape, device, args)
@@ -558,11 +570,13 @@ def main(argv=None) -> int:
                 print(f"-- {recipe}: {report['skipped'][recipe]}", flush=True)
                 save()
                 continue
-        choice = None
-        for seed in range(args.seeds):
+        # The tuned run of another seed trains seed 0's choice (from this command or the report resumed).
+        choice = next((r.get("chosen") for r in report["runs"] if r["recipe"] == recipe and r.get("seed") == 0
+                       and r.get("chosen")), None)
+        for seed in seeds:
             print(f"-- {recipe}: seed {seed}, batch {batch}, {args.steps} steps"
-                  + (f", tuning only seed 0's choice {choice}" if choice else ""), flush=True)
-            r = run(recipe, shape, batch, seed, device, args, choice)
+                  + (f", tuning only seed 0's choice {choice}" if choice and seed else ""), flush=True)
+            r = run(recipe, shape, batch, seed, device, args, choice if seed else None)
             choice = choice or r.get("chosen")
             report["runs"].append(r)
             save()
