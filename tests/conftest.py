@@ -204,3 +204,20 @@ def one_intra_op_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def quiet_torchao():
+    """Skip without torchao; keep its import-time warnings (no GPU kernels on this machine) out of the output."""
+    import logging
+
+    pytest.importorskip("torchao")
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+
+
+@pytest.fixture
+def fp8_here(monkeypatch):
+    """fp8 allowed on the CPU, as on a GPU with fp8 matmuls (torch._scaled_mm runs on the CPU)."""
+    quiet_torchao()
+    from adaptive_amp.fp8 import eligibility
+
+    monkeypatch.setattr(eligibility, "device_unsupported", lambda device=None: None)

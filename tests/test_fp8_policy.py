@@ -6,7 +6,6 @@ On the CPU torch._scaled_mm runs, so fp8 is exercised for real with the device c
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from torch import nn
 from adaptive_amp.layer_precision import base_class
 from adaptive_amp.policy import LAYER_KINDS, PrecisionPolicy
 
-from conftest import requires_cuda
+from conftest import quiet_torchao, requires_cuda
 
 FC = "transformer.h.0.mlp.c_fc"
 LAYER = "model.layers.0.mlp.down_proj"
@@ -88,20 +87,6 @@ def test_a_map_or_fp8_option_of_the_wrong_type_is_refused_by_name():
 # ---------------------------------------------------------------------------- fp8 through the controller
 
 
-def _quiet_torchao():
-    pytest.importorskip("torchao")
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-
-
-@pytest.fixture
-def fp8_here(monkeypatch):
-    """fp8 allowed on the CPU, as on a GPU with fp8 matmuls (torch._scaled_mm runs on the CPU)."""
-    _quiet_torchao()
-    from adaptive_amp.fp8 import eligibility
-
-    monkeypatch.setattr(eligibility, "device_unsupported", lambda device=None: None)
-
-
 def _kinds(model):
     return {n: getattr(type(m), "_kinds_applied", ()) for n, m in model.named_modules()
             if getattr(type(m), "_kinds_applied", ())}
@@ -113,7 +98,7 @@ def _mlp():
 
 
 def test_fp8_where_it_cannot_run_is_refused_at_construction_with_nothing_converted(monkeypatch):
-    _quiet_torchao()
+    quiet_torchao()
     from adaptive_amp import AdaptiveMixedPrecision
     from adaptive_amp.fp8 import eligibility
 
@@ -167,7 +152,7 @@ def test_the_controller_runs_fp8_layers_of_the_map_eager_and_compiled(fp8_here, 
 
 
 def test_bf16_plus_fp8_measures_each_layer_and_gives_every_decision_a_reason(monkeypatch):
-    _quiet_torchao()
+    quiet_torchao()
     from adaptive_amp import AdaptiveMixedPrecision
     from adaptive_amp.fp8 import eligibility
 
@@ -275,7 +260,7 @@ def test_an_ordinary_run_raises_no_event_and_a_demoted_layer_returns_with_back_o
 def test_fp8_layers_of_a_zoo_llama_train_on_the_gpu(compiled):
     """On a GPU with fp8 matmuls: the MLPs of a tiny Llama in fp8 through the controller, eager and compiled,
     train as bf16 does; where the GPU has none, construction refuses with the reason."""
-    _quiet_torchao()
+    quiet_torchao()
     from adaptive_amp import AdaptiveMixedPrecision, fp8, zoo
 
     zm = zoo.build("llama", "tiny", seed=0, device="cuda")
@@ -404,7 +389,7 @@ def test_blocks_compiled_one_at_a_time_trace_no_graph_per_layer_for_the_guard(fp
 def test_a_compiled_model_has_its_fp8_gains_timed_compiled(monkeypatch):
     """policy="bf16+fp8" on a compiled model (a wrapper, or blocks compiled in place) times each layer as the run
     computes it: compiled; an eager model eagerly; fp8=dict(compiled=...) decides where given."""
-    _quiet_torchao()
+    quiet_torchao()
     from adaptive_amp import AdaptiveMixedPrecision
     from adaptive_amp.fp8 import eligibility, select
 

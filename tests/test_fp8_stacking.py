@@ -7,7 +7,6 @@ and the gain measurement replaced by a table (select_fp8_layers' gain_fn)."""
 
 from __future__ import annotations
 
-import logging
 import math
 
 import pytest
@@ -18,21 +17,7 @@ import adaptive_amp
 from adaptive_amp import AdaptiveMixedPrecision, zoo
 from adaptive_amp.policy import PrecisionPolicy
 
-from conftest import requires_cuda
-
-
-def _quiet_torchao():
-    pytest.importorskip("torchao")
-    logging.getLogger("torchao").setLevel(logging.ERROR)
-
-
-@pytest.fixture
-def fp8_here(monkeypatch):
-    """fp8 allowed on the CPU, as on a GPU with fp8 matmuls (torch._scaled_mm runs on the CPU)."""
-    _quiet_torchao()
-    from adaptive_amp.fp8 import eligibility
-
-    monkeypatch.setattr(eligibility, "device_unsupported", lambda device=None: None)
+from conftest import quiet_torchao, requires_cuda
 
 
 def _sr_adamw(model, moments=torch.float32):
@@ -226,7 +211,7 @@ def test_tuning_measures_the_fp8_map_once_and_every_fp8_candidate_trains_it(fp8_
 
 
 def test_without_fp8_here_each_fp8_candidate_is_skipped_with_why_before_any_trial(monkeypatch):
-    _quiet_torchao()
+    quiet_torchao()
     from adaptive_amp.policy import AdaptivePrecisionSelector, candidate_recipes
 
     calls = _counting(monkeypatch)
@@ -379,7 +364,7 @@ def test_fp8_presets_train_on_the_gpu(base, compiled):
     """On a GPU with fp8 matmuls: a tiny Llama's layers in fp8 (a gain table: they are too small to gain) over
     bf16 weights, eager and compiled with inductor, train and raise no guard event; without a measurement
     table, where the GPU has no fp8 matmuls, every layer stays as it was, with the reason."""
-    _quiet_torchao()
+    quiet_torchao()
     from adaptive_amp import fp8
 
     zm = zoo.build("llama", "tiny", seed=0, device="cuda")
