@@ -221,3 +221,17 @@ def fp8_here(monkeypatch):
     from adaptive_amp.fp8 import eligibility
 
     monkeypatch.setattr(eligibility, "device_unsupported", lambda device=None: None)
+
+
+def controller_losses(amp, zm, model, steps: int, device="cpu", batch: int = 8) -> list:
+    """`steps` steps of a zoo model `zm` (run through `model`, compiled or not) under controller `amp`, on four
+    batches in turn: the losses."""
+    losses = []
+    for step in range(steps):
+        with amp.autocast():
+            loss = zm.loss(model, zm.make_batch(batch, seed=step % 4, device=device))
+        amp.backward(loss)
+        amp.step()
+        amp.zero_grad()
+        losses.append(loss.item())
+    return losses

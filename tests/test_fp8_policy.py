@@ -14,7 +14,7 @@ from torch import nn
 from adaptive_amp.layer_precision import base_class
 from adaptive_amp.policy import LAYER_KINDS, PrecisionPolicy
 
-from conftest import quiet_torchao, requires_cuda
+from conftest import controller_losses, quiet_torchao, requires_cuda
 
 FC = "transformer.h.0.mlp.c_fc"
 LAYER = "model.layers.0.mlp.down_proj"
@@ -273,14 +273,7 @@ def test_fp8_layers_of_a_zoo_llama_train_on_the_gpu(compiled):
         return
     amp = AdaptiveMixedPrecision(zm.model, opt, policy=policy, stats_every=2, progress=False)
     model = torch.compile(zm.model) if compiled else zm.model
-    losses = []
-    for step in range(20):
-        with amp.autocast():
-            loss = zm.loss(model, zm.make_batch(8, seed=step % 4, device="cuda"))
-        amp.backward(loss)
-        amp.step()
-        amp.zero_grad()
-        losses.append(loss.item())
+    losses = controller_losses(amp, zm, model, steps=20, device="cuda")
     assert losses[-1] < losses[0] and all(map(torch.isfinite, map(torch.tensor, losses)))
     assert not [e for e in amp.events if e.kind.startswith("fp8")]
     assert len(amp.adjuster.layer_kinds) == 8 and len(amp._fp8_watch.rows) == 8

@@ -17,7 +17,7 @@ import adaptive_amp
 from adaptive_amp import AdaptiveMixedPrecision, zoo
 from adaptive_amp.policy import PrecisionPolicy
 
-from conftest import quiet_torchao, requires_cuda
+from conftest import controller_losses, quiet_torchao, requires_cuda
 
 
 def _sr_adamw(model, moments=torch.float32):
@@ -380,13 +380,6 @@ def test_fp8_presets_train_on_the_gpu(base, compiled):
                                  fp8=dict(gain_fn=_gains, **options))
     assert len(amp.adjuster.layer_kinds) == 15
     model = torch.compile(zm.model) if compiled else zm.model
-    losses = []
-    for step in range(20):
-        with amp.autocast():
-            loss = zm.loss(model, zm.make_batch(8, seed=step % 4, device="cuda"))
-        amp.backward(loss)
-        amp.step()
-        amp.zero_grad()
-        losses.append(loss.item())
+    losses = controller_losses(amp, zm, model, steps=20, device="cuda")
     assert losses[-1] < losses[0] and all(map(math.isfinite, losses))
     assert not [e for e in amp.events if e.kind.startswith("fp8")] and len(amp._fp8_watch.rows) == 15
