@@ -17,8 +17,9 @@ GPT-2 small step (host-bound on an H200) would pay at every step.
 
 Under ``torch.compile`` the hooks are traced like the rest of the forward.
 A compiled model gets two graphs per policy, each compiled once: one for
-statistics steps, which also returns each layer's statistics rows (appended
-to ``records`` after the graph runs, as dynamo replays list mutations), and
+statistics steps, which also returns each layer's statistics rows (added
+to the collector's records after the graph runs, as dynamo replays the
+hooks' attribute sets), and
 one for the other steps, traced with the hooks parked, which has nothing of
 them. No graph break. Dynamo must not run the second at a statistics step,
 and by default (``torch._dynamo.config.skip_nnmodule_hook_guards``) its
@@ -57,10 +58,29 @@ graph measures them inside the graph, through the kernel's custom op
 tensors. There a call measures LAYERS_PER_CALL layers at once (the host
 cost is per call), and hooks on the model's children measure those left
 when each child returns, before the graph ends.
+
+Blocks compiled one at a time (``block.compile()`` on each decoder layer,
+regional compilation) share one graph, as dynamo inlines modules and keeps
+graphs on the forward's code object: the graph traced for the first block
+runs for every block whose state passes its guards. So a traced hook reads
+nothing that differs from block to block. It holds no layer name (the
+layer's module goes into the record, and its name is looked up after the
+step); the records are a chain, each record holding the one before it
+(``_tail``), which a traced hook extends without reading it (an attribute
+set, which dynamo replays after the graph with no guard, where appending to
+a list guards on its length); and the layers waiting for their call are
+measured when each compiled module returns (hooks added by
+:meth:`ActivationCollector.start` on the modules compiled by then; dynamo
+starts a module's graph at its forward, so such a hook runs just after the
+block's graph, in a small graph of its own, also shared by every block), so
+that every graph starts with none waiting. Within a block the layers are
+still measured LAYERS_PER_CALL at a time, a block's last few in that small
+graph, and the rows keep forward order.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -76,6 +96,11 @@ STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: made a compiled statistics step 20-25 ms longer on an H200, a host-bound step. A layer's tensors wait for
 #: their call, at most this many layers' (most of which autograd keeps anyway).
 LAYERS_PER_CALL = 8
+
+#: The end of the records' chain: a record is (layer modules, their rows, whether each has an input row, the
+#: record before it). The same length as a record, so a traced hook that starts the chain and one that extends it
+#: pass the same guards.
+_NO_RECORD: tuple = ((), None, (), None)
 
 
 def first_tensor(value) -> Optional[torch.Tensor]:
@@ -114,6 +139,21 @@ def guard_hooks_under_compile() -> None:
     adjust.forget_compiled_graphs()
 
 
+def _compiled_modules(root: nn.Module) -> List[nn.Module]:
+    """The modules of `root` compiled on their own: by ``module.compile()``, or wrapped by ``torch.compile(module)``
+    (the wrapper in their place)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # (nothing compiled in this process)
+        return []
+    compiled = []
+    for module in root.modules():
+        if isinstance(module, eval_frame.OptimizedModule):
+            compiled.append(module._orig_mod)
+        elif getattr(module, "_compiled_call_impl", None) is not None:
+            compiled.append(module)
+    return compiled
+
+
 def _compiling() -> bool:
     check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     if check is None:  # torch < 2.3
@@ -139,16 +179,21 @@ class ActivationCollector:
         self.active = False
         self.fmt: Optional[str] = None
         self.skip: frozenset = frozenset()
-        self.records: List[object] = []
+        self._tail: tuple = _NO_RECORD  # the last record (see _NO_RECORD), in forward order through the chain
         self.names = tuple(name for name, _ in layers)
-        self._handles = [module.register_forward_hook(self._hook(name), with_kwargs=True) for name, module in layers]
+        self._name_of = {id(module): name for name, module in layers}
+        # One hook for every layer: nothing in it is a layer's own (see the module docstring).
+        record = self._hook()
+        self._handles = [module.register_forward_hook(record, with_kwargs=True) for _, module in layers]
         # Layers a compiled forward has recorded and not yet measured (see LAYERS_PER_CALL). The rest are measured
         # when each of `root`'s (the model's) children returns: inside the model's graph, whose end is a child's.
         # (The model's own hooks run outside its graph.) Left over without a root: after the graph, by stop().
         self._waiting: List[tuple] = []
-        if layers and root is not None:
-            self._handles += [child.register_forward_hook(lambda module, args, output: self._measure_waiting())
-                              for child in root.children()]
+        self._root = root if layers else None
+        self._flushed: set = set()  # ids of the modules whose return measures the layers waiting
+        if self._root is not None:
+            for child in root.children():
+                self._measure_on_return(child)
         self._parked: Optional[list] = None  # [(hook dict, key, hook)] while the hooks are out of the modules
         self._layouts: dict = {}  # see _layout
         self._cache_flag: Optional[bool] = None  # the autocast cache flag start() flipped, until stop()
@@ -160,10 +205,14 @@ class ActivationCollector:
     def start(self, fmt: Optional[str] = None, skip=()) -> None:
         """Record from the next forward: outputs counted against `fmt`; layers named in `skip` (islands) not.
         Until :meth:`stop`, the autocast cache flag is flipped (see the module's docstring)."""
-        self.records.clear()
+        self._tail = _NO_RECORD
         self._waiting.clear()
         self.fmt, self.skip = fmt, frozenset(skip)
         self._unpark()
+        if self._root is not None:
+            for module in _compiled_modules(self._root):
+                if id(module) not in self._flushed:
+                    self._measure_on_return(module)
         if self._cache_flag is None:
             self._cache_flag = torch.is_autocast_cache_enabled()
             torch.set_autocast_cache_enabled(not self._cache_flag)
@@ -175,7 +224,7 @@ class ActivationCollector:
         if self._cache_flag is not None:
             torch.set_autocast_cache_enabled(self._cache_flag)
             self._cache_flag = None
-        if self.active and not self.records and set(self.names) - self.skip and adjust.graphs_traced() \
+        if self.active and not self._tail[0] and set(self.names) - self.skip and adjust.graphs_traced() \
                 and not hooks_guarded():
             # A graph traced without our hooks, in a statistics step's state, ran for our model (see the module's
             # docstring): from now on dynamo tells graphs with and without them apart.
@@ -185,6 +234,12 @@ class ActivationCollector:
             self.missed = False
         self.active = False
         self._park()
+
+    def _measure_on_return(self, module: nn.Module) -> None:
+        """Measure the layers waiting when `module` (compiled on its own, or a child of the model) returns, so that
+        the next graph starts with none waiting (see the module docstring)."""
+        self._flushed.add(id(module))
+        self._handles.append(module.register_forward_hook(lambda module, args, output: self._measure_waiting()))
 
     def _park(self) -> None:
         if self._parked is not None:
@@ -204,7 +259,7 @@ class ActivationCollector:
             hooks[key] = hook
         self._parked = None
 
-    def _hook(self, name: str):
+    def _hook(self):
         def record(module, args, kwargs, output):
             if not self.active:
                 return None
@@ -214,7 +269,7 @@ class ActivationCollector:
             # Traced: every layer, islands too (they are left out after the graph, so that their set is not in
             # its guards).
             compiling = _compiling()
-            if not compiling and name in self.skip:
+            if not compiling and self._name_of[id(module)] in self.skip:
                 return None
             x = first_tensor(args)
             x = first_tensor(kwargs) if x is None else x
@@ -226,17 +281,17 @@ class ActivationCollector:
             # through its own copy), so a compiled statistics step adds no copy to its graph.
             tensors = (out.detach(), x.detach()) if ok else (out.detach(),)
             if compiling:
-                self._waiting.append((name, tensors, ok))
+                self._waiting.append((module, tensors, ok))
                 if len(self._waiting) >= LAYERS_PER_CALL:
                     self._measure_waiting()
             else:
                 self._measure_waiting()  # (layers a graph before a graph break left waiting: forward order)
-                self.records.append(((name,), ops.tensor_stats(tensors, fmt=self.fmt).raw, (ok,)))
+                self._tail = ((module,), ops.tensor_stats(tensors, fmt=self.fmt).raw, (ok,), self._tail)
             return None
         return record
 
     def _measure_waiting(self) -> None:
-        """One tensor_stats call for the layers waiting: a record of their names, rows and inputs."""
+        """One tensor_stats call for the layers waiting: a record of their modules, rows and inputs."""
         if not self.active or not self._waiting:
             return
         waiting = list(self._waiting)
@@ -244,14 +299,17 @@ class ActivationCollector:
         tensors = [t for _, ts, _ in waiting for t in ts]
         rows = stats_torch.tensor_stats_op(tensors, self.fmt) if _compiling() else \
             ops.tensor_stats(tensors, fmt=self.fmt).raw
-        self.records.append((tuple(n for n, _, _ in waiting), rows, tuple(ok for _, _, ok in waiting)))
+        self._tail = (tuple(m for m, _, _ in waiting), rows, tuple(ok for _, _, ok in waiting), self._tail)
 
     def take(self) -> List[object]:
         """The records since the last take, in forward order; the collector starts empty again. A record is
         (layer names, their rows, whether each has an input row): each layer's output row, then its input's."""
-        # The same list object, emptied: a compiled graph that appends to it must find the list it traced.
-        records = list(self.records)
-        self.records.clear()
+        records, node = [], self._tail
+        while node[0]:  # (a record has a layer; the end, none: whether or not dynamo's replay kept the object)
+            modules, rows, oks, node = node
+            records.append((tuple(self._name_of[id(m)] for m in modules), rows, oks))
+        records.reverse()
+        self._tail = _NO_RECORD
         self._waiting.clear()
         return records
 
@@ -309,6 +367,8 @@ class ActivationCollector:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._flushed.clear()
+        self._root = None
         self.active = False
-        self.records.clear()
+        self._tail = _NO_RECORD
 

@@ -32,7 +32,7 @@ from adaptive_amp.hardware import Capabilities  # noqa: E402
 from adaptive_amp.adjust import DynamicPrecisionAdjuster  # noqa: E402
 from adaptive_amp.layers import find_layers  # noqa: E402
 from adaptive_amp.policy import PrecisionPolicy  # noqa: E402
-from conftest import defer_reads  # noqa: E402
+from conftest import defer_reads, requires_cuda  # noqa: E402
 
 CPU_BF16 = Capabilities(device_type="cpu", name="test cpu with bf16", bf16=True, fp16=True)
 FP16 = "params=float32,compute=float16,loss_scale=dynamic:65536"
@@ -634,6 +634,86 @@ def test_compiled_statistics_graph_returns_rows_not_activations(family):
         if a.kind == "activation":
             for ra, rb in zip(a.rows, b.rows):
                 assert rb["amax"] == pytest.approx(ra["amax"], rel=1e-6, abs=1e-6), ra["name"]
+
+
+def regional_llama(layers, compiled, backend, device="cpu"):
+    """Trains a transformers Llama of `layers` decoder layers for 4 steps (statistics at steps 0 and 2), each
+    decoder layer compiled on its own (``layer.compile()``, regional compilation) when `compiled`. Returns the
+    activation and input statistics rows of the steps, as (kind, step, [(name, amax, numel)])."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128, use_cache=False)
+    model = transformers.LlamaForCausalLM(config).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    capabilities = dict(capabilities=CPU_BF16) if device == "cpu" else {}
+    amp = AdaptiveMixedPrecision(model, opt, policy=BF16, stats_every=2, progress=False, **capabilities)
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
+    for _ in range(4):
+        amp.train_step(lambda: model(input_ids=ids, labels=ids).loss)
+    amp.events.extend(amp.monitor.read())
+    rows = [(ls.kind, ls.step, [(r["name"], r["amax"], r["numel"]) for r in ls.rows])
+            for ls in amp.monitor.layer_stats if ls.kind in ("activation", "input")]
+    amp.remove()
+    return rows
+
+
+def test_blocks_compiled_one_at_a_time_trace_no_graph_per_layer_for_statistics():
+    """``block.compile()`` on each decoder layer (regional compilation): blocks share one graph, and the statistics
+    hooks traced in it hold nothing of a layer's own and guard on no list that grows from block to block, so a
+    statistics step adds the same graphs whatever the number of layers (one graph a block passed dynamo's
+    recompile limit on a 32-layer Llama and left the other blocks eager at statistics steps)."""
+    counts = {}
+    for layers in (3, 6):
+        fresh_dynamo()
+        traced = []
+
+        def counting(gm, example_inputs):
+            traced.append(gm)
+            return gm.forward
+
+        regional_llama(layers, True, counting)
+        counts[layers] = len(traced)
+        assert graph_breaks() == {}
+    # one graph for ordinary steps; for statistics steps, the block's and one measuring the layers it left waiting
+    assert counts[3] == counts[6] <= 3, counts
+    fresh_dynamo()
+
+
+def test_statistics_of_blocks_compiled_one_at_a_time_match_eager():
+    """The statistics rows of a regionally compiled Llama are the eager model's: every layer, in forward order,
+    the same values."""
+    eager = regional_llama(3, False, None)
+    fresh_dynamo()
+    compiled = regional_llama(3, True, "aot_eager")
+    fresh_dynamo()
+    assert [(kind, step, [n for n, _, _ in rows]) for kind, step, rows in compiled] == \
+        [(kind, step, [n for n, _, _ in rows]) for kind, step, rows in eager]
+    assert {step for _, step, _ in eager} == {0, 2} and len(eager[0][2]) == 3 * 9 + 3  # blocks, embedding, norm, head
+    for (_, _, a), (_, _, b) in zip(eager, compiled):
+        for (name, amax_a, numel_a), (_, amax_b, numel_b) in zip(a, b):
+            assert numel_b == numel_a and amax_b == pytest.approx(amax_a, rel=1e-2, abs=1e-3), name
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_statistics_of_blocks_compiled_one_at_a_time_with_inductor_on_the_gpu():
+    """Regional compilation with inductor on a GPU: one statistics graph for every block (no recompile limit
+    reached), and the rows are the eager model's."""
+    eager = regional_llama(4, False, None, device="cuda")
+    fresh_dynamo()
+    compiled = regional_llama(4, True, "inductor", device="cuda")
+    assert graph_breaks() == {} and graphs() <= 3, graphs()
+    fresh_dynamo()
+    assert [(kind, step, [n for n, _, _ in rows]) for kind, step, rows in compiled] == \
+        [(kind, step, [n for n, _, _ in rows]) for kind, step, rows in eager]
+    for (_, _, a), (_, _, b) in zip(eager, compiled):
+        for (name, amax_a, numel_a), (_, amax_b, numel_b) in zip(a, b):
+            assert numel_b == numel_a and amax_b == pytest.approx(amax_a, rel=0.05, abs=1e-3), name
 
 
 @pytest.mark.parametrize("family", ["gpt2", "resnet"])
