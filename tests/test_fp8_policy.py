@@ -201,8 +201,15 @@ def _llama_run(policy, steps, outlier, guard=None):
     opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
     amp = AdaptiveMixedPrecision(zm.model, opt, policy=policy, stats_every=1, progress=False,
                                  fp8=dict(guard=guard) if guard is not None else None)
+    losses = _train(amp, zm, range(steps), at)
+    return losses, [e for e in amp.events if e.kind.startswith("fp8")], amp
+
+
+def _train(amp, zm, steps, at) -> list:
+    """The controller's steps `steps` on the zoo model's batch of each step's seed, ``at["step"]`` set for the
+    planted hooks: the losses."""
     losses = []
-    for step in range(steps):
+    for step in steps:
         at["step"] = step
         with amp.autocast():
             loss = zm.loss(zm.model, zm.make_batch(4, seed=step))
@@ -210,7 +217,7 @@ def _llama_run(policy, steps, outlier, guard=None):
         amp.step()
         amp.zero_grad()
         losses.append(loss.item())
-    return losses, [e for e in amp.events if e.kind.startswith("fp8")], amp
+    return losses
 
 
 FP8 = f"params=float32,compute=float32,layers={LAYER}:fp8-tensorwise"
@@ -294,15 +301,6 @@ def test_a_resumed_run_keeps_the_guards_demotions_and_back_off(fp8_here, tmp_pat
         x[..., 0] = 1e5 if at["step"] in spikes else 1.0
         return (x,)
 
-    def run(amp, zm, steps):
-        for step in steps:
-            at["step"] = step
-            with amp.autocast():
-                loss = zm.loss(zm.model, zm.make_batch(4, seed=step))
-            amp.backward(loss)
-            amp.step()
-            amp.zero_grad()
-
     def controller(zm):
         dict(zm.model.named_modules())[LAYER].register_forward_pre_hook(plant)
         opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
@@ -311,13 +309,13 @@ def test_a_resumed_run_keeps_the_guards_demotions_and_back_off(fp8_here, tmp_pat
 
     whole = zoo.build("llama", "tiny", seed=0)
     amp = controller(whole)
-    run(amp, whole, range(16))
+    _train(amp, whole, range(16), at)
     expected = [(e.kind, e.step, e.data.get("wait")) for e in amp.events if e.kind.startswith("fp8")]
     assert [k for k, _, _ in expected] == ["fp8_demote", "fp8_restore", "fp8_demote", "fp8_restore"]
 
     first = zoo.build("llama", "tiny", seed=0)
     amp = controller(first)
-    run(amp, first, range(5))
+    _train(amp, first, range(5), at)
     assert amp.adjuster.layer_kinds == {LAYER: "bf16"}  # demoted when saved
     path = tmp_path / "ckpt.pt"
     torch.save({"amp": amp.state_dict(), "model": first.model.state_dict()}, path)
@@ -333,7 +331,7 @@ def test_a_resumed_run_keeps_the_guards_demotions_and_back_off(fp8_here, tmp_pat
     assert resumed.adjuster.layer_kinds == {LAYER: "fp8-tensorwise"} and resumed.step_count == 0
     resumed.load_state_dict(saved["amp"])
     assert resumed.adjuster.layer_kinds == {LAYER: "bf16"}
-    run(resumed, second, range(5, 16))
+    _train(resumed, second, range(5, 16), at)
     got = [(e.kind, e.step, e.data.get("wait")) for e in resumed.events if e.kind.startswith("fp8")]
     assert got == expected
 
