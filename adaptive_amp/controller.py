@@ -550,7 +550,7 @@ class AdaptiveMixedPrecision:
         collector.take()  # nothing from forwards run outside this context
         watch = self._fp8_watch if self.adapt and self._stats_due() else None
         if watch is not None:
-            watch.armed = True  # the fp8 layers keep their inputs for the guard (read after the step)
+            watch.armed = watch.due = True  # the fp8 layers keep their inputs for the guard (read after the step)
         if collect:
             # Islands are not measured: they compute in fp32 and cannot be blamed for a compute-dtype overflow.
             collector.start(fmt=self.compute_fmt, skip=self.adjuster.islands)

@@ -175,6 +175,7 @@ class Fp8Watch:
         self.kinds: Dict[str, str] = {}  # layer -> the fp8 kind it runs in, or returns to once restored
         self.rows: List[dict] = []  # the last statistics step's rows
         self.armed = False
+        self.due = False  # armed since the last observe(): the fp8 layers may hold inputs to read
         self._hooks = OwnedHandles(self)
         self._modules: Dict[str, "weakref.ref[nn.Module]"] = {}
 
@@ -199,6 +200,9 @@ class Fp8Watch:
 
     def observe(self, step: int) -> List[Event]:
         """The guard's events from the inputs captured since the last call (none: no events)."""
+        if not self.due:  # (every step calls this; only a statistics step's has anything to read)
+            return []
+        self.due = False
         inputs = {}
         for name, ref in self._modules.items():
             module = ref()
