@@ -137,11 +137,13 @@ def layer_error(module: nn.Module, inputs: Sequence[torch.Tensor], kind: str = "
     if not inputs:
         raise ValueError("inputs is empty; pass the layer's inputs (capture_inputs)")
     sums = [_Sums() for _ in range(3)]
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gens = {}
     for x in inputs:
         with torch.no_grad(), torch.autocast(x.device.type, dtype=dtype):
             shape = module(x).shape
-        grad = torch.randn(shape, generator=gen).to(x.device)
+        # Drawn where the layer runs: on the host, a large model's gradients took minutes to draw.
+        gen = gens.get(x.device) or gens.setdefault(x.device, torch.Generator(device=x.device).manual_seed(seed))
+        grad = torch.randn(shape, generator=gen, device=x.device)
         ref = _forward_backward(module, x, grad, plain_forward, dtype)
         got = _forward_backward(module, x, grad, lambda m, t: fp8_forward(m, t, kind), dtype)
         for s, a, b in zip(sums, got, ref):
