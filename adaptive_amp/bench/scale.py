@@ -279,12 +279,18 @@ def run(recipe: str, shape: dict, batch: int, seed: int, device, args, choice=No
     from .tuning import timed_loop
 
     trainer = batches = None
-    deadline = time.perf_counter() + args.max_seconds if args.max_seconds is not None else None
+    began = time.perf_counter()
+    deadline = began + args.max_seconds if args.max_seconds is not None else None
     try:
         batches = stream(shape, batch, args.steps, seed, device)
         trainer = make_trainer(recipe, shape, seed, device, args, batches[:8], choice)
+        print(f"   {recipe}: built and set up in {time.perf_counter() - began:.0f} s; training", flush=True)
         r = timed_loop(trainer.step, batches, args.steps, device, batch * shape["seq_len"], deadline)
         r.update(trainer.info, recipe=recipe, seed=seed, batch=batch)
+        peak = f"peak {r['peak_gib']:.1f} GiB, " if r["peak_gib"] is not None else ""
+        print(f"   {recipe}: {r['steps']} steps, {r['steady_tokens_per_s']:.0f} tokens/s at steady state, {peak}"
+              f"final loss {r['final_loss']:.4f} (first step "
+              f"{r['first_step_seconds'] or 0:.0f} s; {time.perf_counter() - began:.0f} s in all)", flush=True)
         if trainer.amp is not None:
             r["events"] = [e.to_dict() for e in trainer.amp.events]
         return r
@@ -563,6 +569,7 @@ def main(argv=None) -> int:
                 found = search_batch(recipe, shape, device, args)
             found["checkpointing"] = args.checkpointing_now
             report["search"][recipe] = found
+            save()  # a later run cut short keeps the search for --resume
             batch = found["batch"]
             if batch == 0:
                 report["skipped"][recipe] = "not even one sequence a step fits" + \
