@@ -1079,11 +1079,13 @@ def test_fp8_candidates_train_their_measured_layers_and_the_model_is_restored():
     if why is not None:
         pytest.skip(why)
     torch.manual_seed(0)
-    width = 4096  # fp8 gains on large matmuls; the measurement leaves the small one as it is
-    model = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, 64), nn.GELU(),
+    # fp8 gains on a Llama-8B MLP's matmul (not on 4096 x 4096 at 4096 tokens: 0.89x compiled on an H200); the
+    # measurement leaves the small ones as they are.
+    width = 4096
+    model = nn.Sequential(nn.Linear(width, 14336, bias=False), nn.GELU(), nn.Linear(14336, 64), nn.GELU(),
                           nn.Linear(64, width)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = [torch.randn(4096, width, device="cuda") for _ in range(3)]
+    x = [torch.randn(8192, width, device="cuda") for _ in range(3)]
     batches = [(a, a.roll(1, dims=1)) for a in x]
 
     def loss_fn(m, batch):
@@ -1091,7 +1093,10 @@ def test_fp8_candidates_train_their_measured_layers_and_the_model_is_restored():
 
     modules = [type(m) for m in model]
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    result = tune(model, opt, batches, loss_fn, candidates=["bf16", "bf16+fp8", "bf16-weights+fp8"], **FAST)
+    # Timed compiled: eager torchao casts are separate kernels, and fp8 then loses even at 4096 x 4096 (0.28x
+    # on an H200); compiled, it gains there.
+    result = tune(model, opt, batches, loss_fn, candidates=["bf16", "bf16+fp8", "bf16-weights+fp8"],
+                  fp8=dict(compiled=True), **FAST)
     by = {t.name: t for t in result.trials}
     assert {"bf16+fp8", "bf16-weights+fp8"} <= set(by), result.policy.reasons
     for name in ("bf16+fp8", "bf16-weights+fp8"):
