@@ -125,3 +125,31 @@ def expand_names(names: Iterable[str], model: nn.Module, layers: Optional[List[T
             unmatched.append(entry)
         out.extend(h for h in hits if h not in out)
     return out, unmatched
+
+
+def collapse_names(entries: Sequence[Tuple[str, str]], model: nn.Module) -> List[Tuple[str, str]]:
+    """(name, value) entries with the same value on every layer of a repeated block written once, as a pattern:
+    ``model.layers.0.mlp.up_proj`` ... ``model.layers.31.mlp.up_proj``, all fp8, become
+    ``model.layers.*.mlp.up_proj``. A pattern (each numeric part of the name a ``*``) is written only where the
+    layers of `model` it matches (as :func:`expand_names` reads it) are exactly the entries it replaces, two or
+    more; it takes the place of the first of them. Other entries are kept as they are, in order."""
+    def pattern_of(name: str) -> str:
+        return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+    names = [n for n, _ in find_layers(model)]
+    groups: dict = {}
+    for name, value in entries:
+        groups.setdefault((pattern_of(name), value), []).append(name)
+    out, done = [], set()
+    for name, value in entries:
+        pattern = pattern_of(name)
+        members = groups[(pattern, value)]
+        if len(members) < 2 or pattern == name:
+            out.append((name, value))
+        elif (pattern, value) not in done:
+            done.add((pattern, value))
+            if sorted(n for n in names if fnmatch.fnmatchcase(n, pattern)) == sorted(members):
+                out.append((pattern, value))
+            else:
+                out.extend((n, value) for n in members)
+    return out

@@ -15,6 +15,7 @@ from torch import nn
 
 import adaptive_amp
 from adaptive_amp import AdaptiveMixedPrecision, zoo
+from adaptive_amp.layers import expand_names
 from adaptive_amp.policy import PrecisionPolicy
 
 from conftest import controller_losses, quiet_torchao, requires_cuda
@@ -110,7 +111,10 @@ def test_fp8_presets_train_fp8_layers_over_the_memory_recipes(fp8_here, family, 
     assert amp.policy.replace(layers=()) == recipe_policy(base, amp.capabilities.tf32)
     assert plain.policy.replace(tf32=amp.policy.tf32) == recipe_policy(base, amp.capabilities.tf32)
     linears = [n for n, m in zm.model.named_modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
-    assert dict(amp.policy.layers) == {n: "fp8-tensorwise" for n in linears}
+    # One entry for each layer of the repeated block (a pattern over the blocks), one for the head.
+    named, unmatched = expand_names([name for name, _ in amp.policy.layers], zm.model)
+    assert sorted(named) == sorted(linears) and not unmatched
+    assert {kind for _, kind in amp.policy.layers} == {"fp8-tensorwise"} and len(amp.policy.layers) < len(linears)
     assert all(any(r.startswith(f"layer {n}: fp8-tensorwise, gains 1.40x") for r in amp.policy.reasons)
                for n in linears)
     assert amp.adjuster.layer_kinds == {n: "fp8-tensorwise" for n in linears}
@@ -326,7 +330,7 @@ def test_memory_guard_moves_keep_the_fp8_layers_and_undo_gives_the_fp32_weights_
                                           run=lambda m, b: zm.loss(m, b)),
                                  memory_guard=MemoryGuard(min_free=1000, check_every=1, reader=lambda: headroom[0],
                                                           allow_recover=True, recover_after=2))
-    start, kinds = str(amp.policy), dict(amp.adjuster.layer_kinds)
+    start, kinds, layers = str(amp.policy), dict(amp.adjuster.layer_kinds), amp.policy.layers
     assert len(kinds) == 15 and set(kinds.values()) == {"fp8-tensorwise"}
 
     def steps(n):
@@ -338,7 +342,7 @@ def test_memory_guard_moves_keep_the_fp8_layers_and_undo_gives_the_fp32_weights_
     assert [m.name for m in amp.memory_guard.moves] == ["bf16-moments", "bf16-weights", "checkpoint"]
     assert all(map(torch.isfinite, torch.tensor(losses)))
     # fp8 layers stay fp8, now over bf16 weights, guarded (a row each, no event), blocks checkpointed
-    assert amp.adjuster.layer_kinds == kinds and dict(amp.policy.layers) == kinds
+    assert amp.adjuster.layer_kinds == kinds and amp.policy.layers == layers
     assert amp.policy.param_dtype == torch.bfloat16 and amp.policy.param_scope == "matmul"
     matmul = {id(p) for _, m in matmul_layers(zm.model) for p in m.parameters(recurse=False)}
     assert {p.dtype for p in zm.model.parameters() if id(p) in matmul} == {torch.bfloat16}

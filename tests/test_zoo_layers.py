@@ -172,3 +172,26 @@ def test_controller_watches_every_layer_by_name(zm):
     grads = {r["name"] for ls in amp.monitor.layer_stats if ls.kind == "gradient" for r in ls.rows}
     assert grads == {n for n, _ in zm.model.named_parameters()}
     assert not any(m._forward_hooks for m in zm.model.modules())  # remove() took the hooks off
+
+
+def test_collapse_names_writes_a_repeated_blocks_layers_once_where_the_pattern_means_exactly_them():
+    from adaptive_amp.layers import collapse_names, expand_names
+
+    zm = zoo.build("llama", "tiny", seed=0)  # two decoder layers
+    linears = [n for n, m in zm.model.named_modules() if isinstance(m, nn.Linear)]
+    every = [(n, "fp8-tensorwise") for n in linears]
+    collapsed = collapse_names(every, zm.model)
+    assert collapsed[0] == ("model.layers.*.self_attn.q_proj", "fp8-tensorwise")
+    assert ("lm_head", "fp8-tensorwise") in collapsed and len(collapsed) == 8  # 7 of the block, the head
+    assert sorted(expand_names([n for n, _ in collapsed], zm.model)[0]) == sorted(linears)
+    # One block's up_proj differs: both stay named, the rest still collapse.
+    mixed = [(n, "bf16" if n == "model.layers.1.mlp.up_proj" else k) for n, k in every]
+    out = collapse_names(mixed, zm.model)
+    assert ("model.layers.0.mlp.up_proj", "fp8-tensorwise") in out and ("model.layers.1.mlp.up_proj", "bf16") in out
+    assert ("model.layers.*.mlp.down_proj", "fp8-tensorwise") in out and len(out) == 9
+    # A pattern that would also take a layer not in the entries is not written.
+    part = [(n, k) for n, k in every if n != "model.layers.1.self_attn.k_proj"]
+    out = collapse_names(part, zm.model)
+    assert ("model.layers.0.self_attn.k_proj", "fp8-tensorwise") in out
+    assert not any(n == "model.layers.*.self_attn.k_proj" for n, _ in out)
+    assert collapse_names([], zm.model) == []

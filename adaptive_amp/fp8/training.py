@@ -34,7 +34,7 @@ from torch import nn
 
 from ..detectors import Event
 from ..layer_precision import OwnedHandles
-from ..layers import is_compiled, unwrap_model
+from ..layers import collapse_names, is_compiled, unwrap_model
 from ..names import FP8_BASES
 from .guard import Fp8Guard, fp8_layer_row
 from .select import select_fp8_layers
@@ -79,7 +79,9 @@ def measure_fp8_map(model: nn.Module, batches: Iterable[Any], **options) -> Fp8M
         why_none = (why_not[0] if len(shared) == 1 else
                     f"no layer gains and tolerates fp8 ({len(why_not)} measured: " + "; ".join(reasons[:3])
                     + ("; ..." if len(reasons) > 3 else "") + ")")
-    return Fp8Map(tuple(layers), tuple(reasons), why_none)
+    # A repeated block's layers that all went the same way are one pattern entry: the policy string of a
+    # 32-layer model then reads as its block does, not as 225 names.
+    return Fp8Map(tuple(collapse_names(layers, model)), tuple(reasons), why_none)
 
 
 def measured_policy(model: nn.Module, base, batches: Iterable[Any], **options):
