@@ -50,18 +50,23 @@ def test_scale_resume_keeps_the_other_recipes_runs_and_batches_per_recipe(tmp_pa
                                                                     ("bf16-weights", 2)]
     assert report["earlier"][0]["device"] == "cpu"
     assert any(line.startswith("Speed: ours (bf16-") for line in report["verdict"])
-    # A recipe named again replaces its runs; a report of another shape is not mixed in.
+    # A run at another batch joins the recipe's runs; one at the same batch (and seed) replaces its run; a
+    # report of another shape is not mixed in.
     assert main([*common, "--recipes", "torch-bf16", "--batch", "2", "--resume"]) == 0
     assert [(r["recipe"], r["batch"]) for r in json.loads(out.read_text())["runs"]] == [
-        ("bf16-pure", 3), ("bf16-weights", 2), ("torch-bf16", 2)]
+        ("torch-bf16", 1), ("bf16-pure", 3), ("bf16-weights", 2), ("torch-bf16", 2)]
+    assert main([*common, "--recipes", "torch-bf16", "--batch", "1", "--resume"]) == 0
+    assert [(r["recipe"], r["batch"]) for r in json.loads(out.read_text())["runs"]] == [
+        ("bf16-pure", 3), ("bf16-weights", 2), ("torch-bf16", 2), ("torch-bf16", 1)]
     with pytest.raises(SystemExit):
         main([*common, "--layers", "1", "--recipes", "torch-bf16", "--resume"])
     # One seed a command: seed 1 joins seed 0's run of the recipe, and the loss spread can be judged.
     assert main([*common, "--recipes", "torch-bf16", "--batch", "2", "--seed", "1", "--resume"]) == 0
     report = json.loads(out.read_text())
-    assert sorted((r["recipe"], r["seed"]) for r in report["runs"] if r["recipe"] == "torch-bf16") == [
-        ("torch-bf16", 0), ("torch-bf16", 1)]
-    assert any("torch's seed spread" in line for line in report["verdict"])
+    assert sorted((r["recipe"], r["seed"], r["batch"]) for r in report["runs"] if r["recipe"] == "torch-bf16") == [
+        ("torch-bf16", 0, 1), ("torch-bf16", 0, 2), ("torch-bf16", 1, 2)]
+    # (Which batch's torch run is the fastest, and so which losses compare, depends on the CPU's timing.)
+    assert len([line for line in report["verdict"] if line.startswith("Loss")]) == 1
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -89,7 +94,7 @@ def test_scale_full_size_needs_a_gpu(capsys):
 
 def test_scale_verdict_against_the_targets_in_words():
     def r(recipe, tps, peak, loss, seed=0, batch=4, **kw):
-        return dict(recipe=recipe, seed=seed, batch=batch, steady_tokens_per_s=tps, peak_gib=peak, final_loss=loss,
+        return dict(recipe=recipe, seed=seed, batch=batch, steps=500, steady_tokens_per_s=tps, peak_gib=peak, final_loss=loss,
                     **kw)
     report = {"device": "NVIDIA H200", "args": {"steps": 500}, "skipped": {}, "search": {},
               "runs": [r("torch-bf16", 100.0, 100.0, 2.0), r("torch-bf16", 100.0, 100.0, 2.2, seed=1),
@@ -100,6 +105,29 @@ def test_scale_verdict_against_the_targets_in_words():
     assert any("0.70x: meets the 0.8x target" in x for x in lines)
     assert any("torchao's best (torchao-rowwise" in x and "1.17x" in x and "meets" in x for x in lines)
     assert any("inside torch's seed spread" in x for x in lines)
+
+
+def test_scale_verdict_compares_losses_only_at_torchs_batch_and_the_same_steps():
+    def r(recipe, loss, seed=0, batch=3, steps=500, tps=100.0):
+        return dict(recipe=recipe, seed=seed, batch=batch, steps=steps, steady_tokens_per_s=tps, peak_gib=90.0,
+                    final_loss=loss)
+    torch_runs = [r("torch-bf16", 2.0), r("torch-bf16", 2.1, seed=1)]
+
+    def loss_lines(*ours):
+        report = {"device": "NVIDIA H200", "args": {"steps": 500}, "skipped": {}, "search": {},
+                  "runs": torch_runs + list(ours)}
+        return [x for x in scale.verdict(report) if x.startswith("Loss")]
+    # Ours only at its own larger batch: more tokens a step, no loss to compare.
+    assert "has no complete run at torch's batch (3)" in loss_lines(r("bf16-pure+fp8", 1.5, batch=8, tps=160.0))[0]
+    # At torch's batch but a 40-step run: not comparable with 500 steps.
+    lines = loss_lines(r("bf16-pure+fp8", 1.5, batch=8, tps=160.0), r("bf16-pure+fp8", 2.5, steps=40))
+    assert "different numbers of steps ([40] against [500])" in lines[0]
+    # At torch's batch and steps: judged against the spread, whatever the speed run's batch.
+    lines = loss_lines(r("bf16-pure+fp8", 1.5, batch=8, tps=160.0), r("bf16-pure+fp8", 2.06),
+                       r("bf16-pure+fp8", 2.08, seed=1))
+    assert lines == ["Loss after 500 steps at batch 3: ours 2.0700 (2 seed(s)) against torch's 2.0500 (its seeds "
+                     "2.0000 .. 2.1000): inside torch's seed spread."]
+    assert "outside" in loss_lines(r("bf16-pure+fp8", 2.4))[0]
 
 
 @pytest.mark.cuda

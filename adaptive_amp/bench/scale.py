@@ -38,14 +38,16 @@ Compiled (--compile): ``blocks`` (the default on a GPU) compiles each decoder la
 model (``torch.compile(model)``), ``off`` none. Every recipe is compiled the same way.
 
 A full comparison takes longer than one sitting may allow: with --json PATH and --resume, the runs already in
-PATH are kept (those of the recipes and seeds run now are replaced), a recipe's batch search is reused, and
+PATH are kept (a run of the same recipe, seed and batch is replaced), a recipe's batch search is reused, and
 the verdict is drawn over all of them, so that the recipes, and with --seed S their seeds, can run one command
 at a time on the same machine.
 
 The verdict compares ours (the tuned run, else the fastest of our named recipes) with the fastest torch
 recipe and the fastest torchao recipe: tokens/s (targets: >= 1.3x torch's, >= 1.1x torchao's), peak memory at
 the same batch (target: <= 0.8x torch's, from the batch search's records or the runs themselves), and the
-final loss against torch's seed spread (needs --seeds 2 or more).
+final loss against torch's seed spread. A larger batch trains on more tokens a step, so the loss is compared
+at torch's batch, over runs of the same number of steps: torch's two seeds or more, and ours at that batch
+(``--batch tune=3``, say, beside the run at its own largest batch).
 """
 
 from __future__ import annotations
@@ -360,19 +362,35 @@ def verdict(report: dict) -> List[str]:
         lines.append(f"Against torchao's best ({torchao_best['recipe']}, batch {torchao_best['batch']}): "
                      f"{ratio:.2f}x its tokens/s: {'meets' if ratio >= TARGET_VS_TORCHAO else 'misses'} the "
                      f"{TARGET_VS_TORCHAO}x target.")
-    complete = [r for r in runs if "error" not in r and not r.get("stopped_early")]
-    torch_losses = [r["final_loss"] for r in complete if r["recipe"] in TORCH_RECIPES]
-    our_losses = [r["final_loss"] for r in complete if r["recipe"] == ours["recipe"]]
-    if len(torch_losses) > 1 and our_losses:
-        lo, hi = min(torch_losses), max(torch_losses)
-        diff = statistics.mean(our_losses) - statistics.mean(torch_losses)
-        lines.append(f"Loss after {report['args']['steps']} steps: ours {statistics.mean(our_losses):.4f} against "
-                     f"torch's {statistics.mean(torch_losses):.4f} (its seeds {lo:.4f} .. {hi:.4f}): "
-                     f"{'inside' if abs(diff) <= hi - lo else 'outside'} torch's seed spread.")
-    elif torch_best is not None and torch_losses and our_losses:
-        lines.append(f"Loss after {report['args']['steps']} steps: ours {statistics.mean(our_losses):.4f}, torch's "
-                     f"{statistics.mean(torch_losses):.4f} (one seed: no spread to judge by; --seeds 2).")
+    if torch_best is not None:
+        lines += _loss_lines(runs, ours["recipe"], torch_best)
     return lines
+
+
+def _loss_lines(runs: List[dict], ours: str, torch_best: dict) -> List[str]:
+    """The final loss of `ours` against torch's seed spread: runs at torch's batch (a larger batch trains on
+    more tokens a step, so its loss is not comparable) and the same number of steps, the most steps both have."""
+    batch, recipe = torch_best["batch"], torch_best["recipe"]
+    complete = [r for r in runs if "error" not in r and not r.get("stopped_early") and r.get("batch") == batch]
+    theirs = {r["steps"] for r in complete if r["recipe"] == recipe}
+    mine = {r["steps"] for r in complete if r["recipe"] == ours}
+    if not mine:
+        return [f"Loss: ours ({ours}) has no complete run at torch's batch ({batch}), the only batch its loss can be "
+                f"compared at; run --recipes {ours} --batch {ours}={batch} --seed 0 (and 1)."]
+    steps = max(theirs & mine, default=None)
+    if steps is None:
+        return [f"Loss: ours and torch's runs at batch {batch} ran different numbers of steps ({sorted(mine)} "
+                f"against {sorted(theirs)}); run both with the same --steps."]
+    torch_losses = [r["final_loss"] for r in complete if r["recipe"] == recipe and r["steps"] == steps]
+    our_losses = [r["final_loss"] for r in complete if r["recipe"] == ours and r["steps"] == steps]
+    mean, theirs_mean = statistics.mean(our_losses), statistics.mean(torch_losses)
+    if len(torch_losses) < 2:
+        return [f"Loss after {steps} steps at batch {batch}: ours {mean:.4f}, torch's {theirs_mean:.4f} (one seed: "
+                f"no spread to judge by; --seed 1 too)."]
+    lo, hi = min(torch_losses), max(torch_losses)
+    return [f"Loss after {steps} steps at batch {batch}: ours {mean:.4f} ({len(our_losses)} seed(s)) against "
+            f"torch's {theirs_mean:.4f} (its seeds {lo:.4f} .. {hi:.4f}): "
+            f"{'inside' if abs(mean - theirs_mean) <= hi - lo else 'outside'} torch's seed spread."]
 
 
 def table(report: dict) -> str:
@@ -531,8 +549,7 @@ def main(argv=None) -> int:
         if before.get("shape") != shape:
             p.error(f"--resume: {args.json} holds a model of shape {before.get('shape')}, not {shape}; "
                     "name another --json")
-        again = {(recipe, seed) for recipe in args.recipes for seed in seeds}
-        report["runs"] = [r for r in before.get("runs", []) if (r.get("recipe"), r.get("seed")) not in again]
+        report["runs"] = before.get("runs", [])  # (a run of the same recipe, seed and batch is replaced below)
         report["skipped"] = {k: v for k, v in before.get("skipped", {}).items() if k not in args.recipes}
         # A recipe's batch search is kept (and its batch reused) unless --batch names its batch now.
         report["search"] = {k: v for k, v in before.get("search", {}).items()
@@ -585,7 +602,8 @@ def main(argv=None) -> int:
                   + (f", tuning only seed 0's choice {choice}" if choice and seed else ""), flush=True)
             r = run(recipe, shape, batch, seed, device, args, choice if seed else None)
             choice = choice or r.get("chosen")
-            report["runs"].append(r)
+            report["runs"] = [old for old in report["runs"] if (old.get("recipe"), old.get("seed"), old.get("batch"))
+                              != (recipe, seed, batch)] + [r]
             save()
     report["verdict"] = verdict(report)
     save()
