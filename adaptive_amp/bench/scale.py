@@ -551,9 +551,8 @@ def main(argv=None) -> int:
                     "name another --json")
         report["runs"] = before.get("runs", [])  # (a run of the same recipe, seed and batch is replaced below)
         report["skipped"] = {k: v for k, v in before.get("skipped", {}).items() if k not in args.recipes}
-        # A recipe's batch search is kept (and its batch reused) unless --batch names its batch now.
-        report["search"] = {k: v for k, v in before.get("search", {}).items()
-                            if args.batch is None or (k not in args.batch and "*" not in args.batch)}
+        # A recipe's batch search is kept, and its batch reused unless --batch names another now.
+        report["search"] = before.get("search", {})
         # Where and when the kept runs ran, should it differ from this command's.
         report["earlier"] = before.get("earlier", []) + [
             {k: before.get(k) for k in ("date", "device", "torch", "transformers", "torchao")}]
@@ -594,9 +593,10 @@ def main(argv=None) -> int:
                 print(f"-- {recipe}: {report['skipped'][recipe]}", flush=True)
                 save()
                 continue
-        # The tuned run of another seed trains seed 0's choice (from this command or the report resumed).
+        # The tuned run of another seed trains seed 0's choice at this batch (from this command or the report
+        # resumed).
         choice = next((r.get("chosen") for r in report["runs"] if r["recipe"] == recipe and r.get("seed") == 0
-                       and r.get("chosen")), None)
+                       and r.get("batch") == batch and r.get("chosen")), None)
         for seed in seeds:
             print(f"-- {recipe}: seed {seed}, batch {batch}, {args.steps} steps"
                   + (f", tuning only seed 0's choice {choice}" if choice and seed else ""), flush=True)
