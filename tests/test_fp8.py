@@ -21,7 +21,7 @@ from adaptive_amp import fp8  # noqa: E402
 from adaptive_amp.detectors import LayerStats, SeriesView  # noqa: E402
 from adaptive_amp.fp8 import eligibility  # noqa: E402
 
-from conftest import requires_cuda  # noqa: E402
+from conftest import quiet_torchao, requires_cuda  # noqa: E402
 
 
 def _conv1d(n_in, n_out, like: nn.Linear = None):
@@ -220,6 +220,27 @@ def test_capture_inputs_sees_each_layer_and_leaves_no_hook():
     assert few.inputs["lm_head"][1].shape == (5, hidden) and few.shapes["lm_head"] == [(2, seq, hidden)] * 2
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         fp8.capture_inputs(zm.model, layers, batches, max_tokens=0)
+
+
+def test_captured_inputs_are_shared_by_layers_reading_one_tensor_and_kept_in_the_measured_dtype():
+    from adaptive_amp import zoo
+
+    quiet_torchao()
+    zm = zoo.build("llama", "tiny", seed=0)  # float32
+    layers = fp8.eligible_layers(zm.model, check_device=False).layers
+    batches = [zm.make_batch(2, seed=i) for i in range(2)]
+    wide = fp8.capture_inputs(zm.model, layers, batches, max_tokens=16)
+    kept = fp8.capture_inputs(zm.model, layers, batches, max_tokens=16, dtype=torch.bfloat16)
+    attn = "model.layers.0.self_attn."
+    for k in range(2):  # the query, key and value projections read one tensor: one copy for the three
+        assert kept.inputs[attn + "q_proj"][k] is kept.inputs[attn + "k_proj"][k] is kept.inputs[attn + "v_proj"][k]
+        assert kept.inputs[attn + "q_proj"][k] is not kept.inputs[attn + "o_proj"][k]
+    assert all(x.dtype == torch.bfloat16 for xs in kept.inputs.values() for x in xs)
+    assert all(torch.equal(a.to(torch.bfloat16), b) for name in wide.inputs
+               for a, b in zip(wide.inputs[name], kept.inputs[name]))
+    # What autocast's matmul reads anyway: the measured error is the same.
+    layer = layers[attn + "q_proj"]
+    assert fp8.layer_error(layer, wide.inputs[attn + "q_proj"]) == fp8.layer_error(layer, kept.inputs[attn + "q_proj"])
 
 
 def test_layer_error_is_fp8s_rounding_and_leaves_the_parameters_gradients_alone():

@@ -92,7 +92,7 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
     root = unwrap_model(model)
     found = eligible_layers(root, check_device=gain_fn is None)
     choices: Dict[str, LayerChoice] = {}
-    captured = capture_inputs(model, found.layers, batches, run, max_tokens) if found.layers else None
+    captured = capture_inputs(model, found.layers, batches, run, max_tokens, dtype) if found.layers else None
     timed: Dict[tuple, float] = {}
 
     def gain_of(module, shape, kind) -> float:
