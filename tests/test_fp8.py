@@ -8,6 +8,7 @@ import copy
 import functools
 import logging
 import math
+import re
 
 import numpy as np
 import pytest
@@ -291,6 +292,14 @@ def test_selection_puts_layers_that_gain_and_tolerate_fp8_in_it_each_with_its_re
     assert "above 0.001 in fp8-rowwise (which gains 1.12x)" in strict["0"].reason
     assert "fp8-rowwise" in strict["0"].errors and "fp8-tensorwise" not in strict["0"].errors
     assert str(choices["0"]).startswith("0: fp8-tensorwise (gains 1.31x")
+    # Where the time went, and the map's reasons say it.
+    spent = {}
+    fp8.select_fp8_layers(model, batches, gain_fn=gain_fn, max_tokens=16, seconds=spent)
+    assert set(spent) == {"inputs", "gains", "errors", "shapes"} and spent["shapes"] == 4
+    assert all(spent[k] >= 0 for k in ("inputs", "gains", "errors")) and spent["errors"] > 0
+    measured = fp8.measure_fp8_map(model, batches, gain_fn=gain_fn, max_tokens=16)
+    assert re.fullmatch(r"fp8: 3 layers measured in [0-9.]+ s \(inputs [0-9.]+ s, 4 gains timed in [0-9.]+ s, "
+                        r"errors [0-9.]+ s\)", measured.reasons[-1]), measured.reasons[-1]
 
 
 def test_selection_prefers_the_faster_recipe_that_tolerates_and_names_bad_arguments():

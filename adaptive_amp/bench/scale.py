@@ -209,6 +209,9 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
         amp = AdaptiveMixedPrecision(model, opt, policy=policy, progress=False, fp8=fp8)
         if fp8 is not None:
             info["fp8_layers"] = sum(kind.startswith("fp8-") for kind in amp.adjuster.layer_kinds.values())
+            info["fp8_measured"] = next((r for r in amp.policy.reasons if r.startswith("fp8: ") and
+                                         " measured in " in r), None)
+            print(f"   {recipe}: {info['fp8_layers']} layers in fp8; {info['fp8_measured']}", flush=True)
     info.update(tuning_seconds=round(time.perf_counter() - t0, 2), policy=str(amp.policy))
     return Trainer(recipe, zm, model, lambda batch: amp.train_step(lambda: zm.loss(model, batch)), amp, info)
 

@@ -17,6 +17,7 @@ Layers of the same class and shapes are timed once.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 
@@ -64,7 +65,8 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
                       dtype: torch.dtype = torch.bfloat16, warmup: int = 5, iters: int = 20,
                       compiled: bool = False, max_tokens: Optional[int] = 8192,
                       gain_fn: Optional[GainFn] = None,
-                      weight_dtype: Optional[torch.dtype] = None) -> Dict[str, LayerChoice]:
+                      weight_dtype: Optional[torch.dtype] = None,
+                      seconds: Optional[Dict[str, float]] = None) -> Dict[str, LayerChoice]:
     """name -> :class:`LayerChoice` for every nn.Linear and Conv1D of `model` (module order).
 
     batches: a few sample batches; each layer's inputs are captured from ``run(model, batch)`` (see
@@ -81,6 +83,8 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
     weight_dtype: the dtype the layers' weights will train in, when not the one they have now (bfloat16 for
         bf16-weights and bf16-pure): each gain is then timed on a copy of the layer with its parameters in it
         (the bf16 baseline then casts no weight, and fp8 casts from bf16, as in that training run).
+    seconds: a dict to fill with where the time went: ``inputs`` (capturing them), ``gains`` (timing each
+        distinct shape and kind), ``errors`` (every layer's), and ``shapes``, how many gains were timed.
 
     Nothing on the model changes. When fp8 cannot run here (torchao missing, no GPU with fp8 matmuls) and no
     `gain_fn` is given, every layer is skipped with that reason."""
@@ -92,19 +96,24 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
     root = unwrap_model(model)
     found = eligible_layers(root, check_device=gain_fn is None)
     choices: Dict[str, LayerChoice] = {}
+    spent = {"inputs": 0.0, "gains": 0.0, "errors": 0.0}
+    began = time.perf_counter()
     captured = capture_inputs(model, found.layers, batches, run, max_tokens, dtype) if found.layers else None
+    spent["inputs"] = time.perf_counter() - began
     timed: Dict[tuple, float] = {}
 
     def gain_of(module, shape, kind) -> float:
         key = (type(module), matmul_sizes(module), module.bias is not None, tuple(shape),
                weight_dtype or module.weight.dtype, str(module.weight.device), kind)
         if key not in timed:
+            began = time.perf_counter()
             layer = module if weight_dtype in (None, module.weight.dtype) else _retyped(module, weight_dtype)
             if gain_fn is not None:
                 timed[key] = float(gain_fn(layer, shape, kind))
             else:
                 timed[key] = layer_gain(layer, shape, kind, dtype=dtype, warmup=warmup, iters=iters,
                                         compiled=compiled).gain
+            spent["gains"] += time.perf_counter() - began
         return timed[key]
 
     for name, module in root.named_modules():
@@ -119,7 +128,9 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
             continue
         shape = max(captured.shapes[name], key=lambda s: torch.Size(s).numel())
         gains = {k: gain_of(module, shape, k) for k in kinds}
-        errors = {k: layer_error(module, xs, k, dtype=dtype) for k in kinds}
+        began = time.perf_counter()
+        errors = {k: layer_error(module, xs, k, dtype=dtype) for k in kinds}  # (each reads a sum: synchronized)
+        spent["errors"] += time.perf_counter() - began
         fits = [k for k in kinds if gains[k] >= min_gain and errors[k].worst <= max_error]
         if fits:
             best = max(fits, key=lambda k: gains[k])
@@ -138,6 +149,8 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
             reason = (f"skipped: error {errors[least].worst:.1e} above {max_error:g} in {least} "
                       f"(which gains {gains[least]:.2f}x)")
         choices[name] = LayerChoice(name, None, reason, gains, errors)
+    if seconds is not None:
+        seconds.update(spent, shapes=len(timed))
     return choices
 
 

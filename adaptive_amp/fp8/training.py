@@ -60,7 +60,9 @@ class Fp8Map:
 def measure_fp8_map(model: nn.Module, batches: Iterable[Any], **options) -> Fp8Map:
     """The :class:`Fp8Map` of :func:`select_fp8_layers` on `model` and `batches` (``**options``: its keyword
     arguments). Nothing on the model changes."""
-    choices = select_fp8_layers(model, batches, **options)
+    spent = options.pop("seconds", None)
+    spent = {} if spent is None else spent
+    choices = select_fp8_layers(model, batches, seconds=spent, **options)
     layers, reasons, why_not = [], [], []
     for choice in choices.values():
         if choice.kind is not None:
@@ -79,6 +81,9 @@ def measure_fp8_map(model: nn.Module, batches: Iterable[Any], **options) -> Fp8M
         why_none = (why_not[0] if len(shared) == 1 else
                     f"no layer gains and tolerates fp8 ({len(why_not)} measured: " + "; ".join(reasons[:3])
                     + ("; ..." if len(reasons) > 3 else "") + ")")
+    total = spent["inputs"] + spent["gains"] + spent["errors"]
+    reasons.append(f"fp8: {len(choices)} layers measured in {total:.1f} s (inputs {spent['inputs']:.1f} s, "
+                   f"{spent['shapes']} gains timed in {spent['gains']:.1f} s, errors {spent['errors']:.1f} s)")
     # A repeated block's layers that all went the same way are one pattern entry: the policy string of a
     # 32-layer model then reads as its block does, not as 225 names.
     return Fp8Map(tuple(collapse_names(layers, model)), tuple(reasons), why_none)
