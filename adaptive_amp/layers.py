@@ -132,24 +132,26 @@ def collapse_names(entries: Sequence[Tuple[str, str]], model: nn.Module) -> List
     ``model.layers.0.mlp.up_proj`` ... ``model.layers.31.mlp.up_proj``, all fp8, become
     ``model.layers.*.mlp.up_proj``. A pattern (each numeric part of the name a ``*``) is written only where the
     layers of `model` it matches (as :func:`expand_names` reads it) are exactly the entries it replaces, two or
-    more; it takes the place of the first of them. Other entries are kept as they are, in order."""
+    more, each named by no other entry (so that no later entry's precedence moves); it takes the place of the
+    first of them. Other entries are kept as they are, in order."""
     def pattern_of(name: str) -> str:
         return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
     names = [n for n, _ in find_layers(model)]
+    uses: dict = {}
     groups: dict = {}
     for name, value in entries:
+        uses[name] = uses.get(name, 0) + 1
         groups.setdefault((pattern_of(name), value), []).append(name)
+    collapsed = {key for key, members in groups.items()
+                 if len(members) > 1 and key[0] not in members and all(uses[n] == 1 for n in members)
+                 and sorted(n for n in names if fnmatch.fnmatchcase(n, key[0])) == sorted(members)}
     out, done = [], set()
     for name, value in entries:
-        pattern = pattern_of(name)
-        members = groups[(pattern, value)]
-        if len(members) < 2 or pattern == name:
+        key = (pattern_of(name), value)
+        if key not in collapsed:
             out.append((name, value))
-        elif (pattern, value) not in done:
-            done.add((pattern, value))
-            if sorted(n for n in names if fnmatch.fnmatchcase(n, pattern)) == sorted(members):
-                out.append((pattern, value))
-            else:
-                out.extend((n, value) for n in members)
+        elif key not in done:
+            done.add(key)
+            out.append(key)
     return out

@@ -274,8 +274,10 @@ class PrecisionPolicy:
         return {**dict(self.layers), **{name: "fp32" for name in self.islands}}
 
     def with_layer(self, name: str, kind: Optional[str]) -> "PrecisionPolicy":
-        """This policy with layer (or pattern) `name` moved to `kind` (one of LAYER_KINDS; None: no entry, the
-        policy's own precision): its island and its entry of another kind are dropped first."""
+        """This policy with layer (or pattern) `name` moved to `kind` (one of LAYER_KINDS; None: no entry of its
+        own): its island and its entry of another kind are dropped first. A pattern entry that matches `name`
+        (a measured fp8 map writes a repeated block's layers as ``model.layers.*.mlp.up_proj``) still applies to
+        it after ``kind=None``; give the layer a kind to move it out of the pattern."""
         name = canonical_name(name)
         if kind is not None and kind not in LAYER_KINDS:
             raise ValueError(f"kind is {kind!r}; expected one of {', '.join(LAYER_KINDS)} or None")

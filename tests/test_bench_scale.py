@@ -125,9 +125,37 @@ def test_scale_verdict_compares_losses_only_at_torchs_batch_and_the_same_steps()
     # At torch's batch and steps: judged against the spread, whatever the speed run's batch.
     lines = loss_lines(r("bf16-pure+fp8", 1.5, batch=8, tps=160.0), r("bf16-pure+fp8", 2.06),
                        r("bf16-pure+fp8", 2.08, seed=1))
-    assert lines == ["Loss after 500 steps at batch 3: ours 2.0700 (2 seed(s)) against torch's 2.0500 (its seeds "
-                     "2.0000 .. 2.1000): inside torch's seed spread."]
+    assert lines == ["Loss after 500 steps at batch 3: ours (bf16-pure+fp8) 2.0700 (2 seed(s)) against torch's "
+                     "2.0500 (its seeds 2.0000 .. 2.1000): inside torch's seed spread."]
     assert "outside" in loss_lines(r("bf16-pure+fp8", 2.4))[0]
+    # A tuned run names what it chose at that batch.
+    assert "ours (tune, chose bf16-weights) 2.0600" in loss_lines(dict(r("tune", 2.06), chosen="bf16-weights"))[0]
+    # Where torch has a spread wins over a longer single run.
+    torch_runs.append(r("torch-bf16", 2.3, steps=600))
+    assert loss_lines(r("bf16-pure+fp8", 2.06), r("bf16-pure+fp8", 2.5, steps=600))[0].startswith(
+        "Loss after 500 steps")
+    # torch's only run at its batch stopped early: said so, not as a difference of steps.
+    torch_runs[:] = [dict(r("torch-bf16", 2.0), stopped_early=True)]
+    assert "torch's torch-bf16 has no complete run at its batch (3)" in loss_lines(r("bf16-pure+fp8", 2.06))[0]
+
+
+def test_scale_seed_zero_run_again_gives_the_other_seeds_its_new_choice(tmp_path, monkeypatch):
+    choices = iter(["bf16-weights", "bf16"])
+    given = []
+
+    def fake_run(recipe, shape, batch, seed, device, args, choice=None):
+        given.append((seed, choice))
+        return dict(recipe=recipe, seed=seed, batch=batch, steps=3, steady_tokens_per_s=1.0, tokens_per_s=1.0,
+                    peak_gib=None, final_loss=1.0, checkpointing=False,
+                    chosen=next(choices) if seed == 0 else choice)
+    monkeypatch.setattr(scale, "run", fake_run)
+    out = tmp_path / "scale.json"
+    common = ["--tiny", "--device", "cpu", "--steps", "3", "--recipes", "tune", "--json", str(out)]
+    assert scale.main(common) == 0
+    assert scale.main([*common, "--seeds", "2", "--resume"]) == 0
+    assert given == [(0, None), (0, None), (1, "bf16")]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["seed"], r["chosen"]) for r in runs] == [(0, "bf16"), (1, "bf16")]
 
 
 @pytest.mark.cuda

@@ -239,6 +239,16 @@ def test_captured_inputs_are_shared_by_layers_reading_one_tensor_and_kept_in_the
     assert all(x.dtype == torch.bfloat16 for xs in kept.inputs.values() for x in xs)
     assert all(torch.equal(a.to(torch.bfloat16), b) for name in wide.inputs
                for a, b in zip(wide.inputs[name], kept.inputs[name]))
+    # A tensor written in place between two layers is copied again.
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def run(model, x):
+        first(x)
+        x.mul_(10)
+        second(x)
+    seen = fp8.capture_inputs(nn.Sequential(first, second), {"0": first, "1": second}, [torch.ones(2, 8)], run,
+                              max_tokens=4)
+    assert torch.equal(seen.inputs["0"][0], torch.ones(2, 8)) and torch.equal(seen.inputs["1"][0], torch.ones(2, 8) * 10)
     # What autocast's matmul reads anyway: the measured error is the same.
     layer = layers[attn + "q_proj"]
     assert fp8.layer_error(layer, wide.inputs[attn + "q_proj"]) == fp8.layer_error(layer, kept.inputs[attn + "q_proj"])

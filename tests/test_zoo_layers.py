@@ -195,3 +195,7 @@ def test_collapse_names_writes_a_repeated_blocks_layers_once_where_the_pattern_m
     assert ("model.layers.0.self_attn.k_proj", "fp8-tensorwise") in out
     assert not any(n == "model.layers.*.self_attn.k_proj" for n, _ in out)
     assert collapse_names([], zm.model) == []
+    # A layer named twice keeps its entries where they were: the later one still wins.
+    q = [(f"model.layers.{i}.self_attn.q_proj", "fp8-tensorwise") for i in range(2)]
+    twice = [q[0], ("model.layers.1.self_attn.q_proj", "bf16"), q[1]]
+    assert collapse_names(twice, zm.model) == twice

@@ -375,23 +375,31 @@ def _loss_lines(runs: List[dict], ours: str, torch_best: dict) -> List[str]:
     more tokens a step, so its loss is not comparable) and the same number of steps, the most steps both have."""
     batch, recipe = torch_best["batch"], torch_best["recipe"]
     complete = [r for r in runs if "error" not in r and not r.get("stopped_early") and r.get("batch") == batch]
-    theirs = {r["steps"] for r in complete if r["recipe"] == recipe}
+    theirs = [r["steps"] for r in complete if r["recipe"] == recipe]
     mine = {r["steps"] for r in complete if r["recipe"] == ours}
+    again = "with --json PATH --resume: the runs join this report"
+    if not theirs:
+        return [f"Loss: torch's {recipe} has no complete run at its batch ({batch}); run --recipes {recipe} "
+                f"--batch {recipe}={batch} --seed 0 (and 1), {again}."]
     if not mine:
         return [f"Loss: ours ({ours}) has no complete run at torch's batch ({batch}), the only batch its loss can be "
-                f"compared at; run --recipes {ours} --batch {ours}={batch} --seed 0 (and 1)."]
-    steps = max(theirs & mine, default=None)
-    if steps is None:
+                f"compared at; run --recipes {ours} --batch {ours}={batch} --seed 0 (and 1), {again}."]
+    common = mine & set(theirs)
+    if not common:
         return [f"Loss: ours and torch's runs at batch {batch} ran different numbers of steps ({sorted(mine)} "
-                f"against {sorted(theirs)}); run both with the same --steps."]
+                f"against {sorted(set(theirs))}); run both with the same --steps."]
+    steps = max(common, key=lambda n: (theirs.count(n) > 1, n))  # where torch has a spread, then the longest
     torch_losses = [r["final_loss"] for r in complete if r["recipe"] == recipe and r["steps"] == steps]
-    our_losses = [r["final_loss"] for r in complete if r["recipe"] == ours and r["steps"] == steps]
+    mine_runs = [r for r in complete if r["recipe"] == ours and r["steps"] == steps]
+    our_losses = [r["final_loss"] for r in mine_runs]
+    chose = sorted({r["chosen"] for r in mine_runs if r.get("chosen")})
+    what = f"ours ({ours}" + (f", chose {', '.join(chose)}" if chose else "") + ")"
     mean, theirs_mean = statistics.mean(our_losses), statistics.mean(torch_losses)
     if len(torch_losses) < 2:
-        return [f"Loss after {steps} steps at batch {batch}: ours {mean:.4f}, torch's {theirs_mean:.4f} (one seed: "
-                f"no spread to judge by; --seed 1 too)."]
+        return [f"Loss after {steps} steps at batch {batch}: {what} {mean:.4f}, torch's {theirs_mean:.4f} (one "
+                f"seed: no spread to judge by; --seed 1 too)."]
     lo, hi = min(torch_losses), max(torch_losses)
-    return [f"Loss after {steps} steps at batch {batch}: ours {mean:.4f} ({len(our_losses)} seed(s)) against "
+    return [f"Loss after {steps} steps at batch {batch}: {what} {mean:.4f} ({len(our_losses)} seed(s)) against "
             f"torch's {theirs_mean:.4f} (its seeds {lo:.4f} .. {hi:.4f}): "
             f"{'inside' if abs(mean - theirs_mean) <= hi - lo else 'outside'} torch's seed spread."]
 
@@ -604,7 +612,8 @@ def main(argv=None) -> int:
             print(f"-- {recipe}: seed {seed}, batch {batch}, {args.steps} steps"
                   + (f", tuning only seed 0's choice {choice}" if choice and seed else ""), flush=True)
             r = run(recipe, shape, batch, seed, device, args, choice if seed else None)
-            choice = choice or r.get("chosen")
+            if seed == 0:  # (run again now: its choice is the one the other seeds take)
+                choice = r.get("chosen")
             report["runs"] = [old for old in report["runs"] if (old.get("recipe"), old.get("seed"), old.get("batch"))
                               != (recipe, seed, batch)] + [r]
             save()

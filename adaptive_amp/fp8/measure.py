@@ -50,15 +50,17 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
     ``run(model, batch)`` (default: ``model(**batch)`` for a dict, ``model(*batch)`` for a tuple, else
     ``model(batch)``) ran on each batch, without gradients. `max_tokens`: keep at most that many rows
     (positions) of each input, as ``(rows, features)``, so that a large model's captures fit beside it; the
-    shapes are kept whole. With `max_tokens`, layers called one after another on the same tensor (a block's
-    query, key and value projections) share one kept copy, and `dtype` (the autocast dtype the layers will be
-    measured under, which their matmuls read anyway) keeps wider floating inputs in it. A layer not called
-    has no entry."""
+    shapes are kept whole. With `max_tokens`, layers called one after another on the same, unchanged tensor (a
+    block's query, key and value projections) share one kept copy, and `dtype` (the autocast dtype the layers
+    will be measured under, which their matmuls read anyway) keeps wider floating inputs in it; without
+    `max_tokens` the inputs are kept as they are. A layer not called has no entry."""
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1 (or None: all), got {max_tokens}")
     run = run or _call
     out = Captured({}, {})
-    last: List[Any] = [None, None]  # the last input seen (held, so that `is` cannot meet a recycled one), its copy
+    # The last input seen (held, so that `is` cannot meet a recycled one), its version (a tensor written in place
+    # between two layers is copied again), and its copy.
+    last: List[Any] = [None, None, None]
 
     def hook_for(name):
         def hook(module, args):
@@ -66,11 +68,11 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
                 x = args[0].detach()
                 out.shapes.setdefault(name, []).append(tuple(x.shape))
                 if max_tokens is not None:
-                    if last[0] is not args[0]:
+                    if last[0] is not args[0] or last[1] != args[0]._version:
                         kept = x.reshape(-1, x.shape[-1])[:max_tokens]
                         wider = dtype is not None and kept.dtype.itemsize > dtype.itemsize
-                        last[:] = [args[0], kept.to(dtype) if wider else kept.clone()]
-                    x = last[1]
+                        last[:] = [args[0], args[0]._version, kept.to(dtype) if wider else kept.clone()]
+                    x = last[2]
                 out.inputs.setdefault(name, []).append(x)
         return hook
 
