@@ -291,7 +291,7 @@ def run(recipe: str, shape: dict, batch: int, seed: int, device, args, choice=No
         trainer = make_trainer(recipe, shape, seed, device, args, batches[:8], choice)
         print(f"   {recipe}: built and set up in {time.perf_counter() - began:.0f} s; training", flush=True)
         r = timed_loop(trainer.step, batches, args.steps, device, batch * shape["seq_len"], deadline)
-        r.update(trainer.info, recipe=recipe, seed=seed, batch=batch)
+        r.update(trainer.info, recipe=recipe, seed=seed, batch=batch, steps_asked=args.steps)
         peak = f"peak {r['peak_gib']:.1f} GiB, " if r["peak_gib"] is not None else ""
         print(f"   {recipe}: {r['steps']} steps, {r['steady_tokens_per_s']:.0f} tokens/s at steady state, {peak}"
               f"final loss {r['final_loss']:.4f} (first step "
@@ -340,7 +340,8 @@ def verdict(report: dict) -> List[str]:
     for r in runs:
         if r.get("stopped_early"):
             lines.append(f"{r['recipe']} (seed {r['seed']}) stopped after {r['steps']} of "
-                         f"{report['args']['steps']} steps (--max-seconds): its final loss is not comparable.")
+                         f"{r.get('steps_asked', report['args']['steps'])} steps (--max-seconds): its final loss is "
+                         "not comparable.")
     if ours is None:
         return lines + ["No run of ours finished: nothing to compare."]
     what = f"ours ({ours['recipe']}" + (f", chose {ours['chosen']}" if "chosen" in ours else "") + \
