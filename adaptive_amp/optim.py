@@ -275,6 +275,31 @@ def _check_lr(lr):
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def _placement(t) -> str:
+    return f"{tuple(t.placements)} on {t.device_mesh}" if _is_dtensor(t) else "a plain tensor"
+
+
+def _global_sumsq(params, local: Tensor) -> Tensor:
+    """Per param, the sum of squares of its whole gradient from `local` (each rank's shard's): summed over
+    the mesh dimensions a param is sharded on (one all-reduce per mesh and placement), as is over the others."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    out = local.clone()
+    by_layout: dict = {}
+    for i, p in enumerate(params):
+        if _is_dtensor(p):
+            by_layout.setdefault((p.device_mesh, tuple(p.placements)), []).append(i)
+    for (mesh, placements), index in by_layout.items():
+        partial = [Partial() if isinstance(pl, Shard) else pl for pl in placements]
+        rows = torch.tensor(index, device=local.device)
+        out[rows] = DTensor.from_local(local[rows], mesh, partial, run_check=False).full_tensor()
+    return out
+
+
 def _by_device(params):
     groups = {}
     for p in params:
@@ -473,11 +498,6 @@ class _Fused(torch.optim.Optimizer):
         """Validates the group's lists as the functional ops do (raising before anything is written),
         creates missing state and returns a plan, or None when a plan cannot describe the group."""
         name = type(self).__name__
-        for p in group["params"]:
-            if type(p).__name__ == "DTensor":
-                raise TypeError(f"{self._param_name(group, p)} is a DTensor (FSDP2's fully_shard, or tensor "
-                                f"parallelism): {name}'s fused step takes plain tensors; use a torch.optim "
-                                "optimizer (e.g. torch.optim.AdamW) for sharded parameters")
         with_grad = self._params_with_grad(group, name)
         for p in with_grad:  # before any state is created in its layout (the state would then be blamed)
             if not _native._dense_layout(p):
@@ -578,6 +598,8 @@ class _Fused(torch.optim.Optimizer):
             torch.autograd.graph.increment_version(dp.params)
 
     def _step_group(self, group, hyper, grad_scale, found_inf, sums=None):
+        if any(_is_dtensor(p) for p in group["params"]):
+            return self._sharded_step(group, hyper, grad_scale, found_inf, sums)
         plans = self.__dict__.get("_plans")
         if plans is None:
             plans = self._plans = {}
@@ -593,10 +615,31 @@ class _Fused(torch.optim.Optimizer):
             plans[id(group)] = plan
         self._launch(plan, group, hyper, grad_scale, found_inf, sums)
 
-    def _functional_step(self, group, first, hyper, grad_scale, found_inf, sums=None):
+    def _sharded_step(self, group, hyper, grad_scale, found_inf, sums=None):
+        """A step of a group with DTensor params (FSDP2's fully_shard): each rank steps its own shards through
+        the functional op (the update is elementwise), the state DTensors sharded as the params are (what
+        torch's optimizers keep, and torch.distributed.checkpoint saves). The gradient norm, when tracked, is
+        the global one: the shards' sums of squares are reduced over each param's mesh."""
+        name = type(self).__name__
+        ps = self._params_with_grad(group, name)
+        for p in ps:  # (before anything is written)
+            if _is_dtensor(p) != _is_dtensor(p.grad) or \
+                    (_is_dtensor(p) and (p.grad.placements != p.placements or p.grad.device_mesh != p.device_mesh)):
+                raise ValueError(f"{self._param_name(group, p)} is sharded as {_placement(p)} but its gradient as "
+                                 f"{_placement(p.grad)}: {name} steps each rank's shard of both, so they must be "
+                                 "sharded alike (as fully_shard's reduce-scatter leaves them)")
+        first = self._init_state(group, ps)
+        local = [] if sums is not None else None
+        self._functional_step(group, first, hyper, grad_scale, found_inf, local, shards=True)
+        if sums is not None and local:  # (the functional step's sums: per device, in _by_device's order)
+            sums.append(_global_sumsq([p for _, on in _by_device(ps) for p in on], torch.cat(local)))
+
+    def _functional_step(self, group, first, hyper, grad_scale, found_inf, sums=None, shards=False):
         lr, beta1, beta2, eps, momentum, dampening, nesterov, weight_decay, maximize, sr = hyper
         for _, ps in _by_device(self._params_with_grad(group, type(self).__name__)):
             lists, _, _ = self._lists(group, ps)
+            if shards:  # each rank's own part of every DTensor (a view: the step writes the params' shards)
+                lists = [[t.to_local() if _is_dtensor(t) else t for t in xs] for xs in lists]
             common = dict(lr=lr, weight_decay=weight_decay, maximize=maximize, stochastic_rounding=sr,
                           grad_scale=grad_scale, found_inf=found_inf, generator=self.generator,
                           grad_sumsq=sums is not None)
@@ -628,7 +671,9 @@ class AdamW(_Fused):
     gradients it read; see :meth:`step`).
     ``amsgrad``, ``differentiable`` and a Tensor ``lr`` are refused;
     ``foreach``, ``capturable`` and ``fused`` are accepted and have no effect
-    (the step is always fused and capturable).
+    (the step is always fused and capturable). FSDP2's sharded (DTensor)
+    parameters are stepped shard by shard, their state sharded alike, and
+    ``last_grad_norm`` is the whole model's.
     """
 
     _moment_keys = ("exp_avg", "exp_avg_sq")
