@@ -79,7 +79,7 @@ from .optim import _Fused
 from .names import fp8_preset
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name, recipe_policy
 from .layer_precision import OwnedHandles
-from .recipes import cast_for_policy, policy_hooks
+from .recipes import cast_for_policy, policy_hooks, sharded_cast_refusal
 from .scaler import GradScaler, OptState, _takes_grad_scaler
 from .step_result import HostSlots, StepResult
 
@@ -466,6 +466,9 @@ class AdaptiveMixedPrecision:
             raise ValueError("a policy with params=bfloat16 throughout (bf16-pure) cannot have fp32 islands: an "
                              "island computes in float32 and its weights would be bfloat16; use scope=matmul "
                              "(bf16-weights), whose islands keep fp32 weights, or params=float32")
+        why = sharded_cast_refusal(self.model, policy)
+        if why:
+            raise ValueError(f"policy {policy}: {why}")
         from . import optim
 
         for opt in self.optimizers:

@@ -54,7 +54,8 @@ import torch
 from ._process_group import world_group
 from .monitor import Event
 from .policy import dtype_name
-from .recipes import cast_for_policy, checkpoint_blocks, convert_optimizer, convertible, find_blocks, policy_hooks
+from .recipes import (cast_for_policy, checkpoint_blocks, convert_optimizer, convertible, find_blocks, policy_hooks,
+                      sharded_cast_refusal)
 
 #: The moves, lightest-cost first (each keeps the data and the optimizer state).
 LADDER = ("bf16-moments", "bf16-weights", "checkpoint")
@@ -83,6 +84,13 @@ class _Move:
     def __init__(self, name: str, step: int, undo: Callable[[], object], freed: int):
         self.name, self.step, self.undo, self.freed = name, step, undo, freed
 
+
+
+def _bf16_weights_policy(policy):
+    """`policy` moved to bf16 weights (the "bf16-weights" move). The islands stay, with their fp32 weights
+    (recipes.cast_matmul_weights keeps them)."""
+    return policy.replace(param_dtype=torch.bfloat16, compute_dtype=torch.bfloat16, param_scope="matmul",
+                          loss_scale=None)
 
 class MemoryGuard:
     """Watches memory headroom and moves the controller to a lighter recipe (see the module docstring).
@@ -258,6 +266,10 @@ class MemoryGuard:
                 return "the parameters are already bfloat16"
             if name == "bf16-weights" and amp.device.type == "cuda" and not amp.capabilities.bf16:
                 return f"bf16 is not native on {amp.capabilities.name}"
+            if name == "bf16-weights":
+                why = sharded_cast_refusal(amp.model, _bf16_weights_policy(amp.policy))
+                if why:
+                    return why
             for i, opt in enumerate(amp.optimizers):
                 if name == "bf16-moments" and isinstance(opt, (optim.AdamW, optim.SGD)) and all(
                         g["moment_dtype"] == torch.bfloat16 for g in opt.param_groups):
@@ -292,9 +304,7 @@ class MemoryGuard:
                                                                      o.param_groups) for o in amp.optimizers):
             undo_opt = self._convert(amp, torch.float32)
         old_policy, old_scaler = amp.policy, amp.scaler
-        # The islands stay, with their fp32 weights (recipes.cast_matmul_weights keeps them).
-        policy = old_policy.replace(param_dtype=torch.bfloat16, compute_dtype=torch.bfloat16, param_scope="matmul",
-                                    loss_scale=None)
+        policy = _bf16_weights_policy(old_policy)
         undo_cast = cast_for_policy(amp.model, policy)
         # The controller's hooks for this policy (embeddings return fp32); amp.remove() removes them with its own.
         old_hooks, amp._policy_hooks = amp._policy_hooks, amp._owned.add(policy_hooks(amp.model, policy))

@@ -385,12 +385,38 @@ def float32_embeddings(model: nn.Module) -> HookHandles:
                        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)))
 
 
+def sharded_cast_refusal(model: nn.Module, policy) -> Optional[str]:
+    """Why :func:`cast_for_policy` cannot cast `model` for `policy` (None: it can). FSDP2 (``fully_shard``)
+    fixes each parameter's dtype when it shards it, and all-gathers a unit's parameters in one dtype: its
+    parameters (DTensors) cannot be cast afterwards, nor split into bf16 matmul weights and float32 norms."""
+    if policy.param_dtype == torch.float32:
+        return None
+    sharded = [(n, p) for n, p in unwrap_model(model).named_parameters() if type(p).__name__ == "DTensor"]
+    if not sharded:
+        return None
+    if policy.param_scope == "matmul":
+        return (f"{sharded[0][0]} is sharded by FSDP2 (a DTensor), and bf16 matmul weights beside float32 norms "
+                "(bf16-weights) would be two dtypes in one sharded unit, which FSDP2 refuses; under FSDP2 keep a "
+                "float32 policy and give fully_shard mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16), "
+                "or train bf16-pure")
+    wrong = [(n, p) for n, p in sharded if p.is_floating_point() and p.dtype != policy.param_dtype]
+    if wrong:
+        return (f"{wrong[0][0]} is sharded by FSDP2 (a DTensor) in {wrong[0][1].dtype}, and FSDP2 fixes a "
+                f"parameter's dtype when fully_shard runs: cast the model before sharding it "
+                f"(model.to({policy.param_dtype}), then fully_shard)")
+    return None
+
+
 def cast_for_policy(model: nn.Module, policy) -> Callable[[], None]:
     """The cast a policy with bf16 parameters makes (returns its undo): param_scope "all" (bf16-pure) every
     parameter and buffer (:func:`cast_parameters`), "matmul" (bf16-weights) the matmul layers' weights but the
-    islands' (:func:`cast_matmul_weights`). The controller, the trials and a recipe run alone all cast with this."""
+    islands' (:func:`cast_matmul_weights`). The controller, the trials and a recipe run alone all cast with this.
+    A model FSDP2 has sharded is refused with :func:`sharded_cast_refusal`'s reason, before anything changes."""
     if policy.param_dtype == torch.float32:
         return lambda: None
+    why = sharded_cast_refusal(model, policy)
+    if why:
+        raise ValueError(f"policy {policy}: {why}")
     if policy.param_scope == "matmul":
         islands, unknown = expand_names(policy.islands, model)
         if unknown:

@@ -213,3 +213,40 @@ def test_a_gradient_sharded_otherwise_than_its_param_is_refused_by_name(one_rank
         opt.step()
     assert all(torch.equal(p.detach().to_local(), b) for p, b in zip(model.parameters(), before))
     assert not opt.state
+
+
+@pytest.mark.parametrize("policy, cast_first, message", [
+    ("bf16-weights", False, "two dtypes in one sharded unit, which FSDP2 refuses"),
+    ("bf16-pure", False, "cast the model before sharding it"),
+])
+def test_a_cast_fsdp2_cannot_take_is_refused_before_anything_changes(one_rank_group, policy, cast_first, message):
+    """FSDP2 fixes each parameter's dtype when fully_shard runs (a later cast broke its all-gather, or left
+    the shards float32 under bf16 DTensors): the controller says so at construction."""
+    from torch.distributed.fsdp import fully_shard
+
+    from adaptive_amp import optim
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 1))
+    fully_shard(model)
+    opt = optim.AdamW(model.parameters(), lr=0.1)
+    before = [(p.dtype, p.detach().to_local().clone()) for p in model.parameters()]
+    with pytest.raises(ValueError, match=message):
+        CollectiveAdaptiveMixedPrecision(model, opt, policy, process_group=one_rank_group, progress=False)
+    assert all(p.dtype == d and torch.equal(p.detach().to_local(), v) for p, (d, v) in zip(model.parameters(), before))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules() if m is not model)
+
+
+def test_bf16_pure_trains_a_model_cast_before_fully_shard(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    from adaptive_amp import optim
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+    model.to(torch.bfloat16)
+    fully_shard(model)
+    amp = CollectiveAdaptiveMixedPrecision(model, optim.AdamW(model.parameters(), lr=1e-2), "bf16-pure",
+                                           process_group=one_rank_group, progress=False)
+    x = torch.randn(16, 8)
+    losses = [float(amp.train_step(lambda: model(x).float().pow(2).mean())) for _ in range(5)]
+    assert losses[-1] < losses[0] and all(p.dtype == torch.bfloat16 for p in model.parameters())
