@@ -85,12 +85,12 @@ class _Move:
         self.name, self.step, self.undo, self.freed = name, step, undo, freed
 
 
-
 def _bf16_weights_policy(policy):
     """`policy` moved to bf16 weights (the "bf16-weights" move). The islands stay, with their fp32 weights
     (recipes.cast_matmul_weights keeps them)."""
     return policy.replace(param_dtype=torch.bfloat16, compute_dtype=torch.bfloat16, param_scope="matmul",
                           loss_scale=None)
+
 
 class MemoryGuard:
     """Watches memory headroom and moves the controller to a lighter recipe (see the module docstring).
