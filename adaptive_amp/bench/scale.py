@@ -28,8 +28,9 @@ The torchao recipes are skipped, with the reason, when torchao is missing or the
 
 Each recipe runs at the largest batch that fits (a short search: 1, 2, 4, ... sequences until a step runs
 out of memory or passes --memory-fraction of the GPU, then one batch between the last that fit and the first
-that did not), or at --batch (one number for every recipe, or ``recipe=N,...``). With --checkpointing auto, a recipe that does not fit one sequence retries with
-activation checkpointing (transformers' ``gradient_checkpointing_enable``). Then --steps steps per seed:
+that did not), or at --batch (one number for every recipe, or ``recipe=N,...``). With --checkpointing auto,
+a recipe that does not fit one sequence retries with activation checkpointing (transformers'
+``gradient_checkpointing_enable``). Then --steps steps per seed:
 tokens/s over the steps after warm-up and at steady state (the median of ten windows), peak memory, and the
 final loss (the mean of the last 10% of the training losses; every batch is new).
 
