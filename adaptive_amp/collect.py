@@ -87,6 +87,7 @@ import torch
 from torch import nn
 
 from . import _native, adjust, ops, stats_torch
+from .layers import compiled_in_place
 
 #: Dtypes tensor_stats reads; other outputs (integer ids, fp64) are not recorded.
 STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -145,13 +146,7 @@ def _compiled_modules(root: nn.Module) -> List[nn.Module]:
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None:  # (nothing compiled in this process)
         return []
-    compiled = []
-    for module in root.modules():
-        if isinstance(module, eval_frame.OptimizedModule):
-            compiled.append(module._orig_mod)
-        elif getattr(module, "_compiled_call_impl", None) is not None:
-            compiled.append(module)
-    return compiled
+    return compiled_in_place(root) + [m._orig_mod for m in root.modules() if isinstance(m, eval_frame.OptimizedModule)]
 
 
 def _compiling() -> bool:

@@ -71,7 +71,7 @@ from torch import nn
 from .adjust import DynamicPrecisionAdjuster
 from .analysis import PrecisionAnalyzer
 from .collect import STATS_DTYPES as _STATS_DTYPES, ActivationCollector
-from .layers import Selector, find_layers, is_compiled, unwrap_model
+from .layers import Selector, find_layers, is_compiled, is_sharded, unwrap_model
 from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor, SumsOfSquares, builtin_values
@@ -933,7 +933,7 @@ class AdaptiveMixedPrecision:
         from .ops import tensor_stats
 
         # FSDP2 gradients are DTensors: each rank takes the statistics of its own shard.
-        grads = [(n, p.grad.to_local() if type(p.grad).__name__ == "DTensor" else p.grad)
+        grads = [(n, p.grad.to_local() if is_sharded(p.grad) else p.grad)
                  for n, p in self._module.named_parameters() if p.grad is not None]
         named = [(n, g.contiguous()) for n, g in grads
                  if not g.is_sparse and g.numel() and g.dtype in _STATS_DTYPES]

@@ -44,11 +44,20 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def compiled_in_place(model: nn.Module) -> List[nn.Module]:
+    """The modules of `model` compiled in place (``module.compile()``: each repeated block, or the whole model)."""
+    return [m for m in unwrap_model(model).modules() if getattr(m, "_compiled_call_impl", None) is not None]
+
+
 def is_compiled(model: nn.Module) -> bool:
-    """Whether `model` runs compiled: a ``torch.compile`` wrapper, or a module of it compiled in place
-    (``module.compile()``: each repeated block, or the whole model)."""
-    return unwrap_model(model) is not model or any(
-        getattr(m, "_compiled_call_impl", None) is not None for m in unwrap_model(model).modules())
+    """Whether `model` runs compiled: a ``torch.compile`` wrapper, or a module of it compiled in place."""
+    return unwrap_model(model) is not model or bool(compiled_in_place(model))
+
+
+def is_sharded(tensor) -> bool:
+    """Whether `tensor` (a parameter, its gradient, an optimizer state, a recorded value) is a DTensor, as FSDP2's
+    ``fully_shard`` and tensor parallelism leave them: each rank holds its shard, or a replica."""
+    return type(tensor).__name__ == "DTensor"
 
 
 def canonical_name(name: str) -> str:

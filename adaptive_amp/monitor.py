@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from . import stats as _stats
+from .layers import is_sharded
 from .detectors import (ActivationOverflow, Detector, Event, GradNormAnomaly, LayerStats, LossSpike, NanLoss,
                         OverflowRate, ScaleCollapse, SeriesView, UnderflowRising)
 
@@ -429,7 +430,7 @@ def _check_int(name: str, value, low: Optional[int], what: str) -> None:
 
 def _check_value(name: str, value) -> None:
     """A step value record_step keeps: None, a real number, a one-element tensor (or DTensor) or SumsOfSquares."""
-    if value is None or isinstance(value, SumsOfSquares) or type(value).__name__ == "DTensor":
+    if value is None or isinstance(value, SumsOfSquares) or is_sharded(value):
         return
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -472,7 +473,7 @@ class SumsOfSquares:
 def _plain(value):
     """A plain tensor for a DTensor: its global value, so that every rank records the same number
     (full_tensor: a replicated one's local tensor, without communication)."""
-    if type(value).__name__ == "DTensor":
+    if is_sharded(value):
         return value.full_tensor()
     return value
 

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from . import _C, _native
 from ._native import BFLOAT16, FLOAT32
+from .layers import is_sharded
 
 _PARAM_DTYPES = (FLOAT32, BFLOAT16)
 _MOMENT_DTYPES = {torch.float32: FLOAT32, torch.bfloat16: BFLOAT16}
@@ -275,12 +276,8 @@ def _check_lr(lr):
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
 def _placement(t) -> str:
-    return f"{tuple(t.placements)} on {t.device_mesh}" if _is_dtensor(t) else "a plain tensor"
+    return f"{tuple(t.placements)} on {t.device_mesh}" if is_sharded(t) else "a plain tensor"
 
 
 def _global_sumsq(params, local: Tensor) -> Tensor:
@@ -291,7 +288,7 @@ def _global_sumsq(params, local: Tensor) -> Tensor:
     out = local.clone()
     by_layout: dict = {}
     for i, p in enumerate(params):
-        if _is_dtensor(p):
+        if is_sharded(p):
             by_layout.setdefault((p.device_mesh, tuple(p.placements)), []).append(i)
     for (mesh, placements), index in by_layout.items():
         partial = [Partial() if isinstance(pl, Shard) else pl for pl in placements]
@@ -598,7 +595,7 @@ class _Fused(torch.optim.Optimizer):
             torch.autograd.graph.increment_version(dp.params)
 
     def _step_group(self, group, hyper, grad_scale, found_inf, sums=None):
-        if any(_is_dtensor(p) for p in group["params"]):
+        if any(is_sharded(p) for p in group["params"]):
             return self._sharded_step(group, hyper, grad_scale, found_inf, sums)
         plans = self.__dict__.get("_plans")
         if plans is None:
@@ -623,8 +620,8 @@ class _Fused(torch.optim.Optimizer):
         name = type(self).__name__
         ps = self._params_with_grad(group, name)
         for p in ps:  # (before anything is written)
-            if _is_dtensor(p) != _is_dtensor(p.grad) or \
-                    (_is_dtensor(p) and (p.grad.placements != p.placements or p.grad.device_mesh != p.device_mesh)):
+            if is_sharded(p) != is_sharded(p.grad) or \
+                    (is_sharded(p) and (p.grad.placements != p.placements or p.grad.device_mesh != p.device_mesh)):
                 raise ValueError(f"{self._param_name(group, p)} is sharded as {_placement(p)} but its gradient as "
                                  f"{_placement(p.grad)}: {name} steps each rank's shard of both, so they must be "
                                  "sharded alike (as fully_shard's reduce-scatter leaves them)")
@@ -639,7 +636,7 @@ class _Fused(torch.optim.Optimizer):
         for _, ps in _by_device(self._params_with_grad(group, type(self).__name__)):
             lists, _, _ = self._lists(group, ps)
             if shards:  # each rank's own part of every DTensor (a view: the step writes the params' shards)
-                lists = [[t.to_local() if _is_dtensor(t) else t for t in xs] for xs in lists]
+                lists = [[t.to_local() if is_sharded(t) else t for t in xs] for xs in lists]
             common = dict(lr=lr, weight_decay=weight_decay, maximize=maximize, stochastic_rounding=sr,
                           grad_scale=grad_scale, found_inf=found_inf, generator=self.generator,
                           grad_sumsq=sums is not None)

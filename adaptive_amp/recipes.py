@@ -41,7 +41,7 @@ from torch import nn
 
 from .adjust import DynamicPrecisionAdjuster, forget_compiled_graphs
 from .layer_precision import apply_kind, base_class
-from .layers import expand_names, unwrap_model
+from .layers import expand_names, is_sharded, unwrap_model
 from .scaler import GradScaler
 
 _MISSING = object()
@@ -391,7 +391,7 @@ def sharded_cast_refusal(model: nn.Module, policy) -> Optional[str]:
     parameters (DTensors) cannot be cast afterwards, nor split into bf16 matmul weights and float32 norms."""
     if policy.param_dtype == torch.float32:
         return None
-    sharded = [(n, p) for n, p in unwrap_model(model).named_parameters() if type(p).__name__ == "DTensor"]
+    sharded = [(n, p) for n, p in unwrap_model(model).named_parameters() if is_sharded(p)]
     if not sharded:
         return None
     if policy.param_scope == "matmul":

@@ -44,6 +44,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from . import _C, _native, ops
+from .layers import is_sharded
 
 __all__ = ["GradScaler", "OptState"]
 
@@ -107,14 +108,14 @@ class _Plan:
                 if not isinstance(param, torch.Tensor):
                     raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
                 # DTensor (FSDP2) gradients hold a local shard: the general path unwraps them.
-                dtensor = _is_dtensor(param)
+                dtensor = is_sharded(param)
                 native = param.dtype in _NATIVE_DTYPES and not dtensor
                 slots, names = by_key.setdefault((param.device, native, dtensor), ([], []))
                 slots.append((params, i))
                 names.append(f"param_groups[{g}]['params'][{i}]")
         self.groups = [_DeviceGroup(device, slots, names, native, by_dtype=not dtensor)
                        for (device, native, dtensor), (slots, names) in by_key.items()]
-        self.sharded = any(_is_dtensor(p) for g in self.groups for p in g.params)
+        self.sharded = any(is_sharded(p) for g in self.groups for p in g.params)
 
 
 class _GradStats:
@@ -170,13 +171,9 @@ def _signature(optimizer):
     return tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
 
 
-def _is_dtensor(t) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
 def _local(grad):
     """The local shard of a DTensor gradient (FSDP2), else the gradient itself."""
-    return grad.to_local() if _is_dtensor(grad) else grad
+    return grad.to_local() if is_sharded(grad) else grad
 
 
 _TENSOR_INDEX = re.compile(r"\btensors\[(\d+)\]")

@@ -135,7 +135,7 @@ import torch
 from torch import nn
 
 from .adjust import forget_compiled_graphs
-from .layers import unwrap_model
+from .layers import compiled_in_place, unwrap_model
 from .recipes import AppliedRecipe, Recipe, convertible, find_blocks
 from .report import _jsonable, _matplotlib, _save, comparison_table
 
@@ -784,7 +784,7 @@ class Tuner:
         self.module = unwrap_model(model) if wrapped else model
         # Modules compiled in place (``module.compile()``: each block, as for large models, or the whole model):
         # their compiled calls are set aside while tuning, so that the screen runs eagerly as for a wrapper.
-        self._in_place = [m for m in self.module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+        self._in_place = compiled_in_place(self.module)
         self.compiled = wrapped or bool(self._in_place)
         self.backend = (_compile_backend(getattr(model, "dynamo_ctx", None)) if wrapped else
                         _compile_backend(_compile_context(self._in_place[0]._compiled_call_impl)) if self._in_place

@@ -68,9 +68,7 @@ def test_the_stochastic_rounding_op_runs():
 
 def test_the_readme_is_a_front_page():
     assert len(README.read_bytes()) <= 12 * 1024, f"README.md is {len(README.read_bytes())} bytes; keep it <= 12 KB"
-    text = README.read_text()
-    history = re.findall(r"(?i)\bsessions?\b|\bissue \d|\bitem \d|\bp = 0\.|bootstrap", text)
-    assert not history, f"the README speaks of how the project was developed: {history}"
+    # (That it does not speak of how the project was developed: test_docs.py, over every page and the README.)
 
 
 def test_the_install_names_every_extra_as_it_installs():

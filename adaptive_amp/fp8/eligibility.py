@@ -19,7 +19,7 @@ from typing import Dict, Iterable, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..layers import unwrap_model
+from ..layers import is_sharded, unwrap_model
 from .config import DIVISOR, MIN_CAPABILITY, TORCHAO_MIN_VERSION, check_kind
 
 
@@ -50,7 +50,7 @@ def layer_unsupported(module: nn.Module) -> Optional[str]:
     if sizes is None:
         return f"a {type(module).__name__}, not an nn.Linear or a transformers Conv1D"
     weight = module.weight
-    if type(weight).__name__ == "DTensor":
+    if is_sharded(weight):
         # (Its training forward would run, on the weight FSDP2 gathers; the guard's recompute, after the step,
         # would meet the shard.)
         return ("its weight is sharded by FSDP2 (a DTensor): fp8 layers of a sharded model are not supported yet, "

@@ -156,8 +156,9 @@ def layer_error(module: nn.Module, inputs: Sequence[torch.Tensor], kind: str = "
         with torch.no_grad(), torch.autocast(x.device.type, dtype=dtype):
             shape = module(x).shape
         # Drawn where the layer runs: on the host, a large model's gradients took minutes to draw.
-        gen = gens.get(x.device) or gens.setdefault(x.device, torch.Generator(device=x.device).manual_seed(seed))
-        grad = torch.randn(shape, generator=gen, device=x.device)
+        if x.device not in gens:
+            gens[x.device] = torch.Generator(device=x.device).manual_seed(seed)
+        grad = torch.randn(shape, generator=gens[x.device], device=x.device)
         ref = _forward_backward(module, x, grad, plain_forward, dtype)
         got = _forward_backward(module, x, grad, lambda m, t: fp8_forward(m, t, kind), dtype)
         for s, a, b in zip(sums, got, ref):
