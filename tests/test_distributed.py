@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from adaptive_amp.distributed import CollectiveAdaptiveMixedPrecision, agree_on_layers, world_group
+from adaptive_amp.layers import is_sharded
 
 dist = torch.distributed
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
@@ -269,3 +272,39 @@ def test_fp8_layers_of_a_sharded_model_are_refused_by_name(one_rank_group, fp8_h
 
     choices = fp8.select_fp8_layers(model, [torch.randn(4, 16)], gain_fn=lambda layer, shape, kind: 2.0)
     assert all(c.kind is None and "sharded by FSDP2" in c.reason for c in choices.values())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_zoo_models_under_fsdp2_bf16_pure_trains_and_bf16_weights_is_refused(one_rank_group, family, compiled):
+    """The zoo's GPT-2 (Conv1D) and Llama sharded per block and at the root, eager and compiled: bf16-pure on
+    the model cast before fully_shard trains with our optimizer; bf16-weights is refused, nothing changed."""
+    from torch.distributed.fsdp import fully_shard
+
+    from adaptive_amp import optim, zoo
+    from adaptive_amp.recipes import find_blocks
+
+    def sharded(cast):
+        zm = zoo.build(family, "tiny", seed=0)
+        if cast:
+            zm.model.to(torch.bfloat16)
+        for _, block in find_blocks(zm.model):
+            fully_shard(block)
+        fully_shard(zm.model)
+        return zm, (torch.compile(zm.model, backend="aot_eager") if compiled else zm.model)
+
+    zm, model = sharded(cast=False)
+    before = {n: (p.dtype, p.detach().to_local().clone()) for n, p in zm.model.named_parameters()}
+    with pytest.raises(ValueError, match="two dtypes in one sharded unit"):
+        CollectiveAdaptiveMixedPrecision(model, optim.AdamW(zm.model.parameters(), lr=1e-3), "bf16-weights",
+                                         process_group=one_rank_group, progress=False)
+    assert all(p.dtype == before[n][0] and torch.equal(p.detach().to_local(), before[n][1])
+               for n, p in zm.model.named_parameters())
+
+    zm, model = sharded(cast=True)
+    amp = CollectiveAdaptiveMixedPrecision(model, optim.AdamW(zm.model.parameters(), lr=1e-2), "bf16-pure",
+                                           process_group=one_rank_group, progress=False, stats_every=2)
+    batch = zm.make_batch(4, seed=0)
+    losses = [float(amp.train_step(lambda: zm.loss(model, batch))) for _ in range(4)]
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+    assert all(p.dtype == torch.bfloat16 and is_sharded(p) for p in zm.model.parameters())
