@@ -128,6 +128,12 @@ def test_scale_verdict_compares_losses_only_at_torchs_batch_and_the_same_steps()
     assert lines == ["Loss after 500 steps at batch 3: ours (bf16-pure+fp8) 2.0700 (2 seed(s)) against torch's "
                      "2.0500 (its seeds 2.0000 .. 2.1000): inside torch's seed spread."]
     assert "outside" in loss_lines(r("bf16-pure+fp8", 2.4))[0]
+    # The other recipes at the same batch and steps are listed beside the judgment; another batch's are not.
+    report = {"device": "NVIDIA H200", "args": {"steps": 500}, "skipped": {}, "search": {},
+              "runs": torch_runs + [r("bf16-pure+fp8", 2.4), r("torchao-tensorwise", 2.3),
+                                    r("bf16-pure", 2.2), r("torchao-rowwise", 2.0, batch=6, tps=90.0)]}
+    assert scale.verdict(report)[-1] == ("Beside them at batch 3 over 500 steps: torchao-tensorwise 2.3000 "
+                                         "(1 seed(s)), bf16-pure 2.2000 (1 seed(s)).")
     # A tuned run names what it chose at that batch.
     assert "ours (tune, chose bf16-weights) 2.0600" in loss_lines(dict(r("tune", 2.06), chosen="bf16-weights"))[0]
     # Where torch has a spread wins over a longer single run.

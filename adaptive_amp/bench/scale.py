@@ -397,13 +397,22 @@ def _loss_lines(runs: List[dict], ours: str, torch_best: dict) -> List[str]:
     chose = sorted({r["chosen"] for r in mine_runs if r.get("chosen")})
     what = f"ours ({ours}" + (f", chose {', '.join(chose)}" if chose else "") + ")"
     mean, theirs_mean = statistics.mean(our_losses), statistics.mean(torch_losses)
+    # The other recipes run at the same batch and steps (torchao's fp8, our recipe without fp8) tell a reader
+    # what each part of a difference comes from.
+    others: Dict[str, List[float]] = {}
+    for r in complete:
+        if r["recipe"] not in (recipe, ours) and r["steps"] == steps:
+            others.setdefault(r["recipe"], []).append(r["final_loss"])
+    beside = [f"Beside them at batch {batch} over {steps} steps: " + ", ".join(
+        f"{name} {statistics.mean(losses):.4f} ({len(losses)} seed(s))" for name, losses in others.items()) + "."
+    ] if others else []
     if len(torch_losses) < 2:
         return [f"Loss after {steps} steps at batch {batch}: {what} {mean:.4f}, torch's {theirs_mean:.4f} (one "
-                f"seed: no spread to judge by; --seed 1 too)."]
+                f"seed: no spread to judge by; --seed 1 too)."] + beside
     lo, hi = min(torch_losses), max(torch_losses)
     return [f"Loss after {steps} steps at batch {batch}: {what} {mean:.4f} ({len(our_losses)} seed(s)) against "
             f"torch's {theirs_mean:.4f} (its seeds {lo:.4f} .. {hi:.4f}): "
-            f"{'inside' if abs(mean - theirs_mean) <= hi - lo else 'outside'} torch's seed spread."]
+            f"{'inside' if abs(mean - theirs_mean) <= hi - lo else 'outside'} torch's seed spread."] + beside
 
 
 def table(report: dict) -> str:
