@@ -447,12 +447,20 @@ class AdaptiveMixedPrecision:
         from .fp8.training import policy_after
 
         watch = self._fp8_watch
-        events = watch.observe(step)  # (nothing outside statistics steps)
+        rows = watch.read()
+        if rows is None:  # (nothing outside statistics steps)
+            return
+        events = watch.decide(step, self._agree_fp8_rows(rows))
         for event in events:
             policy = policy_after(event, self.policy, watch.kinds[event.layer])
             self._decide(event.kind, event.message, policy, layer=event.layer, **event.data)
         if events:
             watch.sync(self.adjuster)
+
+    def _agree_fp8_rows(self, rows: List[dict]) -> List[dict]:
+        """The fp8 guard's rows its decisions are taken from: this process's (under torch.distributed, the
+        same on every rank: adaptive_amp.distributed)."""
+        return rows
 
     def _check_param_dtype(self, policy: PrecisionPolicy) -> None:
         """bf16 parameters ("bf16-pure", "bf16-weights"): insist on optimizers that round stochastically

@@ -20,12 +20,21 @@ in the arithmetic). Its inputs are:
   (one small all-reduce, only at a read step of an overflow storm, which
   every rank reaches together because the storm test itself agrees).
 
+* the fp8 guard's rows (each fp8 layer's input statistics and output error,
+  from each rank's own batch): :func:`agree_on_rows` makes each the worst over
+  ranks (one small all-reduce at a statistics step), so that every rank's
+  guard holds the same history and demotes the same layer at the same step;
+* a measured fp8 map (which layers gain and tolerate fp8, timed and measured
+  on each rank): rank 0's, broadcast, so that every rank runs the same layers
+  in fp8.
+
 The monitor's own detectors (loss spikes and the like) stay per rank: they
 log events and decide nothing.
 """
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -34,7 +43,10 @@ from torch import nn
 from ._process_group import world_group
 from .controller import AdaptiveMixedPrecision
 
-__all__ = ["CollectiveAdaptiveMixedPrecision", "agree_on_layers", "world_group"]
+__all__ = ["CollectiveAdaptiveMixedPrecision", "agree_on_layers", "agree_on_rows", "world_group"]
+
+#: The fp8 guard's row fields agreed over ranks, each as its worst (largest) value on any rank.
+ROW_FIELDS = ("amax", "underflow", "saturated", "error")
 
 
 def agree_on_layers(layers: Sequence[str], candidates: Sequence[str], group=None,
@@ -57,6 +69,38 @@ def agree_on_layers(layers: Sequence[str], candidates: Sequence[str], group=None
     torch.distributed.all_reduce(mask, op=torch.distributed.ReduceOp.MAX, group=group)
     chosen = mask.cpu().tolist()
     return [name for name, hit in zip(candidates, chosen) if hit]
+
+
+def agree_on_rows(rows: Sequence[dict], names: Sequence[str], group=None,
+                  device: Optional[torch.device] = None) -> List[dict]:
+    """The fp8 guard's rows (adaptive_amp.fp8.Fp8Guard), each field the largest over the ranks of `group`:
+    a layer one rank sees in trouble is in trouble. A row comes back for each of `names` (the watched fp8
+    layers, the same on every rank, in the same order) that any rank has, in that order; a non-finite amax
+    stays non-finite, and an error no rank measured stays NaN. Collective: every rank calls it at the same
+    statistics step."""
+    index = {name: i for i, name in enumerate(names)}
+    unknown = [row["name"] for row in rows if row["name"] not in index]
+    if unknown:
+        raise ValueError(f"rows of layers {unknown} are not among the watched layers; every rank must watch a "
+                         "layer for the ranks to agree on it")
+    # -inf: no value on this rank (the maximum takes any rank's); a NaN amax (a non-finite input) goes as +inf.
+    table = torch.full((len(names), len(ROW_FIELDS)), -math.inf, dtype=torch.float64)
+    for row in rows:
+        for j, field in enumerate(ROW_FIELDS):
+            value = float(row.get(field, math.nan))
+            if field == "amax" and math.isnan(value):
+                value = math.inf
+            table[index[row["name"]], j] = -math.inf if math.isnan(value) else value
+    table = table.to(device or torch.device("cpu"))
+    torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX, group=group)
+    agreed = []
+    for name, values in zip(names, table.cpu().tolist()):
+        if values[0] == -math.inf:
+            continue  # no rank read this layer
+        row = {"name": name}
+        row.update((field, math.nan if v == -math.inf else v) for field, v in zip(ROW_FIELDS, values))
+        agreed.append(row)
+    return agreed
 
 
 class CollectiveAdaptiveMixedPrecision(AdaptiveMixedPrecision):
@@ -102,6 +146,17 @@ class CollectiveAdaptiveMixedPrecision(AdaptiveMixedPrecision):
         flag = skip.to(self._comm_device())
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
         return flag.to(skip.device, non_blocking=True)
+
+    def _agree_fp8_rows(self, rows: List[dict]) -> List[dict]:
+        return agree_on_rows(rows, list(self._fp8_watch.kinds), self.process_group, self._comm_device())
+
+    def _measure_fp8(self, name: str, base: str, sample_inputs, overrides):
+        # Each rank measures (under FSDP2 the captures run the sharded forward, a collective); rank 0's map is
+        # the one every rank runs: gains timed on each GPU and errors on each rank's batches may differ.
+        policy = [super()._measure_fp8(name, base, sample_inputs, overrides)]
+        torch.distributed.broadcast_object_list(policy, group=self.process_group, group_src=0,
+                                                device=self._comm_device())
+        return policy[0]
 
     def _loss_finite(self, step: int) -> bool:
         # A NaN loss on one rank alone must count on every rank, or that rank alone would switch.

@@ -60,6 +60,24 @@ def is_sharded(tensor) -> bool:
     return type(tensor).__name__ == "DTensor"
 
 
+def gathered_layer(module: nn.Module) -> nn.Module:
+    """`module` with whole weights, to compute with outside the model's forward: `module` itself when none of
+    its own parameters is sharded; else, under FSDP2, a shallow copy of it whose sharded parameters are their
+    full tensors, new leaves (``DTensor.full_tensor()``, detached: nothing flows back to the shards). Gathering
+    is a collective: every rank of the mesh must call this for the same modules, in the same order, and the
+    copy holds the whole weight until dropped. Outside FSDP2's forward, only the shards are there to read."""
+    if not any(is_sharded(p) for p in module._parameters.values()):
+        return module
+    # A shallow copy (its own parameter dict; the hooks and buffers are the original's), made without calling
+    # the class: FSDP2's module classes construct again in __new__.
+    clone = object.__new__(type(module))
+    clone.__dict__.update(module.__dict__)
+    clone._parameters = {
+        name: nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad) if is_sharded(p) else p
+        for name, p in module._parameters.items()}
+    return clone
+
+
 def canonical_name(name: str) -> str:
     """`name` without torch.compile's ``_orig_mod`` components (``_orig_mod.lm_head`` -> ``lm_head``)."""
     parts = name.split(".")

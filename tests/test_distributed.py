@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from adaptive_amp.distributed import CollectiveAdaptiveMixedPrecision, agree_on_layers, world_group
+from adaptive_amp.distributed import CollectiveAdaptiveMixedPrecision, agree_on_layers, agree_on_rows, world_group
 from adaptive_amp.layers import is_sharded
 
 dist = torch.distributed
@@ -255,23 +255,79 @@ def test_bf16_pure_trains_a_model_cast_before_fully_shard(one_rank_group):
     assert losses[-1] < losses[0] and all(p.dtype == torch.bfloat16 for p in model.parameters())
 
 
-def test_fp8_layers_of_a_sharded_model_are_refused_by_name(one_rank_group, fp8_here):
-    """The fp8 guard recomputes a layer after the step, where FSDP2 holds only the layer's shard: not
-    supported yet, said at construction (it failed at the first statistics step, mixing a DTensor with a
-    tensor); a measured map lists every such layer as skipped, with that reason."""
+def test_agree_on_rows_keeps_each_watched_layers_row_in_order(one_rank_group):
+    rows = [{"name": "b", "amax": math.nan, "underflow": 0.0, "saturated": 0.0},
+            {"name": "a", "amax": 2.0, "underflow": 0.5, "saturated": 0.25, "error": 0.05}]
+    got = agree_on_rows(rows, ["a", "c", "b"], one_rank_group)
+    assert [r["name"] for r in got] == ["a", "b"]  # the watched order; c was read by no rank
+    assert got[0] == {"name": "a", "amax": 2.0, "underflow": 0.5, "saturated": 0.25, "error": 0.05}
+    assert got[1]["amax"] == math.inf and math.isnan(got[1]["error"])  # still not finite; still not measured
+    with pytest.raises(ValueError, match=r"rows of layers \['x'\] are not among the watched layers"):
+        agree_on_rows([{"name": "x", "amax": 1.0}], ["a"], one_rank_group)
+
+
+def _fp8_under_fsdp2(rank, store, out, steps):
+    """Two gloo ranks, a model sharded by FSDP2, policy "bf16+fp8" measured with a gain only rank 0 sees, and
+    the guard at every step. From step 4 rank 1's inputs carry an outlier channel; rank 0's do not."""
+    import datetime
+    import json
+    import logging
+
     from torch.distributed.fsdp import fully_shard
 
-    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"layer '0' cannot run in fp8-tensorwise: its weight is sharded by FSDP2"):
-        CollectiveAdaptiveMixedPrecision(model, opt, "params=float32,compute=bfloat16,layers=0:fp8-tensorwise",
-                                         process_group=one_rank_group, progress=False)
-    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model if m is not model)
-    from adaptive_amp import fp8
+    from adaptive_amp.bench._dist_exit import finish
+    from adaptive_amp.fp8 import Fp8Guard, eligibility
 
-    choices = fp8.select_fp8_layers(model, [torch.randn(4, 16)], gain_fn=lambda layer, shape, kind: 2.0)
-    assert all(c.kind is None and "sharded by FSDP2" in c.reason for c in choices.values())
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    eligibility.device_unsupported = lambda device=None: None  # torch._scaled_mm runs on the CPU
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+        gen = torch.Generator().manual_seed(rank)
+        batches = [torch.randn(16, 32, generator=gen) for _ in range(steps)]
+        amp = CollectiveAdaptiveMixedPrecision(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-3), "bf16+fp8", progress=False, stats_every=1,
+            fp8=dict(batches=batches[:1], gain_fn=lambda layer, shape, kind: 2.0 if rank == 0 else 0.5,
+                     guard=Fp8Guard(min_history=2, window=4)))
+        rows = []
+        for step, x in enumerate(batches):
+            if rank == 1 and step >= 4:
+                x = x.clone()
+                x[:, 3] *= 1e4
+            amp.train_step(lambda: model(x).float().pow(2).mean())
+            rows.append(amp._fp8_watch.rows)
+        with open(out / f"rank{rank}.json", "w") as f:
+            json.dump({"policies": [p for _, p in amp.policy_history], "rows": rows,
+                       "events": [(e.step, e.kind, e.layer) for e in amp.events if e.kind.startswith("fp8")],
+                       "sharded": all(is_sharded(p) for p in model.parameters())}, f)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    finish(0)  # (both ranks leave together: adaptive_amp/bench/_dist_exit.py says why)
+
+
+def test_fp8_layers_of_a_sharded_model_train_and_decide_together(tmp_path):
+    """FSDP2 and fp8: the measured map is rank 0's on every rank (rank 1 alone measured no gain); the guard's
+    recompute gathers each layer's whole weight after the step; its rows are the worst over ranks, so an
+    outlier only rank 1 sees demotes the layer on both ranks at the same step."""
+    pytest.importorskip("torchao")
+    import json
+
+    torch.multiprocessing.spawn(_fp8_under_fsdp2, args=(tmp_path / "store", tmp_path, 6), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    first = ranks[0]["policies"][0]
+    assert first.endswith("layers=*:fp8-tensorwise"), first  # both layers (0 and 2), as one pattern
+    assert ranks[0]["sharded"]
+    assert all(math.isfinite(row["error"]) and row["error"] < 0.15 for row in ranks[0]["rows"][0])
+    events = ranks[0]["events"]  # (the controller counts steps from 1: the loop's step 4 is its 5th)
+    assert events and events[0] == [5, "fp8_demote", "0"] and all(e[:2] == [5, "fp8_demote"] for e in events), events
+    assert "0:bf16" in ranks[0]["policies"][-1]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -308,3 +364,33 @@ def test_zoo_models_under_fsdp2_bf16_pure_trains_and_bf16_weights_is_refused(one
     losses = [float(amp.train_step(lambda: zm.loss(model, batch))) for _ in range(4)]
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
     assert all(p.dtype == torch.bfloat16 and is_sharded(p) for p in zm.model.parameters())
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_zoo_llama_under_fsdp2_trains_measured_fp8_layers_and_guards_them(one_rank_group, fp8_here, compiled):
+    """The zoo's Llama sharded per block and at the root, eager and compiled: "bf16+fp8" measures its layers
+    on the sharded model (each weight gathered), trains them in fp8, and the guard reads every fp8 layer at
+    statistics steps, its recompute on the gathered weight."""
+    from torch.distributed.fsdp import fully_shard
+
+    from adaptive_amp import zoo
+    from adaptive_amp.recipes import find_blocks
+
+    zm = zoo.build("llama", "tiny", seed=0)
+    for _, block in find_blocks(zm.model):
+        fully_shard(block)
+    fully_shard(zm.model)
+    model = torch.compile(zm.model, backend="aot_eager") if compiled else zm.model
+    batch = zm.make_batch(4, seed=0)
+    amp = CollectiveAdaptiveMixedPrecision(
+        model, torch.optim.AdamW(zm.model.parameters(), lr=1e-2), "bf16+fp8", process_group=one_rank_group,
+        progress=False, stats_every=2,
+        fp8=dict(batches=[batch], run=lambda m, b: zm.loss(m, b), gain_fn=lambda layer, shape, kind: 2.0))
+    fp8_layers = [n for n, k in amp.adjuster.layer_kinds.items() if k.startswith("fp8-")]
+    assert len(fp8_layers) >= 4, amp.policy.reasons
+    losses = [float(amp.train_step(lambda: zm.loss(model, batch))) for _ in range(4)]
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+    rows = amp._fp8_watch.rows
+    assert sorted(r["name"] for r in rows) == sorted(fp8_layers)
+    assert all(math.isfinite(r["error"]) and r["error"] < 0.15 for r in rows), rows
+    assert all(is_sharded(p) for p in zm.model.parameters())

@@ -19,7 +19,7 @@ from typing import Dict, Iterable, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..layers import is_sharded, unwrap_model
+from ..layers import unwrap_model
 from .config import DIVISOR, MIN_CAPABILITY, TORCHAO_MIN_VERSION, check_kind
 
 
@@ -50,11 +50,6 @@ def layer_unsupported(module: nn.Module) -> Optional[str]:
     if sizes is None:
         return f"a {type(module).__name__}, not an nn.Linear or a transformers Conv1D"
     weight = module.weight
-    if is_sharded(weight):
-        # (Its training forward would run, on the weight FSDP2 gathers; the guard's recompute, after the step,
-        # would meet the shard.)
-        return ("its weight is sharded by FSDP2 (a DTensor): fp8 layers of a sharded model are not supported yet, "
-                "as the fp8 guard recomputes a layer after the step, where FSDP2 holds only its shard")
     if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
         return f"its weight is not a floating-point tensor ({type(weight).__name__})"
     if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -154,7 +154,7 @@ def layer_error(module: nn.Module, inputs: Sequence[torch.Tensor], kind: str = "
     gens = {}
     for x in inputs:
         with torch.no_grad(), torch.autocast(x.device.type, dtype=dtype):
-            shape = module(x).shape
+            shape = plain_forward(module, x).shape  # (not module(x): none of its hooks)
         # Drawn where the layer runs: on the host, a large model's gradients took minutes to draw.
         if x.device not in gens:
             gens[x.device] = torch.Generator(device=x.device).manual_seed(seed)
@@ -201,7 +201,7 @@ def layer_gain(module: nn.Module, input_shape: Sequence[int], kind: str = "fp8-t
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(tuple(input_shape), device=device, generator=gen).requires_grad_(True)
     with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
-        grad = torch.randn(module(x).shape, device=device, generator=gen, dtype=dtype)
+        grad = torch.randn(plain_forward(module, x).shape, device=device, generator=gen, dtype=dtype)
     params = [p for p in (module.weight, module.bias) if p is not None]
 
     def step(fn):

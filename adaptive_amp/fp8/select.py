@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from ..layers import unwrap_model
+from ..layers import gathered_layer, unwrap_model
 from .config import KINDS, check_kind
 from .eligibility import _conv1d_class, eligible_layers, is_conv1d, matmul_sizes
 from .measure import LayerError, capture_inputs, layer_error, layer_gain
@@ -122,6 +122,8 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
             continue
         if name not in found.layers:
             continue
+        # Under FSDP2 the layer's whole weight, gathered here, on every rank for the same layers (a collective).
+        module = gathered_layer(module)
         xs = captured.inputs.get(name) if captured is not None else None
         if not xs:
             choices[name] = LayerChoice(name, None, "skipped: not called by the sample batches")

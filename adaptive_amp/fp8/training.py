@@ -34,7 +34,7 @@ from torch import nn
 
 from ..detectors import Event
 from ..layer_precision import OwnedHandles
-from ..layers import collapse_names, is_compiled, unwrap_model
+from ..layers import collapse_names, gathered_layer, is_compiled, unwrap_model
 from ..names import FP8_BASES
 from .guard import Fp8Guard, fp8_layer_row
 from .select import select_fp8_layers
@@ -207,20 +207,29 @@ class Fp8Watch:
 
     def observe(self, step: int) -> List[Event]:
         """The guard's events from the inputs captured since the last call (none: no events)."""
-        if not self.due:  # (every step calls this; only a statistics step's has anything to read)
-            return []
+        return self.decide(step, self.read())
+
+    def read(self) -> Optional[List[dict]]:
+        """The rows of the inputs captured since the last call, in the order of :attr:`kinds`; None when nothing
+        was armed since (every step asks; only a statistics step has anything to read). Under FSDP2 each layer's
+        whole weight is gathered for its recompute, on every rank for every watched layer (a collective: a
+        statistics step is one on every rank)."""
+        if not self.due:
+            return None
         self.due = False
-        inputs = {}
-        for name, ref in self._modules.items():
-            module = ref()
-            x = None if module is None else module.__dict__.pop(_KEPT, None)
-            if x is not None:
-                inputs[name] = x
         rows = []
-        for name, x in inputs.items():
-            module = self._modules[name]()
-            if name in self.kinds:
-                rows.append(fp8_layer_row(name, module, x, self.kinds[name], error=self.error))
+        for name, kind in self.kinds.items():
+            module = self._modules[name]() if name in self._modules else None
+            if module is None:
+                continue
+            x = module.__dict__.pop(_KEPT, None)
+            layer = gathered_layer(module) if self.error else module
+            if x is not None:
+                rows.append(fp8_layer_row(name, layer, x, kind, error=self.error))
+        return rows
+
+    def decide(self, step: int, rows: Optional[List[dict]]) -> List[Event]:
+        """The guard's events from `rows` (:meth:`read`'s, or the same agreed over ranks)."""
         if not rows:
             return []
         self.rows = rows
