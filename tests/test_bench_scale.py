@@ -191,3 +191,47 @@ def test_scale_max_seconds_stops_a_run_and_says_its_loss_is_not_comparable(tmp_p
     assert all(len(r["losses"]) == 3 for r in report["runs"])
     assert any("stopped after 3 of 20 steps (--max-seconds)" in line for line in report["verdict"])
     assert not any(line.startswith("Loss after") for line in report["verdict"])
+
+
+def test_scale_fsdp2_refuses_to_run_outside_torchrun_or_without_a_batch(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit):
+        scale.main(["--tiny", "--device", "cpu", "--fsdp2", "--batch", "2"])
+    assert "--fsdp2 runs under torchrun" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        scale.main(["--tiny", "--device", "cpu", "--fsdp2"])
+    assert "--fsdp2: give --batch" in capsys.readouterr().err
+
+
+def _scale_rank(rank, port, out):
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    scale.main(["--tiny", "--device", "cpu", "--fsdp2", "--batch", "2", "--steps", "6",
+                "--recipes", "torch-bf16,bf16-pure,tune,bf16-weights", "--json", str(out)])  # (ends the process)
+
+
+def test_scale_fsdp2_shards_over_two_processes_and_reports_once(tmp_path):
+    """Two gloo processes as torchrun starts them: each recipe sharded, every rank's tokens counted, the
+    losses averaged over ranks; tune and bf16-weights skipped with why; rank 0 alone writes the report."""
+    import socket
+
+    import torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "scale.json"
+    torch.multiprocessing.spawn(_scale_rank, args=(port, out), nprocs=2)
+    report = json.loads(out.read_text())
+    assert report["fsdp2"] == 2
+    runs = {r["recipe"]: r for r in report["runs"]}
+    assert set(runs) == {"torch-bf16", "bf16-pure"}
+    assert all(r["fsdp2"] == 2 and r["ranks"] == 2 and r["batch"] == 2 for r in runs.values())
+    assert runs["bf16-pure"]["policy"].startswith("params=bfloat16")
+    assert runs["torch-bf16"]["final_loss"] < runs["torch-bf16"]["first_loss"]
+    assert "runs in one process" in report["skipped"]["tune"]
+    assert "one dtype per sharded unit" in report["skipped"]["bf16-weights"]
+    assert any(line.startswith("Speed: ours (bf16-pure, batch 2)") for line in report["verdict"])

@@ -34,6 +34,10 @@ a recipe that does not fit one sequence retries with activation checkpointing (t
 tokens/s over the steps after warm-up and at steady state (the median of ten windows), peak memory, and the
 final loss (the mean of the last 10% of the training losses; every batch is new).
 
+On several GPUs (``torchrun --nproc_per_node=N -m adaptive_amp bench scale --fsdp2 --batch B``) each recipe
+runs sharded by FSDP2, B sequences a GPU, its decisions collective (scale_fsdp2.py says how each recipe is
+sharded).
+
 Compiled (--compile): ``blocks`` (the default on a GPU) compiles each decoder layer (``module.compile()``; the
 32 layers share one graph, so compiling takes the time of one layer, as torchtitan does), ``model`` the whole
 model (``torch.compile(model)``), ``off`` none. Every recipe is compiled the same way.
@@ -101,16 +105,23 @@ def build(shape: dict, seed: int, device):
                     next_token_loss, seq, config)
 
 
-def stream(shape: dict, batch: int, n: int, seed: int, device) -> list:
-    """Seed `seed`'s n batches, on the device before any timing (the same for every recipe)."""
+def stream(shape: dict, batch: int, n: int, seed: int, device, rank: int = 0) -> list:
+    """Seed `seed`'s n batches (rank `rank`'s, under --fsdp2), on the device before any timing (the same for
+    every recipe)."""
     from ..zoo.model import causal_lm_batches
 
     make_batch = causal_lm_batches(shape["vocab_size"], shape["seq_len"])
-    return [make_batch(batch, seed=seed * 1_000_003 + k, device=device) for k in range(n)]
+    return [make_batch(batch, seed=seed * 1_000_003 + rank * 100_003 + k, device=device) for k in range(n)]
 
 
-def skip_reason(recipe: str, device) -> Optional[str]:
-    """Why `recipe` cannot run here (None: it can)."""
+def skip_reason(recipe: str, device, sharded: bool = False) -> Optional[str]:
+    """Why `recipe` cannot run here (None: it can); `sharded`: under --fsdp2."""
+    if sharded:
+        from .scale_fsdp2 import skip_reason as sharded_skip_reason
+
+        why = sharded_skip_reason(recipe)
+        if why:
+            return why
     if recipe in TORCHAO_RECIPES:
         from ..fp8 import fp8_unavailable
 
@@ -161,13 +172,23 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
     compiled = args.compile != "off"
     info: Dict[str, object] = {"parameters": zm.num_parameters(), "checkpointing": bool(args.checkpointing_now),
                                "compile": args.compile}
+    sharded = args.world > 1
     if recipe in TORCHAO_RECIPES:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         config = Float8LinearConfig.from_recipe_name(recipe.split("-", 1)[1])
+        if sharded:
+            from .scale_fsdp2 import torchao_config
+
+            config = torchao_config(config, recipe)
         # torchtitan's choice too: the output head stays in bf16 (its gradients feed every layer).
         convert_to_float8_training(zm.model, config=config, module_filter_fn=lambda mod, fqn: fqn != "lm_head"
                                    and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+    if sharded:
+        from .scale_fsdp2 import after_step, shard
+
+        shard(zm.model, recipe, ours=recipe not in TORCH_RECIPES and recipe not in TORCHAO_RECIPES)
+        info["fsdp2"] = args.world
     model = compile_model(zm, args.compile)
     if recipe in TORCH_RECIPES or recipe in TORCHAO_RECIPES:
         opt = torch.optim.AdamW(zm.model.parameters(), lr=args.lr, fused=cuda)
@@ -178,11 +199,17 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if sharded:
+                after_step(zm.model, recipe)
             return loss
         info["policy"] = "autocast bf16" + (f" + torchao float8 {recipe.split('-', 1)[1]}"
-                                            if recipe in TORCHAO_RECIPES else "")
+                                            if recipe in TORCHAO_RECIPES else "") + \
+            (", FSDP2 bf16 params, fp32 reduce" if sharded else "")
         return Trainer(recipe, zm, model, step, info=info)
-    from .. import AdaptiveMixedPrecision
+    if sharded:
+        from ..distributed import CollectiveAdaptiveMixedPrecision as AdaptiveMixedPrecision
+    else:
+        from .. import AdaptiveMixedPrecision
 
     t0 = time.perf_counter()
     if recipe == "tune":
@@ -205,7 +232,7 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
                         moment_dtype=torch.bfloat16 if base.endswith("+bf16-moments") else torch.float32)
         policy = base.replace("+bf16-moments", "") + ("+fp8" if recipe in FP8_RECIPES else "")
         # Each layer's inputs are captured from the eager model; the gains are timed compiled when the run is.
-        fp8 = dict(batches=(tune_batches or stream(shape, 1, 2, 0, device))[:2],
+        fp8 = dict(batches=(tune_batches or stream(shape, 1, 2, 0, device, args.rank))[:2],
                    run=lambda _, batch: zm.loss(zm.model, batch), compiled=compiled) if recipe in FP8_RECIPES else None
         amp = AdaptiveMixedPrecision(model, opt, policy=policy, progress=False, fp8=fp8)
         if fp8 is not None:
@@ -288,10 +315,14 @@ def run(recipe: str, shape: dict, batch: int, seed: int, device, args, choice=No
     began = time.perf_counter()
     deadline = began + args.max_seconds if args.max_seconds is not None else None
     try:
-        batches = stream(shape, batch, args.steps, seed, device)
+        batches = stream(shape, batch, args.steps, seed, device, args.rank)
         trainer = make_trainer(recipe, shape, seed, device, args, batches[:8], choice)
         print(f"   {recipe}: built and set up in {time.perf_counter() - began:.0f} s; training", flush=True)
-        r = timed_loop(trainer.step, batches, args.steps, device, batch * shape["seq_len"], deadline)
+        r = timed_loop(trainer.step, batches, args.steps, device, batch * shape["seq_len"] * args.world, deadline)
+        if args.world > 1:
+            from .scale_fsdp2 import agree
+
+            r = agree(r, args.world)
         r.update(trainer.info, recipe=recipe, seed=seed, batch=batch, steps_asked=args.steps)
         peak = f"peak {r['peak_gib']:.1f} GiB, " if r["peak_gib"] is not None else ""
         print(f"   {recipe}: {r['steps']} steps, {r['steady_tokens_per_s']:.0f} tokens/s at steady state, {peak}"
@@ -479,6 +510,8 @@ _EPILOG = """examples:
   python -m adaptive_amp bench scale --recipes torch-bf16 --batch 1 --steps 100 --json s.json --resume
                                                                                    # one recipe a command
   python -m adaptive_amp bench scale --tiny --device cpu --steps 6                   # CPU smoke run, seconds
+  torchrun --standalone --nproc_per_node=2 -m adaptive_amp bench scale --fsdp2 --batch 4 --steps 500 \
+      --recipes torch-bf16,torchao-tensorwise,bf16-pure+fp8 --json fsdp2.json   # two GPUs, FSDP2
 """
 
 
@@ -521,13 +554,22 @@ def main(argv=None) -> int:
                    help="torch.compile each decoder layer (blocks), the whole model (model) or nothing (off) "
                         "(default: blocks on a GPU, off on the CPU)")
     p.add_argument("--device", default=None, help="cuda (default when torch sees a GPU) or cpu")
+    p.add_argument("--fsdp2", action="store_true",
+                   help="shard the model with FSDP2 over the processes of torchrun (one a GPU); --batch is "
+                        "per GPU (adaptive_amp/bench/scale_fsdp2.py)")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (a CPU smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write every run, the searches and the verdict as JSON")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in --json PATH (the same shape) and add these recipes' runs to them")
     p.add_argument("--verbose", action="store_true", help="print the tuning's progress")
     args = p.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    args.rank, args.world = 0, 1
+    if args.fsdp2:
+        from .scale_fsdp2 import start
+
+        args.rank, args.world, device = start(args, p.error)
+    else:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA GPU; use --device cpu (with --tiny)")
     if device.type != "cuda" and not args.tiny:
@@ -558,9 +600,12 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 work outside autocast, as torch users run it
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               **_versions(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shape": shape,
+              "fsdp2": args.world if args.fsdp2 else None,
               "args": {k: v for k, v in vars(args).items()}, "search": {}, "skipped": {}, "runs": []}
     print(f"scale: LlamaForCausalLM {shape} on {report['device']}, torch {report['torch']}, transformers "
-          f"{report['transformers']}, torchao {report['torchao']}", flush=True)
+          f"{report['transformers']}, torchao {report['torchao']}"
+          + (f"; sharded by FSDP2 over {args.world} processes, --batch sequences each" if args.fsdp2 else ""),
+          flush=True)
 
     if args.resume and os.path.exists(args.json):
         try:
@@ -571,6 +616,9 @@ def main(argv=None) -> int:
         if before.get("shape") != shape:
             p.error(f"--resume: {args.json} holds a model of shape {before.get('shape')}, not {shape}; "
                     "name another --json")
+        if before.get("fsdp2") != report["fsdp2"]:
+            p.error(f"--resume: {args.json} holds runs " + (f"sharded over {before['fsdp2']} GPUs" if
+                    before.get("fsdp2") else "on one GPU") + ", not these; name another --json")
         report["runs"] = before.get("runs", [])  # (a run of the same recipe, seed and batch is replaced below)
         report["skipped"] = {k: v for k, v in before.get("skipped", {}).items() if k not in args.recipes}
         # A recipe's batch search is kept, and its batch reused unless --batch names another now.
@@ -580,12 +628,12 @@ def main(argv=None) -> int:
             {k: before.get(k) for k in ("date", "device", "torch", "transformers", "torchao")}]
 
     def save():
-        if args.json:
+        if args.json and args.rank == 0:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1, default=str)
 
     for recipe in args.recipes:
-        why = skip_reason(recipe, device)
+        why = skip_reason(recipe, device, sharded=args.fsdp2)
         if why:
             report["skipped"][recipe] = why
             print(f"-- {recipe}: skipped: {why}", flush=True)
@@ -632,4 +680,9 @@ def main(argv=None) -> int:
     save()
     print(table(report))
     print("\n".join(report["verdict"]), flush=True)
-    return 1 if any("error" in r for r in report["runs"]) else 0
+    code = 1 if any("error" in r for r in report["runs"]) else 0
+    if args.fsdp2:
+        from ._dist_exit import finish
+
+        finish(code)  # (every rank together; _dist_exit.py says why not through the interpreter's shutdown)
+    return code
