@@ -367,9 +367,9 @@ class AdaptiveMixedPrecision:
             options["analysis"] = self.analysis = PrecisionAnalyzer(
                 include=self.include, exclude=self.exclude, progress=progress).analyze(self.model, sample_inputs,
                                                                                        loss_fn)
-        self.tuning = AdaptivePrecisionSelector().tune(self.model, self.optimizers[0], options.pop("batches"),
-                                                       options.pop("loss_fn"), capabilities=self.capabilities,
-                                                       **options)
+        self.tuning = self._agree_tuning(AdaptivePrecisionSelector().tune(
+            self.model, self.optimizers[0], options.pop("batches"), options.pop("loss_fn"),
+            capabilities=self.capabilities, **options))
         applied = AppliedRecipe(self.tuning.recipe, self.model, self.optimizers[0], precision=False)
         self._owned.add(applied.checkpoint_undo)  # (the optimizer and the parameters' dtype stay: see remove())
         self.optimizers = [applied.optimizer]
@@ -456,6 +456,11 @@ class AdaptiveMixedPrecision:
             self._decide(event.kind, event.message, policy, layer=event.layer, **event.data)
         if events:
             watch.sync(self.adjuster)
+
+    def _agree_tuning(self, result):
+        """The tuning whose choice is applied: this process's (under torch.distributed, rank 0's on every rank:
+        adaptive_amp.distributed)."""
+        return result
 
     def _agree_fp8_rows(self, rows: List[dict]) -> List[dict]:
         """The fp8 guard's rows its decisions are taken from: this process's (under torch.distributed, the

@@ -25,8 +25,9 @@ in the arithmetic). Its inputs are:
   ranks (one small all-reduce at a statistics step), so that every rank's
   guard holds the same history and demotes the same layer at the same step;
 * a measured fp8 map (which layers gain and tolerate fp8, timed and measured
-  on each rank): rank 0's, broadcast, so that every rank runs the same layers
-  in fp8.
+  on each rank) and a tuning's choice (``policy="tune"``: every rank runs the
+  trials, and times them): rank 0's, broadcast, so that every rank runs the
+  same recipe and the same layers in fp8.
 
 The monitor's own detectors (loss spikes and the like) stay per rank: they
 log events and decide nothing.
@@ -153,10 +154,19 @@ class CollectiveAdaptiveMixedPrecision(AdaptiveMixedPrecision):
     def _measure_fp8(self, name: str, base: str, sample_inputs, overrides):
         # Each rank measures (under FSDP2 the captures run the sharded forward, a collective); rank 0's map is
         # the one every rank runs: gains timed on each GPU and errors on each rank's batches may differ.
-        policy = [super()._measure_fp8(name, base, sample_inputs, overrides)]
-        torch.distributed.broadcast_object_list(policy, group=self.process_group, group_src=0,
+        return self._rank_zeros(super()._measure_fp8(name, base, sample_inputs, overrides))
+
+    def _agree_tuning(self, result):
+        # Each rank runs every trial (their steps are collective under DDP and FSDP2); the step times each
+        # measured may rank the candidates differently: rank 0's result, its table included, is applied on all.
+        return self._rank_zeros(result)
+
+    def _rank_zeros(self, value):
+        """Rank 0's `value` on every rank of the group (pickled; collective)."""
+        box = [value]
+        torch.distributed.broadcast_object_list(box, group=self.process_group, group_src=0,
                                                 device=self._comm_device())
-        return policy[0]
+        return box[0]
 
     def _loss_finite(self, step: int) -> bool:
         # A NaN loss on one rank alone must count on every rank, or that rank alone would switch.

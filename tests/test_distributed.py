@@ -330,6 +330,58 @@ def test_fp8_layers_of_a_sharded_model_train_and_decide_together(tmp_path):
     assert "0:bf16" in ranks[0]["policies"][-1]
 
 
+def _tune_under_ddp(rank, store, out):
+    """Two gloo ranks, a DDP model, policy="tune" over fp32 and bf16: every rank runs the trials; rank 1's own
+    result is marked, so that which result each rank applied shows."""
+    import datetime
+    import json
+
+    from adaptive_amp.bench._dist_exit import finish
+    from adaptive_amp.hardware import Capabilities
+    from adaptive_amp.policy import AdaptivePrecisionSelector
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        real_tune = AdaptivePrecisionSelector.tune
+
+        def marked_tune(self, *args, **kwargs):
+            result = real_tune(self, *args, **kwargs)
+            result.device = f"tuned on rank {rank}"
+            return result
+        AdaptivePrecisionSelector.tune = marked_tune
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        gen = torch.Generator().manual_seed(rank)
+        batches = [torch.randn(8, 16, generator=gen) for _ in range(3)]
+        amp = CollectiveAdaptiveMixedPrecision(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-3), "tune", progress=False,
+            capabilities=Capabilities(device_type="cpu", name="test cpu", bf16=True),
+            tune=dict(batches=batches, loss_fn=lambda m, b: m(b).float().pow(2).mean(), candidates=["fp32", "bf16"],
+                      steps=3, rounds=1, timed_steps=1))
+        losses = [float(amp.train_step(lambda b=b: model(b).float().pow(2).mean())) for b in batches]
+        with open(out / f"rank{rank}.json", "w") as f:
+            json.dump({"device": amp.tuning.device, "chosen": amp.tuning.recipe.name, "policy": str(amp.policy),
+                       "finite": all(map(math.isfinite, losses)),
+                       "weights": [p.detach().float().sum().item() for p in net.parameters()]}, f)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    finish(0)  # (both ranks leave together: adaptive_amp/bench/_dist_exit.py says why)
+
+
+def test_a_tuning_under_ddp_applies_rank_zeros_choice_on_every_rank(tmp_path):
+    """Each rank runs the tuning's trials (their steps all-reduce under DDP) and times them itself; the result
+    applied is rank 0's on both, so both train one recipe and their replicas stay equal."""
+    import json
+
+    torch.multiprocessing.spawn(_tune_under_ddp, args=(tmp_path / "store", tmp_path), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["device"] == ranks[1]["device"] == "tuned on rank 0"
+    assert ranks[0] == ranks[1] and ranks[0]["finite"] and ranks[0]["chosen"] in ("fp32", "bf16")
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_zoo_models_under_fsdp2_bf16_pure_trains_and_bf16_weights_is_refused(one_rank_group, family, compiled):
