@@ -216,6 +216,10 @@ class AdaptiveMixedPrecision:
             tolerating fp8 to bf16 (event "fp8_demote") and back after a stable period ("fp8_restore").
     """
 
+    #: The process group this controller's decisions are collective over (adaptive_amp.distributed); None: this
+    #: process decides alone.
+    process_group = None
+
     def __init__(self, model: nn.Module, optimizer_or_optimizers, policy: Union[str, PrecisionPolicy] = "auto",
                  sample_inputs=None, *, loss_fn=None, capabilities: Optional[Capabilities] = None, overrides=None,
                  adapt: bool = True, read_every: int = 50, stats_every: Optional[int] = None,
@@ -360,6 +364,8 @@ class AdaptiveMixedPrecision:
                              "tune=dict(candidates=[...])")
         if len(self.optimizers) != 1:
             raise ValueError(f"policy='tune' tunes one optimizer; got {len(self.optimizers)}")
+        if self.process_group is not None:
+            options.setdefault("process_group", self.process_group)  # (every rank takes the same branches)
         selection = {k: v for k, v in self._fp8_options.items() if k not in ("guard", "batches", "run")}
         if selection and "fp8" not in options:
             options["fp8"] = selection  # (the "+fp8" candidates' map is measured on the tuning's batches)

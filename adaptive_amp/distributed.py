@@ -41,7 +41,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-from ._process_group import world_group
+from ._process_group import comm_device, rank_zeros, world_group
 from .controller import AdaptiveMixedPrecision
 
 __all__ = ["CollectiveAdaptiveMixedPrecision", "agree_on_layers", "agree_on_rows", "world_group"]
@@ -76,30 +76,35 @@ def agree_on_rows(rows: Sequence[dict], names: Sequence[str], group=None,
                   device: Optional[torch.device] = None) -> List[dict]:
     """The fp8 guard's rows (adaptive_amp.fp8.Fp8Guard), each field the largest over the ranks of `group`:
     a layer one rank sees in trouble is in trouble. A row comes back for each of `names` (the watched fp8
-    layers, the same on every rank, in the same order) that any rank has, in that order; a non-finite amax
-    stays non-finite, and an error no rank measured stays NaN. Collective: every rank calls it at the same
-    statistics step."""
+    layers, the same on every rank, in the same order) that any rank has, in that order, with the fields any
+    rank gave; a non-finite amax stays non-finite, and an error no rank measured is NaN. Collective: every rank
+    calls it at the same statistics step."""
     index = {name: i for i, name in enumerate(names)}
     unknown = [row["name"] for row in rows if row["name"] not in index]
     if unknown:
         raise ValueError(f"rows of layers {unknown} are not among the watched layers; every rank must watch a "
                          "layer for the ranks to agree on it")
-    # -inf: no value on this rank (the maximum takes any rank's); a NaN amax (a non-finite input) goes as +inf.
-    table = torch.full((len(names), len(ROW_FIELDS)), -math.inf, dtype=torch.float64)
+    # One column a field and one that says the row is there; -inf: no value on this rank (the maximum takes
+    # any rank's). A NaN amax (a non-finite input) goes as +inf; a NaN error (not measured) as no value.
+    table = torch.full((len(names), len(ROW_FIELDS) + 1), -math.inf, dtype=torch.float64)
     for row in rows:
+        i = index[row["name"]]
+        table[i, -1] = 1.0
         for j, field in enumerate(ROW_FIELDS):
             value = float(row.get(field, math.nan))
-            if field == "amax" and math.isnan(value):
+            if field == "amax" and field in row and math.isnan(value):
                 value = math.inf
-            table[index[row["name"]], j] = -math.inf if math.isnan(value) else value
+            if not math.isnan(value):
+                table[i, j] = value
     table = table.to(device or torch.device("cpu"))
     torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX, group=group)
     agreed = []
     for name, values in zip(names, table.cpu().tolist()):
-        if values[0] == -math.inf:
+        if values[-1] == -math.inf:
             continue  # no rank read this layer
         row = {"name": name}
-        row.update((field, math.nan if v == -math.inf else v) for field, v in zip(ROW_FIELDS, values))
+        row.update((field, v) for field, v in zip(ROW_FIELDS, values) if v != -math.inf)
+        row.setdefault("error", math.nan)
         agreed.append(row)
     return agreed
 
@@ -130,9 +135,7 @@ class CollectiveAdaptiveMixedPrecision(AdaptiveMixedPrecision):
         return [name for name, _ in self.layers]
 
     def _comm_device(self) -> torch.device:
-        # NCCL groups reduce CUDA tensors only.
-        nccl = torch.distributed.get_backend(self.process_group) == "nccl"
-        return self.device if nccl else torch.device("cpu")
+        return comm_device(self.process_group, self.device)
 
     def _overflowing_layers(self, step: Optional[int] = None) -> List[str]:
         mine = super()._overflowing_layers(step)
@@ -162,11 +165,7 @@ class CollectiveAdaptiveMixedPrecision(AdaptiveMixedPrecision):
         return self._rank_zeros(result)
 
     def _rank_zeros(self, value):
-        """Rank 0's `value` on every rank of the group (pickled; collective)."""
-        box = [value]
-        torch.distributed.broadcast_object_list(box, group=self.process_group, group_src=0,
-                                                device=self._comm_device())
-        return box[0]
+        return rank_zeros(self.process_group, self.device)(value)
 
     def _loss_finite(self, step: int) -> bool:
         # A NaN loss on one rank alone must count on every rank, or that rank alone would switch.

@@ -586,17 +586,19 @@ class AdaptivePrecisionSelector:
         cannot run or no layer gains; `fp8`: a dict of select_fp8_layers' options (min_gain, max_error, kinds,
         gain_fn, compiled, ...). An fp8 choice's reasons end with each layer's decision.
         options: rounds, timed_steps, loss_tolerance, min_cosine, tie, contenders, state_margin,
-        checkpoint_when_needed, offload_snapshot, progress (see adaptive_amp.tune.Tuner).
+        checkpoint_when_needed, offload_snapshot, progress, process_group (see adaptive_amp.tune.Tuner).
 
         Returns a TuneResult: ``.policy`` is the choice, every trial in its reasons; ``.recipe`` adds what a
         policy does not say (optimizer moments, checkpointing; ``.apply(model, optimizer)``); ``.table()``,
         ``.plot(path)``, ``.to_dict()`` are the A/B report. The model, the optimizer and the RNG states are
         left as they were, bitwise."""
+        from ._process_group import rank_zeros
         from .tune import Tuner, trained_parameters
 
-        if capabilities is None and isinstance(model, torch.nn.Module):  # (else Tuner says why)
-            opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []
-            device = next((p.device for p in trained_parameters(model, opts)), torch.device("cpu"))
+        opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []
+        device = (next((p.device for p in trained_parameters(model, opts)), torch.device("cpu"))
+                  if isinstance(model, torch.nn.Module) else torch.device("cpu"))  # (else Tuner says why)
+        if capabilities is None and isinstance(model, torch.nn.Module):
             capabilities = HardwareDetector().detect(device)
         from .fp8.training import check_tuning_options, tuning_fp8_map
 
@@ -614,7 +616,9 @@ class AdaptivePrecisionSelector:
         def fp8_map():
             if not measured:  # once a tuning, for every "+fp8" candidate
                 t0 = time.perf_counter()
-                measured.append(tuning_fp8_map(model, batches, loss_fn, **fp8_options))
+                # (Under torch.distributed, rank 0's map: the "+fp8" candidates are the same on every rank.)
+                measured.append(rank_zeros(options.get("process_group"), device)(
+                    tuning_fp8_map(model, batches, loss_fn, **fp8_options)))
                 seconds.append(time.perf_counter() - t0)
             return measured[0]
 

@@ -111,6 +111,13 @@ what can win:
   once, in training, not per candidate. ``TuneResult.timing`` says how the
   times were taken and ``phase_seconds["compiling"]`` what compiling cost.
 
+Under torch.distributed (``process_group``; ``CollectiveAdaptiveMixedPrecision``
+passes its own) every rank runs every trial, since a DDP or FSDP2 step is
+collective, and so every rank must run the same steps: what each trial
+measured (losses, gradient cosine, memory, step times, errors) is rank 0's on
+every rank as soon as it is measured, and every branch above follows from
+those. Each rank's own figures differ: its batch, its GPU's clock.
+
 Every trial, its numbers and why it was or was not chosen go into the
 returned policy's ``reasons`` and into :class:`TuneResult` (``table()``,
 ``to_dict()``, ``plot(path)``).
@@ -134,6 +141,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 from torch import nn
 
+from ._process_group import rank_zeros
 from .adjust import forget_compiled_graphs
 from .layers import compiled_in_place, unwrap_model
 from .recipes import AppliedRecipe, Recipe, convertible, find_blocks
@@ -725,7 +733,8 @@ class Tuner:
                  memory_budget=None, analysis=None, rounds: int = 3, timed_steps: int = 3,
                  loss_tolerance: float = 0.01, min_cosine: float = 0.95, tie: float = 0.01,
                  contenders: float = 0.2, state_margin: float = 0.1, checkpoint_when_needed: bool = True,
-                 offload_snapshot: Optional[bool] = None, progress: Optional[Callable[[str], None]] = None):
+                 offload_snapshot: Optional[bool] = None, progress: Optional[Callable[[str], None]] = None,
+                 process_group=None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model is a {type(model).__name__}; pass the torch.nn.Module to tune")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -779,6 +788,9 @@ class Tuner:
         self.offload = offload_snapshot
         self.say = progress or (lambda msg: None)
         self.device = next((p.device for p in trained_parameters(model, [optimizer])), torch.device("cpu"))
+        # Under torch.distributed every rank runs every trial (a DDP or FSDP2 step is collective), so every rank
+        # must take the same branches: what each measured (step times, memory, losses, errors) is rank 0's.
+        self._agree = rank_zeros(process_group, self.device)
         wrapped = unwrap_model(model) is not model
         # What the trials run (module docstring, "Compiled models"): compiled, the module the user compiled, eager.
         self.module = unwrap_model(model) if wrapped else model
@@ -914,9 +926,9 @@ class Tuner:
         if self.budget is None or done >= self.steps:
             return False
         memory = int(torch.cuda.max_memory_allocated(self.device)) if cuda else trial.memory_bytes
-        if memory is None or memory <= self.budget:
+        if not self._agree(memory is not None and memory > self.budget):  # (rank 0's: all stop at one step)
             return False
-        if cuda:
+        if cuda and memory is not None:
             trial.peak_bytes = memory
         trial.verdict = (f"does not fit the budget: {_bytes(memory)} > {_bytes(self.budget)} after {done} of "
                          f"{self.steps} steps (stopped there)")
@@ -1007,7 +1019,8 @@ class Tuner:
                 else:
                     t.error = f"could not be timed compiled: {type(exc).__name__}: {_short(exc)}"
                 self._free()
-            else:
+            self._agree_timing(t)
+            if t.error is None:
                 self.finalists.append(t.name)
 
     def _time_compiled(self, recipe: Recipe, trial: Trial, offset: int):
@@ -1107,8 +1120,10 @@ class Tuner:
                         if not _is_oom(exc):
                             raise
                         t.error, t.fits = f"out of memory while timed: {_short(exc)}", False
-                        contenders.remove(t)
                         self._free()
+                    self._agree_timing(t)
+                    if t.error is not None:
+                        contenders.remove(t)
             if passed_over and not self._full_moments_left(trials, recipes):
                 # Every candidate with fp32 moments ran out of memory in a timing round: the ones passed over
                 # may be chosen after all.
@@ -1141,6 +1156,7 @@ class Tuner:
             recipes[recipe.name] = recipe
             trials.append(trial)
             self.say(f"tune: trial {recipe.name}")
+            out = None
             try:
                 out = self._trajectory(recipe, trial, self._ref_grads)
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is recorded, not fatal
@@ -1149,7 +1165,9 @@ class Tuner:
                 trial.error = ("out of memory" if _is_oom(exc) else type(exc).__name__) + f": {_short(exc)}"
                 trial.fits = False if _is_oom(exc) else None
                 self._free()
-                if _is_oom(exc):
+            out = self._agree_trial(trial, out)
+            if trial.error is not None:
+                if trial.fits is False:  # out of memory
                     self._maybe_checkpoint(recipe, trial, queue, blocks)
                 continue
             # No empty_cache between trials: the next trial would pay cudaMalloc again in its timed steps
@@ -1169,6 +1187,18 @@ class Tuner:
                 continue
             trial.grad_cosine = out
             self._judge(trial, self._reference)
+
+    def _agree_trial(self, trial: Trial, out):
+        """`trial` as rank 0 measured it, on every rank (nothing changes in one process), and `out`: the
+        trajectory's gradient cosine, rank 0's too; the reference's probe gradients stay each rank's own."""
+        cosine = out if isinstance(out, float) else None
+        measured, cosine = self._agree((dict(vars(trial)), cosine))
+        vars(trial).update(measured)
+        return cosine if cosine is not None else out
+
+    def _agree_timing(self, trial: Trial) -> None:
+        """After a timing round or the compiled timing: its step times and any error, rank 0's on every rank."""
+        trial.step_times_ms, trial.error, trial.fits = self._agree((trial.step_times_ms, trial.error, trial.fits))
 
     @staticmethod
     def _full_moments_left(trials: List[Trial], recipes: Dict[str, Recipe]) -> bool:

@@ -262,6 +262,9 @@ def test_agree_on_rows_keeps_each_watched_layers_row_in_order(one_rank_group):
     assert [r["name"] for r in got] == ["a", "b"]  # the watched order; c was read by no rank
     assert got[0] == {"name": "a", "amax": 2.0, "underflow": 0.5, "saturated": 0.25, "error": 0.05}
     assert got[1]["amax"] == math.inf and math.isnan(got[1]["error"])  # still not finite; still not measured
+    # A row without amax (the guard reads it as not measured) does not become a non-finite input.
+    bare = agree_on_rows([{"name": "a", "underflow": 0.5}], ["a"], one_rank_group)[0]
+    assert "amax" not in bare and bare["underflow"] == 0.5 and math.isnan(bare["error"])
     with pytest.raises(ValueError, match=r"rows of layers \['x'\] are not among the watched layers"):
         agree_on_rows([{"name": "x", "amax": 1.0}], ["a"], one_rank_group)
 
@@ -331,11 +334,15 @@ def test_fp8_layers_of_a_sharded_model_train_and_decide_together(tmp_path):
 
 
 def _tune_under_ddp(rank, store, out):
-    """Two gloo ranks, a DDP model, policy="tune" over fp32 and bf16: every rank runs the trials; rank 1's own
-    result is marked, so that which result each rank applied shows."""
+    """Two gloo ranks, a DDP model, policy="tune" over fp32 and bf16 with three timing rounds: every rank runs
+    the trials. Rank 1's clock reads every trial after the first 1e9x slower, which alone would leave it fewer
+    candidates to time again, and so fewer DDP steps than rank 0 (whose collectives would then wait for steps
+    rank 1 never runs). Rank 1's own result is marked, so that which result each rank applied shows."""
     import datetime
+    import itertools
     import json
 
+    from adaptive_amp import tune as tune_module
     from adaptive_amp.bench._dist_exit import finish
     from adaptive_amp.hardware import Capabilities
     from adaptive_amp.policy import AdaptivePrecisionSelector
@@ -343,6 +350,13 @@ def _tune_under_ddp(rank, store, out):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     try:
+        if rank == 1:
+            real_times, calls = tune_module._Timer.times_ms, itertools.count()
+
+            def skewed(self):
+                factor = 1e9 if next(calls) else 1.0  # (one call a trajectory or round)
+                return [t * factor for t in real_times(self)]
+            tune_module._Timer.times_ms = skewed
         real_tune = AdaptivePrecisionSelector.tune
 
         def marked_tune(self, *args, **kwargs):
@@ -353,16 +367,20 @@ def _tune_under_ddp(rank, store, out):
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
         model = torch.nn.parallel.DistributedDataParallel(net)
+        forwards = []
+        net.register_forward_pre_hook(lambda module, args: forwards.append(1))
         gen = torch.Generator().manual_seed(rank)
         batches = [torch.randn(8, 16, generator=gen) for _ in range(3)]
         amp = CollectiveAdaptiveMixedPrecision(
             model, torch.optim.AdamW(model.parameters(), lr=1e-3), "tune", progress=False,
             capabilities=Capabilities(device_type="cpu", name="test cpu", bf16=True),
             tune=dict(batches=batches, loss_fn=lambda m, b: m(b).float().pow(2).mean(), candidates=["fp32", "bf16"],
-                      steps=3, rounds=1, timed_steps=1))
+                      steps=3, rounds=3, timed_steps=1, contenders=1e6, loss_tolerance=1.0, min_cosine=0.0))
+        tuning_forwards = len(forwards)  # (each a DDP step's forward, or a probe's: the same count on each rank)
         losses = [float(amp.train_step(lambda b=b: model(b).float().pow(2).mean())) for b in batches]
         with open(out / f"rank{rank}.json", "w") as f:
-            json.dump({"device": amp.tuning.device, "chosen": amp.tuning.recipe.name, "policy": str(amp.policy),
+            json.dump({"device": amp.tuning.device, "tuning_forwards": tuning_forwards, "chosen": amp.tuning.recipe.name, "policy": str(amp.policy),
+                       "timed": {t.name: len(t.step_times_ms) for t in amp.tuning.trials},
                        "finite": all(map(math.isfinite, losses)),
                        "weights": [p.detach().float().sum().item() for p in net.parameters()]}, f)
     except BaseException:
@@ -372,14 +390,16 @@ def _tune_under_ddp(rank, store, out):
 
 
 def test_a_tuning_under_ddp_applies_rank_zeros_choice_on_every_rank(tmp_path):
-    """Each rank runs the tuning's trials (their steps all-reduce under DDP) and times them itself; the result
-    applied is rank 0's on both, so both train one recipe and their replicas stay equal."""
+    """Each rank runs the tuning's trials (their steps all-reduce under DDP) and times them itself; what each
+    trial measured is rank 0's on both as soon as it is measured, so both run the same timing rounds, and the
+    result applied is rank 0's, so both train one recipe and their replicas stay equal."""
     import json
 
     torch.multiprocessing.spawn(_tune_under_ddp, args=(tmp_path / "store", tmp_path), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["device"] == ranks[1]["device"] == "tuned on rank 0"
     assert ranks[0] == ranks[1] and ranks[0]["finite"] and ranks[0]["chosen"] in ("fp32", "bf16")
+    assert ranks[0]["timed"] == {"fp32": 4, "bf16": 4}  # two steps of the trajectory, two more rounds each
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
