@@ -63,7 +63,8 @@ def is_sharded(tensor) -> bool:
 def gathered_layer(module: nn.Module) -> nn.Module:
     """`module` with whole weights, to compute with outside the model's forward: `module` itself when none of
     its own parameters is sharded; else, under FSDP2, a shallow copy of it whose sharded parameters are their
-    full tensors, new leaves (``DTensor.full_tensor()``, detached: nothing flows back to the shards). Gathering
+    full tensors, new leaves of their own storage (``DTensor.full_tensor()``: nothing flows back to the shards,
+    and writing to them leaves the shards as they are). Gathering
     is a collective: every rank of the mesh must call this for the same modules, in the same order, and the
     copy holds the whole weight until dropped. Outside FSDP2's forward, only the shards are there to read."""
     if not any(is_sharded(p) for p in module._parameters.values()):
@@ -72,10 +73,15 @@ def gathered_layer(module: nn.Module) -> nn.Module:
     # the class: FSDP2's module classes construct again in __new__.
     clone = object.__new__(type(module))
     clone.__dict__.update(module.__dict__)
-    clone._parameters = {
-        name: nn.Parameter(p.full_tensor().detach(), requires_grad=p.requires_grad) if is_sharded(p) else p
-        for name, p in module._parameters.items()}
+    clone._parameters = {name: _gathered(p) if is_sharded(p) else p for name, p in module._parameters.items()}
     return clone
+
+
+def _gathered(parameter) -> nn.Parameter:
+    full = parameter.full_tensor().detach()
+    if full.data_ptr() == parameter.to_local().data_ptr():  # (one rank, or replicated: the shard is the whole)
+        full = full.clone()
+    return nn.Parameter(full, requires_grad=parameter.requires_grad)
 
 
 def canonical_name(name: str) -> str:

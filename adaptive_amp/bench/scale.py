@@ -322,7 +322,7 @@ def run(recipe: str, shape: dict, batch: int, seed: int, device, args, choice=No
         if args.world > 1:
             from .scale_fsdp2 import agree
 
-            r = agree(r, args.world)
+            r = agree(r, args.world, device)
         r.update(trainer.info, recipe=recipe, seed=seed, batch=batch, steps_asked=args.steps)
         peak = f"peak {r['peak_gib']:.1f} GiB, " if r["peak_gib"] is not None else ""
         print(f"   {recipe}: {r['steps']} steps, {r['steady_tokens_per_s']:.0f} tokens/s at steady state, {peak}"
@@ -332,6 +332,8 @@ def run(recipe: str, shape: dict, batch: int, seed: int, device, args, choice=No
             r["events"] = [e.to_dict() for e in trainer.amp.events]
         return r
     except torch.OutOfMemoryError as exc:
+        if args.world > 1:
+            raise  # (the other ranks wait in a collective for this one: torchrun stops them all)
         return {"recipe": recipe, "seed": seed, "batch": batch, "error": f"out of memory: {str(exc)[:200]}"}
     finally:
         if trainer is not None:

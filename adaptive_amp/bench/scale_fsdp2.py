@@ -86,17 +86,16 @@ def after_step(model: torch.nn.Module, recipe: str) -> None:
         precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def agree(result: dict, world: int) -> dict:
+def agree(result: dict, world: int, device: torch.device) -> dict:
     """One rank's run as the whole run's: the losses averaged over ranks (each trained its own batches), the
-    largest rank's peak memory."""
-    losses = torch.tensor(result["losses"], dtype=torch.float64)
+    largest rank's peak memory. `device`: this rank's (NCCL reduces CUDA tensors only)."""
+    losses = torch.tensor(result["losses"], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(losses)
-    losses /= world
-    values = losses.tolist()
+    values = (losses / world).tolist()
     tail = max(1, len(values) // 10)
     result.update(losses=values, final_loss=sum(values[-tail:]) / tail, first_loss=values[0], ranks=world)
     if result.get("peak_gib") is not None:
-        peak = torch.tensor([result["peak_gib"]], dtype=torch.float64, device=torch.cuda.current_device())
+        peak = torch.tensor([result["peak_gib"]], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
         result["peak_gib"] = float(peak.item())
     return result
