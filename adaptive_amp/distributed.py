@@ -25,9 +25,11 @@ in the arithmetic). Its inputs are:
   ranks (one small all-reduce at a statistics step), so that every rank's
   guard holds the same history and demotes the same layer at the same step;
 * a measured fp8 map (which layers gain and tolerate fp8, timed and measured
-  on each rank) and a tuning's choice (``policy="tune"``: every rank runs the
-  trials, and times them): rank 0's, broadcast, so that every rank runs the
-  same recipe and the same layers in fp8.
+  on each rank) and a tuning (``policy="tune"``: every rank runs the trials,
+  whose steps are collective, and measures them): rank 0's, broadcast, each
+  trial's measurements as soon as they are taken (adaptive_amp.tune), so that
+  every rank runs the same trial steps, then the same recipe and the same
+  layers in fp8.
 
 The monitor's own detectors (loss spikes and the like) stay per rank: they
 log events and decide nothing.

@@ -61,12 +61,12 @@ def is_sharded(tensor) -> bool:
 
 
 def gathered_layer(module: nn.Module) -> nn.Module:
-    """`module` with whole weights, to compute with outside the model's forward: `module` itself when none of
-    its own parameters is sharded; else, under FSDP2, a shallow copy of it whose sharded parameters are their
-    full tensors, new leaves of their own storage (``DTensor.full_tensor()``: nothing flows back to the shards,
-    and writing to them leaves the shards as they are). Gathering
-    is a collective: every rank of the mesh must call this for the same modules, in the same order, and the
-    copy holds the whole weight until dropped. Outside FSDP2's forward, only the shards are there to read."""
+    """`module` with whole weights, to compute with outside the model's forward (where FSDP2 holds only the
+    shards): `module` itself when none of its own parameters is sharded; else a shallow copy of it whose
+    sharded parameters are their full tensors (``DTensor.full_tensor()``), new leaves with storage of their
+    own: nothing flows back to the shards, and writing to the copy leaves them as they are. Gathering is a
+    collective: every rank of the mesh must call this for the same modules, in the same order. The copy holds
+    the whole weight until it is dropped."""
     if not any(is_sharded(p) for p in module._parameters.values()):
         return module
     # A shallow copy (its own parameter dict; the hooks and buffers are the original's), made without calling
