@@ -593,8 +593,10 @@ class AdaptivePrecisionSelector:
         ``.plot(path)``, ``.to_dict()`` are the A/B report. The model, the optimizer and the RNG states are
         left as they were, bitwise."""
         from ._process_group import rank_zeros
-        from .tune import Tuner, trained_parameters
+        from .tune import Tuner, check_unsharded, trained_parameters
 
+        if isinstance(model, torch.nn.Module):
+            check_unsharded(model)  # (before the fp8 candidates' map is measured)
         opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []
         device = (next((p.device for p in trained_parameters(model, opts)), torch.device("cpu"))
                   if isinstance(model, torch.nn.Module) else torch.device("cpu"))  # (else Tuner says why)

@@ -143,7 +143,7 @@ from torch import nn
 
 from ._process_group import rank_zeros
 from .adjust import forget_compiled_graphs
-from .layers import compiled_in_place, unwrap_model
+from .layers import compiled_in_place, is_sharded, unwrap_model
 from .recipes import AppliedRecipe, Recipe, convertible, find_blocks
 from .report import _jsonable, _matplotlib, _save, comparison_table
 
@@ -396,6 +396,16 @@ def filled_host_copies(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dt
     for d in devices:
         torch.cuda.synchronize(d)
     return block, views, devices
+
+
+def check_unsharded(model: nn.Module) -> None:
+    """ValueError, naming the parameter, when `model` is sharded by FSDP2: a trial's snapshot restore would copy
+    whole tensors into the shards. Nothing is changed."""
+    sharded = next((n for n, p in model.named_parameters() if is_sharded(p)), None)
+    if sharded is not None:
+        raise ValueError(f"model: {sharded} is sharded by FSDP2 (a DTensor); tuning a sharded model is not "
+                         "supported: tune the model unsharded on one GPU, then train it sharded with the policy "
+                         "the tuning chose (amp.tuning.policy, e.g. policy='bf16-pure')")
 
 
 def trained_parameters(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> List[torch.Tensor]:
@@ -787,6 +797,7 @@ class Tuner:
         self.checkpoint_when_needed = checkpoint_when_needed
         self.offload = offload_snapshot
         self.say = progress or (lambda msg: None)
+        check_unsharded(model)
         self.device = next((p.device for p in trained_parameters(model, [optimizer])), torch.device("cpu"))
         # Under torch.distributed every rank runs every trial (a DDP or FSDP2 step is collective), so every rank
         # must take the same branches: what each measured (step times, memory, losses, errors) is rank 0's.

@@ -466,3 +466,20 @@ def test_zoo_llama_under_fsdp2_trains_measured_fp8_layers_and_guards_them(one_ra
     assert sorted(r["name"] for r in rows) == sorted(fp8_layers)
     assert all(math.isfinite(r["error"]) and r["error"] < 0.15 for r in rows), rows
     assert all(is_sharded(p) for p in zm.model.parameters())
+
+
+def test_tuning_a_model_sharded_by_fsdp2_is_refused_by_name(one_rank_group):
+    """A trial's snapshot restore would copy whole tensors into FSDP2's shards (every candidate failed with
+    "mixed torch.Tensor and DTensor"): refused at construction, naming the parameter, nothing changed."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    fully_shard(model)
+    before = [p.detach().to_local().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = [torch.randn(4, 8) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"model: 0.weight is sharded by FSDP2 .* tune the model unsharded"):
+        CollectiveAdaptiveMixedPrecision(model, opt, "tune", process_group=one_rank_group, progress=False,
+                                         tune=dict(batches=batches, loss_fn=lambda m, b: m(b).pow(2).mean()))
+    assert all(torch.equal(p.detach().to_local(), b) for p, b in zip(model.parameters(), before))
+    assert not opt.state and all(p.dtype == torch.float32 for p in model.parameters())
