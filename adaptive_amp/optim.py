@@ -595,8 +595,6 @@ class _Fused(torch.optim.Optimizer):
             torch.autograd.graph.increment_version(dp.params)
 
     def _step_group(self, group, hyper, grad_scale, found_inf, sums=None):
-        if any(is_sharded(p) for p in group["params"]):
-            return self._sharded_step(group, hyper, grad_scale, found_inf, sums)
         plans = self.__dict__.get("_plans")
         if plans is None:
             plans = self._plans = {}
@@ -604,6 +602,9 @@ class _Fused(torch.optim.Optimizer):
         key = self._plan_key(group)
         if plan is None or not plan.holds(group, self.state, key):
             plans.pop(id(group), None)
+            # (Checked only without a plan that holds: a plan is never built for DTensor params.)
+            if any(is_sharded(p) for p in group["params"]):
+                return self._sharded_step(group, hyper, grad_scale, found_inf, sums)
             plan = self._build_plan(group)
             if not plan.holds(group, self.state, key):
                 # What only the core checks (a gradient of another dtype than its param, say): the

@@ -595,13 +595,13 @@ class AdaptivePrecisionSelector:
         from ._process_group import rank_zeros
         from .tune import Tuner, check_unsharded, trained_parameters
 
-        if isinstance(model, torch.nn.Module):
+        device = torch.device("cpu")
+        if isinstance(model, torch.nn.Module):  # (else Tuner says why)
             check_unsharded(model)  # (before the fp8 candidates' map is measured)
-        opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []
-        device = (next((p.device for p in trained_parameters(model, opts)), torch.device("cpu"))
-                  if isinstance(model, torch.nn.Module) else torch.device("cpu"))  # (else Tuner says why)
-        if capabilities is None and isinstance(model, torch.nn.Module):
-            capabilities = HardwareDetector().detect(device)
+            opts = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []
+            device = next((p.device for p in trained_parameters(model, opts)), device)
+            if capabilities is None:
+                capabilities = HardwareDetector().detect(device)
         from .fp8.training import check_tuning_options, tuning_fp8_map
 
         fp8_options = check_tuning_options(fp8)

@@ -797,7 +797,6 @@ class Tuner:
         self.checkpoint_when_needed = checkpoint_when_needed
         self.offload = offload_snapshot
         self.say = progress or (lambda msg: None)
-        check_unsharded(model)
         self.device = next((p.device for p in trained_parameters(model, [optimizer])), torch.device("cpu"))
         # Under torch.distributed every rank runs every trial (a DDP or FSDP2 step is collective), so every rank
         # must take the same branches: what each measured (step times, memory, losses, errors) is rank 0's.

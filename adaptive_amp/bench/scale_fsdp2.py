@@ -24,6 +24,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .tuning import final_loss
+
 
 def start(args, error) -> Tuple[int, int, torch.device]:
     """Join torchrun's process group: (rank, world size, this rank's device). `error(message)` refuses an
@@ -92,8 +94,7 @@ def agree(result: dict, world: int, device: torch.device) -> dict:
     losses = torch.tensor(result["losses"], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(losses)
     values = (losses / world).tolist()
-    tail = max(1, len(values) // 10)
-    result.update(losses=values, final_loss=sum(values[-tail:]) / tail, first_loss=values[0], ranks=world)
+    result.update(losses=values, final_loss=final_loss(values), first_loss=values[0], ranks=world)
     if result.get("peak_gib") is not None:
         peak = torch.tensor([result["peak_gib"]], dtype=torch.float64, device=device)
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)

@@ -77,6 +77,12 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def final_loss(losses: list) -> float:
+    """A run's final loss: the mean of the last 10% of its training losses (every batch is new)."""
+    tail = max(1, len(losses) // 10)
+    return sum(losses[-tail:]) / tail
+
+
 def timed_loop(step, batches, steps, device, tokens, deadline=None):
     """`steps` calls of step(batch) -> detached loss; the first 10% (at most 20) are warm-up, not timed.
     tokens_per_s: over all timed steps (one-time costs included: a compiled controller's statistics graph, an
@@ -118,12 +124,11 @@ def timed_loop(step, batches, steps, device, tokens, deadline=None):
     full = [s for i, s in enumerate(spans) if warm + (i + 1) * window <= done]  # whole windows only
     steady = sorted(full)[len(full) // 2] / window if full else seconds / (done - warm)
     values = [float(v) for v in torch.stack(losses).cpu()]
-    tail = max(1, len(values) // 10)
     return {"steps": done, "stopped_early": done < steps, "tokens_per_s": tokens * (done - warm) / seconds,
             "ms_per_step": 1e3 * seconds / (done - warm), "steady_tokens_per_s": tokens / steady,
             "steady_ms_per_step": 1e3 * steady, "window_ms_per_step": [1e3 * s / window for s in full],
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "final_loss": sum(values[-tail:]) / tail, "first_loss": values[0], "losses": values,
+            "final_loss": final_loss(values), "first_loss": values[0], "losses": values,
             "first_step_seconds": first_step_s}
 
 
