@@ -333,8 +333,9 @@ def test_fp8_layers_of_a_sharded_model_train_and_decide_together(tmp_path):
     assert "0:bf16" in ranks[0]["policies"][-1]
 
 
-def _tune_under_ddp(rank, store, out):
-    """Two gloo ranks, a DDP model, policy="tune" over fp32 and bf16 with three timing rounds: every rank runs
+def _tune_under_ddp(rank, store, out, family=None, compiled=False):
+    """Two gloo ranks, a DDP model (a small MLP, or the zoo's `family` tiny, compiled or not), policy="tune" over
+    fp32 and bf16 with three timing rounds: every rank runs
     the trials. Rank 1's clock reads every trial after the first 1e9x slower, which alone would leave it fewer
     candidates to time again, and so fewer DDP steps than rank 0 (whose collectives would then wait for steps
     rank 1 never runs). Rank 1's own result is marked, so that which result each rank applied shows."""
@@ -364,22 +365,35 @@ def _tune_under_ddp(rank, store, out):
             result.device = f"tuned on rank {rank}"
             return result
         AdaptivePrecisionSelector.tune = marked_tune
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        if family is None:
+            torch.manual_seed(0)
+            net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+            gen = torch.Generator().manual_seed(rank)
+            batches = [torch.randn(8, 16, generator=gen) for _ in range(3)]
+
+            def loss_fn(m, b):
+                return m(b).float().pow(2).mean()
+        else:
+            from adaptive_amp import zoo
+
+            zm = zoo.build(family, "tiny", seed=0)
+            net, loss_fn = zm.model, zm.loss
+            batches = [zm.make_batch(4, seed=10 * rank + k) for k in range(3)]
         model = torch.nn.parallel.DistributedDataParallel(net)
+        if compiled:
+            model = torch.compile(model, backend="aot_eager")
         forwards = []
         net.register_forward_pre_hook(lambda module, args: forwards.append(1))
-        gen = torch.Generator().manual_seed(rank)
-        batches = [torch.randn(8, 16, generator=gen) for _ in range(3)]
         amp = CollectiveAdaptiveMixedPrecision(
             model, torch.optim.AdamW(model.parameters(), lr=1e-3), "tune", progress=False,
             capabilities=Capabilities(device_type="cpu", name="test cpu", bf16=True),
-            tune=dict(batches=batches, loss_fn=lambda m, b: m(b).float().pow(2).mean(), candidates=["fp32", "bf16"],
-                      steps=3, rounds=3, timed_steps=1, contenders=1e6, loss_tolerance=1.0, min_cosine=0.0))
+            tune=dict(batches=batches, loss_fn=loss_fn, candidates=["fp32", "bf16"], steps=3, rounds=3,
+                      timed_steps=1, contenders=1e6, loss_tolerance=1.0, min_cosine=0.0))
         tuning_forwards = len(forwards)  # (each a DDP step's forward, or a probe's: the same count on each rank)
-        losses = [float(amp.train_step(lambda b=b: model(b).float().pow(2).mean())) for b in batches]
+        losses = [float(amp.train_step(lambda b=b: loss_fn(model, b))) for b in batches]
         with open(out / f"rank{rank}.json", "w") as f:
-            json.dump({"device": amp.tuning.device, "tuning_forwards": tuning_forwards, "chosen": amp.tuning.recipe.name, "policy": str(amp.policy),
+            json.dump({"device": amp.tuning.device, "tuning_forwards": tuning_forwards,
+                       "chosen": amp.tuning.recipe.name, "policy": str(amp.policy),
                        "timed": {t.name: len(t.step_times_ms) for t in amp.tuning.trials},
                        "finite": all(map(math.isfinite, losses)),
                        "weights": [p.detach().float().sum().item() for p in net.parameters()]}, f)
@@ -400,6 +414,19 @@ def test_a_tuning_under_ddp_applies_rank_zeros_choice_on_every_rank(tmp_path):
     assert ranks[0]["device"] == ranks[1]["device"] == "tuned on rank 0"
     assert ranks[0] == ranks[1] and ranks[0]["finite"] and ranks[0]["chosen"] in ("fp32", "bf16")
     assert ranks[0]["timed"] == {"fp32": 4, "bf16": 4}  # two steps of the trajectory, two more rounds each
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_tuning_of_the_zoos_gpt2_under_ddp_takes_the_same_steps_on_every_rank(tmp_path, compiled):
+    """The same with transformers' GPT-2 (Conv1D) from the zoo, eager and compiled (the eager screen, then the
+    compiled finalists): every rank runs the same tuning steps and applies one choice."""
+    import json
+
+    torch.multiprocessing.spawn(_tune_under_ddp, args=(tmp_path / "store", tmp_path, "gpt2", compiled), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["device"] == ranks[1]["device"] == "tuned on rank 0"
+    assert ranks[0] == ranks[1] and ranks[0]["finite"] and ranks[0]["chosen"] in ("fp32", "bf16")
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
