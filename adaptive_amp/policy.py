@@ -585,7 +585,7 @@ class AdaptivePrecisionSelector:
         ``phase_seconds["fp8 selection"]``), and each is listed as skipped, with why, where fp8
         cannot run or no layer gains; `fp8`: a dict of select_fp8_layers' options (min_gain, max_error, kinds,
         gain_fn, compiled, ...). An fp8 choice's reasons end with each layer's decision.
-        options: rounds, timed_steps, loss_tolerance, min_cosine, tie, contenders, state_margin,
+        options: rounds, timed_steps, loss_tolerance, min_cosine, noise_fraction, tie, contenders, state_margin,
         checkpoint_when_needed, offload_snapshot, progress, process_group (see adaptive_amp.tune.Tuner).
 
         Returns a TuneResult: ``.policy`` is the choice, every trial in its reasons; ``.recipe`` adds what a

@@ -12,7 +12,9 @@ that keeps the loss and fits the memory budget.
 2. Each candidate (a :class:`~adaptive_amp.recipes.Recipe`) first runs a probe:
    one forward and backward on the first batch without an optimizer step; the
    cosine between its gradient and the reference's is the first-step
-   gradient-direction agreement. Then it trains ``steps`` steps on the
+   gradient-direction agreement; the reference runs a second probe, on the
+   second batch, whose distance from its first is the sampling noise of one
+   batch's gradient. Then it trains ``steps`` steps on the
    batches, recording each loss, its memory (CUDA: the peak allocated; CPU:
    the bytes of parameters, gradients and optimizer state, plus, for eager
    models, the bytes autograd saves for the backward of the first step).
@@ -22,7 +24,13 @@ that keeps the loss and fits the memory budget.
    of their mean and the paired t-test's p-value. A candidate *agrees* when all its losses are finite, the
    interval's upper end is at most ``loss_tolerance`` (relative to the mean
    reference loss; a candidate may be better, not worse), and the gradient
-   cosine is at least ``min_cosine``. The d_k of successive steps are not
+   cosine is at least ``min_cosine`` or, for a recipe with fp8 layers, the
+   gradient's distance from the reference's is within ``noise_fraction`` of
+   the sampling noise (fp8 on a deep model: its first gradient is far from
+   fp32's, but nearer than the gradients of two batches are to each other,
+   and SGD lives with those; each fp8 layer's own error is bounded by the fp8
+   selection).
+   The d_k of successive steps are not
    independent (the trajectories drift apart), so the interval is a guide,
    not an exact test: it is wide when the differences wander, which is
    what should stop a recipe from being picked.
@@ -593,6 +601,11 @@ class Trial:
     state_bytes: Optional[int] = None  # parameters + gradients + optimizer state
     activation_bytes: Optional[int] = None  # saved for backward on the first step (eager models only)
     grad_cosine: Optional[float] = None
+    # ||g - g_ref|| / ||g_ref||, the first-step gradients (None: not measured)
+    grad_error: Optional[float] = None
+    # The reference only: ||g_ref(batch 1) - g_ref(batch 0)|| / (sqrt(2) ||g_ref(batch 0)||), one batch's sampling
+    # noise (two independent batches' gradients are sqrt(2) noise apart), at the same weights
+    grad_noise: Optional[float] = None
     comparison: Optional[LossComparison] = None
     error: Optional[str] = None
     fits: Optional[bool] = None
@@ -600,6 +613,8 @@ class Trial:
     verdict: str = ""
     # Compiled models: the eager screen's step times (step_times_ms then holds the compiled ones, finalists only)
     eager_step_times_ms: List[float] = field(default_factory=list)
+    # Compiled models: the checkpointed trial whose agreement this one took (it ran out of memory eagerly)
+    agreement_from: Optional[str] = None
 
     @property
     def step_time_ms(self) -> Optional[float]:
@@ -634,10 +649,17 @@ class Trial:
                 "state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
                 "memory_bytes": self.memory_bytes, "memory_source": self.memory_source,
                 "losses": list(self.losses), "grad_cosine": self.grad_cosine,
+                "grad_error": self.grad_error, "grad_noise": self.grad_noise,
                 "loss_diff_mean": None if c is None else c.mean, "loss_diff_ci": None if c is None else [c.ci_low, c.ci_high],
                 "loss_diff_p": None if c is None else c.p_value, "loss_diffs": None if c is None else list(c.differences),
                 "error": self.error, "fits": self.fits, "agrees": self.agrees, "verdict": self.verdict,
-                "eager_step_time_ms": self.eager_step_time_ms, "eager_step_times_ms": list(self.eager_step_times_ms)}
+                "eager_step_time_ms": self.eager_step_time_ms, "eager_step_times_ms": list(self.eager_step_times_ms),
+                "agreement_from": self.agreement_from}
+
+
+def _has_fp8(recipe: Recipe) -> bool:
+    """Whether `recipe`'s per-layer map puts a layer in fp8."""
+    return any(kind.startswith("fp8-") for _, kind in recipe.policy.layers)
 
 
 def _median(values: Sequence[float]) -> Optional[float]:
@@ -741,7 +763,8 @@ class Tuner:
     def __init__(self, model, optimizer, batches, loss_fn, capabilities, recipes: Sequence[Recipe],
                  skipped: Sequence[Tuple[str, str]] = (), *, steps: int = 8,
                  memory_budget=None, analysis=None, rounds: int = 3, timed_steps: int = 3,
-                 loss_tolerance: float = 0.01, min_cosine: float = 0.95, tie: float = 0.01,
+                 loss_tolerance: float = 0.01, min_cosine: float = 0.95, noise_fraction: float = 1.0,
+                 tie: float = 0.01,
                  contenders: float = 0.2, state_margin: float = 0.1, checkpoint_when_needed: bool = True,
                  offload_snapshot: Optional[bool] = None, progress: Optional[Callable[[str], None]] = None,
                  process_group=None):
@@ -770,6 +793,11 @@ class Tuner:
             raise ValueError(f"steps is {steps}; pass at least 2 (the loss comparison needs two differences)")
         if rounds < 1 or timed_steps < 1:
             raise ValueError(f"rounds ({rounds}) and timed_steps ({timed_steps}) must be >= 1")
+        if isinstance(noise_fraction, bool) or not isinstance(noise_fraction, (int, float)) or \
+                not (math.isfinite(noise_fraction) and noise_fraction >= 0):
+            raise ValueError(f"noise_fraction is {noise_fraction!r}; pass a finite fraction >= 0 (1: a recipe with "
+                             "fp8 layers whose first-step gradient is nearer the reference's than one batch's "
+                             "sampling noise agrees whatever its cosine; 0: only min_cosine judges it)")
         for name, value in (("tie", tie), ("loss_tolerance", loss_tolerance)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
                                                                                      and value >= 0):
@@ -786,7 +814,7 @@ class Tuner:
         self.budget = parse_budget(memory_budget)
         self.analysis = analysis
         self.loss_tolerance, self.min_cosine, self.tie = float(loss_tolerance), float(min_cosine), float(tie)
-        self.contenders = float(contenders)
+        self.contenders, self.noise_fraction = float(contenders), float(noise_fraction)
         if not state_margin >= 0:
             raise ValueError(f"state_margin is {state_margin!r}; pass a fraction >= 0 (0.1: a recipe that keeps "
                              "more in bf16 (weights, moments, compute outside the matmuls) is chosen only when "
@@ -847,8 +875,8 @@ class Tuner:
         a.scaler.update()
         return loss.detach().float()
 
-    def _probe(self, a: AppliedRecipe) -> List[torch.Tensor]:
-        """Unscaled fp32 gradients of one forward/backward on the first batch (no step); the scale backs off
+    def _probe(self, a: AppliedRecipe, index: int = 0) -> List[torch.Tensor]:
+        """Unscaled fp32 gradients of one forward/backward on batch `index` (no step); the scale backs off
         until they are finite, as the scaler would."""
         scale = a.scaler.get_scale() if a.scaler.is_enabled() else 1.0
         params = [p for p in trained_parameters(unwrap_model(self.model), [a.optimizer]) if p.requires_grad]
@@ -856,7 +884,7 @@ class Tuner:
             for p in params:
                 p.grad = None
             with a.autocast():
-                loss = self.loss_fn(self.module, self.batches[0])
+                loss = self.loss_fn(self.module, self.batches[index])
             (loss * scale if scale != 1.0 else loss).backward()
             grads = [(p.grad.float() / scale) if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
                      for p in params]
@@ -869,20 +897,20 @@ class Tuner:
         return grads
 
     @staticmethod
-    def _cosine(grads: List[torch.Tensor], ref: List[torch.Tensor]) -> float:
-        """Cosine of two gradients given per parameter; `ref` (on the host) comes over a tensor at a time.
-        Summed on the device in float64, read once."""
+    def _compare(grads: List[torch.Tensor], ref: List[torch.Tensor]) -> Tuple[float, float]:
+        """(cosine, ||g - ref|| / ||ref||) of two gradients given per parameter; `ref` (on the host) comes over
+        a tensor at a time. Summed on the device in float64, read once; nan where not finite."""
         sums = None
         for g, r in zip(grads, ref):
             g, r = g.double(), r.to(g.device, non_blocking=True).double()
-            part = torch.stack([(g * r).sum(), g.pow(2).sum(), r.pow(2).sum()])
+            part = torch.stack([(g * r).sum(), g.pow(2).sum(), r.pow(2).sum(), (g - r).pow(2).sum()])
             sums = part if sums is None else sums + part
         if sums is None:
-            return math.nan
-        dot, n1, n2 = (float(v) for v in sums.cpu())
-        if not (math.isfinite(dot) and n1 > 0 and n2 > 0 and math.isfinite(n1)):
-            return math.nan
-        return dot / math.sqrt(n1 * n2)
+            return math.nan, math.nan
+        dot, n1, n2, diff = (float(v) for v in sums.cpu())
+        if not (math.isfinite(dot) and n1 > 0 and n2 > 0 and math.isfinite(n1) and math.isfinite(diff)):
+            return math.nan, math.nan
+        return dot / math.sqrt(n1 * n2), math.sqrt(diff / n2)
 
     def _trajectory(self, recipe: Recipe, trial: Trial, ref_grads):
         self._restore()
@@ -893,8 +921,16 @@ class Tuner:
             with self._phase("probes"):
                 grads = self._probe(a)
                 # Compared (or kept, on the host) before the trajectory, so that they are not in its peak memory.
-                out = _reference_copies(grads) if ref_grads is None else self._cosine(grads, ref_grads.grads)
-                del grads
+                if ref_grads is None:
+                    out = _reference_copies(grads)
+                    del grads
+                    if len(self.batches) > 1:  # (a candidate for the reference: its sampling noise)
+                        other = self._probe(a, 1)
+                        trial.grad_noise = self._compare(other, out.grads)[1] / math.sqrt(2)
+                        del other
+                else:
+                    out, trial.grad_error = self._compare(grads, ref_grads.grads)
+                    del grads
             _set_rng_states(self.snapshot.rng)
             with self._phase("trajectories"):
                 if cuda:
@@ -970,13 +1006,27 @@ class Tuner:
         For each bf16 extent (:func:`_bf16_extent`) the one of the eager screen's eligible trials with the
         fastest eager steps (one within `tie` of it but safer wins the tie), kept when it is the lowest extent's or
         its eager steps beat every lower kept one's by more than half of `state_margin`; with `state_margin` > 0
-        no more than two (the lowest extent's and one above it). The others' verdicts say why they were not
-        compiled."""
+        no more than two (the lowest extent's and one above it). Candidates with fp8 layers are ranked among
+        themselves: eagerly torchao's casts are kernels of their own, so fp8 loses there what it gains compiled
+        (the fp8 map's gains were timed compiled); the fastest of them is a finalist too. The others' verdicts
+        say why they were not compiled."""
         ok = self._eligible([t for t in trials if _usable(t)], recipes)
+        fp8 = [t for t in ok if _has_fp8(recipes[t.name])]
+        ok = [t for t in ok if t not in fp8]
         levels: Dict[int, List[Trial]] = defaultdict(list)
         for t in ok:
             levels[_bf16_extent(recipes[t.name])].append(t)
         kept: List[Trial] = []
+        fp8_pick = []
+        if fp8:
+            fastest = min(fp8, key=lambda t: t.step_time_ms)
+            fp8_pick = [min((t for t in fp8 if t.step_time_ms <= fastest.step_time_ms * (1 + self.tie)),
+                            key=lambda t: t.safety)]
+            for t in fp8:
+                if t is not fp8_pick[0] and not t.verdict:
+                    t.verdict = (f"agrees; not compiled: eager {_num(t.step_time_ms)} ms/step against "
+                                 f"{_num(fp8_pick[0].step_time_ms)} for {fp8_pick[0].name}, the fastest with fp8 "
+                                 "layers")
         for level in sorted(levels):
             pool = levels[level]
             fastest = min(pool, key=lambda t: t.step_time_ms)
@@ -1002,13 +1052,26 @@ class Tuner:
                                     "gain of keeping more in bf16 shrinks)")
                 continue
             kept.append(pick)
-        return kept
+        return kept + fp8_pick
 
     def _time_finalists(self, trials: List[Trial], recipes: Dict[str, Recipe]) -> None:
         """Compiled: the eager screen's step times move to ``eager_step_times_ms``; each finalist's blocks are
         compiled and its steps timed (:meth:`_time_compiled`); a lone finalist keeps its eager times (nothing to
-        compare)."""
+        compare).
+
+        A checkpointed finalist whose recipe without checkpointing ran out of memory in the eager screen brings
+        that recipe along: compiled it saves fewer activations and may fit (H200, the Llama-3-8B shape at 3 x 2048
+        tokens: bf16 autocast ran out of memory eagerly, and compiled trains at 124 GiB). It is timed compiled
+        first; if it fits, it takes the checkpointed trial's agreement (checkpointing recomputes the same
+        arithmetic) and its compiled peak memory."""
         finalists = self._finalists(trials, recipes)
+        by_name = {t.name: t for t in trials}
+        twin_of: Dict[str, Trial] = {}
+        for t in list(finalists):
+            base = by_name.get(t.name[:-len("+ckpt")]) if t.name.endswith("+ckpt") else None
+            if base is not None and base.fits is False and (base.error or "").startswith("out of memory"):
+                twin_of[base.name] = t
+                finalists.insert(finalists.index(t), base)
         for t in trials:
             t.eager_step_times_ms, t.step_times_ms = list(t.step_times_ms), []
         if len(finalists) == 1:
@@ -1019,7 +1082,9 @@ class Tuner:
         offset = self.steps
         for t in finalists:
             try:
-                self._time_compiled(recipes[t.name], t, offset)
+                peak = self._time_compiled(recipes[t.name], t, offset)
+                if t.name in twin_of:
+                    self._adopt_agreement(t, twin_of[t.name], peak)
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile is recorded, not fatal
                 if not _is_oom(exc) and not isinstance(exc, (RuntimeError, ValueError, TypeError)):
                     raise
@@ -1033,10 +1098,22 @@ class Tuner:
             if t.error is None:
                 self.finalists.append(t.name)
 
+    def _adopt_agreement(self, trial: Trial, twin: Trial, peak: Optional[int]):
+        """`trial` ran out of memory eagerly and has now run compiled (peak `peak`): it agrees as its checkpointed
+        `twin` did, and fits if its compiled peak is within the budget."""
+        trial.error, trial.agrees, trial.comparison = None, twin.agrees, twin.comparison
+        trial.losses, trial.grad_cosine, trial.grad_error = list(twin.losses), twin.grad_cosine, twin.grad_error
+        peak = self._agree(peak)  # (rank 0's: every rank decides alike)
+        trial.agreement_from, trial.peak_bytes = twin.name, peak
+        trial.fits = self.budget is None or peak is None or peak <= self.budget
+        trial.verdict = "" if trial.fits else (f"does not fit the budget compiled: {_bytes(peak)} > "
+                                               f"{_bytes(self.budget)}")
+
     def _time_compiled(self, recipe: Recipe, trial: Trial, offset: int):
         """The recipe applied to the eager module with its blocks compiled (:func:`compiled_blocks`, the user's
         backend): one step that compiles ("compiling"), one warm-up step, then ``rounds * timed_steps`` timed
-        steps ("compiled timing"). Undone afterwards."""
+        steps ("compiled timing"). Undone afterwards. Returns the peak memory of the steps after the compiling one
+        (CUDA; None on the CPU)."""
         self._restore()
         with self._phase("recipes applied and undone"):
             a = AppliedRecipe(recipe, self.module, self.optimizer)
@@ -1047,6 +1124,9 @@ class Tuner:
                 with self._phase("compiling"):
                     self._step(a, self.batches[offset % n])
                     a.optimizer.zero_grad(set_to_none=True)
+                cuda = self.device.type == "cuda"
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats(self.device)
                 with self._phase("compiled timing"):
                     self._step(a, self.batches[(offset + 1) % n])  # warm-up: allocator, caches
                     a.optimizer.zero_grad(set_to_none=True)
@@ -1056,6 +1136,7 @@ class Tuner:
                         a.optimizer.zero_grad(set_to_none=True)
                         timer.stop(start)
                     trial.step_times_ms = timer.times_ms()
+                return int(torch.cuda.max_memory_allocated(self.device)) if cuda else None
         finally:
             a.optimizer.zero_grad(set_to_none=True)
             with self._phase("recipes applied and undone"):
@@ -1192,11 +1273,11 @@ class Tuner:
             if self._reference is None:
                 if trial.fits and all(math.isfinite(v) for v in trial.losses):
                     self._reference, self._ref_grads = trial, out
-                    trial.grad_cosine, trial.agrees = 1.0, True
+                    trial.grad_cosine, trial.grad_error, trial.agrees = 1.0, 0.0, True
                     trial.comparison = LossComparison.of(trial.losses, trial.losses)
                 continue
             trial.grad_cosine = out
-            self._judge(trial, self._reference)
+            self._judge(trial, self._reference, recipe)
 
     def _agree_trial(self, trial: Trial, out):
         """`trial` as rank 0 measured it, on every rank (nothing changes in one process), and `out`: the
@@ -1238,13 +1319,20 @@ class Tuner:
         if all(r.name != variant.name for r in queue):
             queue.insert(0, variant)
 
-    def _judge(self, trial: Trial, reference: Trial):
+    def _judge(self, trial: Trial, reference: Trial, recipe: Recipe):
         trial.comparison = c = LossComparison.of(trial.losses, reference.losses)
         scale = sum(abs(v) for v in reference.losses) / len(reference.losses)
         tol = self.loss_tolerance * scale
         finite = all(math.isfinite(v) for v in trial.losses)
         cos_ok = trial.grad_cosine is not None and math.isfinite(trial.grad_cosine) and \
             trial.grad_cosine >= self.min_cosine
+        # fp8 layers: their tolerance is measured layer by layer (the fp8 selection); over a deep model their
+        # rounding adds up to a first gradient far from fp32's, by nature, so the whole model is held to the
+        # sampling noise instead. Elsewhere a low cosine is a defect's signature (bf16 autocast keeps 0.99).
+        noise = reference.grad_noise if _has_fp8(recipe) else None
+        within_noise = (self.noise_fraction > 0 and noise is not None and math.isfinite(noise)
+                        and trial.grad_error is not None and trial.grad_error <= self.noise_fraction * noise)
+        cos_ok = cos_ok or within_noise
         trial.agrees = bool(finite and math.isfinite(c.ci_high) and c.ci_high <= tol and cos_ok)
         if not trial.agrees:
             why = []
@@ -1253,8 +1341,17 @@ class Tuner:
             if finite and not (math.isfinite(c.ci_high) and c.ci_high <= tol):
                 why.append(f"loss difference CI upper {c.ci_high:+.3g} > tolerance {tol:.3g}")
             if not cos_ok:
-                why.append(f"first-step gradient cosine {_num(trial.grad_cosine)} < {self.min_cosine:g}")
+                why.append(f"first-step gradient cosine {_num(trial.grad_cosine)} < {self.min_cosine:g}"
+                           + self._noise_clause(trial, noise))
             trial.verdict = "disagrees: " + "; ".join(why)
+
+    def _noise_clause(self, trial: Trial, noise: Optional[float]) -> str:
+        """What the gradient distance said, when it was measured, for a disagreeing verdict."""
+        if self.noise_fraction == 0 or noise is None or not math.isfinite(noise) or trial.grad_error is None:
+            return ""
+        bound = "the" if self.noise_fraction == 1 else f"{self.noise_fraction:g}x the"
+        return (f", and its distance from the reference's {_num(trial.grad_error)} > {bound} sampling noise "
+                f"{_num(noise * self.noise_fraction)}")
 
     def _eligible(self, ok: List[Trial], recipes: Dict[str, Recipe]) -> List[Trial]:
         """The agreeing, fitting trials that may be chosen: bf16 moments only when none with fp32 moments is
@@ -1491,6 +1588,8 @@ def _trial_line(t: Trial) -> str:
         parts.append(f"loss diff {c.mean:+.3g} [{c.ci_low:+.3g}, {c.ci_high:+.3g}] (p={c.p_value:.2g})")
     if t.grad_cosine is not None:
         parts.append(f"grad cosine {_num(t.grad_cosine)}")
+    if t.grad_error:
+        parts.append(f"grad distance {_num(t.grad_error)}")
     return ", ".join(parts) + f": {t.verdict or 'reference'}"
 
 
@@ -1584,10 +1683,11 @@ def tuning_rows(d: dict) -> List[dict]:
                      "95% CI": f"[{ci[0]:+.3g}, {ci[1]:+.3g}]" if ok_ci else "-",
                      "p": t.get("loss_diff_p") if ok_ci else None,
                      "grad cos": "-" if t.get("grad_cosine") is None else f"{t['grad_cosine']:.6f}",
-                     "verdict": t.get("verdict") or "reference"})
+                     "grad dist": "-" if t.get("grad_error") is None else f"{t['grad_error']:.3g}",
+                     "verdict": (t.get("verdict") or "reference") + _adopted(t)})
     for s in d.get("skipped", []):
         rows.append({"candidate": s["name"], "ms/step": None, "memory MiB": None, "loss diff": None, "95% CI": "-",
-                     "p": None, "grad cos": "-", "verdict": "skipped: " + s["why"]})
+                     "p": None, "grad cos": "-", "grad dist": "-", "verdict": "skipped: " + s["why"]})
     if any(t.get("eager_step_times_ms") for t in d["trials"]):  # compiled: the eager screen's times too
         eager = {t["name"]: t.get("eager_step_time_ms") for t in d["trials"]}
         rows = [{**{k: v for k, v in r.items() if k != "verdict"}, "eager ms/step": eager.get(r["candidate"]),
@@ -1595,16 +1695,27 @@ def tuning_rows(d: dict) -> List[dict]:
     return rows
 
 
+def _adopted(t: dict) -> str:
+    if not t.get("agreement_from"):
+        return ""
+    return (f" (out of memory eagerly, timed and its memory measured compiled; the loss and gradient agreement are "
+            f"{t['agreement_from']}'s, the same arithmetic)")
+
+
 def tuning_table(d: dict) -> str:
     """The A/B table of a TuneResult.to_dict(): one row per candidate, then the choice."""
     head = (f"A/B of precision recipes on {d['device']}{' (compiled)' if d.get('compiled') else ''}: reference "
             f"{d['reference']}, memory budget {_bytes(d.get('budget_bytes'))}, memory as {d.get('memory_source')}; "
             f"tuning took {d['seconds']:.1f} s")
+    noise = next((t.get("grad_noise") for t in d["trials"] if t["name"] == d["reference"]), None)
     phases = d.get("phase_seconds") or {}
     if phases:
         head += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])) + ")"
     if d.get("compiled") and d.get("timing"):
         head += "\ntiming: " + d["timing"]
+    if noise is not None:
+        head += (f"\ngrad dist: the first-step gradient's distance from the reference's, relative to its norm; one "
+                 f"batch's sampling noise is {noise:.3g} (the reference's on two batches, over sqrt 2)")
     return (head + "\n" + comparison_table(tuning_rows(d)) +
             f"\nchosen: {d['chosen']} ({d.get('describe') or d.get('policy')})")
 

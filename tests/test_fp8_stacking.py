@@ -214,6 +214,58 @@ def test_tuning_measures_the_fp8_map_once_and_every_fp8_candidate_trains_it(fp8_
         assert any(r.startswith(f"layer {linears[0]}: fp8-tensorwise") for r in result.policy.reasons)
 
 
+def test_an_fp8_candidate_agrees_when_its_gradient_is_within_the_sampling_noise(fp8_here):
+    """With no cosine good enough (min_cosine above 1), a recipe with fp8 layers still agrees when its first
+    gradient lies nearer fp32's than one batch's sampling noise (the reference's gradients on two batches, over
+    sqrt 2); a recipe without fp8 layers does not; noise_fraction=0 turns the rule off, and identical batches
+    (no sampling noise) leave nothing within it."""
+    from adaptive_amp.policy import AdaptivePrecisionSelector
+
+    zm = zoo.build("llama", "tiny", seed=0)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    batches = [zm.make_batch(4, seed=i) for i in range(3)]
+    cands = ["fp32", "bf16", "bf16+fp8"]
+
+    def run(batches, **kw):
+        result = AdaptivePrecisionSelector().tune(zm.model, opt, batches, zm.loss, candidates=cands,
+                                                  fp8=dict(gain_fn=_gains), min_cosine=1.5, **FAST, **kw)
+        return result, {t.name: t for t in result.trials}
+
+    result, by = run(batches)
+    ref, bf16, fp8 = by["fp32"], by["bf16"], by["bf16+fp8"]
+    assert result.reference == "fp32" and ref.grad_error == 0.0 and 0 < ref.grad_noise < 2
+    assert bf16.grad_noise is None and fp8.grad_noise is None
+    # The fp8 candidate's first gradient is further from fp32's than bf16's, yet well within the noise.
+    assert 0 < bf16.grad_error < fp8.grad_error < ref.grad_noise
+    assert fp8.agrees and fp8.grad_cosine < 1.5
+    assert not bf16.agrees and bf16.verdict.startswith("disagrees: first-step gradient cosine")
+    assert "sampling noise" not in bf16.verdict
+    d = result.to_dict()
+    assert [t["grad_noise"] for t in d["trials"]][0] == ref.grad_noise
+    assert "grad dist" in result.table() and "sampling noise is" in result.table()
+
+    _, off = run(batches, noise_fraction=0)
+    assert not off["bf16+fp8"].agrees and "sampling noise" not in off["bf16+fp8"].verdict
+    _, same = run([batches[0]] * 3)
+    # (the reference's gradient is kept in bf16: its rounding is all the noise left)
+    assert same["fp32"].grad_noise < 0.01 and not same["bf16+fp8"].agrees
+    assert "> the sampling noise" in same["bf16+fp8"].verdict, same["bf16+fp8"].verdict
+    assert all(m._forward_pre_hooks == {} for m in zm.model.modules()) and not _kinds(zm.model)
+
+
+@pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), True, "1"])
+def test_a_bad_noise_fraction_is_refused_naming_it_before_any_trial(bad):
+    from adaptive_amp.policy import AdaptivePrecisionSelector
+
+    zm = zoo.build("llama", "tiny", seed=0)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    before = _state(zm, opt)
+    with pytest.raises(ValueError, match="noise_fraction is"):
+        AdaptivePrecisionSelector().tune(zm.model, opt, [zm.make_batch(2)], zm.loss, candidates=["fp32", "bf16"],
+                                         noise_fraction=bad, **FAST)
+    _same_state(before, _state(zm, opt))
+
+
 def test_without_fp8_here_each_fp8_candidate_is_skipped_with_why_before_any_trial(monkeypatch):
     quiet_torchao()
     from adaptive_amp.policy import AdaptivePrecisionSelector, candidate_recipes

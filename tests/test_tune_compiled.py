@@ -44,21 +44,29 @@ def _setup(family="llama"):
     return zm, opt, batches
 
 
-def _timed(monkeypatch, zm, eager_ms: dict, compiled_ms: dict):
+def _timed(monkeypatch, zm, eager_ms: dict, compiled_ms: dict, eager_out_of_memory=()):
     """A loss_fn, and the tuning's step timer replaced by one that reports each recipe's step time from
-    `eager_ms` or `compiled_ms` (as its blocks run): the choice without the timing noise of a shared CPU."""
+    `eager_ms` or `compiled_ms` (as its blocks run): the choice without the timing noise of a shared CPU. A
+    recipe is named by its dtypes, then "+fp8" with fp8 layers and "+ckpt" with its blocks checkpointed; those in
+    `eager_out_of_memory` run out of memory when their blocks are not compiled."""
     from adaptive_amp import tune as tune_module
+    from adaptive_amp.layer_precision import applied_kinds
     from adaptive_amp.recipes import matmul_layers
 
-    weight = matmul_layers(zm.model)[-1][1].weight
+    layer = matmul_layers(zm.model)[-1][1]
     norm = next(p for p in zm.model.parameters() if p.dim() == 1)
     block = find_blocks(zm.model)[0][1]
     last = {}
 
     def loss_fn(model, batch):
-        last["name"] = ("bf16-pure" if norm.dtype == torch.bfloat16 else "bf16-weights"
-                        if weight.dtype == torch.bfloat16 else "bf16" if torch.is_autocast_enabled("cpu") else "fp32")
+        kinds = [k for k, _ in applied_kinds(layer)] + [k for k, _ in applied_kinds(block)]
+        last["name"] = (("bf16-pure" if norm.dtype == torch.bfloat16 else "bf16-weights"
+                         if layer.weight.dtype == torch.bfloat16 else "bf16" if torch.is_autocast_enabled("cpu")
+                         else "fp32") + ("+fp8" if any(k.startswith("fp8-") for k in kinds) else "")
+                        + ("+ckpt" if "checkpoint" in kinds else ""))
         last["compiled"] = block._compiled_call_impl is not None
+        if last["name"] in eager_out_of_memory and not last["compiled"]:
+            raise torch.OutOfMemoryError("CUDA out of memory (planted: the eager step saves too much)")
         return zm.loss(model, batch)
 
     class Timer:
@@ -256,3 +264,69 @@ def test_blocks_compiled_in_place_are_screened_eagerly_and_put_back(monkeypatch)
     graphs.clear()
     zm.loss(zm.model, batches[0]).backward()  # the user's own compiled blocks, as before the tuning
     assert graphs == ["fw", "bw"]
+
+
+def test_an_eager_out_of_memory_beside_a_checkpointed_finalist_is_timed_compiled_and_can_win(monkeypatch):
+    """As on the Llama-3-8B shape on an H200: bf16 autocast ran out of memory in the eager screen, which only
+    its checkpointed twin passed; compiled, it fits and is faster. It is timed compiled beside the twin, takes the
+    twin's agreement (the same arithmetic) and is chosen."""
+    zm, opt, batches = _setup()
+    before = _state(zm, opt)
+    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16+ckpt": 9, "fp32+ckpt": 12},
+                     {"fp32": 5, "bf16": 3, "bf16+ckpt": 4}, eager_out_of_memory=("bf16",))
+    backend, graphs = _counting()
+    result = tune(torch.compile(zm.model, backend=backend), opt, batches, loss_fn, capabilities=CPU,
+                  candidates=["fp32", "bf16"], steps=3, rounds=1, timed_steps=1)
+    by = {t.name: t for t in result.trials}
+    assert list(by) == ["fp32", "bf16", "bf16+ckpt"]
+    bf16, twin = by["bf16"], by["bf16+ckpt"]
+    assert twin.agrees and twin.step_times_ms == [4]
+    assert bf16.error is None and bf16.fits and bf16.agrees and bf16.agreement_from == "bf16+ckpt"
+    assert bf16.losses == twin.losses and bf16.grad_cosine == twin.grad_cosine and bf16.step_times_ms == [3]
+    assert not bf16.eager_step_times_ms and result.recipe.name == "bf16" and graphs == ["fw", "bw"] * 2
+    assert "the loss and gradient agreement are bf16+ckpt's" in result.table()
+    assert result.to_dict()["trials"][1]["agreement_from"] == "bf16+ckpt"
+    after = _state(zm, opt)
+    for k in before:
+        assert_bitwise_equal(before[k], after[k], k)
+    assert all(m._compiled_call_impl is None for m in zm.model.modules())
+
+
+def test_an_eager_out_of_memory_that_does_not_fit_compiled_either_stays_out(monkeypatch):
+    zm, opt, batches = _setup()
+    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16+ckpt": 9}, {"fp32": 5, "bf16+ckpt": 4},
+                     eager_out_of_memory=("bf16",))
+    from adaptive_amp import tune as tune_module
+
+    real = tune_module.Tuner._time_compiled
+
+    def time_compiled(self, recipe, trial, offset):
+        if recipe.name == "bf16":
+            raise torch.OutOfMemoryError("CUDA out of memory (planted: compiled too)")
+        return real(self, recipe, trial, offset)
+
+    monkeypatch.setattr(tune_module.Tuner, "_time_compiled", time_compiled)
+    result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, capabilities=CPU,
+                  candidates=["fp32", "bf16"], steps=3, rounds=1, timed_steps=1)
+    by = {t.name: t for t in result.trials}
+    assert by["bf16"].error.startswith("out of memory while timed compiled") and by["bf16"].agreement_from is None
+    assert result.recipe.name == "bf16+ckpt"
+
+
+def test_the_fastest_fp8_candidate_is_a_finalist_however_slow_eagerly(fp8_here, monkeypatch):
+    """Eagerly torchao's casts are kernels of their own and fp8 loses; compiled it gains. fp8 candidates are
+    ranked among themselves, and the fastest is timed compiled beside the others' finalists."""
+    from conftest import quiet_torchao
+
+    quiet_torchao()
+    zm, opt, batches = _setup()
+    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16": 8, "bf16+fp8": 20, "bf16-pure+fp8": 18},
+                     {"fp32": 5, "bf16": 3, "bf16+fp8": 2, "bf16-pure+fp8": 1.9})
+    result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn,
+                  candidates=["fp32", "bf16", "bf16+fp8", "bf16-pure+fp8"], fp8=dict(gain_fn=lambda *a: 1.4),
+                  steps=3, rounds=1, timed_steps=1, min_cosine=0.0)
+    by = {t.name: t for t in result.trials}
+    assert all(by[n].agrees for n in by), [(n, t.verdict) for n, t in by.items()]
+    assert [n for n in by if by[n].step_times_ms] == ["bf16", "bf16-pure+fp8"]
+    assert by["bf16+fp8"].verdict.startswith("agrees; not compiled: eager 20 ms/step against 18 for bf16-pure+fp8")
+    assert result.recipe.name == "bf16-pure+fp8"  # (more than state_margin faster than bf16, compiled)
