@@ -251,6 +251,9 @@ def test_an_fp8_candidate_agrees_when_its_gradient_is_within_the_sampling_noise(
     assert same["fp32"].grad_noise < 0.01 and not same["bf16+fp8"].agrees
     assert "> the sampling noise" in same["bf16+fp8"].verdict, same["bf16+fp8"].verdict
     assert all(m._forward_pre_hooks == {} for m in zm.model.modules()) and not _kinds(zm.model)
+    # Without an fp8 candidate nothing is judged by the noise, and the second probe is not run.
+    plain = AdaptivePrecisionSelector().tune(zm.model, opt, batches, zm.loss, candidates=["fp32", "bf16"], **FAST)
+    assert plain.trials[0].grad_noise is None and "sampling noise" not in plain.table()
 
 
 @pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), True, "1"])
