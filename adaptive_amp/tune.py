@@ -9,31 +9,31 @@ that keeps the loss and fits the memory budget.
    and hyperparameters, and the RNG states (torch CPU and CUDA, python's
    ``random``, numpy's global generator) is taken once; every trial starts
    from it and it is restored, bitwise, after the last one.
-2. Each candidate (a :class:`~adaptive_amp.recipes.Recipe`) first runs a probe:
-   one forward and backward on the first batch without an optimizer step; the
-   cosine between its gradient and the reference's is the first-step
+2. Each candidate (a :class:`~adaptive_amp.recipes.Recipe`) first runs a
+   probe: one forward and backward on the first batch without an optimizer
+   step; the cosine between its gradient and the reference's is the first-step
    gradient-direction agreement; where a candidate has fp8 layers, the
-   reference runs a second probe, on the second batch, whose distance from
-   its first is the sampling noise of one batch's gradient. Then it trains ``steps`` steps on the
-   batches, recording each loss, its memory (CUDA: the peak allocated; CPU:
-   the bytes of parameters, gradients and optimizer state, plus, for eager
-   models, the bytes autograd saves for the backward of the first step).
+   reference runs a second probe, on the second batch, whose distance from its
+   first is the sampling noise of one batch's gradient. Then it trains
+   ``steps`` steps on the batches, recording each loss, its memory (CUDA: the
+   peak allocated; CPU: the bytes of parameters, gradients and optimizer
+   state, plus, for eager models, the bytes autograd saves for the backward of
+   the first step).
 3. The reference is the safest candidate (fp32, TF32 where native) that runs
    and fits; the others are compared with it on identical batches: the
-   per-step loss differences ``d_k = loss_k - ref_k``, the 95% t-interval
-   of their mean and the paired t-test's p-value. A candidate *agrees* when all its losses are finite, the
-   interval's upper end is at most ``loss_tolerance`` (relative to the mean
-   reference loss; a candidate may be better, not worse), and the gradient
-   cosine is at least ``min_cosine`` or, for a recipe with fp8 layers, the
-   gradient's distance from the reference's is within ``noise_fraction`` of
-   the sampling noise (fp8 on a deep model: its first gradient is far from
-   fp32's, but nearer than the gradients of two batches are to each other,
-   and SGD lives with those; each fp8 layer's own error is bounded by the fp8
-   selection).
-   The d_k of successive steps are not
-   independent (the trajectories drift apart), so the interval is a guide,
-   not an exact test: it is wide when the differences wander, which is
-   what should stop a recipe from being picked.
+   per-step loss differences ``d_k = loss_k - ref_k``, the 95% t-interval of
+   their mean and the paired t-test's p-value. A candidate *agrees* when all
+   its losses are finite, the interval's upper end is at most
+   ``loss_tolerance`` (relative to the mean reference loss; a candidate may be
+   better, not worse), and the gradient cosine is at least ``min_cosine`` or,
+   for a recipe with fp8 layers, the gradient's distance from the reference's
+   is within ``noise_fraction`` of the sampling noise (fp8 on a deep model:
+   its first gradient is far from fp32's, but nearer than the gradients of two
+   batches are to each other, and SGD lives with those; each fp8 layer's own
+   error is bounded by the fp8 selection). The d_k of successive steps are not
+   independent (the trajectories drift apart), so the interval is a guide, not
+   an exact test: it is wide when the differences wander, which is what should
+   stop a recipe from being picked.
 4. Step times: the trajectories are the first round (every step after the
    first is timed); then ``rounds - 1`` more rounds, each running every
    contender for one warm-up step and ``timed_steps`` timed steps, in an order
