@@ -27,13 +27,14 @@ that keeps the loss and fits the memory budget.
    ``loss_tolerance`` (relative to the mean reference loss; a candidate may be
    better, not worse), and the gradient cosine is at least ``min_cosine`` or,
    for a recipe with fp8 layers, the gradient's distance from the reference's
-   is within ``noise_fraction`` of the sampling noise (fp8 on a deep model:
-   its first gradient is far from fp32's, but nearer than the gradients of two
-   batches are to each other, and SGD lives with those; each fp8 layer's own
-   error is bounded by the fp8 selection). The d_k of successive steps are not
-   independent (the trajectories drift apart), so the interval is a guide, not
-   an exact test: it is wide when the differences wander, which is what should
-   stop a recipe from being picked.
+   is within ``noise_fraction`` of the sampling noise of the batches tuned on,
+   with a positive cosine (fp8 on a deep model: its first gradient is far from
+   fp32's, but nearer than the gradients of two batches are to each other, and
+   SGD lives with those; each fp8 layer's own error is bounded by the fp8
+   selection; with one batch only the cosine judges). The d_k of successive
+   steps are not independent (the trajectories drift apart), so the interval
+   is a guide, not an exact test: it is wide when the differences wander,
+   which is what should stop a recipe from being picked.
 4. Step times: the trajectories are the first round (every step after the
    first is timed); then ``rounds - 1`` more rounds, each running every
    contender for one warm-up step and ``timed_steps`` timed steps, in an order
@@ -86,8 +87,9 @@ what can win:
   and nothing is compiled per candidate. The memory checked against the budget
   is the eager one: on CUDA the eager peak, which saves more activations than
   the compiled graph does, so the check is conservative (a candidate that
-  would fit only compiled is passed over, or tried with checkpointing); on the
-  CPU the state alone, as before. No eager timing rounds follow: eager step
+  would fit only compiled is passed over, or tried with checkpointing; one that
+  ran out of memory is timed compiled beside its checkpointed twin, below); on
+  the CPU the state alone, as before. No eager timing rounds follow: eager step
   times only pick what to compile.
 * The finalists: eager and compiled step times rank recipes differently,
   because inductor fuses the casts and elementwise kernels that make autocast
@@ -99,21 +101,22 @@ what can win:
   recipe, the one that must never be lost to) or if its eager steps beat every
   lower finalist's by more than half of ``state_margin`` (it must beat them by
   all of it, compiled, to be chosen). With ``state_margin`` > 0 there are at
-  most two finalists, the lowest extent's and the next that qualifies: a third
+  most two such finalists, the lowest extent's and the next that qualifies: a third
   would have to beat the second by ``state_margin`` compiled, and compiled the
   second gains most of what bf16 saves (H200, GPT-2 medium, 8 x 1024 tokens:
   bf16-weights trained at 1.12x bf16 autocast's tokens/s; bf16-pure's trial was
   1.07x). Each compile costs seconds, which the budget of a few percent of a
   run cannot spend on a candidate that is not expected to win. A lone finalist
   is chosen without compiling anything. Candidates with fp8 layers are ranked
-  among themselves and the fastest of them is a finalist too: eagerly
+  apart, by the same rule, and give up to two finalists more: eagerly
   torchao's casts are kernels of their own (H200, Llama-3-8B shape: bf16-pure
   with fp8 took 1070 ms a step eagerly against bf16-pure's 591, and 387
   compiled against bf16 autocast's 530). A recipe that ran out of memory in
   the screen, beside a checkpointed twin that is a finalist, is a finalist
   too: compiled it saves fewer activations (H200, the same model: bf16
-  autocast ran out of memory eagerly and trained compiled at 124 GiB); it takes
-  the twin's agreement, since checkpointing recomputes the same arithmetic.
+  autocast ran out of memory eagerly and trained compiled at 124 GiB); if it
+  runs, it takes the twin's agreement, since checkpointing recomputes the same
+  arithmetic, and its compiled memory is checked against the budget.
 * Compiled timing: each finalist is applied to the eager module with its
   repeated blocks (:func:`~adaptive_amp.recipes.find_blocks`) compiled by the
   user's backend (:func:`compiled_blocks`): one graph that all blocks share,
@@ -610,9 +613,10 @@ class Trial:
     activation_bytes: Optional[int] = None  # saved for backward on the first step (eager models only)
     grad_cosine: Optional[float] = None
     # ||g - g_ref|| / ||g_ref||, the first-step gradients (None: not measured)
-    grad_error: Optional[float] = None
-    # The reference only: ||g_ref(batch 1) - g_ref(batch 0)|| / (sqrt(2) ||g_ref(batch 0)||), one batch's sampling
-    # noise (two independent batches' gradients are sqrt(2) noise apart), at the same weights
+    grad_distance: Optional[float] = None
+    # A candidate for the reference (the reference, or one before it that failed later), where an fp8 candidate
+    # runs: ||g(batch 1) - g(batch 0)|| / (sqrt(2) ||g(batch 0)||), one batch's sampling noise (two independent
+    # batches' gradients are sqrt(2) noise apart), at the same weights
     grad_noise: Optional[float] = None
     comparison: Optional[LossComparison] = None
     error: Optional[str] = None
@@ -657,7 +661,7 @@ class Trial:
                 "state_bytes": self.state_bytes, "activation_bytes": self.activation_bytes,
                 "memory_bytes": self.memory_bytes, "memory_source": self.memory_source,
                 "losses": list(self.losses), "grad_cosine": self.grad_cosine,
-                "grad_error": self.grad_error, "grad_noise": self.grad_noise,
+                "grad_distance": self.grad_distance, "grad_noise": self.grad_noise,
                 "loss_diff_mean": None if c is None else c.mean, "loss_diff_ci": None if c is None else [c.ci_low, c.ci_high],
                 "loss_diff_p": None if c is None else c.p_value, "loss_diffs": None if c is None else list(c.differences),
                 "error": self.error, "fits": self.fits, "agrees": self.agrees, "verdict": self.verdict,
@@ -938,7 +942,7 @@ class Tuner:
                         trial.grad_noise = self._compare(other, out.grads)[1] / math.sqrt(2)
                         del other
                 else:
-                    out, trial.grad_error = self._compare(grads, ref_grads.grads)
+                    out, trial.grad_distance = self._compare(grads, ref_grads.grads)
                     del grads
             _set_rng_states(self.snapshot.rng)
             with self._phase("trajectories"):
@@ -1011,31 +1015,25 @@ class Tuner:
                 a.undo()
 
     def _finalists(self, trials: List[Trial], recipes: Dict[str, Recipe]) -> List[Trial]:
-        """Compiled: the candidates whose blocks are compiled and timed (module docstring, "Compiled models").
-        For each bf16 extent (:func:`_bf16_extent`) the one of the eager screen's eligible trials with the
-        fastest eager steps (one within `tie` of it but safer wins the tie), kept when it is the lowest extent's or
-        its eager steps beat every lower kept one's by more than half of `state_margin`; with `state_margin` > 0
-        no more than two (the lowest extent's and one above it). Candidates with fp8 layers are ranked among
-        themselves: eagerly torchao's casts are kernels of their own, so fp8 loses there what it gains compiled
-        (the fp8 map's gains were timed compiled); the fastest of them is a finalist too. The others' verdicts
-        say why they were not compiled."""
+        """Compiled: the candidates whose blocks are compiled and timed (module docstring, "Compiled models"):
+        those of :meth:`_extent_finalists` among the eager screen's eligible trials without fp8 layers, and
+        among those with fp8 layers, ranked apart (eagerly torchao's casts are kernels of their own, so fp8
+        loses there what it gains compiled; the fp8 map's gains were timed compiled). The others' verdicts say
+        why they were not compiled."""
         ok = self._eligible([t for t in trials if _usable(t)], recipes)
         fp8 = [t for t in ok if _has_fp8(recipes[t.name])]
-        ok = [t for t in ok if t not in fp8]
+        return (self._extent_finalists([t for t in ok if t not in fp8], recipes)
+                + self._extent_finalists(fp8, recipes))
+
+    def _extent_finalists(self, ok: List[Trial], recipes: Dict[str, Recipe]) -> List[Trial]:
+        """For each bf16 extent (:func:`_bf16_extent`) the one of `ok` with the fastest eager steps (one within
+        `tie` of it but safer wins the tie), kept when it is the lowest extent's or its eager steps beat every
+        lower kept one's by more than half of `state_margin`; with `state_margin` > 0 no more than two (the
+        lowest extent's and one above it)."""
         levels: Dict[int, List[Trial]] = defaultdict(list)
         for t in ok:
             levels[_bf16_extent(recipes[t.name])].append(t)
         kept: List[Trial] = []
-        fp8_pick = []
-        if fp8:
-            fastest = min(fp8, key=lambda t: t.step_time_ms)
-            fp8_pick = [min((t for t in fp8 if t.step_time_ms <= fastest.step_time_ms * (1 + self.tie)),
-                            key=lambda t: t.safety)]
-            for t in fp8:
-                if t is not fp8_pick[0] and not t.verdict:
-                    t.verdict = (f"agrees; not compiled: eager {_num(t.step_time_ms)} ms/step against "
-                                 f"{_num(fp8_pick[0].step_time_ms)} for {fp8_pick[0].name}, the fastest with fp8 "
-                                 "layers")
         for level in sorted(levels):
             pool = levels[level]
             fastest = min(pool, key=lambda t: t.step_time_ms)
@@ -1061,7 +1059,7 @@ class Tuner:
                                     "gain of keeping more in bf16 shrinks)")
                 continue
             kept.append(pick)
-        return kept + fp8_pick
+        return kept
 
     def _time_finalists(self, trials: List[Trial], recipes: Dict[str, Recipe]) -> None:
         """Compiled: the eager screen's step times move to ``eager_step_times_ms``; each finalist's blocks are
@@ -1071,8 +1069,10 @@ class Tuner:
         A checkpointed finalist whose recipe without checkpointing ran out of memory in the eager screen brings
         that recipe along: compiled it saves fewer activations and may fit (H200, the Llama-3-8B shape at 3 x 2048
         tokens: bf16 autocast ran out of memory eagerly, and compiled trains at 124 GiB). It is timed compiled
-        first; if it fits, it takes the checkpointed trial's agreement (checkpointing recomputes the same
-        arithmetic) and its compiled peak memory."""
+        first; if it runs, it takes the checkpointed trial's agreement (checkpointing recomputes the same
+        arithmetic) and its compiled memory, and it fits if that is within the budget. (A recipe whose eager
+        peak went over the budget is not retried: the eager check is conservative by design, and the
+        checkpointed twin that fits is what the budget asked for.)"""
         finalists = self._finalists(trials, recipes)
         by_name = {t.name: t for t in trials}
         twin_of: Dict[str, Trial] = {}
@@ -1090,10 +1090,11 @@ class Tuner:
             self.say("tune: compiled timing of " + ", ".join(t.name for t in finalists))
         offset = self.steps
         for t in finalists:
+            twin, peak = twin_of.get(t.name), None
+            if twin is not None:
+                t.error, t.fits = None, None  # (the eager screen's out of memory; timed compiled now)
             try:
                 peak = self._time_compiled(recipes[t.name], t, offset)
-                if t.name in twin_of:
-                    self._adopt_agreement(t, twin_of[t.name], peak)
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot compile is recorded, not fatal
                 if not _is_oom(exc) and not isinstance(exc, (RuntimeError, ValueError, TypeError)):
                     raise
@@ -1102,20 +1103,26 @@ class Tuner:
                     t.error, t.fits = f"out of memory while timed compiled: {_short(exc)}", False
                 else:
                     t.error = f"could not be timed compiled: {type(exc).__name__}: {_short(exc)}"
+                if twin is not None:
+                    t.error = "out of memory eagerly, then " + t.error
                 self._free()
             self._agree_timing(t)
+            if twin is not None and t.error is None:  # (rank 0's error: every rank takes this branch, or none)
+                self._adopt_agreement(t, twin, self._agree(peak))
             if t.error is None:
                 self.finalists.append(t.name)
 
     def _adopt_agreement(self, trial: Trial, twin: Trial, peak: Optional[int]):
-        """`trial` ran out of memory eagerly and has now run compiled (peak `peak`): it agrees as its checkpointed
-        `twin` did, and fits if its compiled peak is within the budget."""
-        trial.error, trial.agrees, trial.comparison = None, twin.agrees, twin.comparison
-        trial.losses, trial.grad_cosine, trial.grad_error = list(twin.losses), twin.grad_cosine, twin.grad_error
-        peak = self._agree(peak)  # (rank 0's: every rank decides alike)
+        """`trial` ran out of memory eagerly and has now run compiled (CUDA peak `peak`, rank 0's): it agrees as
+        its checkpointed `twin` did, and fits if its compiled memory (on the CPU: its state, the twin's, as for
+        any compiled trial there) is within the budget."""
+        trial.agrees, trial.comparison = twin.agrees, twin.comparison
+        trial.losses, trial.grad_cosine, trial.grad_distance = list(twin.losses), twin.grad_cosine, twin.grad_distance
         trial.agreement_from, trial.peak_bytes = twin.name, peak
-        trial.fits = self.budget is None or peak is None or peak <= self.budget
-        trial.verdict = "" if trial.fits else (f"does not fit the budget compiled: {_bytes(peak)} > "
+        trial.state_bytes, trial.activation_bytes = twin.state_bytes, None
+        memory = trial.memory_bytes
+        trial.fits = self.budget is None or memory is None or memory <= self.budget
+        trial.verdict = "" if trial.fits else (f"does not fit the budget compiled: {_bytes(memory)} > "
                                                f"{_bytes(self.budget)}")
 
     def _time_compiled(self, recipe: Recipe, trial: Trial, offset: int):
@@ -1282,7 +1289,7 @@ class Tuner:
             if self._reference is None:
                 if trial.fits and all(math.isfinite(v) for v in trial.losses):
                     self._reference, self._ref_grads = trial, out
-                    trial.grad_cosine, trial.grad_error, trial.agrees = 1.0, 0.0, True
+                    trial.grad_cosine, trial.grad_distance, trial.agrees = 1.0, 0.0, True
                     trial.comparison = LossComparison.of(trial.losses, trial.losses)
                 continue
             trial.grad_cosine = out
@@ -1338,9 +1345,13 @@ class Tuner:
         # fp8 layers: their tolerance is measured layer by layer (the fp8 selection); over a deep model their
         # rounding adds up to a first gradient far from fp32's, by nature, so the whole model is held to the
         # sampling noise instead. Elsewhere a low cosine is a defect's signature (bf16 autocast keeps 0.99).
-        noise = reference.grad_noise if _has_fp8(recipe) else None
+        # It must still point the reference's way (a positive cosine): with noise above 1 (batches whose
+        # gradients point apart) a distance within it would admit any direction.
+        fp8 = _has_fp8(recipe)
+        noise = reference.grad_noise if fp8 else None
         within_noise = (self.noise_fraction > 0 and noise is not None and math.isfinite(noise)
-                        and trial.grad_error is not None and trial.grad_error <= self.noise_fraction * noise)
+                        and trial.grad_distance is not None and trial.grad_distance <= self.noise_fraction * noise
+                        and trial.grad_cosine is not None and trial.grad_cosine > 0)
         cos_ok = cos_ok or within_noise
         trial.agrees = bool(finite and math.isfinite(c.ci_high) and c.ci_high <= tol and cos_ok)
         if not trial.agrees:
@@ -1351,15 +1362,19 @@ class Tuner:
                 why.append(f"loss difference CI upper {c.ci_high:+.3g} > tolerance {tol:.3g}")
             if not cos_ok:
                 why.append(f"first-step gradient cosine {_num(trial.grad_cosine)} < {self.min_cosine:g}"
-                           + self._noise_clause(trial, noise))
+                           + self._noise_clause(trial, noise, fp8))
             trial.verdict = "disagrees: " + "; ".join(why)
 
-    def _noise_clause(self, trial: Trial, noise: Optional[float]) -> str:
+    def _noise_clause(self, trial: Trial, noise: Optional[float], fp8: bool) -> str:
         """What the gradient distance said, when it was measured, for a disagreeing verdict."""
-        if self.noise_fraction == 0 or noise is None or not math.isfinite(noise) or trial.grad_error is None:
+        if fp8 and self.noise_fraction > 0 and len(self.batches) < 2:
+            return " (fp8 layers: the sampling-noise test needs two or more batches)"
+        if self.noise_fraction == 0 or noise is None or not math.isfinite(noise) or trial.grad_distance is None:
             return ""
+        if trial.grad_cosine is not None and trial.grad_cosine <= 0:
+            return ", and within the sampling noise it must still point the reference's way (a positive cosine)"
         bound = "the" if self.noise_fraction == 1 else f"{self.noise_fraction:g}x the"
-        return (f", and its distance from the reference's {_num(trial.grad_error)} > {bound} sampling noise "
+        return (f", and its distance from the reference's {_num(trial.grad_distance)} > {bound} sampling noise "
                 f"{_num(noise * self.noise_fraction)}")
 
     def _eligible(self, ok: List[Trial], recipes: Dict[str, Recipe]) -> List[Trial]:
@@ -1597,8 +1612,10 @@ def _trial_line(t: Trial) -> str:
         parts.append(f"loss diff {c.mean:+.3g} [{c.ci_low:+.3g}, {c.ci_high:+.3g}] (p={c.p_value:.2g})")
     if t.grad_cosine is not None:
         parts.append(f"grad cosine {_num(t.grad_cosine)}")
-    if t.grad_error:
-        parts.append(f"grad distance {_num(t.grad_error)}")
+    if t.grad_distance is not None:
+        parts.append(f"grad distance {_num(t.grad_distance)}")
+    if t.agreement_from:
+        parts.append(f"agreement from {t.agreement_from} (out of memory eagerly)")
     return ", ".join(parts) + f": {t.verdict or 'reference'}"
 
 
@@ -1692,7 +1709,7 @@ def tuning_rows(d: dict) -> List[dict]:
                      "95% CI": f"[{ci[0]:+.3g}, {ci[1]:+.3g}]" if ok_ci else "-",
                      "p": t.get("loss_diff_p") if ok_ci else None,
                      "grad cos": "-" if t.get("grad_cosine") is None else f"{t['grad_cosine']:.6f}",
-                     "grad dist": "-" if t.get("grad_error") is None else f"{t['grad_error']:.3g}",
+                     "grad dist": "-" if t.get("grad_distance") is None else f"{t['grad_distance']:.3g}",
                      "verdict": (t.get("verdict") or "reference") + _adopted(t)})
     for s in d.get("skipped", []):
         rows.append({"candidate": s["name"], "ms/step": None, "memory MiB": None, "loss diff": None, "95% CI": "-",

@@ -233,10 +233,10 @@ def test_an_fp8_candidate_agrees_when_its_gradient_is_within_the_sampling_noise(
 
     result, by = run(batches)
     ref, bf16, fp8 = by["fp32"], by["bf16"], by["bf16+fp8"]
-    assert result.reference == "fp32" and ref.grad_error == 0.0 and 0 < ref.grad_noise < 2
+    assert result.reference == "fp32" and ref.grad_distance == 0.0 and 0 < ref.grad_noise < 2
     assert bf16.grad_noise is None and fp8.grad_noise is None
     # The fp8 candidate's first gradient is further from fp32's than bf16's, yet well within the noise.
-    assert 0 < bf16.grad_error < fp8.grad_error < ref.grad_noise
+    assert 0 < bf16.grad_distance < fp8.grad_distance < ref.grad_noise
     assert fp8.agrees and fp8.grad_cosine < 1.5
     assert not bf16.agrees and bf16.verdict.startswith("disagrees: first-step gradient cosine")
     assert "sampling noise" not in bf16.verdict
@@ -246,6 +246,13 @@ def test_an_fp8_candidate_agrees_when_its_gradient_is_within_the_sampling_noise(
 
     _, off = run(batches, noise_fraction=0)
     assert not off["bf16+fp8"].agrees and "sampling noise" not in off["bf16+fp8"].verdict
+    # The same noise, a bound tighter than fp8's distance: outside it.
+    _, tight = run(batches, noise_fraction=0.01)
+    assert not tight["bf16+fp8"].agrees and "> 0.01x the sampling noise" in tight["bf16+fp8"].verdict
+    # One batch: no noise to measure, and the verdict says why the cosine alone judged.
+    _, one = run(batches[:1])
+    assert one["fp32"].grad_noise is None and not one["bf16+fp8"].agrees
+    assert "the sampling-noise test needs two or more batches" in one["bf16+fp8"].verdict
     _, same = run([batches[0]] * 3)
     # (the reference's gradient is kept in bf16: its rounding is all the noise left)
     assert same["fp32"].grad_noise < 0.01 and not same["bf16+fp8"].agrees

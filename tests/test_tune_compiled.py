@@ -272,7 +272,7 @@ def test_an_eager_out_of_memory_beside_a_checkpointed_finalist_is_timed_compiled
     twin's agreement (the same arithmetic) and is chosen."""
     zm, opt, batches = _setup()
     before = _state(zm, opt)
-    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16+ckpt": 9, "fp32+ckpt": 12},
+    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16+ckpt": 9},
                      {"fp32": 5, "bf16": 3, "bf16+ckpt": 4}, eager_out_of_memory=("bf16",))
     backend, graphs = _counting()
     result = tune(torch.compile(zm.model, backend=backend), opt, batches, loss_fn, capabilities=CPU,
@@ -292,41 +292,52 @@ def test_an_eager_out_of_memory_beside_a_checkpointed_finalist_is_timed_compiled
     assert all(m._compiled_call_impl is None for m in zm.model.modules())
 
 
-def test_an_eager_out_of_memory_that_does_not_fit_compiled_either_stays_out(monkeypatch):
-    zm, opt, batches = _setup()
-    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16+ckpt": 9}, {"fp32": 5, "bf16+ckpt": 4},
-                     eager_out_of_memory=("bf16",))
+@pytest.mark.parametrize("compiled_peak", ["out of memory", "over the budget"])
+def test_an_eager_out_of_memory_that_does_not_fit_compiled_either_stays_out(compiled_peak, monkeypatch):
     from adaptive_amp import tune as tune_module
 
+    zm, opt, batches = _setup()
+    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16+ckpt": 9}, {"fp32": 5, "bf16": 3, "bf16+ckpt": 4},
+                     eager_out_of_memory=("bf16",))
     real = tune_module.Tuner._time_compiled
 
     def time_compiled(self, recipe, trial, offset):
-        if recipe.name == "bf16":
+        peak = real(self, recipe, trial, offset)
+        if recipe.name != "bf16":
+            return peak
+        if compiled_peak == "out of memory":
             raise torch.OutOfMemoryError("CUDA out of memory (planted: compiled too)")
-        return real(self, recipe, trial, offset)
+        return 2**40  # a CUDA peak of 1 TiB
 
     monkeypatch.setattr(tune_module.Tuner, "_time_compiled", time_compiled)
     result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, capabilities=CPU,
-                  candidates=["fp32", "bf16"], steps=3, rounds=1, timed_steps=1)
+                  candidates=["fp32", "bf16"], steps=3, rounds=1, timed_steps=1, memory_budget="100GiB")
     by = {t.name: t for t in result.trials}
-    assert by["bf16"].error.startswith("out of memory while timed compiled") and by["bf16"].agreement_from is None
-    assert result.recipe.name == "bf16+ckpt"
+    if compiled_peak == "out of memory":
+        assert by["bf16"].error.startswith("out of memory eagerly, then out of memory while timed compiled")
+        assert by["bf16"].agreement_from is None
+    else:
+        assert by["bf16"].error is None and by["bf16"].agreement_from == "bf16+ckpt" and not by["bf16"].fits
+        assert by["bf16"].verdict == "does not fit the budget compiled: 1024.00 GiB > 100.00 GiB"
+    assert by["bf16"].fits is False and result.recipe.name == "bf16+ckpt"
 
 
-def test_the_fastest_fp8_candidate_is_a_finalist_however_slow_eagerly(fp8_here, monkeypatch):
+@pytest.mark.parametrize("pure_ms, chosen", [(1.5, "bf16-pure+fp8"), (1.9, "bf16+fp8")])
+def test_fp8_candidates_are_ranked_apart_however_slow_eagerly(pure_ms, chosen, fp8_here, monkeypatch):
     """Eagerly torchao's casts are kernels of their own and fp8 loses; compiled it gains. fp8 candidates are
-    ranked among themselves, and the fastest is timed compiled beside the others' finalists."""
+    ranked among themselves by the same rule as the others (the lowest bf16 extent's always, one keeping more in
+    bf16 when more than state_margin/2 faster eagerly), and timed compiled beside the others' finalists; one
+    keeping more in bf16 is chosen only when more than state_margin faster compiled."""
     from conftest import quiet_torchao
 
     quiet_torchao()
     zm, opt, batches = _setup()
-    loss_fn = _timed(monkeypatch, zm, {"fp32": 10, "bf16": 8, "bf16+fp8": 20, "bf16-pure+fp8": 18},
-                     {"fp32": 5, "bf16": 3, "bf16+fp8": 2, "bf16-pure+fp8": 1.9})
-    result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn,
-                  candidates=["fp32", "bf16", "bf16+fp8", "bf16-pure+fp8"], fp8=dict(gain_fn=lambda *a: 1.4),
-                  steps=3, rounds=1, timed_steps=1, min_cosine=0.0)
+    eager = {"fp32": 10, "bf16": 8, "bf16+fp8": 20, "bf16-weights+fp8": 19.5, "bf16-pure+fp8": 18}
+    loss_fn = _timed(monkeypatch, zm, eager, {"fp32": 5, "bf16": 3, "bf16+fp8": 2, "bf16-pure+fp8": pure_ms})
+    result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, candidates=list(eager),
+                  fp8=dict(gain_fn=lambda *a: 1.4), steps=3, rounds=1, timed_steps=1, min_cosine=0.0)
     by = {t.name: t for t in result.trials}
     assert all(by[n].agrees for n in by), [(n, t.verdict) for n, t in by.items()]
-    assert [n for n in by if by[n].step_times_ms] == ["bf16", "bf16-pure+fp8"]
-    assert by["bf16+fp8"].verdict.startswith("agrees; not compiled: eager 20 ms/step against 18 for bf16-pure+fp8")
-    assert result.recipe.name == "bf16-pure+fp8"  # (more than state_margin faster than bf16, compiled)
+    assert [n for n in by if by[n].step_times_ms] == ["bf16", "bf16+fp8", "bf16-pure+fp8"]
+    assert by["bf16-weights+fp8"].verdict.startswith("agrees; not compiled: eager 19.5 ms/step, not more than")
+    assert result.recipe.name == chosen
