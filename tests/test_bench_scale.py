@@ -105,6 +105,10 @@ def test_scale_verdict_against_the_targets_in_words():
     assert any("0.70x: meets the 0.8x target" in x for x in lines)
     assert any("torchao's best (torchao-rowwise" in x and "1.17x" in x and "meets" in x for x in lines)
     assert any("inside torch's seed spread" in x for x in lines)
+    # A tuned run at a batch given, not searched, says its speed is at that batch; a searched one does not.
+    assert any(x.startswith("Ours (tune) ran only at the batch given (4), not searched") for x in lines)
+    report["search"]["tune"] = {"batch": 4, "tried": {}}
+    assert not any("not searched" in x for x in scale.verdict(report))
 
 
 def test_scale_verdict_compares_losses_only_at_torchs_batch_and_the_same_steps():

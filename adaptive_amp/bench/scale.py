@@ -400,6 +400,10 @@ def verdict(report: dict) -> List[str]:
         lines.append(f"Against torchao's best ({torchao_best['recipe']}, batch {torchao_best['batch']}): "
                      f"{ratio:.2f}x its tokens/s: {'meets' if ratio >= TARGET_VS_TORCHAO else 'misses'} the "
                      f"{TARGET_VS_TORCHAO}x target.")
+    if report["device"] != "cpu" and not report["search"].get(ours["recipe"], {}).get("batch"):
+        lines.append(f"Ours ({ours['recipe']}) ran only at the batch given ({ours['batch']}), not searched for its "
+                     f"largest: the speed above is at that batch. Run --recipes {ours['recipe']} without --batch, "
+                     "with --json PATH --resume, for its largest.")
     if torch_best is not None:
         lines += _loss_lines(runs, ours["recipe"], torch_best)
     return lines
