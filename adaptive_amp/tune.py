@@ -627,6 +627,8 @@ class Trial:
     eager_step_times_ms: List[float] = field(default_factory=list)
     # Compiled models: the checkpointed trial whose agreement this one took (it ran out of memory eagerly)
     agreement_from: Optional[str] = None
+    # Its gradient agreed through the sampling-noise test (fp8 layers), its cosine being below min_cosine
+    within_noise: bool = False
 
     @property
     def step_time_ms(self) -> Optional[float]:
@@ -666,7 +668,7 @@ class Trial:
                 "loss_diff_p": None if c is None else c.p_value, "loss_diffs": None if c is None else list(c.differences),
                 "error": self.error, "fits": self.fits, "agrees": self.agrees, "verdict": self.verdict,
                 "eager_step_time_ms": self.eager_step_time_ms, "eager_step_times_ms": list(self.eager_step_times_ms),
-                "agreement_from": self.agreement_from}
+                "agreement_from": self.agreement_from, "within_noise": self.within_noise}
 
 
 def _has_fp8(recipe: Recipe) -> bool:
@@ -1118,6 +1120,7 @@ class Tuner:
         any compiled trial there) is within the budget."""
         trial.agrees, trial.comparison = twin.agrees, twin.comparison
         trial.losses, trial.grad_cosine, trial.grad_distance = list(twin.losses), twin.grad_cosine, twin.grad_distance
+        trial.within_noise = twin.within_noise
         trial.agreement_from, trial.peak_bytes = twin.name, peak
         trial.state_bytes, trial.activation_bytes = twin.state_bytes, None
         memory = trial.memory_bytes
@@ -1352,6 +1355,7 @@ class Tuner:
         within_noise = (self.noise_fraction > 0 and noise is not None and math.isfinite(noise)
                         and trial.grad_distance is not None and trial.grad_distance <= self.noise_fraction * noise
                         and trial.grad_cosine is not None and trial.grad_cosine > 0)
+        trial.within_noise = within_noise and not cos_ok
         cos_ok = cos_ok or within_noise
         trial.agrees = bool(finite and math.isfinite(c.ci_high) and c.ci_high <= tol and cos_ok)
         if not trial.agrees:
@@ -1614,6 +1618,8 @@ def _trial_line(t: Trial) -> str:
         parts.append(f"grad cosine {_num(t.grad_cosine)}")
     if t.grad_distance is not None:
         parts.append(f"grad distance {_num(t.grad_distance)}")
+    if t.within_noise:
+        parts.append("gradient within the sampling noise")
     if t.agreement_from:
         parts.append(f"agreement from {t.agreement_from} (out of memory eagerly)")
     return ", ".join(parts) + f": {t.verdict or 'reference'}"
@@ -1710,7 +1716,8 @@ def tuning_rows(d: dict) -> List[dict]:
                      "p": t.get("loss_diff_p") if ok_ci else None,
                      "grad cos": "-" if t.get("grad_cosine") is None else f"{t['grad_cosine']:.6f}",
                      "grad dist": "-" if t.get("grad_distance") is None else f"{t['grad_distance']:.3g}",
-                     "verdict": (t.get("verdict") or "reference") + _adopted(t)})
+                     "verdict": (t.get("verdict") or "reference") + _adopted(t)
+                     + (" (its gradient within the sampling noise)" if t.get("within_noise") else "")})
     for s in d.get("skipped", []):
         rows.append({"candidate": s["name"], "ms/step": None, "memory MiB": None, "loss diff": None, "95% CI": "-",
                      "p": None, "grad cos": "-", "grad dist": "-", "verdict": "skipped: " + s["why"]})

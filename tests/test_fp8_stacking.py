@@ -237,7 +237,10 @@ def test_an_fp8_candidate_agrees_when_its_gradient_is_within_the_sampling_noise(
     assert bf16.grad_noise is None and fp8.grad_noise is None
     # The fp8 candidate's first gradient is further from fp32's than bf16's, yet well within the noise.
     assert 0 < bf16.grad_distance < fp8.grad_distance < ref.grad_noise
-    assert fp8.agrees and fp8.grad_cosine < 1.5
+    assert fp8.agrees and fp8.grad_cosine < 1.5 and fp8.within_noise and not ref.within_noise
+    assert "(its gradient within the sampling noise)" in result.table()
+    assert any(r.startswith("trial bf16+fp8:") and "gradient within the sampling noise" in r
+               for r in result.policy.reasons), result.policy.reasons
     assert not bf16.agrees and bf16.verdict.startswith("disagrees: first-step gradient cosine")
     assert "sampling noise" not in bf16.verdict
     d = result.to_dict()
@@ -246,6 +249,7 @@ def test_an_fp8_candidate_agrees_when_its_gradient_is_within_the_sampling_noise(
 
     _, off = run(batches, noise_fraction=0)
     assert not off["bf16+fp8"].agrees and "sampling noise" not in off["bf16+fp8"].verdict
+    assert not off["bf16+fp8"].within_noise
     # The same noise, a bound tighter than fp8's distance: outside it.
     _, tight = run(batches, noise_fraction=0.01)
     assert not tight["bf16+fp8"].agrees and "> 0.01x the sampling noise" in tight["bf16+fp8"].verdict
