@@ -811,7 +811,7 @@ class Tuner:
                 not (math.isfinite(noise_fraction) and noise_fraction >= 0):
             raise ValueError(f"noise_fraction is {noise_fraction!r}; pass a finite fraction >= 0 (1: a recipe with "
                              "fp8 layers whose first-step gradient is nearer the reference's than one batch's "
-                             "sampling noise agrees whatever its cosine; 0: only min_cosine judges it)")
+                             "sampling noise, with a positive cosine, agrees; 0: only min_cosine judges it)")
         for name, value in (("tie", tie), ("loss_tolerance", loss_tolerance)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value)
                                                                                      and value >= 0):
@@ -861,6 +861,8 @@ class Tuner:
             self.skipped += [(r.name, why) for r in self.recipes if r.moment_dtype is not None]
             self.recipes = keep
         self.recipes.sort(key=lambda r: r.safety)
+        # Only fp8 candidates are judged by the sampling noise: the reference measures it only for them.
+        self._fp8_candidates = any(_has_fp8(r) for r in self.recipes)
         if not self.recipes:
             raise ValueError("candidates: none of them can run here (" +
                              "; ".join(f"{n}: {why}" for n, why in self.skipped) + "); name others")
@@ -939,7 +941,7 @@ class Tuner:
                     out = _reference_copies(grads)
                     del grads
                     # A candidate for the reference: its sampling noise, which only fp8 candidates are judged by.
-                    if len(self.batches) > 1 and any(_has_fp8(r) for r in self.recipes):
+                    if len(self.batches) > 1 and self._fp8_candidates:
                         other = self._probe(a, 1)
                         trial.grad_noise = self._compare(other, out.grads)[1] / math.sqrt(2)
                         del other

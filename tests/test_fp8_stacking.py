@@ -214,20 +214,23 @@ def test_tuning_measures_the_fp8_map_once_and_every_fp8_candidate_trains_it(fp8_
         assert any(r.startswith(f"layer {linears[0]}: fp8-tensorwise") for r in result.policy.reasons)
 
 
-def test_an_fp8_candidate_agrees_when_its_gradient_is_within_the_sampling_noise(fp8_here):
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_an_fp8_candidate_agrees_when_its_gradient_is_within_the_sampling_noise(compiled, fp8_here):
     """With no cosine good enough (min_cosine above 1), a recipe with fp8 layers still agrees when its first
     gradient lies nearer fp32's than one batch's sampling noise (the reference's gradients on two batches, over
     sqrt 2); a recipe without fp8 layers does not; noise_fraction=0 turns the rule off, and identical batches
     (no sampling noise) leave nothing within it."""
     from adaptive_amp.policy import AdaptivePrecisionSelector
 
+    torch._dynamo.reset()
     zm = zoo.build("llama", "tiny", seed=0)
+    model = torch.compile(zm.model, backend="eager") if compiled else zm.model
     opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
     batches = [zm.make_batch(4, seed=i) for i in range(3)]
     cands = ["fp32", "bf16", "bf16+fp8"]
 
     def run(batches, **kw):
-        result = AdaptivePrecisionSelector().tune(zm.model, opt, batches, zm.loss, candidates=cands,
+        result = AdaptivePrecisionSelector().tune(model, opt, batches, zm.loss, candidates=cands,
                                                   fp8=dict(gain_fn=_gains), min_cosine=1.5, **FAST, **kw)
         return result, {t.name: t for t in result.trials}
 
@@ -263,7 +266,7 @@ def test_an_fp8_candidate_agrees_when_its_gradient_is_within_the_sampling_noise(
     assert "> the sampling noise" in same["bf16+fp8"].verdict, same["bf16+fp8"].verdict
     assert all(m._forward_pre_hooks == {} for m in zm.model.modules()) and not _kinds(zm.model)
     # Without an fp8 candidate nothing is judged by the noise, and the second probe is not run.
-    plain = AdaptivePrecisionSelector().tune(zm.model, opt, batches, zm.loss, candidates=["fp32", "bf16"], **FAST)
+    plain = AdaptivePrecisionSelector().tune(model, opt, batches, zm.loss, candidates=["fp32", "bf16"], **FAST)
     assert plain.trials[0].grad_noise is None and "sampling noise" not in plain.table()
 
 
