@@ -270,6 +270,10 @@ def test_layer_error_is_fp8s_rounding_and_leaves_the_parameters_gradients_alone(
 def test_layer_gain_refuses_a_cpu_layer():
     with pytest.raises(ValueError, match="module is on cpu; layer_gain times with CUDA events"):
         fp8.layer_gain(nn.Linear(64, 64), (8, 64))
+    with pytest.raises(ValueError, match="nothing to time: kinds is empty and bf16=False"):
+        fp8.layer_times(nn.Linear(64, 64), (8, 64), [], bf16=False)
+    with pytest.raises(ValueError, match="kind is 'fp8'"):
+        fp8.layer_times(nn.Linear(64, 64), (8, 64), ["fp8"])
 
 
 def _tiny_mlp():
@@ -293,32 +297,86 @@ def test_selection_puts_layers_that_gain_and_tolerate_fp8_in_it_each_with_its_re
     assert choices["0"].kind == "fp8-tensorwise"
     assert choices["0"].reason.startswith("gains 1.31x, error ") and choices["0"].reason.endswith("within 0.1")
     assert choices["2"].kind is None
-    assert choices["2"].reason == "skipped: 256 x 64 on 32 tokens too small to gain (0.92x < 1.05x)"
+    assert choices["2"].reason == "skipped: 256 x 64 on 32 tokens too small to gain (0.92x < 1.05x in fp8-tensorwise)"
     assert choices["4"].kind is None and choices["4"].reason == "skipped: out_features 50 not divisible by 16"
-    assert calls[0] == (64, 256, (32, 64), "fp8-tensorwise") and len(calls) == 4
-    # A tight error bound leaves the fast layer where it is, saying so; a layer of equal shape is timed once.
+    # Tensorwise is tolerated by both: rowwise is neither measured nor timed.
+    assert calls == [(64, 256, (32, 64), "fp8-tensorwise"), (256, 64, (32, 256), "fp8-tensorwise")]
+    assert list(choices["0"].errors) == list(choices["0"].gains) == ["fp8-tensorwise"]
+    # A tight error bound leaves the fast layer where it is, saying so, with no gain timed for it.
+    calls.clear()
     strict = fp8.select_fp8_layers(model, batches, gain_fn=gain_fn, max_error=1e-3, kinds=["fp8-rowwise"])
     assert strict["0"].kind is None and strict["0"].reason.startswith("skipped: error ")
-    assert "above 0.001 in fp8-rowwise (which gains 1.12x)" in strict["0"].reason
+    assert strict["0"].reason.endswith("above 0.001 in fp8-rowwise") and not strict["0"].gains and not calls
     assert "fp8-rowwise" in strict["0"].errors and "fp8-tensorwise" not in strict["0"].errors
     assert str(choices["0"]).startswith("0: fp8-tensorwise (gains 1.31x")
     # Where the time went, and the map's reasons say it.
     spent = {}
     fp8.select_fp8_layers(model, batches, gain_fn=gain_fn, max_tokens=16, seconds=spent)
-    assert set(spent) == {"inputs", "gains", "errors", "shapes"} and spent["shapes"] == 4
+    assert set(spent) == {"inputs", "gains", "errors", "shapes"} and spent["shapes"] == 2
     assert all(spent[k] >= 0 for k in ("inputs", "gains", "errors")) and spent["errors"] > 0
     measured = fp8.measure_fp8_map(model, batches, gain_fn=gain_fn, max_tokens=16)
-    assert re.fullmatch(r"fp8: 3 layers measured in [0-9.]+ s \(inputs [0-9.]+ s, 4 gains timed in [0-9.]+ s, "
+    assert re.fullmatch(r"fp8: 3 layers measured in [0-9.]+ s \(inputs [0-9.]+ s, 2 gains timed in [0-9.]+ s, "
                         r"errors [0-9.]+ s\)", measured.reasons[-1]), measured.reasons[-1]
 
 
-def test_selection_prefers_the_faster_recipe_that_tolerates_and_names_bad_arguments():
+def test_selection_tries_the_finer_recipe_only_where_the_coarser_errs_too_much():
+    model = _tiny_mlp()
+    # Rows of very different sizes: one scale per tensor rounds the small rows' gradients coarsely (e5m2 in the
+    # tensorwise recipe), one per row does not.
+    batches = [torch.randn(32, 64) * torch.logspace(-3, 0, 32).unsqueeze(1)]
+    tensorwise = fp8.layer_error(model[0], batches, "fp8-tensorwise").worst
+    rowwise = fp8.layer_error(model[0], batches, "fp8-rowwise").worst
+    assert rowwise < tensorwise, (rowwise, tensorwise)
+    calls = []
+
+    def gain_fn(layer, shape, kind):
+        calls.append((layer.in_features, kind))
+        return 1.2
+
+    bound = (rowwise + tensorwise) / 2
+    choices = fp8.select_fp8_layers(model, batches, gain_fn=gain_fn, max_error=bound)
+    assert choices["0"].kind == "fp8-rowwise", choices["0"]
+    assert list(choices["0"].errors) == ["fp8-tensorwise", "fp8-rowwise"] and list(choices["0"].gains) == ["fp8-rowwise"]
+    assert (64, "fp8-tensorwise") not in calls and (64, "fp8-rowwise") in calls
+    # Preference is the order given: rowwise first is taken wherever it is tolerated.
+    first = fp8.select_fp8_layers(model, batches, gain_fn=gain_fn, kinds=["fp8-rowwise", "fp8-tensorwise"])
+    assert first["0"].kind == "fp8-rowwise" and list(first["0"].errors) == ["fp8-rowwise"]
+    # Neither tolerated: the least error is named, nothing is timed.
+    calls.clear()
+    none = fp8.select_fp8_layers(model, batches, gain_fn=gain_fn, max_error=rowwise / 2)
+    assert none["0"].kind is None and none["0"].reason.endswith(f"above {rowwise / 2:g} in fp8-rowwise"), none["0"]
+    assert (64, "fp8-rowwise") not in calls
+
+
+def test_selection_times_a_shapes_bf16_baseline_once(monkeypatch):
+    from adaptive_amp.fp8 import select
+
+    asked = []
+
+    def fake_times(layer, shape, kinds, *, bf16=True, **options):
+        asked.append((layer.in_features, tuple(kinds), bf16))
+        return {**({"bf16": 3.0} if bf16 else {}), **{k: {"fp8-tensorwise": 2.0, "fp8-rowwise": 2.5}[k] for k in kinds}}
+
+    # Two layers of one shape: the first tolerates tensorwise, the second only rowwise.
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    errors = {(0, "fp8-tensorwise"): 0.05, (0, "fp8-rowwise"): 0.03, (1, "fp8-tensorwise"): 0.2, (1, "fp8-rowwise"): 0.04}
+
+    def fake_error(layer, inputs, kind, **options):
+        e = errors[(0 if layer is model[0] else 1, kind)]
+        return fp8.LayerError(e, e, e, 1.0, 1.0, 1.0)
+
+    monkeypatch.setattr(select, "layer_times", fake_times)
+    monkeypatch.setattr(select, "layer_error", fake_error)
+    monkeypatch.setattr(select, "eligible_layers", lambda root, check_device: eligibility.eligible_layers(root, check_device=False))
+    choices = select.select_fp8_layers(model, [torch.randn(32, 64)], run=lambda m, b: (m[0](b), m[1](b)))
+    assert [c.kind for c in choices.values()] == ["fp8-tensorwise", "fp8-rowwise"]
+    assert [c.gains for c in choices.values()] == [{"fp8-tensorwise": 1.5}, {"fp8-rowwise": 1.2}]
+    assert asked == [(64, ("fp8-tensorwise",), True), (64, ("fp8-rowwise",), False)]
+
+
+def test_selection_names_bad_arguments_and_layers_not_called():
     model = _tiny_mlp()
     batches = [torch.randn(32, 64)]
-    choices = fp8.select_fp8_layers(model, batches, gain_fn=lambda m, s, k: {"fp8-tensorwise": 1.2,
-                                                                             "fp8-rowwise": 1.4}[k])
-    assert choices["0"].kind == "fp8-rowwise" and choices["0"].gains == {"fp8-tensorwise": 1.2, "fp8-rowwise": 1.4}
-    assert choices["0"].to_dict()["errors"]["fp8-rowwise"]["output"] < 0.1
     unused = fp8.select_fp8_layers(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), batches,
                                    run=lambda m, b: m[0](b), gain_fn=lambda m, s, k: 2.0)
     assert unused["1"].reason == "skipped: not called by the sample batches"
@@ -482,6 +540,8 @@ def test_fp8_on_the_gpu_matches_torchao_compiled_and_gains_on_a_large_layer():
     assert fp8.require_fp8(linear) == {"": linear}
     gain = fp8.layer_gain(linear, (8192, 4096), "fp8-tensorwise", compiled=True)
     assert gain.bf16_ms > 0 and gain.fp8_ms > 0 and gain.gain > 1.0, gain  # H100/H200: about 1.25x
+    ms = fp8.layer_times(linear, (8192, 4096), fp8.KINDS, bf16=False, compiled=True)
+    assert set(ms) == set(fp8.KINDS) and all(v > 0 for v in ms.values()), ms
 
 
 @pytest.mark.cuda

@@ -387,14 +387,11 @@ def test_a_compiled_model_has_its_fp8_gains_timed_compiled(monkeypatch):
     monkeypatch.setattr(eligibility, "device_unsupported", lambda device=None: None)
     seen = []
 
-    def layer_gain(module, shape, kind="fp8-tensorwise", *, compiled=False, **kw):
+    def layer_times(module, shape, kinds, *, bf16=True, compiled=False, **kw):
         seen.append(compiled)
+        return {"bf16": 1.0, **{k: 1.0 for k in kinds}}
 
-        class G:
-            gain = 1.0
-        return G()
-
-    monkeypatch.setattr(select, "layer_gain", layer_gain)
+    monkeypatch.setattr(select, "layer_times", layer_times)
     x = torch.randn(8, 32)
 
     def measured(model, **fp8):

@@ -20,7 +20,7 @@ from .eligibility import (Eligibility, device_unsupported, eligible_layers, fp8_
                           matmul_sizes, require_fp8, torchao_missing)
 from .execution import check_layer, fp8_forward, plain_forward, wrap_forward
 from .guard import Fp8Guard, cast_statistics, fp8_layer_row
-from .measure import Captured, LayerError, LayerGain, capture_inputs, layer_error, layer_gain
+from .measure import Captured, LayerError, LayerGain, capture_inputs, layer_error, layer_gain, layer_times
 from .select import MAX_ERROR, MIN_GAIN, LayerChoice, select_fp8_layers
 from .training import (MEASURED_PRESET, MEASURED_PRESETS, Fp8Map, Fp8Watch, measure_fp8_map, measured_policy,
                        policy_after, tuning_fp8_map)
@@ -28,6 +28,6 @@ from .training import (MEASURED_PRESET, MEASURED_PRESETS, Fp8Map, Fp8Watch, meas
 __all__ = ["KINDS", "RECIPES", "float8_config", "Eligibility", "device_unsupported", "eligible_layers",
            "fp8_unavailable", "layer_unsupported", "matmul_sizes", "require_fp8", "torchao_missing", "check_layer",
            "fp8_forward", "plain_forward", "wrap_forward", "Fp8Guard", "cast_statistics", "fp8_layer_row", "Captured", "LayerError", "LayerGain",
-           "capture_inputs", "layer_error", "layer_gain", "MAX_ERROR", "MIN_GAIN", "LayerChoice",
+           "capture_inputs", "layer_error", "layer_gain", "layer_times", "MAX_ERROR", "MIN_GAIN", "LayerChoice",
            "select_fp8_layers", "MEASURED_PRESET", "MEASURED_PRESETS", "Fp8Map", "Fp8Watch", "measure_fp8_map",
            "measured_policy", "policy_after", "tuning_fp8_map"]

@@ -10,6 +10,8 @@
 * :func:`layer_gain`: forward and backward of the layer at its own shapes,
   fp8 (quantization included) against bf16 autocast, timed with CUDA
   events after a warm-up, interleaved, medians; gain = bf16 time / fp8 time.
+  :func:`layer_times` gives the milliseconds themselves, for several kinds at
+  once or without the bf16 baseline.
 """
 
 from __future__ import annotations
@@ -185,14 +187,16 @@ class LayerGain:
 _RECOMPILE_LIMIT = 256
 
 
-def layer_gain(module: nn.Module, input_shape: Sequence[int], kind: str = "fp8-tensorwise", *,
-               dtype: torch.dtype = torch.bfloat16, warmup: int = 5, iters: int = 20,
-               compiled: bool = False) -> LayerGain:
-    """Forward and backward (input and weight gradients) of `module` on a random input of `input_shape`,
-    in fp8 (`kind`, its casts included) and under `dtype` autocast, `iters` times each, interleaved, after
-    `warmup` calls each; CUDA-event medians. compiled=True times both through torch.compile (what a compiled
-    model runs: the casts fused). Needs the module on a CUDA device."""
-    check_kind(kind)
+def layer_times(module: nn.Module, input_shape: Sequence[int], kinds: Sequence[str] = ("fp8-tensorwise",), *,
+                bf16: bool = True, dtype: torch.dtype = torch.bfloat16, warmup: int = 5, iters: int = 20,
+                compiled: bool = False) -> Dict[str, float]:
+    """Median forward+backward milliseconds of `module` on a random input of `input_shape`, in each fp8 kind of
+    `kinds` and, when `bf16`, under `dtype` autocast (key ``"bf16"``): what :func:`layer_gain` compares, for
+    several kinds at once, or without the baseline where it is already known (a selection times each shape's
+    bf16 baseline once, whatever the kinds)."""
+    kinds = [check_kind(k) for k in kinds]
+    if not kinds and not bf16:
+        raise ValueError("nothing to time: kinds is empty and bf16=False")
     device = module.weight.device
     if device.type != "cuda":
         raise ValueError(f"module is on {device}; layer_gain times with CUDA events: move it to a CUDA GPU")
@@ -215,7 +219,9 @@ def layer_gain(module: nn.Module, input_shape: Sequence[int], kind: str = "fp8-t
             return torch.autograd.grad(out, [x, *params], grad)
         return run
 
-    runs = {"bf16": step(plain_forward), "fp8": step(lambda m, t: fp8_forward(m, t, kind))}
+    runs = {"bf16": step(plain_forward)} if bf16 else {}
+    for kind in kinds:
+        runs[kind] = step(lambda m, t, kind=kind: fp8_forward(m, t, kind))
     # Every call compiles the same lambdas, one graph per layer shape and kind: past dynamo's recompile limit
     # (8) the later shapes would run eagerly, their casts unfused, and fp8 would be judged too slow for them
     # (measured on an H200: a Llama-3-8B slice's down_proj and lm_head were skipped that way).
@@ -223,8 +229,8 @@ def layer_gain(module: nn.Module, input_shape: Sequence[int], kind: str = "fp8-t
         for _ in range(warmup):
             for run in runs.values():
                 run()
-        times: Dict[str, List[float]] = {k: [] for k in runs}
-        for _ in range(iters):
+        times: Dict[str, List[Any]] = {k: [] for k in runs}
+        for _ in range(iters):  # interleaved: a clock that drifts moves every kind alike
             for name, run in runs.items():
                 start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -232,5 +238,15 @@ def layer_gain(module: nn.Module, input_shape: Sequence[int], kind: str = "fp8-t
                 stop.record()
                 times[name].append((start, stop))
         torch.cuda.synchronize(device)
-    ms = {k: statistics.median(a.elapsed_time(b) for a, b in v) for k, v in times.items()}
-    return LayerGain(ms["bf16"], ms["fp8"])
+    return {k: statistics.median(a.elapsed_time(b) for a, b in v) for k, v in times.items()}
+
+
+def layer_gain(module: nn.Module, input_shape: Sequence[int], kind: str = "fp8-tensorwise", *,
+               dtype: torch.dtype = torch.bfloat16, warmup: int = 5, iters: int = 20,
+               compiled: bool = False) -> LayerGain:
+    """Forward and backward (input and weight gradients) of `module` on a random input of `input_shape`,
+    in fp8 (`kind`, its casts included) and under `dtype` autocast, `iters` times each, interleaved, after
+    `warmup` calls each; CUDA-event medians. compiled=True times both through torch.compile (what a compiled
+    model runs: the casts fused). Needs the module on a CUDA device."""
+    ms = layer_times(module, input_shape, [kind], dtype=dtype, warmup=warmup, iters=iters, compiled=compiled)
+    return LayerGain(ms["bf16"], ms[check_kind(kind)])
