@@ -218,7 +218,14 @@ def test_capture_inputs_sees_each_layer_and_leaves_no_hook():
     assert seen.inputs["transformer.h.0.mlp.c_proj"][0].shape == (2, seq, 4 * hidden)
     assert not any(m._forward_pre_hooks for m in zm.model.modules())
     few = fp8.capture_inputs(zm.model, layers, batches, max_tokens=5)
-    assert few.inputs["lm_head"][1].shape == (5, hidden) and few.shapes["lm_head"] == [(2, seq, hidden)] * 2
+    assert [x.shape for x in few.inputs["lm_head"]] == [(5, hidden)] and few.shapes["lm_head"] == [(2, seq, hidden)] * 2
+    # At most max_tokens rows a layer over all batches: the second batch adds what the first left room for.
+    rows = 2 * seq + 3
+    some = fp8.capture_inputs(zm.model, layers, batches * 3, max_tokens=rows)
+    assert [x.shape for x in some.inputs["lm_head"]] == [(2 * seq, hidden), (3, hidden)]
+    assert torch.equal(some.inputs["lm_head"][0], seen.inputs["lm_head"][0].reshape(-1, hidden))
+    assert torch.equal(some.inputs["lm_head"][1], seen.inputs["lm_head"][1].reshape(-1, hidden)[:3])
+    assert len(some.shapes["lm_head"]) == 6
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         fp8.capture_inputs(zm.model, layers, batches, max_tokens=0)
 
@@ -230,8 +237,9 @@ def test_captured_inputs_are_shared_by_layers_reading_one_tensor_and_kept_in_the
     zm = zoo.build("llama", "tiny", seed=0)  # float32
     layers = fp8.eligible_layers(zm.model, check_device=False).layers
     batches = [zm.make_batch(2, seed=i) for i in range(2)]
-    wide = fp8.capture_inputs(zm.model, layers, batches, max_tokens=16)
-    kept = fp8.capture_inputs(zm.model, layers, batches, max_tokens=16, dtype=torch.bfloat16)
+    rows = zm.seq_len * 2 + 16  # the whole first batch, and 16 rows of the second
+    wide = fp8.capture_inputs(zm.model, layers, batches, max_tokens=rows)
+    kept = fp8.capture_inputs(zm.model, layers, batches, max_tokens=rows, dtype=torch.bfloat16)
     attn = "model.layers.0.self_attn."
     for k in range(2):  # the query, key and value projections read one tensor: one copy for the three
         assert kept.inputs[attn + "q_proj"][k] is kept.inputs[attn + "k_proj"][k] is kept.inputs[attn + "v_proj"][k]

@@ -2,7 +2,7 @@
 
 * :func:`capture_inputs`: the inputs each layer sees, from a few sample
   batches, through forward pre-hooks (removed afterwards; nothing trains),
-  with their full shapes.
+  at most ``max_tokens`` rows a layer, with their full shapes.
 * :func:`layer_error`: the layer's output and input gradient (and weight
   gradient) in fp8 against bf16 autocast, on those inputs, with one fixed
   random output gradient: relative error (``||fp8 - bf16|| / ||bf16||``)
@@ -51,8 +51,9 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
     """The inputs (first positional argument, detached) that each of `layers` (name -> module) received while
     ``run(model, batch)`` (default: ``model(**batch)`` for a dict, ``model(*batch)`` for a tuple, else
     ``model(batch)``) ran on each batch, without gradients. `max_tokens`: keep at most that many rows
-    (positions) of each input, as ``(rows, features)``, so that a large model's captures fit beside it; the
-    shapes are kept whole. With `max_tokens`, layers called one after another on the same, unchanged tensor (a
+    (positions) of each layer's inputs, over all batches together, as ``(rows, features)``, so that a large
+    model's captures fit beside it whatever the number of batches (a batch that finds a layer full adds only
+    its shape); the shapes are kept whole. With `max_tokens`, layers called one after another on the same, unchanged tensor (a
     block's query, key and value projections) share one kept copy, and `dtype` (the autocast dtype the layers
     will be measured under, which their matmuls read anyway) keeps wider floating inputs in it; without
     `max_tokens` the inputs are kept as they are. A layer not called has no entry."""
@@ -63,6 +64,7 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
     # The last input seen (held, so that `is` cannot meet a recycled one), its version (a tensor written in place
     # between two layers is copied again), and its copy.
     last: List[Any] = [None, None, None]
+    rows: Dict[str, int] = {}  # rows kept of each layer's inputs so far
 
     def hook_for(name):
         def hook(module, args):
@@ -70,11 +72,17 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
                 x = args[0].detach()
                 out.shapes.setdefault(name, []).append(tuple(x.shape))
                 if max_tokens is not None:
-                    if last[0] is not args[0] or last[1] != args[0]._version:
-                        kept = x.reshape(-1, x.shape[-1])[:max_tokens]
+                    room = max_tokens - rows.get(name, 0)
+                    if room <= 0:
+                        return
+                    flat = x.reshape(-1, x.shape[-1])
+                    room = min(room, flat.shape[0])
+                    if last[0] is not args[0] or last[1] != args[0]._version or last[2].shape[0] < room:
+                        kept = flat[:room]
                         wider = dtype is not None and kept.dtype.itemsize > dtype.itemsize
                         last[:] = [args[0], args[0]._version, kept.to(dtype) if wider else kept.clone()]
-                    x = last[2]
+                    x = last[2] if last[2].shape[0] == room else last[2][:room]
+                    rows[name] = rows.get(name, 0) + x.shape[0]
                 out.inputs.setdefault(name, []).append(x)
         return hook
 

@@ -83,8 +83,8 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
     max_error: the largest relative error of the output and of the input gradient against bf16 (default 0.1).
     dtype, warmup, iters, compiled: how the gain is timed (:func:`~adaptive_amp.fp8.measure.layer_gain`), at
         the largest input shape the layer saw.
-    max_tokens: rows of each captured input the error is measured on (default 8192; None: all of them): the
-        captures of every layer are held at once.
+    max_tokens: rows of each layer's inputs, over all batches, the error is measured on (default 8192; None:
+        all of them): the captures of every layer are held at once.
     gain_fn: ``(layer, input_shape, kind) -> speed-up``, in place of timing on the GPU (a gain measured
         elsewhere, a table); with it the layers are judged wherever they are.
     weight_dtype: the dtype the layers' weights will train in, when not the one they have now (bfloat16 for
