@@ -435,6 +435,33 @@ def test_a_layers_guard_row_from_its_input():
     assert fp8.Fp8Guard().observe(0, [bad])[0].kind == "fp8_demote"
 
 
+def test_the_watch_keeps_a_copy_of_a_few_rows_not_the_whole_input():
+    """A view of the input would hold all of it until the step ends: with checkpointed blocks, every block's
+    activations at once."""
+    from types import SimpleNamespace
+
+    from adaptive_amp.fp8.training import _KEPT
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32))
+    watch = fp8.Fp8Watch(max_rows=16)
+    watch.sync(SimpleNamespace(layer_kinds={"0": "fp8-tensorwise", "2": "bf16"}, model=model))
+    assert list(watch.kinds) == ["0"]
+    x = torch.randn(4, 100, 64)
+    model(x)
+    assert _KEPT not in model[0].__dict__  # not armed: nothing kept
+    watch.armed = watch.due = True
+    model(x)
+    kept = model[0].__dict__[_KEPT]
+    assert kept.shape == (16, 64) and kept.untyped_storage().nbytes() == 16 * 64 * 4
+    assert torch.equal(kept, x.reshape(-1, 64)[:16])
+    watch.armed = False
+    rows = watch.read()
+    assert [r["name"] for r in rows] == ["0"] and _KEPT not in model[0].__dict__ and watch.read() is None
+    watch.remove()
+    assert not model[0]._forward_pre_hooks
+
+
 def _reads(steps, growth, seed=0):
     """Synthetic statistics of one layer's input every 10 steps: `growth(step)` multiplies one channel."""
     gen = torch.Generator().manual_seed(seed)
