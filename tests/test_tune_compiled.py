@@ -324,22 +324,42 @@ def test_an_eager_out_of_memory_that_does_not_fit_compiled_either_stays_out(comp
     assert by["bf16"].fits is False and result.recipe.name == "bf16+ckpt"
 
 
-@pytest.mark.parametrize("pure_ms, chosen", [(1.5, "bf16-pure+fp8"), (1.9, "bf16+fp8")])
-def test_fp8_candidates_are_ranked_apart_however_slow_eagerly(pure_ms, chosen, fp8_here, monkeypatch):
+@pytest.mark.parametrize("pure_ms, pure_eager, chosen", [(1.5, 18, "bf16-pure+fp8"), (1.9, 18, "bf16+fp8"),
+                                                          (1.5, 19.4, "bf16-pure+fp8")])
+def test_fp8_candidates_are_ranked_apart_however_slow_eagerly(pure_ms, pure_eager, chosen, fp8_here, monkeypatch):
     """Eagerly torchao's casts are kernels of their own and fp8 loses; compiled it gains. fp8 candidates are
-    ranked among themselves by the same rule as the others (the lowest bf16 extent's always, one keeping more in
-    bf16 when more than state_margin/2 faster eagerly), and timed compiled beside the others' finalists; one
-    keeping more in bf16 is chosen only when more than state_margin faster compiled."""
+    ranked among themselves (the lowest bf16 extent's always, and the fastest of those keeping more in bf16 when
+    faster at all eagerly: the casts, the same in each, dilute what bf16 gains compiled), and timed compiled
+    beside the others' finalists; one keeping more in bf16 is chosen only when more than state_margin faster
+    compiled."""
     from conftest import quiet_torchao
 
     quiet_torchao()
     zm, opt, batches = _setup()
-    eager = {"fp32": 10, "bf16": 8, "bf16+fp8": 20, "bf16-weights+fp8": 19.5, "bf16-pure+fp8": 18}
+    eager = {"fp32": 10, "bf16": 8, "bf16+fp8": 20, "bf16-weights+fp8": 19.5, "bf16-pure+fp8": pure_eager}
     loss_fn = _timed(monkeypatch, zm, eager, {"fp32": 5, "bf16": 3, "bf16+fp8": 2, "bf16-pure+fp8": pure_ms})
     result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, candidates=list(eager),
                   fp8=dict(gain_fn=lambda *a: 1.4), steps=3, rounds=1, timed_steps=1, min_cosine=0.0)
     by = {t.name: t for t in result.trials}
     assert all(by[n].agrees for n in by), [(n, t.verdict) for n, t in by.items()]
     assert [n for n in by if by[n].step_times_ms] == ["bf16", "bf16+fp8", "bf16-pure+fp8"]
-    assert by["bf16-weights+fp8"].verdict.startswith("agrees; not compiled: eager 19.5 ms/step, not more than")
+    assert by["bf16-weights+fp8"].verdict == (f"agrees; not compiled: eager 19.5 ms/step against {pure_eager:g} for "
+                                              "bf16-pure+fp8, eagerly the fastest of those keeping more in bf16 "
+                                              "than bf16+fp8")
     assert result.recipe.name == chosen
+
+
+def test_an_fp8_candidate_keeping_more_in_bf16_is_not_compiled_when_not_faster_eagerly(fp8_here, monkeypatch):
+    from conftest import quiet_torchao
+
+    quiet_torchao()
+    zm, opt, batches = _setup()
+    eager = {"fp32": 10, "bf16": 8, "bf16+fp8": 20, "bf16-pure+fp8": 20.5}
+    loss_fn = _timed(monkeypatch, zm, eager, {"fp32": 5, "bf16": 3, "bf16+fp8": 2, "bf16-pure+fp8": 1.5})
+    result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, candidates=list(eager),
+                  fp8=dict(gain_fn=lambda *a: 1.4), steps=3, rounds=1, timed_steps=1, min_cosine=0.0)
+    by = {t.name: t for t in result.trials}
+    assert [n for n in by if by[n].step_times_ms] == ["bf16", "bf16+fp8"]
+    assert by["bf16-pure+fp8"].verdict == ("agrees; not compiled: eager 20.5 ms/step, not faster than bf16+fp8's "
+                                           "20, which keeps less in bf16")
+    assert result.recipe.name == "bf16+fp8"

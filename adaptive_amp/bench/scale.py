@@ -299,7 +299,7 @@ def search_batch(recipe: str, shape: dict, device, args) -> dict:
             good = (good + bad) // 2
         return {"batch": good, "tried": tried}
     except torch.OutOfMemoryError as exc:  # building or tuning did not fit
-        return {"batch": 0, "tried": tried, "error": f"out of memory before a step ran: {str(exc)[:200]}"}
+        return {"batch": 0, "tried": tried, "error": f"out of memory before a step ran: {str(exc)[:600]}"}
     finally:
         if trainer is not None:
             trainer.close()
@@ -334,7 +334,7 @@ def run(recipe: str, shape: dict, batch: int, seed: int, device, args, choice=No
     except torch.OutOfMemoryError as exc:
         if args.world > 1:
             raise  # (the other ranks wait in a collective for this one: torchrun stops them all)
-        return {"recipe": recipe, "seed": seed, "batch": batch, "error": f"out of memory: {str(exc)[:200]}"}
+        return {"recipe": recipe, "seed": seed, "batch": batch, "error": f"out of memory: {str(exc)[:600]}"}
     finally:
         if trainer is not None:
             trainer.close()
