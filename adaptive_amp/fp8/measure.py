@@ -53,10 +53,10 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
     ``model(batch)``) ran on each batch, without gradients. `max_tokens`: keep at most that many rows
     (positions) of each layer's inputs, over all batches together, as ``(rows, features)``, so that a large
     model's captures fit beside it whatever the number of batches (a batch that finds a layer full adds only
-    its shape); the shapes are kept whole. With `max_tokens`, layers called one after another on the same, unchanged tensor (a
-    block's query, key and value projections) share one kept copy, and `dtype` (the autocast dtype the layers
-    will be measured under, which their matmuls read anyway) keeps wider floating inputs in it; without
-    `max_tokens` the inputs are kept as they are. A layer not called has no entry."""
+    its shape); the shapes are kept whole. With `max_tokens`, layers called one after another on the same,
+    unchanged tensor (a block's query, key and value projections) share one kept copy, and `dtype` (the
+    autocast dtype the layers will be measured under, which their matmuls read anyway) keeps wider floating
+    inputs in it; without `max_tokens` the inputs are kept as they are. A layer not called has no entry."""
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1 (or None: all), got {max_tokens}")
     run = run or _call
