@@ -1042,7 +1042,9 @@ class Tuner:
         diluted: the eager steps dilute what keeping more in bf16 gains compiled (fp8 candidates: torchao's
         unfused casts, the same in each, take most of an eager step; H200, Llama-3-8B shape at 3 x 2048 tokens:
         bf16-pure with fp8 was 5% faster than bf16 autocast with fp8 eagerly, 11% compiled). Then the one
-        above the lowest extent's is the fastest of the higher extents, kept when faster at all."""
+        above the lowest extent's is the fastest of the higher extents (one within `tie` of it but safer wins
+        the tie), kept when faster at all; with `state_margin` = 0 every extent's that is faster than the
+        lowest's is kept (the fastest wins compiled, whatever it keeps in bf16)."""
         levels: Dict[int, List[Trial]] = defaultdict(list)
         for t in ok:
             levels[_bf16_extent(recipes[t.name])].append(t)
@@ -1057,13 +1059,15 @@ class Tuner:
                     t.verdict = (f"agrees; not compiled: eager {_num(t.step_time_ms)} ms/step against "
                                  f"{_num(pick.step_time_ms)} for {pick.name}, which keeps as much in bf16")
             picks.append(pick)
-        if diluted and len(picks) > 2:  # the fastest above the lowest extent is the one to compare
-            above = min(picks[1:], key=lambda t: t.step_time_ms)
+        if diluted and len(picks) > 2 and self.state_margin > 0:  # the fastest above the lowest's to compare
+            fastest = min(picks[1:], key=lambda t: t.step_time_ms)
+            above = min((t for t in picks[1:] if t.step_time_ms <= fastest.step_time_ms * (1 + self.tie)),
+                        key=lambda t: t.safety)
             for pick in picks[1:]:
                 if pick is not above and not pick.verdict:
                     pick.verdict = (f"agrees; not compiled: eager {_num(pick.step_time_ms)} ms/step against "
-                                    f"{_num(above.step_time_ms)} for {above.name}, eagerly the fastest of those "
-                                    f"keeping more in bf16 than {picks[0].name}")
+                                    f"{_num(above.step_time_ms)} for {above.name}, compiled instead of it among "
+                                    f"those keeping more in bf16 than {picks[0].name}")
             picks = [picks[0], above]
         margin = 0.0 if diluted else self.state_margin / 2
         kept: List[Trial] = []

@@ -257,6 +257,13 @@ def test_captured_inputs_are_shared_by_layers_reading_one_tensor_and_kept_in_the
     seen = fp8.capture_inputs(nn.Sequential(first, second), {"0": first, "1": second}, [torch.ones(2, 8)], run,
                               max_tokens=4)
     assert torch.equal(seen.inputs["0"][0], torch.ones(2, 8)) and torch.equal(seen.inputs["1"][0], torch.ones(2, 8) * 10)
+    # Two layers reading one tensor, the second with more room left: it gets the rows the first had no room for.
+    x = torch.arange(32.0).reshape(4, 8)
+    calls = iter([["0"], ["0", "1"]])
+    both = fp8.capture_inputs(nn.Sequential(first, second), {"0": first, "1": second}, [x, x],
+                              lambda m, b: [m[int(n)](b) for n in next(calls)], max_tokens=6)
+    assert [t.shape[0] for t in both.inputs["0"]] == [4, 2] and [t.shape[0] for t in both.inputs["1"]] == [4]
+    assert torch.equal(both.inputs["1"][0], x)
     # What autocast's matmul reads anyway: the measured error is the same.
     layer = layers[attn + "q_proj"]
     assert fp8.layer_error(layer, wide.inputs[attn + "q_proj"]) == fp8.layer_error(layer, kept.inputs[attn + "q_proj"])
@@ -276,7 +283,7 @@ def test_layer_error_is_fp8s_rounding_and_leaves_the_parameters_gradients_alone(
 
 
 def test_layer_gain_refuses_a_cpu_layer():
-    with pytest.raises(ValueError, match="module is on cpu; layer_gain times with CUDA events"):
+    with pytest.raises(ValueError, match="module is on cpu; layers are timed with CUDA events"):
         fp8.layer_gain(nn.Linear(64, 64), (8, 64))
     with pytest.raises(ValueError, match="nothing to time: kinds is empty and bf16=False"):
         fp8.layer_times(nn.Linear(64, 64), (8, 64), [], bf16=False)

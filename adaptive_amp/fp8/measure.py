@@ -38,8 +38,8 @@ def _call(model: nn.Module, batch: Any):
 
 @dataclass
 class Captured:
-    """What :func:`capture_inputs` saw: each layer's inputs (at most `max_tokens` rows of each) and the full
-    shape of each input (what the layer's timing runs at)."""
+    """What :func:`capture_inputs` saw: each layer's inputs (at most `max_tokens` rows of them all together) and
+    the full shape of each input (what the layer's timing runs at)."""
 
     inputs: Dict[str, List[torch.Tensor]]
     shapes: Dict[str, List[Tuple[int, ...]]]
@@ -207,7 +207,7 @@ def layer_times(module: nn.Module, input_shape: Sequence[int], kinds: Sequence[s
         raise ValueError("nothing to time: kinds is empty and bf16=False")
     device = module.weight.device
     if device.type != "cuda":
-        raise ValueError(f"module is on {device}; layer_gain times with CUDA events: move it to a CUDA GPU")
+        raise ValueError(f"module is on {device}; layers are timed with CUDA events: move it to a CUDA GPU")
     if warmup < 0 or iters < 1:
         raise ValueError(f"warmup must be >= 0 and iters >= 1, got warmup={warmup}, iters={iters}")
     gen = torch.Generator(device=device).manual_seed(0)

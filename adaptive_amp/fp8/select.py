@@ -4,7 +4,8 @@
 for every nn.Linear and Conv1D, a :class:`LayerChoice`: the kind it should
 run in (``"fp8-tensorwise"``, ``"fp8-rowwise"``, or None to leave it as it
 is) and why, e.g. ``"gains 1.31x, error 2.1e-2 within 0.1"``,
-``"skipped: 768 x 2304 on 8192 tokens too small to gain (0.92x < 1.05x)"``,
+``"skipped: 768 x 2304 on 8192 tokens too small to gain (0.92x < 1.05x in
+fp8-tensorwise)"``,
 ``"skipped: out_features 50257 not divisible by 16"``.
 
 The recipes are tried in order of preference, coarsest scaling first
@@ -17,7 +18,9 @@ is tried only where the earlier ones' error is too large: a finer scaling
 costs more casts, so where a coarser one does not gain a finer one does not
 either (on an H200, torchao's rowwise Llama-3-8B trained 13% fewer tokens/s
 than its tensorwise). Layers of the same class and shapes are timed once, and
-their bf16 baseline once whatever the recipes.
+their bf16 baseline once whatever the recipes: a later recipe's time is set
+against a baseline timed in an earlier call, not interleaved with it, which
+only a layer that errs too much in tensorwise meets.
 """
 
 from __future__ import annotations
