@@ -1051,18 +1051,14 @@ class Tuner:
         picks = []
         for level in sorted(levels):
             pool = levels[level]
-            fastest = min(pool, key=lambda t: t.step_time_ms)
-            pick = min((t for t in pool if t.step_time_ms <= fastest.step_time_ms * (1 + self.tie)),
-                       key=lambda t: t.safety)
+            pick = self._fastest_or_safer(pool)[1]
             for t in pool:
                 if t is not pick and not t.verdict:
                     t.verdict = (f"agrees; not compiled: eager {_num(t.step_time_ms)} ms/step against "
                                  f"{_num(pick.step_time_ms)} for {pick.name}, which keeps as much in bf16")
             picks.append(pick)
         if diluted and len(picks) > 2 and self.state_margin > 0:  # the fastest above the lowest's to compare
-            fastest = min(picks[1:], key=lambda t: t.step_time_ms)
-            above = min((t for t in picks[1:] if t.step_time_ms <= fastest.step_time_ms * (1 + self.tie)),
-                        key=lambda t: t.safety)
+            above = self._fastest_or_safer(picks[1:])[1]
             for pick in picks[1:]:
                 if pick is not above and not pick.verdict:
                     pick.verdict = (f"agrees; not compiled: eager {_num(pick.step_time_ms)} ms/step against "
@@ -1092,6 +1088,13 @@ class Tuner:
             kept.append(pick)
         return kept
 
+    def _fastest_or_safer(self, pool: List[Trial]) -> Tuple[Trial, Trial]:
+        """(the fastest of `pool`, the one to take): a safer trial within `tie` of the fastest takes it, the
+        difference being within timing noise."""
+        fastest = min(pool, key=lambda t: t.step_time_ms)
+        return fastest, min((t for t in pool if t.step_time_ms <= fastest.step_time_ms * (1 + self.tie)),
+                            key=lambda t: t.safety)
+
     def _time_finalists(self, trials: List[Trial], recipes: Dict[str, Recipe]) -> None:
         """Compiled: the eager screen's step times move to ``eager_step_times_ms``; each finalist's blocks are
         compiled and its steps timed (:meth:`_time_compiled`); a lone finalist keeps its eager times (nothing to
@@ -1102,9 +1105,9 @@ class Tuner:
         tokens: bf16 autocast ran out of memory eagerly, and compiled trains at 124 GiB). It is timed compiled
         first; if it runs, it takes the checkpointed trial's agreement (checkpointing recomputes the same
         arithmetic) and its compiled memory, and it fits if that is within the budget; then the checkpointed
-        trial is not compiled (it only adds the recomputed forward: 640 ms a step against 527 there). (A recipe whose eager
-        peak went over the budget is not retried: the eager check is conservative by design, and the
-        checkpointed twin that fits is what the budget asked for.)"""
+        trial is not compiled (it only adds the recomputed forward: 640 ms a step against 527 there). (A recipe
+        whose eager peak went over the budget is not retried: the eager check is conservative by design, and
+        the checkpointed twin that fits is what the budget asked for.)"""
         finalists = self._finalists(trials, recipes)
         by_name = {t.name: t for t in trials}
         twin_of: Dict[str, Trial] = {}
@@ -1448,13 +1451,7 @@ class Tuner:
             raise RuntimeError("tune: every candidate that agreed with the reference ran out of memory while timed"
                                + tried)
 
-        def pick(pool):
-            fastest = min(pool, key=lambda t: t.step_time_ms)
-            # A safer candidate within `tie` of the fastest takes it: the difference is within timing noise.
-            return fastest, min((t for t in pool if t.step_time_ms <= fastest.step_time_ms * (1 + self.tie)),
-                                key=lambda t: t.safety)
-
-        best, chosen = pick(ok)
+        best, chosen = self._fastest_or_safer(ok)
         why_chosen = "" if chosen is best else f" (within {self.tie:.0%} of {best.name}, and safer)"
         # More in bf16 than autocast keeps must pay for itself by more than `state_margin` (module docstring,
         # step 5).
@@ -1462,7 +1459,7 @@ class Tuner:
             keeps_less = [t for t in ok if _bf16_extent(recipes[t.name]) < _bf16_extent(recipes[chosen.name])]
             if not keeps_less:
                 break
-            _, alternative = pick(keeps_less)
+            _, alternative = self._fastest_or_safer(keeps_less)
             if alternative.step_time_ms > chosen.step_time_ms * (1 + self.state_margin):
                 break
             why_chosen = (f" (within state_margin={self.state_margin:.0%} of {chosen.name}, which keeps more "

@@ -257,4 +257,4 @@ def layer_gain(module: nn.Module, input_shape: Sequence[int], kind: str = "fp8-t
     `warmup` calls each; CUDA-event medians. compiled=True times both through torch.compile (what a compiled
     model runs: the casts fused). Needs the module on a CUDA device."""
     ms = layer_times(module, input_shape, [kind], dtype=dtype, warmup=warmup, iters=iters, compiled=compiled)
-    return LayerGain(ms["bf16"], ms[check_kind(kind)])
+    return LayerGain(ms["bf16"], ms[kind])

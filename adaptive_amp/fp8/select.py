@@ -145,12 +145,11 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
         shape = max(captured.shapes[name], key=lambda s: torch.Size(s).numel())
         errors: Dict[str, LayerError] = {}
         began = time.perf_counter()
-        for kind in kinds:  # (each error reads a sum: synchronized)
+        for kind in kinds:  # (each error reads a sum: synchronized); `kind` ends the first tolerated, or the last
             errors[kind] = layer_error(module, xs, kind, dtype=dtype)
             if errors[kind].worst <= max_error:
                 break
         spent["errors"] += time.perf_counter() - began
-        kind = next(iter(reversed(errors)))  # the first tolerated, or the last tried
         if errors[kind].worst > max_error:
             least = min(errors, key=lambda k: errors[k].worst)
             reason = f"skipped: error {errors[least].worst:.1e} above {max_error:g} in {least}"
