@@ -286,6 +286,35 @@ def test_fp8_layers_of_a_zoo_llama_train_on_the_gpu(compiled):
     assert len(amp.adjuster.layer_kinds) == 8 and len(amp._fp8_watch.rows) == 8
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_guard_keeps_a_copy_of_a_few_rows_of_each_fp8_input_in_zoo_models(fp8_here, family, compiled):
+    """At a statistics step each fp8 layer (transformers' Conv1D and nn.Linear) keeps its own copy of at most
+    max_rows rows, not a view holding the whole input (with checkpointing, every block's activations)."""
+    from adaptive_amp import AdaptiveMixedPrecision, zoo
+    from adaptive_amp.fp8.training import _KEPT
+
+    torch._dynamo.reset()
+    zm = zoo.build(family, "tiny", seed=0)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise",
+                                 progress=False)
+    watched = dict(zm.model.named_modules())
+    watched = {n: watched[n] for n in amp.adjuster.layer_kinds}
+    assert watched and all(".mlp." in n for n in watched)
+    amp._fp8_watch.max_rows = 3
+    amp._fp8_watch.armed = True
+    model = torch.compile(zm.model, backend="aot_eager") if compiled else zm.model
+    with torch.no_grad(), amp.autocast():
+        zm.loss(model, zm.make_batch(4, seed=0))
+    for name, module in watched.items():
+        kept = module.__dict__[_KEPT]
+        assert kept.shape[0] == 3 and kept.untyped_storage().nbytes() == kept.numel() * kept.element_size(), name
+    amp._fp8_watch.armed = False
+    amp.remove()
+    torch._dynamo.reset()
+
+
 def test_a_resumed_run_keeps_the_guards_demotions_and_back_off(fp8_here, tmp_path):
     """A checkpoint taken while a layer is demoted: the resumed run holds it in bf16 and brings it back at the
     step the uninterrupted run does, with the same back-off."""
