@@ -3,20 +3,21 @@
 For each model and mode (eager / compiled), in one process on one GPU, in this order (--parts picks; a run
 that would not end before --max-seconds is skipped and says so; OUT/evidence.json is rewritten after every run):
 
-0. ``cold`` (compiled mode): torch's bf16 autocast compiled in a new process with empty compile caches,
-   ``--cold-steps`` steps: the one-time seconds (the compile, mostly) of a user's run without tuning. This
-   model's compiled runs below then start from empty compile caches too;
 1. ``cost``: with --cost-shape BxL (eager): a tuning at that shape and the chosen recipe timed there: the
    tuning's cost as a fraction of 10,000 full-size steps. First, so that it pays the process's first-tuning
    costs, as a user's tuning does;
 2. ``tuned``: ``AdaptiveMixedPrecision(model, AdamW, policy="tune", tune=dict(batches=..., ...))`` (its
    trials on 8 batches, the A/B table and plot saved), then ``--train-steps`` steps of ``amp.train_step``
-   on fresh batches (seed 0's stream): tokens/s, peak memory, the losses;
-3. ``torch``: torch's bf16 autocast with fp32 AdamW (compiled too in compiled mode), from the same weights
+   on fresh batches (seed 0's stream): tokens/s, peak memory, the losses. Compiled mode: this model's
+   compiled runs start from empty compile caches, as a process's first run does;
+3. ``cold`` (compiled mode): the tuned run's choice through the controller without the tuning (a
+   one-candidate screen, nothing compiled), in a new process with empty compile caches, ``--cold-steps``
+   steps: the one-time seconds (the compiles, mostly) of the run the user makes anyway;
+4. ``torch``: torch's bf16 autocast with fp32 AdamW (compiled too in compiled mode), from the same weights
    on the same batches;
-4. ``alone``: every candidate that ran and fit in the tuning, alone (a plain loop of its recipe) for
+5. ``alone``: every candidate that ran and fit in the tuning, alone (a plain loop of its recipe) for
    ``--alone-steps`` steps: the throughput the tuned choice is compared with;
-5. ``seeds``: for every other seed s in ``--seeds`` (the model initialized with seed s, batches from stream
+6. ``seeds``: for every other seed s in ``--seeds`` (the model initialized with seed s, batches from stream
    s), torch's run and the tuned choice's (seed 0's choice, or --choice, as a one-candidate tuning): the
    seed spread of the final loss. Losses do not depend on the machine, so this part may run in another
    process (--spread-seeds names its seeds, to share them out among processes or GPUs).
@@ -29,9 +30,9 @@ run at least 0.99x torch's bf16 autocast's steady tokens/s on the same batches (
 A compiled tuning screens the candidates eagerly and compiles only its finalists' blocks (its compile seconds
 are reported); the chosen recipe's own compile, which the user's compiled run makes anyway, happens in the tuned
 run's first step. With the cold part, the compiled cost counts that compile once: the tuning, plus the tuned
-run's one-time seconds (beyond its steps at the steady rate), less those of torch's run started cold: what
-tuning adds to the time before steady training. (Run one model per process for this figure: a process's
-later compiles find its compile workers and imports warm.)
+run's one-time seconds (beyond its steps at the steady rate), less those of the same recipe's run without
+tuning, started cold: what tuning adds to the time before steady training. (Run one model per process for
+this figure: a process's later compiles find its compile workers and imports warm.)
 --budget and --oom-fraction add the memory runs (a tuning under a budget, then training the choice; a real
 out-of-memory at run time).
 """
@@ -237,13 +238,13 @@ def targets(run: dict) -> dict:
         share = t["setup_seconds"] / (10000 * t["steady_ms_per_step"] / 1e3)
         out["tuning_fraction_of_10k_steps_steady"] = share
         out["tuning_compile_seconds"] = t.get("tuning_compile_seconds", 0.0)
-        cold = run.get("cold_torch")
-        if cold and t.get("one_time_seconds") is not None:
+        cold = run.get("cold")
+        if cold and cold["chosen"] == t["chosen"] and t.get("one_time_seconds") is not None:
             # Compiled: what tuning adds to the time before steady training, the compile the user makes anyway
-            # counted once: the tuning, plus the tuned run's one-time seconds (its compile, warm with the
-            # tuning's kernels), less those of torch's run started cold in a fresh process.
+            # counted once: the tuning, plus the tuned run's one-time seconds (its compiles, warm with the
+            # tuning's kernels), less those of the same recipe's run without tuning, started cold.
             extra = t["setup_seconds"] + t["one_time_seconds"] - cold["one_time_seconds"]
-            out["seconds_beyond_torch_cold_start"] = extra
+            out["seconds_beyond_untuned_cold_start"] = extra
             share = extra / (10000 * t["steady_ms_per_step"] / 1e3)
             out["tuning_fraction_of_10k_steps_compile_once"] = share
         out["cost_within_target"] = share <= COST_TARGET
@@ -280,19 +281,23 @@ def verdict(run: dict) -> list:
         timing = tuned0.get("tuning", {}).get("timing") or ""
         lines.append(f"{name}: tuning {tuned0['setup_seconds']:.1f} s ({t['tuning_compile_seconds']:.1f} s of it "
                      f"compiling) is {100 * t['tuning_fraction_of_10k_steps_steady']:.2f}% of 10,000 steps at the "
-                     f"chosen recipe's {tuned0['steady_ms_per_step']:.2f} ms: "
-                     f"{'within' if t['cost_within_target'] else 'over'} the {COST_TARGET:.0%} target; its steady "
+                     f"chosen recipe's {tuned0['steady_ms_per_step']:.2f} ms"
+                     + ("" if "tuning_fraction_of_10k_steps_compile_once" in t else
+                        f": {'within' if t['cost_within_target'] else 'over'} the {COST_TARGET:.0%} target")
+                     + f"; its steady "
                      f"tokens/s {t['tuned_vs_torch_bf16_steady']:.3f}x torch's bf16 autocast "
                      f"{'(compiled) ' if run['mode'] == 'compiled' else ''}on the same batches: "
                      f"{'meets' if t['never_a_loss'] else 'misses'} the {NEVER_A_LOSS}x never-a-loss target."
                      + (f" Timing: {timing}." if timing else ""))
     if "tuning_fraction_of_10k_steps_compile_once" in t:
-        cold = run["cold_torch"]
+        cold = run["cold"]
         lines.append(f"{name}: counting the compile the user makes anyway once: tuning {tuned0['setup_seconds']:.1f} s "
-                     f"+ the tuned run's one-time {tuned0['one_time_seconds']:.1f} s - torch's cold start's "
-                     f"{cold['one_time_seconds']:.1f} s (first step {cold['first_step_seconds']:.1f} s, a fresh "
-                     f"process) = {t['seconds_beyond_torch_cold_start']:.1f} s, "
-                     f"{100 * t['tuning_fraction_of_10k_steps_compile_once']:.2f}% of 10,000 steps.")
+                     f"+ the tuned run's one-time {tuned0['one_time_seconds']:.1f} s (first step "
+                     f"{tuned0['first_step_seconds']:.1f} s) - {cold['chosen']}'s without tuning, in a fresh process, "
+                     f"{cold['one_time_seconds']:.1f} s (first step {cold['first_step_seconds']:.1f} s) = "
+                     f"{t['seconds_beyond_untuned_cold_start']:.1f} s, "
+                     f"{100 * t['tuning_fraction_of_10k_steps_compile_once']:.2f}% of 10,000 steps: "
+                     f"{'within' if t['cost_within_target'] else 'over'} the {COST_TARGET:.0%} target.")
     if "best_agreeing_alone" in t:
         lines.append(f"{name}: against the fastest candidate that agreed with fp32, {t['best_agreeing_alone']}, run "
                      f"alone: {t['tuned_vs_best_agreeing_alone_steady']:.2f}x its tokens/s.")
@@ -360,25 +365,28 @@ class Evidence:
             json.dump(_jsonable(self.data), f, indent=1)
 
 
-def cold_torch(name: str, args) -> dict:
-    """torch's bf16 autocast compiled, as a user's run without tuning starts: in a new process, with empty
-    compile caches, --cold-steps steps. Its one-time seconds (the compile, mostly) are what the tuned run's are
-    compared with: the compile the user makes anyway counts once."""
+def cold_choice(name: str, choice: str, args) -> dict:
+    """The recipe `choice` through the controller without the tuning (a one-candidate screen: eager, nothing
+    compiled), compiled, as a user's run starts: in a new process with empty compile caches, --cold-steps steps.
+    Its one-time seconds (the compiles, mostly) are what the tuned run's are compared with, so that the compile
+    the user makes anyway counts once."""
     with tempfile.TemporaryDirectory(prefix="adaptive_amp_cold_") as tmp:
         out = os.path.join(tmp, "out")
         cmd = [sys.executable, "-m", "adaptive_amp", "bench", "tune", "--models", name, "--modes", "compiled",
-               "--parts", "torch", "--seeds", "1", "--train-steps", str(args.cold_steps), "--batch",
+               "--parts", "tuned", "--compiled-candidates", choice, "--seeds", "1",
+               "--train-steps", str(args.cold_steps), "--tune-steps", str(args.tune_steps), "--batch",
                str(args.batch), "--seq", str(args.seq), "--lr", str(args.lr), "--device", args.device,
                "--compile-backend", args.compile_backend, "--out", out] + (["--tiny"] if args.tiny else [])
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"))
         env.pop("TRITON_CACHE_DIR", None)  # (inductor's then lies under its cache directory)
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"torch's run in a fresh process failed ({' '.join(cmd)}):\n"
+            raise RuntimeError(f"the run without tuning failed ({' '.join(cmd)}):\n"
                                + (done.stdout + done.stderr)[-2000:])
         with open(os.path.join(out, "evidence.json")) as f:
-            r = json.load(f)["runs"][0]["torch_bf16"]["0"]
-    return {k: r[k] for k in ("first_step_seconds", "one_time_seconds", "steady_ms_per_step", "steps")}
+            r = json.load(f)["runs"][0]["tuned"]["0"]
+    return {k: r[k] for k in ("chosen", "setup_seconds", "first_step_seconds", "one_time_seconds",
+                              "steady_ms_per_step", "steps")}
 
 
 def _fresh_compile_cache():
@@ -426,10 +434,6 @@ def _evidence(name, mode, args, device, ev: Evidence):
         snaps[s].restore()
 
     parts = args.parts
-    if mode == "compiled" and "cold" in parts and ev.may_start("torch's compiled run in a fresh process", run, 60):
-        run["cold_torch"] = cold_torch(name, args)
-        ev.took(run, "cold")
-        ev.write(run)
     # First, so that it pays the process's first-tuning costs as a user's tuning does.
     if args.cost_shape and mode == "eager" and "cost" in parts and ev.may_start(f"tuning cost at {args.cost_shape}", run, 60):
         cb, cl = (int(v) for v in args.cost_shape.lower().split("x"))
@@ -454,6 +458,14 @@ def _evidence(name, mode, args, device, ev: Evidence):
         ev.took(run, "tuned 0")
         ev.write(run)
     choice = run["tuned"].get(0, {}).get("chosen") or args.choice
+    if mode == "compiled" and "cold" in parts and choice and \
+            ev.may_start(f"{choice} without tuning, in a fresh process", run,
+                         run["tuned"].get(0, {}).get("one_time_seconds") or 60):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # (this process's cached blocks, for the other process)
+        run["cold"] = cold_choice(name, choice, args)
+        ev.took(run, "cold")
+        ev.write(run)
     # Estimates for the runs below, from the ones before: a compiled run first compiles its recipe again.
     recompile = 0.0
     if mode == "compiled" and 0 in run["tuned"]:
@@ -527,7 +539,7 @@ def _seed_list(text: str):
     return seeds
 
 
-PARTS = ("cold", "cost", "tuned", "torch", "alone", "seeds")
+PARTS = ("cost", "tuned", "cold", "torch", "alone", "seeds")
 
 
 def _parts(text: str) -> set:
@@ -568,12 +580,12 @@ def main(argv=None):
     p.add_argument("--spread-seeds", default=None, type=_seed_list, metavar="S,S,...",
                    help="the seeds of the seeds part (default 1 .. --seeds - 1)")
     p.add_argument("--alone-steps", type=int, default=200, help="steps of each candidate run alone")
-    p.add_argument("--parts", default="cold,cost,tuned,torch,alone,seeds", type=_parts,
-                   help="what to run, in this order: cold (compiled: torch's run in a fresh process), cost (with "
-                        "--cost-shape), tuned and torch (seed 0), alone, seeds (torch, then tuned, for every other "
-                        "seed); none: only the --budget and --oom-fraction runs")
+    p.add_argument("--parts", default="cost,tuned,cold,torch,alone,seeds", type=_parts,
+                   help="what to run, in this order: cost (with --cost-shape), tuned (seed 0), cold (compiled: the "
+                        "choice without tuning, in a fresh process), torch (seed 0), alone, seeds (torch, then "
+                        "tuned, for every other seed); none: only the --budget and --oom-fraction runs")
     p.add_argument("--cold-steps", type=int, default=100,
-                   help="steps of torch's compiled run in a fresh process (the cold part)")
+                   help="steps of the choice's compiled run without tuning in a fresh process (the cold part)")
     p.add_argument("--choice", default=None, help="the tuned recipe for --parts seeds without tuned (seed 0's)")
     p.add_argument("--cost-shape", default=None, help="BxL: also tune at this shape to measure the tuning's cost")
     p.add_argument("--max-seconds", type=float, default=520.0,
