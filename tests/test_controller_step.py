@@ -17,7 +17,7 @@ import adaptive_amp.optim as aopt
 from adaptive_amp import zoo
 from adaptive_amp.controller import AdaptiveMixedPrecision
 from adaptive_amp.hardware import Capabilities
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, requires_cuda
 
 FP16 = "params=float32,compute=float16,loss_scale=dynamic:1024"
 BF16 = "params=float32,compute=bfloat16"
@@ -222,6 +222,60 @@ def test_a_non_finite_loss_never_reaches_the_weights(policy, kind, bad, through)
     nan_events = [e for e in amp.report().events if e["kind"] == "nan_loss"]
     assert [e["step"] for e in nan_events] == [2, 5]
     assert all("skipped, weights unchanged" in e["message"] and e["data"]["skipped"] == 1 for e in nan_events)
+
+
+@pytest.mark.parametrize("backwards", [1, 2])
+@pytest.mark.parametrize("last_loss", [1.0, float("nan")], ids=["finite", "nan_in_the_last_backward"])
+def test_the_host_read_of_the_loss_flag_is_queued_before_each_backward(monkeypatch, backwards, last_loss):
+    """Without loss scaling, an optimizer that cannot skip on the device (torch's AdamW) is skipped from the host:
+    the loss's flag must be queued behind the forward only, or step()'s read waits for the whole backward at
+    every step (the device then idles while the host launches the optimizer and the next forward)."""
+    order = []
+    real = AdaptiveMixedPrecision._nonfinite
+    monkeypatch.setattr(AdaptiveMixedPrecision, "_nonfinite",
+                        staticmethod(lambda loss: order.append("flag") or real(loss)))
+    model = _mlp(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    amp = _amp(model, opt, BF16)
+    before = _snapshot(model)
+    for k in range(backwards):
+        with amp.autocast():
+            loss = model(_batch(k)).float().square().mean()
+            if k == backwards - 1:
+                loss = loss * last_loss
+        loss.register_hook(lambda g: order.append("backward"))
+        amp.backward(loss)
+    queued = list(order)
+    stepped = amp.step()
+    assert queued == ["flag", "backward"] * backwards
+    assert bool(stepped) == (last_loss == 1.0)
+    assert _same(before, model.parameters()) == (last_loss != 1.0)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_step_does_not_wait_for_the_backward_on_cuda():
+    """The same on the device: with about half a second of backward queued (a spin in a gradient hook), step()
+    returns long before the device is done: its read of the loss's flag waited for the forward only."""
+    import time
+
+    model = _mlp(0).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # foreach: it cannot skip a step on the device
+    amp = AdaptiveMixedPrecision(model, opt, policy=BF16, progress=False)
+    assert amp._decides_skip_on_host()
+    took = []
+    for spin in (0, int(1e9)):  # a warm-up step, then the timed one
+        with amp.autocast():
+            out = model(_batch(0).cuda())
+        out.register_hook(lambda g, spin=spin: torch.cuda._sleep(spin) if spin else None)
+        amp.backward(out.float().square().mean())
+        start = time.perf_counter()
+        assert amp.step()
+        took.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        took.append(time.perf_counter() - start)
+        amp.zero_grad()
+    assert took[2] < took[3] / 3, f"step() took {took[2]:.3f} s of the {took[3]:.3f} s the device took"
 
 
 def test_an_fp16_run_whose_loss_is_nan_from_the_first_step_never_updates_the_weights():
