@@ -619,13 +619,13 @@ class AdaptiveMixedPrecision:
         value = value.reshape(())
         total = value if self._loss_sum is None else self._loss_sum + value
         check = None
-        if self._decides_skip_on_host() and type(self)._agree_skip is AdaptiveMixedPrecision._agree_skip:
-            # Copied to the host before backward is queued, in stream order behind the forward only: step()
-            # then waits for the forward at most, never for the backward. (Queued after backward, the read
-            # waited for the whole backward at every step, and the device idled while the host launched the
-            # optimizer and the next forward: 0.90x torch's step rate on a compiled GPT-2 small at 8 x 1024
-            # tokens, H200. Where the ranks agree on the flag, step() reads the agreed flag instead.)
-            check = StepResult(found_inf=self._nonfinite(total), slots=self._loss_slots)
+        if self._decides_skip_on_host():
+            # Agreed over the ranks where there are several, and copied to the host, before backward is queued:
+            # in stream order behind the forward only, so step() waits for the forward at most, never for the
+            # backward. (Queued after backward, the read waited for the whole backward at every step, and the
+            # device idled while the host launched the optimizer and the next forward: 0.90x torch's step rate
+            # on a compiled GPT-2 small at 8 x 1024 tokens, H200.)
+            check = StepResult(found_inf=self._agree_skip(self._nonfinite(total)), slots=self._loss_slots)
         self.scaler.scale(loss).backward(**kwargs)
         # Kept once backward succeeded: a backward that raised (and is run again) adds its loss once.
         self._loss_sum = total
@@ -713,7 +713,6 @@ class AdaptiveMixedPrecision:
         finite = True
         if on_host:
             check = self._loss_check
-            # (The mean over accumulated backwards is finite where their sum is.)
             known = check[1] if check is not None and check[0] is self._loss_sum else StepResult(
                 found_inf=skip, slots=self._loss_slots)
             finite = bool(known)
@@ -772,7 +771,10 @@ class AdaptiveMixedPrecision:
         loss = None
         if self._loss_sum is not None:
             loss = self._loss_sum if self._loss_count == 1 else self._loss_sum / self._loss_count
-        skip = None if loss is None else self._agree_skip(self._nonfinite(loss))
+        check = self._loss_check if self._loss_check is not None and self._loss_check[0] is self._loss_sum else None
+        # (The mean over accumulated backwards is finite where their sum is: the flag backward agreed on.)
+        skip = None if loss is None else check[1].found_inf if check is not None else \
+            self._agree_skip(self._nonfinite(loss))
         # Nothing else measures the norm: optimizers that read every gradient anyway measure it in that pass.
         folded = (not scaling and grad_norm is None and self.track_grad_norm
                   and all(isinstance(opt, _Fused) for opt in active))

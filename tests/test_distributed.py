@@ -54,6 +54,33 @@ def test_collective_controller_gives_its_scalers_the_group(one_rank_group):
     assert amp._scaler_kwargs["process_group"] is one_rank_group  # kept for the scalers made after a switch
 
 
+def test_the_collective_loss_flag_is_agreed_before_each_backward(one_rank_group, monkeypatch):
+    """With an optimizer that cannot skip on the device and no loss scaling, the ranks agree on whether the loss
+    was finite before backward is queued (behind the forward only), and step() reads that agreed flag: no
+    collective of its own, and no wait for the backward."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)  # not fused: skipped from the host
+    amp = CollectiveAdaptiveMixedPrecision(model, opt, "params=float32,compute=float32",
+                                           process_group=one_rank_group, read_every=50, progress=False)
+    assert amp._decides_skip_on_host()
+    order = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: order.append("all_reduce") or real(*a, **k))
+    for i, factor in enumerate((1.0, float("nan"))):
+        order.clear()
+        with amp.autocast():
+            loss = model(torch.randn(4, 8)).pow(2).mean() * factor
+        loss.register_hook(lambda g: order.append("backward"))
+        amp.backward(loss)
+        assert order == ["all_reduce", "backward"]
+        before = [p.detach().clone() for p in model.parameters()]
+        assert bool(amp.step()) == (i == 0)
+        assert order == ["all_reduce", "backward"], "step() ran a collective of its own"
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) == (i == 1)
+        amp.zero_grad()
+
+
 def _nan_loss_on_one_rank(rank, store, out, steps):
     """FSDP2 over two gloo ranks. Rank 1's loss (and so every gradient) is NaN at steps 2-4; no layer's
     output overflows. After the switch torch clips (no scaler): its total norm is a DTensor."""
