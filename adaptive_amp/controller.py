@@ -700,10 +700,11 @@ class AdaptiveMixedPrecision:
                     # (a maximum, not a sum: torch's fused steps skip on a found_inf of exactly 1.0)
                     torch.maximum(found, skip.to(found.device, non_blocking=True), out=found)
 
-    def _step_unscaled(self, active, skip: Optional[torch.Tensor], loss, done: list) -> tuple:
+    def _step_unscaled(self, active, skip: Optional[torch.Tensor], known: Optional[StepResult], done: list) -> tuple:
         """Each optimizer's step without loss scaling, skipped when the loss is not finite: on the device by
-        optimizers that can (handed the flag as a found_inf), from the host otherwise. Returns
-        (a StepResult, or the flag when the device decided; the optimizers that stepped or were handed it)."""
+        optimizers that can (handed the flag as a found_inf), from the host otherwise (reading `known`, the flag
+        backward queued, when there is one). Returns (a StepResult, or the flag when the device decided; the
+        optimizers that stepped or were handed it)."""
         if skip is None:
             for opt in active:
                 opt.step()
@@ -712,10 +713,7 @@ class AdaptiveMixedPrecision:
         on_host = [opt for opt in active if not self._skips_on_device(opt)]
         finite = True
         if on_host:
-            check = self._loss_check
-            known = check[1] if check is not None and check[0] is self._loss_sum else StepResult(
-                found_inf=skip, slots=self._loss_slots)
-            finite = bool(known)
+            finite = bool(known if known is not None else StepResult(found_inf=skip, slots=self._loss_slots))
         stepped = []
         for opt in active:
             if opt in on_host:
@@ -790,7 +788,7 @@ class AdaptiveMixedPrecision:
                 result = done  # (read after the scale update, from its combined found_inf)
             else:
                 with _tracking_grad_norm(active if folded else ()):
-                    result, stepped = self._step_unscaled(active, skip, loss, done)
+                    result, stepped = self._step_unscaled(active, skip, check[1] if check else None, done)
         except BaseException as exc:
             if done:  # (an optimizer that raises at once has changed nothing: ours and torch's check first)
                 self._after_failed_step(active, scaling)
