@@ -252,6 +252,35 @@ def test_the_host_read_of_the_loss_flag_is_queued_before_each_backward(monkeypat
     assert _same(before, model.parameters()) == (last_loss != 1.0)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_on_zoo_models_the_loss_flag_is_queued_before_backward(monkeypatch, family, mode):
+    """The same on the zoo's GPT-2 (Conv1D) and Llama, eager and compiled: each step's flag is queued before its
+    backward, and a NaN loss is still skipped with the weights unchanged."""
+    order = []
+    real = AdaptiveMixedPrecision._nonfinite
+    monkeypatch.setattr(AdaptiveMixedPrecision, "_nonfinite",
+                        staticmethod(lambda loss: order.append("flag") or real(loss)))
+    zm = zoo.build(family, "tiny", seed=0)
+    torch._dynamo.reset()
+    model = torch.compile(zm.model, backend="aot_eager") if mode == "compiled" else zm.model
+    amp = _amp(model, torch.optim.AdamW(zm.model.parameters(), lr=1e-3), BF16)
+    try:
+        for i, factor in enumerate((1.0, float("nan"), 1.0)):
+            order.clear()
+            before = _snapshot(zm.model)
+            with amp.autocast():
+                loss = zm.loss(model, zm.make_batch(2, seed=i)) * factor
+            loss.register_hook(lambda g: order.append("backward"))
+            amp.backward(loss)
+            assert order == ["flag", "backward"], (i, order)
+            assert bool(amp.step()) == (factor == 1.0)
+            assert _same(before, zm.model.parameters()) == (factor != 1.0)
+            amp.zero_grad()
+    finally:
+        amp.remove()
+
+
 @pytest.mark.cuda
 @requires_cuda
 def test_step_does_not_wait_for_the_backward_on_cuda():

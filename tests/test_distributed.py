@@ -81,6 +81,37 @@ def test_the_collective_loss_flag_is_agreed_before_each_backward(one_rank_group,
         amp.zero_grad()
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_on_zoo_models_the_collective_loss_flag_is_agreed_before_backward(one_rank_group, monkeypatch, family, mode):
+    pytest.importorskip("transformers")
+    from adaptive_amp import zoo
+    from adaptive_amp.hardware import Capabilities
+
+    zm = zoo.build(family, "tiny", seed=0)
+    torch._dynamo.reset()
+    model = torch.compile(zm.model, backend="aot_eager") if mode == "compiled" else zm.model
+    amp = CollectiveAdaptiveMixedPrecision(
+        model, torch.optim.AdamW(zm.model.parameters(), lr=1e-3), "params=float32,compute=bfloat16",
+        capabilities=Capabilities(device_type="cpu", name="test cpu with bf16", bf16=True, fp16=True),
+        process_group=one_rank_group, read_every=50, progress=False)
+    order = []
+    real = dist.all_reduce
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: order.append("all_reduce") or real(*a, **k))
+    try:
+        for i, factor in enumerate((1.0, float("nan"))):
+            order.clear()
+            with amp.autocast():
+                loss = zm.loss(model, zm.make_batch(2, seed=i)) * factor
+            loss.register_hook(lambda g: order.append("backward"))
+            amp.backward(loss)
+            assert bool(amp.step()) == (factor == 1.0)
+            assert order == ["all_reduce", "backward"], (i, order)
+            amp.zero_grad()
+    finally:
+        amp.remove()
+
+
 def _nan_loss_on_one_rank(rank, store, out, steps):
     """FSDP2 over two gloo ranks. Rank 1's loss (and so every gradient) is NaN at steps 2-4; no layer's
     output overflows. After the switch torch clips (no scaler): its total norm is a DTensor."""

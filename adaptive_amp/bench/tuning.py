@@ -390,17 +390,18 @@ def cold_choice(name: str, choice: str, args) -> dict:
 
 
 def _fresh_compile_cache():
-    """Empty compile caches for this process's compiled runs (torch's inductor, and triton's beneath it)."""
+    """A context of empty compile caches for this process's compiled runs (torch's inductor, and triton's beneath
+    it)."""
     import torch._inductor.utils as inductor_utils
 
-    return getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
+    return (getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache)()
 
 
 def evidence(name, mode, args, device, ev: Evidence):
     """One model in one mode: the parts of the module docstring. With the cold part (compiled mode), its
     compiled runs start from empty compile caches, as torch's run in a fresh process does."""
     fresh = mode == "compiled" and "cold" in args.parts
-    with (_fresh_compile_cache()() if fresh else contextlib.nullcontext()):
+    with _fresh_compile_cache() if fresh else contextlib.nullcontext():
         _evidence(name, mode, args, device, ev)
 
 
