@@ -16,6 +16,9 @@ hook dictionaries (same keys, same functions) and put back by
 GPT-2 small step (host-bound on an H200) would pay at every step.
 
 Under ``torch.compile`` the hooks are traced like the rest of the forward.
+(A model compiled whole that the controller wraps runs its statistics steps
+with its repeated blocks compiled instead, so that their graph is one
+block's: adaptive_amp.regional.)
 A compiled model gets two graphs per policy, each compiled once: one for
 statistics steps, which also returns each layer's statistics rows (added
 to the collector's records after the graph runs, as dynamo replays the

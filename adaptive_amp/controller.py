@@ -80,6 +80,7 @@ from .names import fp8_preset
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name, recipe_policy
 from .layer_precision import OwnedHandles
 from .recipes import cast_for_policy, policy_hooks, sharded_cast_refusal
+from .regional import RegionalStatistics
 from .scaler import GradScaler, OptState, _takes_grad_scaler
 from .step_result import HostSlots, StepResult
 
@@ -274,6 +275,7 @@ class AdaptiveMixedPrecision:
         # Registered now, before any compiled call of the model (policy="tune" makes some), so that its graphs
         # trace them.
         self._collector = self._owned.add(ActivationCollector(self.layers, root=self._module))
+        self._regional = RegionalStatistics(self.model)
         self.tuning = None  # policy="tune": the TuneResult (trials, A/B table)
         self._tune_options = tune
         self._fp8_options = _fp8_options(fp8)
@@ -573,17 +575,20 @@ class AdaptiveMixedPrecision:
         watch = self._fp8_watch if self.adapt and self._stats_due() else None
         if watch is not None:
             watch.armed = watch.due = True  # the fp8 layers keep their inputs for the guard (read after the step)
-        if collect:
-            # Islands are not measured: they compute in fp32 and cannot be blamed for a compute-dtype overflow.
-            collector.start(fmt=self.compute_fmt, skip=self.adjuster.islands)
-        try:
-            # bf16-pure has no autocast, only the compiled passes' AOT autograd settings (adjust.py says why).
-            with self.adjuster.autocast():
-                yield
-        finally:
-            collector.stop()
-            if watch is not None:
-                watch.armed = False
+        # A model compiled whole runs a statistics step with its blocks compiled instead (adaptive_amp.regional),
+        # set up before the collector looks for the modules compiled on their own.
+        with self._regional.step() if collect else contextlib.nullcontext():
+            if collect:
+                # Islands are not measured: they compute in fp32 and cannot be blamed for a compute-dtype overflow.
+                collector.start(fmt=self.compute_fmt, skip=self.adjuster.islands)
+            try:
+                # bf16-pure has no autocast, only the compiled passes' AOT autograd settings (adjust.py says why).
+                with self.adjuster.autocast():
+                    yield
+            finally:
+                collector.stop()
+                if watch is not None:
+                    watch.armed = False
         if not collect or self._removed:
             return  # (removed inside the block: its hooks and records went with it)
         outputs, inputs = collector.stats()  # rows in forward order; eager layers were measured as they ran

@@ -168,6 +168,7 @@ from ._process_group import rank_zeros
 from .adjust import forget_compiled_graphs
 from .layers import compiled_in_place, is_sharded, unwrap_model
 from .recipes import AppliedRecipe, Recipe, convertible, find_blocks
+from .regional import compile_backend, compile_context
 from .report import _jsonable, _matplotlib, _save, comparison_table
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -854,8 +855,8 @@ class Tuner:
         # their compiled calls are set aside while tuning, so that the screen runs eagerly as for a wrapper.
         self._in_place = compiled_in_place(self.module)
         self.compiled = wrapped or bool(self._in_place)
-        self.backend = (_compile_backend(getattr(model, "dynamo_ctx", None)) if wrapped else
-                        _compile_backend(_compile_context(self._in_place[0]._compiled_call_impl)) if self._in_place
+        self.backend = (compile_backend(getattr(model, "dynamo_ctx", None)) if wrapped else
+                        compile_backend(compile_context(self._in_place[0]._compiled_call_impl)) if self._in_place
                         else None)
         self.finalists: List[str] = []  # compiled: the candidates whose blocks were compiled and timed
         self.recipes, self.skipped = list(recipes), list(skipped)
@@ -1575,24 +1576,6 @@ def _raise_recompile_limit(n: int):
     before = getattr(cfg, key)
     setattr(cfg, key, max(before, n))
     return key, before
-
-
-def _compile_context(impl):
-    """The dynamo context (its ``callback`` is the backend) of a function torch.compile returned, such as the
-    ``_compiled_call_impl`` of a module compiled in place; None where it cannot be found."""
-    cells = getattr(impl, "__closure__", None) or ()
-    return next((c.cell_contents for c in cells if hasattr(c.cell_contents, "callback")), None)
-
-
-def _compile_backend(context):
-    """The backend of `context` (a torch.compile wrapper's ``dynamo_ctx``, or :func:`_compile_context`'s), so that
-    the blocks compile as the user's model does (inductor with the user's mode and options, or aot_eager, ...);
-    "inductor" where it cannot be read."""
-    backend = getattr(context, "callback", None)
-    while getattr(backend, "_torchdynamo_orig_backend", None) is not None:
-        backend = backend._torchdynamo_orig_backend
-    return backend if callable(backend) and not isinstance(backend, type) and \
-        type(backend).__name__ not in ("ConvertFrame", "CatchErrorsWrapper") else "inductor"
 
 
 def _call_block(module: nn.Module, *args, **kwargs):

@@ -435,7 +435,9 @@ def test_statistics_when_a_graph_of_the_class_was_compiled_before_the_controller
     amp = AdaptiveMixedPrecision(compiled, torch.optim.SGD(zm.model.parameters(), lr=1e-3), policy=BF16,
                                  capabilities=CPU_BF16, progress=False)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "no layer statistics" warning
+        # No "no layer statistics" warning. (Not every warning: under a global "error" filter, dynamo's tracing of
+        # a block compiled on its own, as a statistics step compiles it, fails on a warning it means to hide.)
+        warnings.filterwarnings("error", message=".*no layer statistics")
         with amp.autocast():
             loss = zm.loss(compiled, zm.make_batch(2))
         amp.backward(loss)

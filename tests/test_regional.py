@@ -1,0 +1,111 @@
+"""Statistics steps of a model compiled whole run its repeated blocks compiled (adaptive_amp.regional): one block
+graph for the statistics steps instead of a second whole-model compile, with the eager model's statistics.
+
+Compiled with the "aot_eager" backend (dynamo and AOT autograd as with inductor, without code generation).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from adaptive_amp import zoo  # noqa: E402
+from adaptive_amp.controller import AdaptiveMixedPrecision  # noqa: E402
+from adaptive_amp.hardware import Capabilities  # noqa: E402
+from adaptive_amp.recipes import find_blocks  # noqa: E402
+from adaptive_amp.regional import RegionalStatistics  # noqa: E402
+
+pytestmark = pytest.mark.skipif(getattr(torch.compiler, "set_stance", None) is None,
+                                reason="torch.compiler.set_stance (torch >= 2.6)")
+
+CPU_BF16 = Capabilities(device_type="cpu", name="test cpu with bf16", bf16=True, fp16=True)
+BF16 = "params=float32,compute=bfloat16"
+
+
+def counting_aot_eager(graphs):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    aot_eager = lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return aot_eager(gm, example_inputs)
+    return backend
+
+
+def train(zm, model, steps, **kwargs):
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp = AdaptiveMixedPrecision(model, opt, policy=BF16, capabilities=CPU_BF16, progress=False, read_every=2,
+                                     stats_every=2, **kwargs)
+    for i in range(steps):
+        batch = zm.make_batch(2, seed=i)
+        amp.train_step(lambda b=batch: zm.loss(model, b))
+    amp.events.extend(amp.monitor.read())
+    return amp
+
+
+def rows_at(amp, step):
+    return {ls.kind: [(r["name"], r["amax"], r["numel"]) for r in ls.rows]
+            for ls in amp.monitor.layer_stats if ls.step == step}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_model_compiled_whole_compiles_one_block_for_its_statistics_steps(family):
+    zm = zoo.build(family, seed=0)
+    reference = copy.deepcopy(zm)
+    torch._dynamo.reset()
+    graphs = []
+    compiled = torch.compile(zm.model, backend=counting_aot_eager(graphs))
+    amp = train(zm, compiled, 5)
+    blocks = find_blocks(zm.model)
+    assert len(blocks) >= 2
+    # Statistics at steps 0, 2 and 4; two graphs in all: one block's (the statistics steps, every block) and the
+    # whole model's (the other steps), none compiled again.
+    assert sorted({ls.step for ls in amp.monitor.layer_stats}) == [0, 2, 4]
+    assert len(graphs) == 2 and graphs[0] < graphs[1], graphs
+    # The statistics of step 0 (the same weights) are the eager model's.
+    eager = train(reference, reference.model, 1)
+    ours, theirs = rows_at(amp, 0), rows_at(eager, 0)
+    assert set(ours) == set(theirs) == {"activation", "input", "gradient"}
+    for kind in ours:
+        assert [r[0] for r in ours[kind]] == [r[0] for r in theirs[kind]], kind
+        for a, b in zip(ours[kind], theirs[kind]):
+            assert a[2] == b[2] and a[1] == pytest.approx(b[1], rel=1e-3, abs=1e-6), (kind, a[0])
+    assert all(b._compiled_call_impl is None for _, b in blocks)  # as they were between statistics steps
+    amp.remove()
+
+
+def test_blocks_compiled_on_their_own_and_eager_models_keep_their_path():
+    zm = zoo.build("gpt2", seed=0)
+    assert RegionalStatistics(zm.model).blocks() == []  # eager: nothing compiled
+    torch._dynamo.reset()
+    whole = torch.compile(zm.model, backend="aot_eager")
+    assert len(RegionalStatistics(whole).blocks()) == len(find_blocks(zm.model))
+    with torch.compiler.set_stance("force_eager"):  # the user's stance wins
+        assert RegionalStatistics(whole).blocks() == []
+    for _, block in find_blocks(zm.model):
+        block.compile(backend="aot_eager")
+    assert RegionalStatistics(whole).blocks() == []  # the blocks compile on their own already
+
+
+def test_a_statistics_step_that_raises_leaves_the_blocks_and_the_stance_as_they_were():
+    from adaptive_amp.regional import _stance
+
+    zm = zoo.build("llama", seed=0)
+    torch._dynamo.reset()
+    whole = torch.compile(zm.model, backend="aot_eager")
+    regional = RegionalStatistics(whole)
+    with pytest.raises(RuntimeError, match="the forward failed"):
+        with regional.step() as blocks:
+            assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+            assert _stance() == "force_eager"
+            raise RuntimeError("the forward failed")
+    assert _stance() == "default"
+    assert all(b._compiled_call_impl is None for _, b in find_blocks(zm.model))
