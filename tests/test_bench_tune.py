@@ -22,7 +22,27 @@ def test_bench_tune_script_smoke(tmp_path):
     t = run["targets"]
     assert t["tuned_vs_torch_bf16"] > 0 and isinstance(t["loss_within_seed_spread"], bool)
     assert t["best_agreeing_alone"] in run["alone"] and not run.get("skipped")
+    assert set(t["time_to_common_loss"]) == {"0", "1"}
+    c = t["time_to_common_loss"]["1"]
+    assert c["loss"] == max(run["tuned"]["1"]["final_loss"], run["torch_bf16"]["1"]["final_loss"])
+    assert 1 <= c["tuned_steps"] <= 12 and 1 <= c["torch_steps"] <= 12
     assert (tmp_path / "gpt2-medium-eager" / "tune.txt").exists()
+
+
+def test_time_to_common_loss_counts_a_faster_run_one_step_behind_as_sooner():
+    from adaptive_amp.bench.tuning import time_to_common_loss
+
+    # torch: loss 100 - i at 10 ms a step; tuned: one step behind (101 - i) at 5 ms. Both reach 82.5, the
+    # higher final loss (the mean of the last two of 20 steps): tuned at its 20th step, torch at its 19th.
+    ref = {"losses": [100.0 - i for i in range(20)], "final_loss": 81.5, "steady_ms_per_step": 10.0}
+    tuned = {"losses": [101.0 - i for i in range(20)], "final_loss": 82.5, "steady_ms_per_step": 5.0}
+    c = time_to_common_loss(tuned, ref)
+    assert (c["loss"], c["tuned_steps"], c["torch_steps"]) == (82.5, 20, 19)
+    assert c["tuned_seconds"] == pytest.approx(0.1) and c["torch_seconds"] == pytest.approx(0.19)
+    assert c["tuned_sooner"] == pytest.approx(1.9)
+    # The other way round: ahead in loss but slower, it is not sooner.
+    c = time_to_common_loss(dict(ref, steady_ms_per_step=20.0), dict(tuned, steady_ms_per_step=10.0))
+    assert (c["loss"], c["tuned_steps"], c["torch_steps"]) == (82.5, 19, 20) and c["tuned_sooner"] < 1
 
 
 def test_bench_tune_skips_what_does_not_fit_max_seconds(tmp_path):
@@ -76,7 +96,7 @@ def test_bench_tune_through_the_cli_says_what_it_compared(tmp_path, capsys):
                  "--timed-steps", "1", "--parts", "tuned,torch", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "the tuning chose" in out and "torch's bf16 autocast" in out
-    assert "one seed: no spread" in out
+    assert "one seed: no spread" in out and "seed 0: to the loss both runs reach" in out
 
 
 def test_bench_tune_compiled_judges_the_cost_and_never_a_loss_targets(tmp_path, capsys):

@@ -24,7 +24,8 @@ that would not end before --max-seconds is skipped and says so; OUT/evidence.jso
 
 The final loss is the mean of the last 10% of the steps' training losses (every batch is new, so it is not
 memorized). The verdict compares the tuned run with torch's (tokens/s, the final loss against torch's seed
-spread) and with the best candidate that agreed in the tuning, run alone, and gives the tuning's cost against
+spread, and for each seed how soon each run reached the loss both reach, at its steady step time: a run a
+little behind at equal steps may get there sooner) and with the best candidate that agreed in the tuning, run alone, and gives the tuning's cost against
 the targets: the whole tuning at most 3% of 10,000 steps at the chosen recipe's steady step time, and the tuned
 run at least 0.99x torch's bf16 autocast's steady tokens/s on the same batches (compiled mode: both compiled).
 A compiled tuning screens the candidates eagerly and compiles only its finalists' blocks (its compile seconds
@@ -215,6 +216,24 @@ def oom_run(zm, batches, device, fraction, steps):
         torch.cuda.set_per_process_memory_fraction(1.0)
 
 
+def time_to_common_loss(tuned: dict, ref: dict) -> dict:
+    """How soon two runs on the same batches reach the loss both reach: the higher of their final losses. A run
+    reaches a loss at the first step where the mean of its losses over the last 10% of its steps (as
+    :func:`final_loss` takes them) is at or below it; its seconds are its steps at its steady step time. A run
+    a little behind at equal steps may still get there sooner, being faster."""
+    target = max(tuned["final_loss"], ref["final_loss"])
+    out = {"loss": target}
+    for name, r in (("tuned", tuned), ("torch", ref)):
+        losses = r["losses"]
+        window = max(1, len(losses) // 10)
+        steps = next(i + 1 for i in range(window - 1, len(losses))
+                     if sum(losses[i + 1 - window:i + 1]) / window <= target)
+        out[f"{name}_steps"] = steps
+        out[f"{name}_seconds"] = steps * r["steady_ms_per_step"] / 1e3
+    out["tuned_sooner"] = out["torch_seconds"] / out["tuned_seconds"]
+    return out
+
+
 def targets(run: dict) -> dict:
     """The comparisons from what ran (left out where a part did not run)."""
     out = {}
@@ -260,6 +279,9 @@ def targets(run: dict) -> dict:
         out["mean_final_loss_tuned_minus_torch"] = diff
         out["loss_within_seed_spread"] = abs(diff) <= hi - lo
         out["loss_not_worse_than_seed_spread"] = diff <= hi - lo  # a lower loss is no failure
+    both = [s for s in run.get("tuned", {}) if s in run.get("torch_bf16", {})]
+    if both:
+        out["time_to_common_loss"] = {s: time_to_common_loss(run["tuned"][s], run["torch_bf16"][s]) for s in both}
     cost = run.get("cost")
     if cost and "fraction_of_10k_steps" in cost:
         out["tuning_fraction_of_10k_steps_at_cost_shape"] = cost["fraction_of_10k_steps"]
@@ -309,6 +331,10 @@ def verdict(run: dict) -> list:
     elif "final_loss_tuned_minus_torch_seed0" in t:
         lines.append(f"{name}: final loss {t['final_loss_tuned_minus_torch_seed0']:+.4f} against torch's (one seed: "
                      "no spread to judge it by; --seeds 2 or more).")
+    for seed, c in t.get("time_to_common_loss", {}).items():
+        lines.append(f"{name}, seed {seed}: to the loss both runs reach ({c['loss']:.4f}), the tuned run took "
+                     f"{c['tuned_steps']} steps, {c['tuned_seconds']:.1f} s at its steady rate, torch "
+                     f"{c['torch_steps']} steps, {c['torch_seconds']:.1f} s: {c['tuned_sooner']:.2f}x as fast.")
     if "tuning_fraction_of_10k_steps_at_cost_shape" in t:
         lines.append(f"{name}: tuning at {run['cost']['shape']} cost "
                      f"{100 * t['tuning_fraction_of_10k_steps_at_cost_shape']:.2f}% of 10,000 steps there.")
