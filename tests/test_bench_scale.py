@@ -239,3 +239,20 @@ def test_scale_fsdp2_shards_over_two_processes_and_reports_once(tmp_path):
     assert "runs in one process" in report["skipped"]["tune"]
     assert "one dtype per sharded unit" in report["skipped"]["bf16-weights"]
     assert any(line.startswith("Speed: ours (bf16-pure, batch 2)") for line in report["verdict"])
+
+
+def test_scale_verdict_says_how_soon_each_seed_reached_the_loss_both_reach():
+    def r(recipe, seed, offset, ms):
+        losses = [100.0 + offset - i for i in range(20)]  # one step behind when offset is 1
+        return dict(recipe=recipe, seed=seed, batch=3, steps=20, steady_tokens_per_s=1e3 / ms, peak_gib=90.0,
+                    losses=losses, final_loss=sum(losses[-2:]) / 2, steady_ms_per_step=ms)
+    report = {"device": "NVIDIA H200", "args": {"steps": 20}, "skipped": {}, "search": {},
+              "runs": [r("torch-bf16", 0, 0.0, 10.0), r("torch-bf16", 1, 0.0, 10.0),
+                       r("bf16-pure+fp8", 0, 1.0, 5.0), r("bf16-pure+fp8", 1, 1.0, 20.0)]}
+    lines = [x for x in scale.verdict(report) if x.startswith("Seed")]
+    # One step behind: at twice torch's speed it gets there sooner (20 steps at 5 ms against 19 at 10 ms); at
+    # half its speed, later.
+    assert lines == ["Seed 0: to the loss both reach (82.5000), ours took 20 steps, 0.1 s at its steady rate, "
+                     "torch's 19 steps, 0.2 s: 1.90x as fast.",
+                     "Seed 1: to the loss both reach (82.5000), ours took 20 steps, 0.4 s at its steady rate, "
+                     "torch's 19 steps, 0.2 s: 0.47x as fast."]

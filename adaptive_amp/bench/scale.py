@@ -443,13 +443,29 @@ def _loss_lines(runs: List[dict], ours: str, torch_best: dict) -> List[str]:
     beside = [f"Beside them at batch {batch} over {steps} steps: " + ", ".join(
         f"{name} {statistics.mean(losses):.4f} ({len(losses)} seed(s))" for name, losses in others.items()) + "."
     ] if others else []
+    sooner = _sooner_lines([r for r in complete if r["recipe"] == recipe and r["steps"] == steps], mine_runs)
     if len(torch_losses) < 2:
         return [f"Loss after {steps} steps at batch {batch}: {what} {mean:.4f}, torch's {theirs_mean:.4f} (one "
-                f"seed: no spread to judge by; --seed 1 too)."] + beside
+                f"seed: no spread to judge by; --seed 1 too)."] + sooner + beside
     lo, hi = min(torch_losses), max(torch_losses)
     return [f"Loss after {steps} steps at batch {batch}: {what} {mean:.4f} ({len(our_losses)} seed(s)) against "
             f"torch's {theirs_mean:.4f} (its seeds {lo:.4f} .. {hi:.4f}): "
-            f"{'inside' if abs(mean - theirs_mean) <= hi - lo else 'outside'} torch's seed spread."] + beside
+            f"{'inside' if abs(mean - theirs_mean) <= hi - lo else 'outside'} torch's seed spread."] + sooner + beside
+
+
+def _sooner_lines(torch_runs: List[dict], our_runs: List[dict]) -> List[str]:
+    """For each seed both ran (on the same batches): how soon each reached the loss both reach, at its steady
+    step time (bench tune's time_to_common_loss). A run a few steps behind may still get there sooner."""
+    from .tuning import time_to_common_loss
+
+    theirs = {r.get("seed"): r for r in torch_runs if r.get("losses")}
+    lines = []
+    for r in sorted((r for r in our_runs if r.get("losses") and r.get("seed") in theirs), key=lambda r: r["seed"]):
+        c = time_to_common_loss(r, theirs[r["seed"]])
+        lines.append(f"Seed {r['seed']}: to the loss both reach ({c['loss']:.4f}), ours took {c['tuned_steps']} "
+                     f"steps, {c['tuned_seconds']:.1f} s at its steady rate, torch's {c['torch_steps']} steps, "
+                     f"{c['torch_seconds']:.1f} s: {c['tuned_sooner']:.2f}x as fast.")
+    return lines
 
 
 def table(report: dict) -> str:
