@@ -38,6 +38,9 @@ def test_scale_tune_takes_seed_zeros_choice_for_the_other_seeds(tmp_path):
     runs = json.loads(out.read_text())["runs"]
     assert [r["seed"] for r in runs] == [0, 1] and runs[0]["chosen"] in ("fp32", "bf16")
     assert runs[1]["chosen"] == runs[0]["chosen"] and runs[0]["tuning_seconds"] > 0
+    # Where the tuning's seconds went: its trials and phases, as bench tune keeps them.
+    tuning = runs[0]["tuning"]
+    assert [t["name"] for t in tuning["trials"]] == ["fp32", "bf16"] and tuning["phase_seconds"]["trajectories"] > 0
 
 
 def test_scale_resume_keeps_the_other_recipes_runs_and_batches_per_recipe(tmp_path):

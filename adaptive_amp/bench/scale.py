@@ -219,7 +219,8 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
             tune=dict(batches=tune_batches, loss_fn=zm.loss, candidates=[choice] if choice else args.tune_candidates,
                       steps=args.tune_steps, rounds=1, timed_steps=args.tune_timed_steps,
                       progress=(lambda m: print(f"   {m}", flush=True)) if args.verbose else None))
-        info.update(chosen=amp.tuning.recipe.name)
+        # Every trial and phase (where the tuning's seconds went), as bench tune keeps them.
+        info.update(chosen=amp.tuning.recipe.name, tuning=amp.tuning.to_dict())
         print(amp.tuning.table(), flush=True)
     else:
         base = recipe[:-len("+fp8")] if recipe in FP8_RECIPES else recipe
