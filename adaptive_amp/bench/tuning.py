@@ -25,9 +25,10 @@ that would not end before --max-seconds is skipped and says so; OUT/evidence.jso
 The final loss is the mean of the last 10% of the steps' training losses (every batch is new, so it is not
 memorized). The verdict compares the tuned run with torch's (tokens/s, the final loss against torch's seed
 spread, and for each seed how soon each run reached the loss both reach, at its steady step time: a run a
-little behind at equal steps may get there sooner) and with the best candidate that agreed in the tuning, run alone, and gives the tuning's cost against
-the targets: the whole tuning at most 3% of 10,000 steps at the chosen recipe's steady step time, and the tuned
-run at least 0.99x torch's bf16 autocast's steady tokens/s on the same batches (compiled mode: both compiled).
+little behind at equal steps may get there sooner) and with the best candidate that agreed in the tuning, run
+alone, and gives the tuning's cost against the targets: the whole tuning at most 3% of 10,000 steps at the
+chosen recipe's steady step time, and the tuned run at least 0.99x torch's bf16 autocast's steady tokens/s on
+the same batches (compiled mode: both compiled).
 A compiled tuning screens the candidates eagerly and compiles only its finalists' blocks (its compile seconds
 are reported); the chosen recipe's own compile, which the user's compiled run makes anyway, happens in the tuned
 run's first step. With the cold part, the compiled cost counts that compile once: the tuning, plus the tuned
@@ -226,8 +227,10 @@ def time_to_common_loss(tuned: dict, ref: dict) -> dict:
     for name, r in (("tuned", tuned), ("torch", ref)):
         losses = r["losses"]
         window = max(1, len(losses) // 10)
-        steps = next(i + 1 for i in range(window - 1, len(losses))
-                     if sum(losses[i + 1 - window:i + 1]) / window <= target)
+        # (At the latest its last step, where that mean is its final loss; a final loss computed apart, as a
+        # sharded run's mean over ranks, may differ in its last bits.)
+        steps = next((i + 1 for i in range(window - 1, len(losses))
+                      if sum(losses[i + 1 - window:i + 1]) / window <= target), len(losses))
         out[f"{name}_steps"] = steps
         out[f"{name}_seconds"] = steps * r["steady_ms_per_step"] / 1e3
     out["tuned_sooner"] = out["torch_seconds"] / out["tuned_seconds"]
