@@ -9,13 +9,18 @@ that keeps the loss and fits the memory budget.
    and hyperparameters, and the RNG states (torch CPU and CUDA, python's
    ``random``, numpy's global generator) is taken once; every trial starts
    from it and it is restored, bitwise, after the last one.
-2. Each candidate (a :class:`~adaptive_amp.recipes.Recipe`) first runs a
-   probe: one forward and backward on the first batch without an optimizer
-   step; the cosine between its gradient and the reference's is the first-step
-   gradient-direction agreement; where a candidate has fp8 layers, the
-   reference runs a second probe, on the second batch, whose distance from its
-   first is the sampling noise of one batch's gradient. Then it trains
-   ``steps`` steps on the batches, recording each loss, its memory (CUDA: the
+2. Each candidate (a :class:`~adaptive_amp.recipes.Recipe`) trains ``steps``
+   steps on the batches from the snapshot, without the gradients it holds; the
+   cosine between its first step's gradient and the reference's (compared
+   between that step's backward and its optimizer step) is the first-step
+   gradient-direction agreement. The reference keeps its gradient from a
+   probe of its own (one forward and backward on the first batch, without an
+   optimizer step, from the same RNG state as the first step), and so do
+   candidates with loss scaling (their probe backs off the scale until the
+   gradient is finite, where the first step would be skipped); where a
+   candidate has fp8 layers, the reference runs a second probe, on the second
+   batch, whose distance from its first is the sampling noise of one batch's
+   gradient. Each trial records each loss, its memory (CUDA: the
    peak allocated; CPU: the bytes of parameters, gradients and optimizer
    state, plus, for eager models, the bytes autograd saves for the backward of
    the first step).
@@ -159,7 +164,7 @@ import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -293,6 +298,7 @@ def _set_rng_states(states: dict) -> None:
         sys.modules["numpy"].random.set_state(states["numpy"])
 
 
+_COMPARE_SLICE = 2**22  # elements of a gradient compared at a time (their float64 temporaries: about 170 MB)
 _ALIGN = 64  # bytes: each copy in a host block starts on a cache line (and is aligned for every dtype's view)
 
 
@@ -884,7 +890,8 @@ class Tuner:
             self.phases[name] += time.perf_counter() - t0
 
     # -------------------------------------------------------------- one trial
-    def _step(self, a: AppliedRecipe, batch, saved: Optional[_SavedBytes] = None):
+    def _step(self, a: AppliedRecipe, batch, saved: Optional[_SavedBytes] = None,
+              after_backward: Optional[Callable[[], None]] = None):
         with a.autocast():
             if saved is not None:
                 with saved.hooks():
@@ -892,6 +899,8 @@ class Tuner:
             else:
                 loss = self.loss_fn(self.module, batch)
         a.scaler.scale(loss).backward()
+        if after_backward is not None:
+            after_backward()
         a.scaler.step(a.optimizer)
         a.scaler.update()
         return loss.detach().float()
@@ -917,15 +926,25 @@ class Tuner:
             scale = max(1.0, scale / 2**4)
         return grads
 
+    def _step_gradients(self, a: AppliedRecipe):
+        """The gradients a step's backward left (without loss scaling), in the order :meth:`_probe` returns them,
+        as they are: :meth:`_compare` widens a slice at a time, so comparing them copies none whole."""
+        params = [p for p in trained_parameters(unwrap_model(self.model), [a.optimizer]) if p.requires_grad]
+        return (p.grad if p.grad is not None else torch.zeros_like(p, dtype=torch.float32) for p in params)
+
     @staticmethod
-    def _compare(grads: List[torch.Tensor], ref: List[torch.Tensor]) -> Tuple[float, float]:
+    def _compare(grads: Iterable[torch.Tensor], ref: List[torch.Tensor]) -> Tuple[float, float]:
         """(cosine, ||g - ref|| / ||ref||) of two gradients given per parameter; `ref` (on the host) comes over
-        a tensor at a time. Summed on the device in float64, read once; nan where not finite."""
+        a tensor at a time. Summed on the device in float64, a slice of at most 2**22 elements at a time (the
+        temporaries of one slice, not of the largest tensor), read once; nan where not finite."""
         sums = None
         for g, r in zip(grads, ref):
-            g, r = g.double(), r.to(g.device, non_blocking=True).double()
-            part = torch.stack([(g * r).sum(), g.pow(2).sum(), r.pow(2).sum(), (g - r).pow(2).sum()])
-            sums = part if sums is None else sums + part
+            g, r = (g.to_dense() if g.is_sparse else g).reshape(-1), r.reshape(-1)
+            for i in range(0, max(1, g.numel()), _COMPARE_SLICE):
+                gi = g[i:i + _COMPARE_SLICE].double()
+                ri = r[i:i + _COMPARE_SLICE].to(g.device, non_blocking=True).double()
+                part = torch.stack([(gi * ri).sum(), gi.pow(2).sum(), ri.pow(2).sum(), (gi - ri).pow(2).sum()])
+                sums = part if sums is None else sums + part
         if sums is None:
             return math.nan, math.nan
         dot, n1, n2, diff = (float(v) for v in sums.cpu())
@@ -939,10 +958,17 @@ class Tuner:
         with self._phase("recipes applied and undone"):
             a = AppliedRecipe(recipe, self.module, self.optimizer)
         try:
+            # The probe of a candidate compared with the reference is its trajectory's first step: the same weights,
+            # batch and RNG state, so the same gradient, compared between its backward and its optimizer step
+            # (one forward and backward fewer a candidate). With loss scaling the probe runs on its own: it backs
+            # off the scale until the gradient is finite, where the first step would only be skipped.
+            at_first_step = ref_grads is not None and not a.scaler.is_enabled()
+            compared: List[Tuple[float, float]] = []
+            out = None
             with self._phase("probes"):
-                grads = self._probe(a)
-                # Compared (or kept, on the host) before the trajectory, so that they are not in its peak memory.
                 if ref_grads is None:
+                    grads = self._probe(a)
+                    # Kept, on the host, before the trajectory, so that they are not in its peak memory.
                     out = _reference_copies(grads)
                     del grads
                     # A candidate for the reference: its sampling noise, which only fp8 candidates are judged by.
@@ -950,9 +976,11 @@ class Tuner:
                         other = self._probe(a, 1)
                         trial.grad_noise = self._compare(other, out.grads)[1] / math.sqrt(2)
                         del other
-                else:
-                    out, trial.grad_distance = self._compare(grads, ref_grads.grads)
-                    del grads
+                elif not at_first_step:
+                    compared.append(self._compare(self._probe(a), ref_grads.grads))
+            # The trajectory starts without the gradients the snapshot put back (a probe leaves none either).
+            for p in trained_parameters(unwrap_model(self.model), [a.optimizer]):
+                p.grad = None
             _set_rng_states(self.snapshot.rng)
             with self._phase("trajectories"):
                 if cuda:
@@ -964,7 +992,9 @@ class Tuner:
                 for k in range(self.steps):
                     # Every step after the first is timed: the trajectory is the first timing round.
                     start = timer.start() if k else None
-                    loss = self._step(a, self.batches[k % len(self.batches)], saved if k == 0 else None)
+                    probe = (lambda: compared.append(self._compare(self._step_gradients(a), ref_grads.grads))) \
+                        if at_first_step and k == 0 else None
+                    loss = self._step(a, self.batches[k % len(self.batches)], saved if k == 0 else None, probe)
                     losses.append(loss)
                     if k == 0:
                         trial.state_bytes = _state_bytes(unwrap_model(self.model), a.optimizer)
@@ -984,6 +1014,8 @@ class Tuner:
             a.optimizer.zero_grad(set_to_none=True)
             with self._phase("recipes applied and undone"):
                 a.undo()
+        if compared:
+            out, trial.grad_distance = compared[0]
         return out
 
     def _over_budget_already(self, trial: Trial, cuda: bool, done: int) -> bool:

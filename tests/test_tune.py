@@ -453,6 +453,67 @@ def test_tune_restores_everything_bitwise_and_records_every_trial():
     assert result.policy == result.recipe.policy
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_candidates_probe_is_its_first_steps_gradient(family):
+    # A candidate's gradient compared with the reference's is its trajectory's first step's (the same weights,
+    # batch and RNG state as a probe of its own): one forward and backward fewer a candidate, the same cosine.
+    from adaptive_amp.tune import trained_parameters
+
+    zm, opt, batches = _setup(family)
+    _train(zm, opt, batches, 1)  # optimizer state exists
+    zm.loss(zm.model, batches[1]).backward()  # and gradients, which the snapshot keeps and no trial starts from
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(batch)
+        return zm.loss(model, batch)
+    names = ["fp32", "bf16", "bf16-pure"]
+    torch.manual_seed(3)
+    rng = torch.get_rng_state()
+    result = tune(zm.model, opt, batches, loss_fn, capabilities=CPU, candidates=names, **FAST)
+    by = {t.name: t for t in result.trials}
+    assert list(by) == names and result.reference == "fp32"
+    assert len(calls) == (1 + 3) + 3 + 3  # the reference's probe and three steps; each candidate's three steps
+
+    recipes = {r.name: r for r in AdaptivePrecisionSelector().candidates(CPU, None, names)[0]}
+
+    kept = {p: p.grad for p in zm.model.parameters()}
+
+    def probe(name):
+        a = AppliedRecipe(recipes[name], zm.model, opt)
+        a.optimizer.zero_grad(set_to_none=True)
+        torch.set_rng_state(rng)
+        with a.autocast():
+            zm.loss(zm.model, batches[0]).backward()
+        params = [p for p in trained_parameters(zm.model, [a.optimizer]) if p.requires_grad]
+        grad = torch.cat([p.grad.double().reshape(-1) for p in params])
+        a.optimizer.zero_grad(set_to_none=True)
+        a.undo()
+        for p, g in kept.items():
+            p.grad = g
+        return grad
+    ref = probe("fp32").bfloat16().double()  # (the reference's gradient is kept in bf16)
+    for name in names[1:]:
+        g = probe(name)
+        cosine = float(g @ ref / (g.norm() * ref.norm()))
+        assert by[name].grad_cosine == pytest.approx(cosine, rel=1e-9, abs=1e-12)
+        assert by[name].grad_distance == pytest.approx(float((g - ref).norm() / ref.norm()), rel=1e-9)
+
+
+def test_a_candidate_with_loss_scaling_probes_on_its_own():
+    # fp16's first step may be skipped for an overflow, where its probe backs off the scale until the gradient
+    # is finite: it keeps a forward and backward of its own (or more).
+    zm, opt, batches = _setup()
+    calls = []
+
+    def loss_fn(model, batch):
+        calls.append(batch)
+        return zm.loss(model, batch)
+    result = tune(zm.model, opt, batches, loss_fn, capabilities=CPU, candidates=["fp32", "fp16"], **FAST)
+    fp16 = result.trials[1]
+    assert fp16.name == "fp16" and math.isfinite(fp16.grad_cosine) and len(calls) >= (1 + 3) + (1 + 3)
+
+
 def test_bf16_moments_are_tried_only_where_they_could_be_chosen():
     """bf16 moments are chosen only when nothing with fp32 moments fits: with a reference that keeps fp32
     moments their trial is skipped (a probe, a trajectory and, compiled, a compile saved), and the report says
