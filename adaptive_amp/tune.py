@@ -15,7 +15,8 @@ that keeps the loss and fits the memory budget.
    between that step's backward and its optimizer step) is the first-step
    gradient-direction agreement. The reference keeps its gradient from a
    probe of its own (one forward and backward on the first batch, without an
-   optimizer step, from the same RNG state as the first step), and so do
+   optimizer step, from the same RNG state as the first step; what it changed
+   in the buffers is put back before the trajectory), and so do
    candidates with loss scaling (their probe backs off the scale until the
    gradient is finite, where the first step would be skipped); where a
    candidate has fp8 layers, the reference runs a second probe, on the second
@@ -298,7 +299,7 @@ def _set_rng_states(states: dict) -> None:
         sys.modules["numpy"].random.set_state(states["numpy"])
 
 
-_COMPARE_SLICE = 2**22  # elements of a gradient compared at a time (their float64 temporaries: about 170 MB)
+_COMPARE_SLICE = 2**22  # elements of a gradient compared at a time (their float64 temporaries: about 130 MB)
 _ALIGN = 64  # bytes: each copy in a host block starts on a cache line (and is aligned for every dtype's view)
 
 
@@ -566,6 +567,16 @@ class Snapshot:
             _set_rng_states(self.rng)
             for g, state in self.generators:
                 g.set_state(state)
+
+    @torch.no_grad()
+    def restore_buffer_values(self) -> None:
+        """The buffers' saved values copied back into the buffers as they are now, each in its current dtype
+        (a recipe may have cast it): what a forward changed (batch-norm statistics, spectral norm's vectors)
+        is undone without undoing the recipe. A buffer whose shape or device changed is left as it is."""
+        for m, name, b in self.buffers:
+            now = m._buffers.get(name)
+            if b is not None and now is not None and now.shape == b[0].shape and now.device == b[1]:
+                now.copy_(b[0], non_blocking=b[1].type == "cuda")
 
     def bytes(self) -> int:
         """Bytes of the parameters' copies."""
@@ -928,15 +939,18 @@ class Tuner:
 
     def _step_gradients(self, a: AppliedRecipe):
         """The gradients a step's backward left (without loss scaling), in the order :meth:`_probe` returns them,
-        as they are: :meth:`_compare` widens a slice at a time, so comparing them copies none whole."""
+        as they are (:meth:`_compare` widens a slice at a time); a parameter without one, zeros that take no
+        memory (a broadcast zero)."""
         params = [p for p in trained_parameters(unwrap_model(self.model), [a.optimizer]) if p.requires_grad]
-        return (p.grad if p.grad is not None else torch.zeros_like(p, dtype=torch.float32) for p in params)
+        return (p.grad if p.grad is not None else
+                torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape) for p in params)
 
     @staticmethod
     def _compare(grads: Iterable[torch.Tensor], ref: List[torch.Tensor]) -> Tuple[float, float]:
         """(cosine, ||g - ref|| / ||ref||) of two gradients given per parameter; `ref` (on the host) comes over
         a tensor at a time. Summed on the device in float64, a slice of at most 2**22 elements at a time (the
-        temporaries of one slice, not of the largest tensor), read once; nan where not finite."""
+        temporaries of one slice, not of the largest tensor; a gradient that is not contiguous, as a
+        channels_last one, is copied whole first), read once; nan where not finite."""
         sums = None
         for g, r in zip(grads, ref):
             g, r = (g.to_dense() if g.is_sparse else g).reshape(-1), r.reshape(-1)
@@ -963,8 +977,11 @@ class Tuner:
             # (one forward and backward fewer a candidate). With loss scaling the probe runs on its own: it backs
             # off the scale until the gradient is finite, where the first step would only be skipped.
             at_first_step = ref_grads is not None and not a.scaler.is_enabled()
-            compared: List[Tuple[float, float]] = []
             out = None
+
+            def first_step_probe():
+                nonlocal out
+                out, trial.grad_distance = self._compare(self._step_gradients(a), ref_grads.grads)
             with self._phase("probes"):
                 if ref_grads is None:
                     grads = self._probe(a)
@@ -977,8 +994,12 @@ class Tuner:
                         trial.grad_noise = self._compare(other, out.grads)[1] / math.sqrt(2)
                         del other
                 elif not at_first_step:
-                    compared.append(self._compare(self._probe(a), ref_grads.grads))
-            # The trajectory starts without the gradients the snapshot put back (a probe leaves none either).
+                    out, trial.grad_distance = self._compare(self._probe(a), ref_grads.grads)
+            if not at_first_step:
+                # Every trajectory starts from the snapshot's state: the probes' forwards changed no weight, but may
+                # have changed buffers (batch-norm statistics, spectral norm's vectors).
+                self.snapshot.restore_buffer_values()
+            # ... and without the gradients the snapshot put back (a probe leaves none either).
             for p in trained_parameters(unwrap_model(self.model), [a.optimizer]):
                 p.grad = None
             _set_rng_states(self.snapshot.rng)
@@ -992,9 +1013,8 @@ class Tuner:
                 for k in range(self.steps):
                     # Every step after the first is timed: the trajectory is the first timing round.
                     start = timer.start() if k else None
-                    probe = (lambda: compared.append(self._compare(self._step_gradients(a), ref_grads.grads))) \
-                        if at_first_step and k == 0 else None
-                    loss = self._step(a, self.batches[k % len(self.batches)], saved if k == 0 else None, probe)
+                    loss = self._step(a, self.batches[k % len(self.batches)], saved if k == 0 else None,
+                                      first_step_probe if at_first_step and k == 0 else None)
                     losses.append(loss)
                     if k == 0:
                         trial.state_bytes = _state_bytes(unwrap_model(self.model), a.optimizer)
@@ -1014,8 +1034,6 @@ class Tuner:
             a.optimizer.zero_grad(set_to_none=True)
             with self._phase("recipes applied and undone"):
                 a.undo()
-        if compared:
-            out, trial.grad_distance = compared[0]
         return out
 
     def _over_budget_already(self, trial: Trial, cuda: bool, done: int) -> bool:

@@ -1240,3 +1240,30 @@ def test_a_refused_registration_falls_back_to_torchs_pinned_memory_and_leaves_no
     snap.restore()
     _assert_net_state(before, model, opt)
     torch.cuda.synchronize()
+
+
+def test_every_trajectory_starts_from_the_snapshots_buffers():
+    # Spectral norm updates its vectors (buffers) at every training forward: the reference's probes must not
+    # move its trajectory's start away from the snapshot's (its losses are a plain run's from the same state).
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+    def loss_fn(m, x):
+        return m(x).pow(2).mean()
+    plain = copy.deepcopy(model)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    result = tune(model, opt, batches, loss_fn, capabilities=CPU, candidates=["fp32", "bf16"], **FAST)
+    torch.manual_seed(1)
+    losses = []
+    for x in batches:
+        loss = loss_fn(plain, x)
+        loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        losses.append(float(loss))
+    assert result.trials[0].name == "fp32" and result.trials[0].losses == losses
