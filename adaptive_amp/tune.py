@@ -920,7 +920,7 @@ class Tuner:
         """Unscaled fp32 gradients of one forward/backward on batch `index` (no step); the scale backs off
         until they are finite, as the scaler would."""
         scale = a.scaler.get_scale() if a.scaler.is_enabled() else 1.0
-        params = [p for p in trained_parameters(unwrap_model(self.model), [a.optimizer]) if p.requires_grad]
+        params = self._probed_parameters(a)
         for _ in range(8):
             for p in params:
                 p.grad = None
@@ -937,13 +937,17 @@ class Tuner:
             scale = max(1.0, scale / 2**4)
         return grads
 
+    def _probed_parameters(self, a: AppliedRecipe) -> List[torch.Tensor]:
+        """The parameters whose gradients are compared, in one order for the reference and every candidate."""
+        return [p for p in trained_parameters(unwrap_model(self.model), [a.optimizer]) if p.requires_grad]
+
     def _step_gradients(self, a: AppliedRecipe):
         """The gradients a step's backward left (without loss scaling), in the order :meth:`_probe` returns them,
         as they are (:meth:`_compare` widens a slice at a time); a parameter without one, zeros that take no
         memory (a broadcast zero)."""
-        params = [p for p in trained_parameters(unwrap_model(self.model), [a.optimizer]) if p.requires_grad]
         return (p.grad if p.grad is not None else
-                torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape) for p in params)
+                torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape)
+                for p in self._probed_parameters(a))
 
     @staticmethod
     def _compare(grads: Iterable[torch.Tensor], ref: List[torch.Tensor]) -> Tuple[float, float]:
@@ -953,7 +957,7 @@ class Tuner:
         channels_last one, is copied whole first), read once; nan where not finite."""
         sums = None
         for g, r in zip(grads, ref):
-            g, r = (g.to_dense() if g.is_sparse else g).reshape(-1), r.reshape(-1)
+            g, r = g.reshape(-1), r.reshape(-1)
             for i in range(0, max(1, g.numel()), _COMPARE_SLICE):
                 gi = g[i:i + _COMPARE_SLICE].double()
                 ri = r[i:i + _COMPARE_SLICE].to(g.device, non_blocking=True).double()
