@@ -218,16 +218,60 @@ def test_capture_inputs_sees_each_layer_and_leaves_no_hook():
     assert seen.inputs["transformer.h.0.mlp.c_proj"][0].shape == (2, seq, 4 * hidden)
     assert not any(m._forward_pre_hooks for m in zm.model.modules())
     few = fp8.capture_inputs(zm.model, layers, batches, max_tokens=5)
-    assert [x.shape for x in few.inputs["lm_head"]] == [(5, hidden)] and few.shapes["lm_head"] == [(2, seq, hidden)] * 2
+    assert [x.shape for x in few.inputs["lm_head"]] == [(5, hidden)] and few.shapes["lm_head"] == [(2, seq, hidden)]
     # At most max_tokens rows a layer over all batches: the second batch adds what the first left room for.
     rows = 2 * seq + 3
     some = fp8.capture_inputs(zm.model, layers, batches * 3, max_tokens=rows)
     assert [x.shape for x in some.inputs["lm_head"]] == [(2 * seq, hidden), (3, hidden)]
     assert torch.equal(some.inputs["lm_head"][0], seen.inputs["lm_head"][0].reshape(-1, hidden))
     assert torch.equal(some.inputs["lm_head"][1], seen.inputs["lm_head"][1].reshape(-1, hidden)[:3])
-    assert len(some.shapes["lm_head"]) == 6
+    # Every layer full after two batches: the four after them, shaped as those, are not run.
+    assert len(some.shapes["lm_head"]) == 2
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         fp8.capture_inputs(zm.model, layers, batches, max_tokens=0)
+
+
+def test_capture_inputs_runs_a_batch_shaped_as_one_run_before_only_while_a_layer_has_room():
+    from adaptive_amp import zoo
+
+    zm = zoo.build("gpt2", "tiny", seed=0)
+    layers = fp8.eligible_layers(zm.model, check_device=False).layers
+    ran = []
+
+    def run(model, batch):
+        ran.append(batch["input_ids"].shape)
+        return model(**batch)
+    alike = [zm.make_batch(2, seed=i) for i in range(3)]
+    seq = zm.seq_len
+    fp8.capture_inputs(zm.model, layers, alike, run, max_tokens=2 * seq)  # full after the first
+    assert ran == [(2, seq)]
+    ran.clear()
+    fp8.capture_inputs(zm.model, layers, alike, run, max_tokens=2 * seq + 1)  # the second has room to fill
+    assert ran == [(2, seq)] * 2
+    ran.clear()
+    fp8.capture_inputs(zm.model, layers, alike, run)  # without max_tokens every input is kept
+    assert len(ran) == 3
+    ran.clear()
+    longer = zm.make_batch(2, seed=3, seq_len=seq // 2)
+    seen = fp8.capture_inputs(zm.model, layers, alike[:1] + [longer] + alike[1:], run, max_tokens=1)
+    assert ran == [(2, seq), (2, seq // 2)]  # another shape is run: its layers' shapes may be the largest
+    assert seen.shapes["lm_head"] == [(2, seq, zm.model.config.n_embd), (2, seq // 2, zm.model.config.n_embd)]
+    ran.clear()
+    # What the signature cannot read (here an object), or a layer the batches have not called yet: run.
+    opaque = [dict(b, extra=object()) for b in alike]
+    fp8.capture_inputs(zm.model, layers, opaque, lambda m, b: run(m, {k: v for k, v in b.items() if k != "extra"}),
+                       max_tokens=1)
+    assert len(ran) == 3
+    ran.clear()
+    first = {n: m for n, m in layers.items() if n == "lm_head"}
+    calls = iter([False, True, True])
+
+    def sometimes(model, batch):
+        ran.append(None)
+        if next(calls):
+            model(**batch)
+    fp8.capture_inputs(zm.model, first, alike, sometimes, max_tokens=1)
+    assert len(ran) == 2  # the head was not called by the first batch, so the second ran; the third was spared
 
 
 def test_captured_inputs_are_shared_by_layers_reading_one_tensor_and_kept_in_the_measured_dtype():
