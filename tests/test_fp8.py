@@ -431,6 +431,14 @@ def test_selection_times_a_shapes_bf16_baseline_once(monkeypatch):
     assert [c.kind for c in choices.values()] == ["fp8-tensorwise", "fp8-rowwise"]
     assert [c.gains for c in choices.values()] == [{"fp8-tensorwise": 1.5}, {"fp8-rowwise": 1.2}]
     assert asked == [(64, ("fp8-tensorwise",), True), (64, ("fp8-rowwise",), False)]
+    # What each saves against bf16, and the map's sum over its fp8 layers (none known from a gain_fn).
+    assert [c.saved_ms for c in choices.values()] == [1.0, 0.5]
+    from adaptive_amp.fp8.training import measure_fp8_map
+
+    run = lambda m, b: (m[0](b), m[1](b))  # noqa: E731
+    assert measure_fp8_map(model, [torch.randn(32, 64)], run=run).saved_ms == 1.5
+    assert measure_fp8_map(model, [torch.randn(32, 64)], run=run, min_gain=1.3).saved_ms == 1.0
+    assert measure_fp8_map(model, [torch.randn(32, 64)], run=run, gain_fn=lambda *a: 1.5).saved_ms is None
 
 
 def test_selection_names_bad_arguments_and_layers_not_called():

@@ -50,11 +50,14 @@ MEASURED_PRESET = MEASURED_PRESETS[0]
 class Fp8Map:
     """What a measurement puts in fp8: ``layers``, entries of a policy's per-layer map (name, fp8 kind);
     ``reasons``, one per measured layer (chosen or not, and why); ``why_none``, when no layer was chosen, why
-    (the one reason every layer shares, such as no GPU with fp8 matmuls, or a summary)."""
+    (the one reason every layer shares, such as no GPU with fp8 matmuls, or a summary); ``saved_ms``, the
+    milliseconds its fp8 layers' forwards and backwards took less than in bf16, summed over the layers, each at
+    its shape (None when a layer's gain was not timed here: a ``gain_fn``)."""
 
     layers: Tuple[Tuple[str, str], ...] = ()
     reasons: Tuple[str, ...] = ()
     why_none: Optional[str] = None
+    saved_ms: Optional[float] = None
 
 
 def measure_fp8_map(model: nn.Module, batches: Iterable[Any], **options) -> Fp8Map:
@@ -86,7 +89,9 @@ def measure_fp8_map(model: nn.Module, batches: Iterable[Any], **options) -> Fp8M
                    f"{spent['shapes']} gains timed in {spent['gains']:.1f} s, errors {spent['errors']:.1f} s)")
     # A repeated block's layers that all went the same way are one pattern entry: the policy string of a
     # 32-layer model then reads as its block does, not as 225 names.
-    return Fp8Map(tuple(collapse_names(layers, model)), tuple(reasons), why_none)
+    chosen = [c.saved_ms for c in choices.values() if c.kind is not None]
+    saved = sum(chosen) if chosen and None not in chosen else None
+    return Fp8Map(tuple(collapse_names(layers, model)), tuple(reasons), why_none, saved)
 
 
 def measured_policy(model: nn.Module, base, batches: Iterable[Any], **options):
