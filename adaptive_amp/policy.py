@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Optional, Tuple, Union
 import torch
 
 from .hardware import Capabilities, HardwareDetector
-from .layers import canonical_name, expand_names
+from .layers import canonical_name, expand_names, is_compiled
 from .names import CANDIDATES, format_name, recipe_names
 from .recipes import Recipe
 
@@ -625,8 +625,13 @@ class AdaptivePrecisionSelector:
             return measured[0]
 
         recipes, skipped = candidate_recipes(capabilities, analysis, candidates, fp8=fp8_map)
+        # What the fp8 layers save a step, where they were timed as the finalists are (compiled or eagerly).
+        saved = None
+        if measured and isinstance(model, torch.nn.Module) and \
+                bool(fp8_options.get("compiled", is_compiled(model))) == is_compiled(model):
+            saved = measured[0].saved_ms
         result = Tuner(model, optimizer, batches, loss_fn, capabilities, recipes, skipped, steps=steps,
-                       memory_budget=memory_budget, analysis=analysis, **options).run()
+                       memory_budget=memory_budget, analysis=analysis, fp8_saved_ms=saved, **options).run()
         if measured:
             result.phase_seconds["fp8 selection"] = seconds[0]
             result.seconds += seconds[0]

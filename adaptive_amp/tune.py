@@ -70,7 +70,18 @@ that keeps the loss and fits the memory budget.
    the reference keeps fp32 moments (it fits and agrees with itself), a
    candidate with bf16 moments cannot be chosen and is not tried: its probe
    and trajectory would be spent for nothing. It
-   is listed as skipped, with why. When a
+   is listed as skipped, with why. Nor is a candidate tried whose "+fp8"
+   twin (the same recipe with the measured fp8 layers) agrees and fits, when
+   the fp8 map timed those layers, as the trials are timed (compiled for a
+   compiled model), to save more than ``tie`` of the reference's step: the
+   twin computes every other op as it does, so it could not be faster, nor
+   within ``tie`` and safer. It waits behind its twin in the queue, is listed
+   as skipped with the saving, and runs after all when the twin then fails or
+   no candidate with fp8 layers can be chosen; among the candidates without
+   fp8 layers the twin stands for it (compiled, one keeping as little in bf16,
+   such as fp32, is a finalist only when its eager steps beat the twin's). On
+   the Llama-3-8B shape that spares bf16 autocast and bf16-weights: their
+   trials, checkpointed variants and block compiles. When a
    candidate does not fit
    the budget (or runs out of memory) and the model has repeated blocks, the
    same candidate with activation checkpointing is tried next. A trial that
@@ -803,7 +814,7 @@ class Tuner:
                  tie: float = 0.01,
                  contenders: float = 0.2, state_margin: float = 0.1, checkpoint_when_needed: bool = True,
                  offload_snapshot: Optional[bool] = None, progress: Optional[Callable[[str], None]] = None,
-                 process_group=None):
+                 process_group=None, fp8_saved_ms: Optional[float] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model is a {type(model).__name__}; pass the torch.nn.Module to tune")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -857,6 +868,9 @@ class Tuner:
                              "more than 10% faster than every agreeing recipe that keeps less; 0: the fastest "
                              "wins)")
         self.state_margin = float(state_margin)
+        # What the "+fp8" candidates' layers were timed to save a step against bf16 (their map's saved_ms).
+        self.fp8_saved_ms = fp8_saved_ms
+        self._dominated: List[Recipe] = []  # not run: their "+fp8" twin agrees and fits (_dominated_by)
         self.phases: Dict[str, float] = defaultdict(float)
         self.checkpoint_when_needed = checkpoint_when_needed
         self.offload = offload_snapshot
@@ -1085,8 +1099,24 @@ class Tuner:
         why they were not compiled."""
         ok = self._eligible([t for t in trials if _usable(t)], recipes)
         fp8 = [t for t in ok if _has_fp8(recipes[t.name])]
-        return (self._extent_finalists([t for t in ok if t not in fp8], recipes)
-                + self._extent_finalists(fp8, recipes, diluted=True))
+        plain = [t for t in ok if t not in fp8 and not self._stood_for(t, fp8, recipes)]
+        return self._extent_finalists(plain, recipes) + self._extent_finalists(fp8, recipes, diluted=True)
+
+    def _stood_for(self, trial: Trial, fp8: List[Trial], recipes: Dict[str, Recipe]) -> bool:
+        """Whether an fp8 twin stands for `trial`'s bf16 extent among the candidates without fp8 layers: a recipe
+        of that extent was not run for that twin (:meth:`_dominated_by`), and `trial`'s eager steps were no
+        faster than the twin's (which torchao's unfused casts slow down eagerly), so that it would not have been
+        its extent's finalist beside the recipe not run. Then it is not compiled, and says why."""
+        extent = _bf16_extent(recipes[trial.name])
+        for r in self._dominated:
+            twin = next((t for t in fp8 if t.name in (r.name + "+fp8", r.name + "+fp8+ckpt")), None)
+            if _bf16_extent(r) == extent and twin is not None and twin.step_time_ms <= trial.step_time_ms:
+                if not trial.verdict:
+                    trial.verdict = (f"agrees; not compiled: eager {_num(trial.step_time_ms)} ms/step against "
+                                     f"{_num(twin.step_time_ms)} for {twin.name}, which keeps as much in bf16 and "
+                                     f"stands for {r.name}")
+                return True
+        return False
 
     def _extent_finalists(self, ok: List[Trial], recipes: Dict[str, Recipe], diluted: bool = False) -> List[Trial]:
         """For each bf16 extent (:func:`_bf16_extent`) the one of `ok` with the fastest eager steps (one within
@@ -1150,7 +1180,7 @@ class Tuner:
         return fastest, min((t for t in pool if t.step_time_ms <= fastest.step_time_ms * (1 + self.tie)),
                             key=lambda t: t.safety)
 
-    def _time_finalists(self, trials: List[Trial], recipes: Dict[str, Recipe]) -> None:
+    def _time_finalists(self, trials: List[Trial], recipes: Dict[str, Recipe], more: bool = False) -> None:
         """Compiled: the eager screen's step times move to ``eager_step_times_ms``; each finalist's blocks are
         compiled and its steps timed (:meth:`_time_compiled`); a lone finalist keeps its eager times (nothing to
         compare).
@@ -1162,7 +1192,10 @@ class Tuner:
         arithmetic) and its compiled memory, and it fits if that is within the budget; then the checkpointed
         trial is not compiled (it only adds the recomputed forward: 640 ms a step against 527 there). (A recipe
         whose eager peak went over the budget is not retried: the eager check is conservative by design, and
-        the checkpointed twin that fits is what the budget asked for.)"""
+        the checkpointed twin that fits is what the budget asked for.)
+
+        more: `trials` are screened after the others were timed compiled (:meth:`_run_dominated`): their
+        finalists are timed compiled too, even one alone, to be compared with those."""
         finalists = self._finalists(trials, recipes)
         by_name = {t.name: t for t in trials}
         twin_of: Dict[str, Trial] = {}
@@ -1173,7 +1206,7 @@ class Tuner:
                 finalists.insert(finalists.index(t), base)
         for t in trials:
             t.eager_step_times_ms, t.step_times_ms = list(t.step_times_ms), []
-        if len(finalists) == 1:
+        if len(finalists) == 1 and not more:
             finalists[0].step_times_ms = list(finalists[0].eager_step_times_ms)
             return
         if finalists:
@@ -1339,6 +1372,7 @@ class Tuner:
                 self._run_queue(passed_over, trials, recipes, None)
             if self.compiled:
                 self._time_finalists(trials, recipes)
+            self._run_dominated(trials, recipes)
         finally:
             self._restore()
             self.snapshot = self._ref_grads = None
@@ -1357,6 +1391,15 @@ class Tuner:
             if why is not None:
                 self.skipped.append((recipe.name, why))
                 passed_over.append(recipe)
+                continue
+            twin = self._fp8_twin(recipe) if passed_over is not None else None
+            if twin is not None and any(r.name == twin for r in queue):
+                queue.insert(next(i for i, r in enumerate(queue) if r.name == twin) + 1, recipe)  # after it
+                continue
+            why = None if twin is None else self._dominated_by(recipe, twin, trials)
+            if why is not None:
+                self.skipped.append((recipe.name, why))
+                self._dominated.append(recipe)
                 continue
             trial = Trial(recipe.name, recipe.to_dict(), recipe.safety)
             recipes[recipe.name] = recipe
@@ -1422,6 +1465,50 @@ class Tuner:
             return None
         return (f"bf16 moments are chosen only when no candidate with fp32 moments fits, and the reference "
                 f"{reference.name} does (state_margin=0 tries it)")
+
+    def _fp8_twin(self, recipe: Recipe) -> Optional[str]:
+        """The name of `recipe`'s "+fp8" twin among the candidates (the same recipe with the measured fp8 layers),
+        when the fp8 layers were timed to save more than `tie` of the reference's step (so much that `recipe`
+        could not even tie with the twin); else None."""
+        if self.fp8_saved_ms is None or self._reference is None or self._reference.step_time_ms is None:
+            return None
+        if not self.fp8_saved_ms > self.tie * self._reference.step_time_ms:
+            return None
+        if _has_fp8(recipe) or recipe.checkpoint:
+            return None
+        twin = recipe.name + "+fp8"
+        return twin if any(r.name == twin for r in self.recipes) else None
+
+    def _dominated_by(self, recipe: Recipe, twin: str, trials: List[Trial]) -> Optional[str]:
+        """Why `recipe` need not run (None: it must): its fp8 `twin` (:meth:`_fp8_twin`), or the twin with
+        checkpointing, agrees and fits. The twin computes every other op as `recipe` does, and its fp8 layers
+        were timed to save more than `tie` of a step, so `recipe` cannot be faster, nor within `tie` of it and
+        safer. (It runs after all if the twin then fails: :meth:`_run_dominated`.)"""
+        held = next((t for t in trials if t.name in (twin, twin + "+ckpt") and _holds(t)), None)
+        if held is None:
+            return None
+        return (f"{held.name} agrees and fits, and its fp8 layers were timed {self.fp8_saved_ms:.4g} ms a step "
+                f"faster than in bf16 (more than tie={self.tie:g} of the reference's "
+                f"{self._reference.step_time_ms:.4g} ms): {recipe.name} cannot be faster; it runs if {held.name} "
+                "fails later")
+
+    def _run_dominated(self, trials: List[Trial], recipes: Dict[str, Recipe]) -> None:
+        """The recipes not run for their fp8 twin (:meth:`_dominated_by`) run after all when their twin no longer
+        holds, or no candidate with fp8 layers can be chosen (each failed when timed: out of memory, an error
+        compiling): their trials, and compiled, their finalists timed beside the others."""
+        fp8_ok = any(_usable(t) and _has_fp8(recipes[t.name]) for t in trials)
+        lost = [r for r in self._dominated if not fp8_ok or not any(
+            t.name in (r.name + "+fp8", r.name + "+fp8+ckpt") and _holds(t) for t in trials)]
+        self._dominated = []
+        if not lost:
+            return
+        names = {r.name for r in lost}
+        self.skipped = [(n, why) for n, why in self.skipped if n not in names]
+        self.say("tune: their fp8 twins failed; trials of " + ", ".join(sorted(names)))
+        start = len(trials)
+        self._run_queue(lost, trials, recipes, None)
+        if self.compiled:
+            self._time_finalists(trials[start:], recipes, more=True)
 
     def _maybe_checkpoint(self, recipe: Recipe, trial: Trial, queue: List[Recipe], blocks: bool):
         if recipe.checkpoint or not self.checkpoint_when_needed:
@@ -1597,9 +1684,14 @@ def _trial_fault(t: Trial, budget) -> str:
     return t.verdict or "no reference"
 
 
+def _holds(t: Trial) -> bool:
+    """Whether a trial ran without error, fits and agrees (timed or not)."""
+    return t.error is None and bool(t.fits) and bool(t.agrees)
+
+
 def _usable(t: Trial) -> bool:
     """Whether a trial may be chosen as far as it alone goes: it ran, fits, agrees and was timed."""
-    return t.error is None and bool(t.fits) and bool(t.agrees) and t.step_time_ms is not None
+    return _holds(t) and t.step_time_ms is not None
 
 
 def _fp32_moments(recipe) -> bool:

@@ -382,3 +382,99 @@ def test_an_fp8_candidate_keeping_more_in_bf16_is_not_compiled_when_not_faster_e
     assert by["bf16-pure+fp8"].verdict == ("agrees; not compiled: eager 20.5 ms/step, not faster than bf16+fp8's "
                                            "20, which keeps less in bf16")
     assert result.recipe.name == "bf16+fp8"
+
+
+def _saving(monkeypatch, saved_ms):
+    """The tuning's fp8 map with its layers' measured saving set to `saved_ms` (gain_fn gives none)."""
+    import dataclasses
+
+    from adaptive_amp.fp8 import training
+
+    real = training.tuning_fp8_map
+    monkeypatch.setattr(training, "tuning_fp8_map",
+                        lambda *a, **k: dataclasses.replace(real(*a, **k), saved_ms=saved_ms))
+
+
+SIX = {"fp32": 25, "bf16": 8, "bf16-weights": 7, "bf16+fp8": 20, "bf16-weights+fp8": 19.5, "bf16-pure+fp8": 18}
+
+
+@pytest.mark.parametrize("saved_ms, runs_plain", [(5.0, False), (0.05, True), (None, True)])
+def test_a_recipe_whose_fp8_twin_agrees_and_saves_is_not_run(saved_ms, runs_plain, fp8_here, monkeypatch):
+    """Its twin computes every other op as it does, and each of the twin's fp8 layers was timed faster than in
+    bf16: it cannot be faster. Only when the saving is more than `tie` of the reference's step (25 ms here),
+    and measured (not a gain_fn's)."""
+    zm, opt, batches = _setup()
+    _saving(monkeypatch, saved_ms)
+    loss_fn = _timed(monkeypatch, zm, SIX, {"fp32": 5, "bf16": 3, "bf16-weights": 2.9, "bf16+fp8": 2,
+                                            "bf16-weights+fp8": 1.9, "bf16-pure+fp8": 1.5})
+    result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, candidates=list(SIX),
+                  fp8=dict(gain_fn=lambda *a: 1.4), steps=3, rounds=1, timed_steps=1, min_cosine=0.0)
+    by = {t.name: t for t in result.trials}
+    skipped = dict(result.skipped)
+    assert result.recipe.name == "bf16-pure+fp8"
+    if runs_plain:
+        assert not skipped and set(by) == set(SIX)
+        assert [n for n in by if by[n].step_times_ms] == ["bf16", "bf16-weights", "bf16+fp8", "bf16-pure+fp8"]
+        return
+    assert list(by) == ["fp32", "bf16+fp8", "bf16-weights+fp8", "bf16-pure+fp8"]
+    for plain in ("bf16", "bf16-weights"):
+        assert skipped[plain] == (f"{plain}+fp8 agrees and fits, and its fp8 layers were timed 5 ms a step faster "
+                                  f"than in bf16 (more than tie=0.01 of the reference's 25 ms): {plain} cannot be "
+                                  f"faster; it runs if {plain}+fp8 fails later")
+    # bf16+fp8 stands for bf16 (the recipe never to lose to) among those keeping as little in bf16: fp32, slower
+    # eagerly, is not compiled. (Faster eagerly, it is: the next test.)
+    assert by["fp32"].verdict == ("agrees; not compiled: eager 25 ms/step against 20 for bf16+fp8, which keeps as "
+                                  "much in bf16 and stands for bf16")
+    assert [n for n in by if by[n].step_times_ms] == ["bf16+fp8", "bf16-pure+fp8"]
+    assert any(r == f"trial bf16: skipped: {skipped['bf16']}" for r in result.policy.reasons)
+
+
+def test_a_recipe_not_run_for_its_fp8_twin_runs_when_no_fp8_candidate_survives_its_timing(fp8_here, monkeypatch):
+    from adaptive_amp import tune as tune_module
+
+    zm, opt, batches = _setup()
+    _saving(monkeypatch, 5.0)
+    loss_fn = _timed(monkeypatch, zm, dict(SIX, fp32=10), {"fp32": 5, "bf16": 3, "bf16-weights": 2.9})
+    real = tune_module.Tuner._time_compiled
+
+    def time_compiled(self, recipe, trial, offset):
+        if "+fp8" in recipe.name:
+            raise RuntimeError("planted: the fp8 graph does not compile here")
+        return real(self, recipe, trial, offset)
+    monkeypatch.setattr(tune_module.Tuner, "_time_compiled", time_compiled)
+    result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, candidates=list(SIX),
+                  fp8=dict(gain_fn=lambda *a: 1.4), steps=3, rounds=1, timed_steps=1, min_cosine=0.0)
+    by = {t.name: t for t in result.trials}
+    assert not result.skipped
+    assert list(by) == ["fp32", "bf16+fp8", "bf16-weights+fp8", "bf16-pure+fp8", "bf16", "bf16-weights"]
+    assert by["bf16+fp8"].error.startswith("could not be timed compiled: RuntimeError: planted")
+    assert by["fp32"].step_times_ms == [5]  # faster eagerly than bf16+fp8: compiled with the first finalists
+    # Screened after the others were timed, then timed compiled beside them: bf16-weights is not more than
+    # state_margin faster than bf16 compiled, so torch's recipe is chosen.
+    assert by["bf16"].step_times_ms == [3] and by["bf16-weights"].step_times_ms == [2.9]
+    assert result.recipe.name == "bf16"
+
+
+def test_a_recipe_whose_fp8_twin_disagrees_runs(fp8_here, monkeypatch):
+    zm, opt, batches = _setup()
+    _saving(monkeypatch, 5.0)
+    eager = {"fp32": 10, "bf16": 8, "bf16+fp8": 20}
+    loss_fn = _timed(monkeypatch, zm, eager, {"fp32": 5, "bf16": 3, "bf16+fp8": 2})
+    # Above 1 only the reference agrees: bf16+fp8 does not, so bf16 runs after it (and does not agree either).
+    result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, candidates=list(eager),
+                  fp8=dict(gain_fn=lambda *a: 1.4), steps=3, rounds=1, timed_steps=1, min_cosine=1.5,
+                  noise_fraction=0.0)
+    by = {t.name: t for t in result.trials}
+    assert list(by) == ["fp32", "bf16+fp8", "bf16"] and not result.skipped
+    assert by["bf16+fp8"].verdict.startswith("disagrees") and by["bf16"].verdict.startswith("disagrees")
+
+
+def test_an_fp8_saving_timed_otherwise_than_the_finalists_does_not_skip_a_recipe(fp8_here, monkeypatch):
+    """The fp8 layers timed eagerly (fp8=dict(compiled=False)) say nothing of what they save compiled."""
+    zm, opt, batches = _setup()
+    _saving(monkeypatch, 5.0)
+    eager = {"fp32": 25, "bf16": 8, "bf16+fp8": 20}
+    loss_fn = _timed(monkeypatch, zm, eager, {"fp32": 5, "bf16": 3, "bf16+fp8": 2})
+    result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, candidates=list(eager),
+                  fp8=dict(gain_fn=lambda *a: 1.4, compiled=False), steps=3, rounds=1, timed_steps=1, min_cosine=0.0)
+    assert [t.name for t in result.trials] == list(eager) and not result.skipped
