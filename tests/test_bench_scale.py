@@ -112,6 +112,15 @@ def test_scale_verdict_against_the_targets_in_words():
     assert any(x.startswith("Ours (tune) ran only at the batch given (4), not searched") for x in lines)
     report["search"]["tune"] = {"batch": 4, "tried": {}}
     assert not any("not searched" in x for x in scale.verdict(report))
+    # The tuning against 10,000 steps at the tuned run's steady rate.
+    assert not any(x.startswith("Tuning") for x in lines)  # (no tuning recorded)
+    report["runs"][3].update(tuning={"seconds": 168.0}, steady_ms_per_step=867.0)
+    report["runs"][4].update(tuning={"seconds": 200.0}, steady_ms_per_step=867.0)
+    tuning = [x for x in scale.verdict(report) if x.startswith("Tuning")]
+    assert tuning == ["Tuning (seed 0, batch 4): 168.0 s, 1.94% of 10,000 steps at its steady 867 ms: meets the 2% "
+                      "target.",
+                      "Tuning (seed 1, batch 4): 200.0 s, 2.31% of 10,000 steps at its steady 867 ms: misses the 2% "
+                      "target."]
 
 
 def test_scale_verdict_compares_losses_only_at_torchs_batch_and_the_same_steps():

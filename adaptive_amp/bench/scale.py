@@ -83,6 +83,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=256, seq_len=32)
 
 TARGET_VS_TORCH, TARGET_VS_TORCHAO, TARGET_MEMORY = 1.3, 1.1, 0.8
+#: The most a tuning may cost at this size: a share of 10,000 steps at the chosen recipe's steady step time.
+TARGET_TUNING = 0.02
 
 
 def build(shape: dict, seed: int, device):
@@ -405,8 +407,23 @@ def verdict(report: dict) -> List[str]:
         lines.append(f"Ours ({ours['recipe']}) ran only at the batch given ({ours['batch']}), not searched for its "
                      f"largest: the speed above is at that batch. Run --recipes {ours['recipe']} without --batch, "
                      "with --json PATH --resume, for its largest.")
+    lines += _tuning_lines(runs)
     if torch_best is not None:
         lines += _loss_lines(runs, ours["recipe"], torch_best)
+    return lines
+
+
+def _tuning_lines(runs: List[dict]) -> List[str]:
+    """Each tuned run's tuning against 10,000 of its steps at its steady rate."""
+    lines = []
+    for r in runs:
+        seconds = (r.get("tuning") or {}).get("seconds")
+        if r["recipe"] != "tune" or "error" in r or seconds is None or not r.get("steady_ms_per_step"):
+            continue
+        share = seconds / (10000 * r["steady_ms_per_step"] / 1e3)
+        lines.append(f"Tuning (seed {r['seed']}, batch {r['batch']}): {seconds:.1f} s, {share:.2%} of 10,000 steps "
+                     f"at its steady {r['steady_ms_per_step']:.0f} ms: "
+                     f"{'meets' if share <= TARGET_TUNING else 'misses'} the {TARGET_TUNING:.0%} target.")
     return lines
 
 
