@@ -70,6 +70,28 @@ def test_bench_tune_spread_seeds_names_the_seeds_run(tmp_path):
     assert set(run["tuned"]) == {"3"} and set(run["torch_bf16"]) == {"3"}
 
 
+def test_bench_tune_every_torch_run_starts_from_fp32_weights_after_a_tuned_run_in_bf16(tmp_path, monkeypatch):
+    """A tuned run that chose bf16 weights leaves them in bf16; the next seed's weights are loaded into the
+    model as built, not into those."""
+    import torch
+
+    from adaptive_amp.bench import tuning as script
+
+    dtypes = []
+    real = script.torch_bf16
+
+    def torch_bf16(zm, model, opt, *args):
+        dtypes.append({p.dtype for p in zm.model.parameters()})
+        return real(zm, model, opt, *args)
+    monkeypatch.setattr(script, "torch_bf16", torch_bf16)
+    assert script.main(["--tiny", "--device", "cpu", "--train-steps", "4", "--tune-steps", "2", "--rounds", "1",
+                        "--parts", "seeds", "--choice", "bf16-weights", "--spread-seeds", "1,2",
+                        "--out", str(tmp_path)]) == 0
+    run = json.loads((tmp_path / "evidence.json").read_text())["runs"][0]
+    assert set(run["tuned"]) == {"1", "2"} and run["tuned"]["1"]["chosen"] == "bf16-weights"
+    assert dtypes == [{torch.float32}, {torch.float32}]
+
+
 @pytest.mark.parametrize("option, bad", [("--spread-seeds", ""), ("--spread-seeds", "two"),
                                          ("--spread-seeds", "1,-2"), ("--parts", ""), ("--parts", "tuned,torches"),
                                          ("--parts", "none,tuned")])

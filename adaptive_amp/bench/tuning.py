@@ -455,6 +455,9 @@ def _evidence(name, mode, args, device, ev: Evidence):
     def reseed(s):
         """The model's weights of seed s (in place: a compiled model keeps its graphs), optimizer state empty."""
         if s not in snaps:
+            # First the model as built: a tuned run that chose bf16 weights leaves them in bf16 (the controller
+            # gives them back as they are), and loading seed s into them would keep them there.
+            snaps[0].restore()
             other = build(name, args.tiny, device, seed=s)
             zm.model.load_state_dict(other.model.state_dict())
             del other
