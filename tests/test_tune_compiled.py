@@ -455,26 +455,17 @@ def test_a_recipe_not_run_for_its_fp8_twin_runs_when_no_fp8_candidate_survives_i
     assert result.recipe.name == "bf16"
 
 
-def test_a_recipe_whose_fp8_twin_disagrees_runs(fp8_here, monkeypatch):
-    zm, opt, batches = _setup()
-    _saving(monkeypatch, 5.0)
-    eager = {"fp32": 10, "bf16": 8, "bf16+fp8": 20}
-    loss_fn = _timed(monkeypatch, zm, eager, {"fp32": 5, "bf16": 3, "bf16+fp8": 2})
+@pytest.mark.parametrize("options, order", [
     # Above 1 only the reference agrees: bf16+fp8 does not, so bf16 runs after it (and does not agree either).
-    result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, candidates=list(eager),
-                  fp8=dict(gain_fn=lambda *a: 1.4), steps=3, rounds=1, timed_steps=1, min_cosine=1.5,
-                  noise_fraction=0.0)
-    by = {t.name: t for t in result.trials}
-    assert list(by) == ["fp32", "bf16+fp8", "bf16"] and not result.skipped
-    assert by["bf16+fp8"].verdict.startswith("disagrees") and by["bf16"].verdict.startswith("disagrees")
-
-
-def test_an_fp8_saving_timed_otherwise_than_the_finalists_does_not_skip_a_recipe(fp8_here, monkeypatch):
-    """The fp8 layers timed eagerly (fp8=dict(compiled=False)) say nothing of what they save compiled."""
+    (dict(min_cosine=1.5, noise_fraction=0.0), ["fp32", "bf16+fp8", "bf16"]),
+    # The fp8 layers timed eagerly say nothing of what they save compiled: bf16 runs in its place.
+    (dict(min_cosine=0.0, fp8=dict(gain_fn=lambda *a: 1.4, compiled=False)), ["fp32", "bf16", "bf16+fp8"])])
+def test_a_recipe_runs_when_its_fp8_twin_disagrees_or_its_saving_was_timed_otherwise(options, order, fp8_here,
+                                                                                      monkeypatch):
     zm, opt, batches = _setup()
     _saving(monkeypatch, 5.0)
     eager = {"fp32": 25, "bf16": 8, "bf16+fp8": 20}
     loss_fn = _timed(monkeypatch, zm, eager, {"fp32": 5, "bf16": 3, "bf16+fp8": 2})
     result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, candidates=list(eager),
-                  fp8=dict(gain_fn=lambda *a: 1.4, compiled=False), steps=3, rounds=1, timed_steps=1, min_cosine=0.0)
-    assert [t.name for t in result.trials] == list(eager) and not result.skipped
+                  **dict(dict(fp8=dict(gain_fn=lambda *a: 1.4)), **options), steps=3, rounds=1, timed_steps=1)
+    assert [t.name for t in result.trials] == order and not result.skipped
