@@ -79,9 +79,11 @@ that keeps the loss and fits the memory budget.
    as skipped with the saving, and runs after all when the twin then fails or
    no candidate with fp8 layers can be chosen; among the candidates without
    fp8 layers the twin stands for it (compiled, one keeping as little in bf16,
-   such as fp32, is a finalist only when its eager steps beat the twin's). On
-   the Llama-3-8B shape that spares bf16 autocast and bf16-weights: their
-   trials, checkpointed variants and block compiles. When a
+   such as fp32, is a finalist only when its eager steps beat the twin's). A
+   twin that needed checkpointing stands only for the recipe's checkpointed
+   variant: fp8's casts take a little more memory, so the recipe may fit
+   without. On the Llama-3-8B shape that spares the checkpointed trials of bf16
+   autocast and bf16-weights and their block compiles. When a
    candidate does not fit
    the budget (or runs out of memory) and the model has repeated blocks, the
    same candidate with activation checkpointing is tried next. A trial that
@@ -871,6 +873,7 @@ class Tuner:
         # What the "+fp8" candidates' layers were timed to save a step against bf16 (their map's saved_ms).
         self.fp8_saved_ms = fp8_saved_ms
         self._dominated: List[Recipe] = []  # not run: their "+fp8" twin agrees and fits (_dominated_by)
+        self._stood: List[Trial] = []  # not compiled: a twin stood for their bf16 extent (_stood_for)
         self.phases: Dict[str, float] = defaultdict(float)
         self.checkpoint_when_needed = checkpoint_when_needed
         self.offload = offload_snapshot
@@ -1109,12 +1112,13 @@ class Tuner:
         its extent's finalist beside the recipe not run. Then it is not compiled, and says why."""
         extent = _bf16_extent(recipes[trial.name])
         for r in self._dominated:
-            twin = next((t for t in fp8 if t.name in (r.name + "+fp8", r.name + "+fp8+ckpt")), None)
+            twin = next((t for t in fp8 if t.name in self._twins(r)), None)
             if _bf16_extent(r) == extent and twin is not None and twin.step_time_ms <= trial.step_time_ms:
                 if not trial.verdict:
                     trial.verdict = (f"agrees; not compiled: eager {_num(trial.step_time_ms)} ms/step against "
                                      f"{_num(twin.step_time_ms)} for {twin.name}, which keeps as much in bf16 and "
                                      f"stands for {r.name}")
+                self._stood.append(trial)
                 return True
         return False
 
@@ -1474,17 +1478,31 @@ class Tuner:
             return None
         if not self.fp8_saved_ms > self.tie * self._reference.step_time_ms:
             return None
-        if _has_fp8(recipe) or recipe.checkpoint:
+        if _has_fp8(recipe):
             return None
-        twin = recipe.name + "+fp8"
-        return twin if any(r.name == twin for r in self.recipes) else None
+        base = recipe.name[:-len("+ckpt")] if recipe.checkpoint else recipe.name
+        if not any(r.name == base + "+fp8" for r in self.recipes):
+            return None
+        return self._twins(recipe)[0]
+
+    @staticmethod
+    def _twins(recipe: Recipe) -> Tuple[str, ...]:
+        """The names of the trials that may stand for `recipe` (:meth:`_dominated_by`): its "+fp8" twin, and for
+        a checkpointed recipe also the twin without checkpointing (faster still). Not the checkpointed twin for a
+        recipe without: fp8's casts take a little more memory, so the recipe may fit where its twin needed
+        checkpointing, and run faster than the twin does checkpointed."""
+        if recipe.checkpoint:
+            base = recipe.name[:-len("+ckpt")]
+            return (base + "+fp8+ckpt", base + "+fp8")
+        return (recipe.name + "+fp8",)
 
     def _dominated_by(self, recipe: Recipe, twin: str, trials: List[Trial]) -> Optional[str]:
-        """Why `recipe` need not run (None: it must): its fp8 `twin` (:meth:`_fp8_twin`), or the twin with
-        checkpointing, agrees and fits. The twin computes every other op as `recipe` does, and its fp8 layers
-        were timed to save more than `tie` of a step, so `recipe` cannot be faster, nor within `tie` of it and
-        safer. (It runs after all if the twin then fails: :meth:`_run_dominated`.)"""
-        held = next((t for t in trials if t.name in (twin, twin + "+ckpt") and _holds(t)), None)
+        """Why `recipe` need not run (None: it must): a trial of :meth:`_twins` (its fp8 twin `twin`, or for a
+        checkpointed recipe the twin without checkpointing) agrees and fits. The twin computes every other op as
+        `recipe` does, and its fp8 layers were timed to save more than `tie` of a step, so `recipe` cannot be
+        faster, nor within `tie` of it and safer. (It runs after all if the twin then fails:
+        :meth:`_run_dominated`.)"""
+        held = next((t for t in trials if t.name in self._twins(recipe) and _holds(t)), None)
         if held is None:
             return None
         return (f"{held.name} agrees and fits, and its fp8 layers were timed {self.fp8_saved_ms:.4g} ms a step "
@@ -1493,22 +1511,28 @@ class Tuner:
                 "fails later")
 
     def _run_dominated(self, trials: List[Trial], recipes: Dict[str, Recipe]) -> None:
-        """The recipes not run for their fp8 twin (:meth:`_dominated_by`) run after all when their twin no longer
-        holds, or no candidate with fp8 layers can be chosen (each failed when timed: out of memory, an error
-        compiling): their trials, and compiled, their finalists timed beside the others."""
+        """The recipes not run for their fp8 twin (:meth:`_dominated_by`) run after all when no twin of theirs
+        still holds, or no candidate with fp8 layers can be chosen (each failed when timed: out of memory, an
+        error compiling): their trials, and compiled, their finalists timed beside the others, with the trials
+        the twins stood for (:meth:`_stood_for`) and a checkpointed recipe's own that ran out of memory."""
         fp8_ok = any(_usable(t) and _has_fp8(recipes[t.name]) for t in trials)
         lost = [r for r in self._dominated if not fp8_ok or not any(
-            t.name in (r.name + "+fp8", r.name + "+fp8+ckpt") and _holds(t) for t in trials)]
+            t.name in self._twins(r) and _holds(t) for t in trials)]
         self._dominated = []
         if not lost:
             return
         names = {r.name for r in lost}
         self.skipped = [(n, why) for n, why in self.skipped if n not in names]
-        self.say("tune: their fp8 twins failed; trials of " + ", ".join(sorted(names)))
+        self.say("tune: no fp8 twin stands for " + ", ".join(sorted(names)) + " now; their trials")
+        bases = {r.name[:-len("+ckpt")] for r in lost if r.checkpoint}
+        again = [t for t in trials if t.name in bases] + self._stood
+        for t in self._stood:  # (judged compiled now, beside the recipes they were set aside for)
+            t.verdict, t.step_times_ms = "", list(t.eager_step_times_ms)
+        self._stood = []
         start = len(trials)
         self._run_queue(lost, trials, recipes, None)
         if self.compiled:
-            self._time_finalists(trials[start:], recipes, more=True)
+            self._time_finalists(again + trials[start:], recipes, more=True)
 
     def _maybe_checkpoint(self, recipe: Recipe, trial: Trial, queue: List[Recipe], blocks: bool):
         if recipe.checkpoint or not self.checkpoint_when_needed:

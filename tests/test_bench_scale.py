@@ -114,13 +114,17 @@ def test_scale_verdict_against_the_targets_in_words():
     assert not any("not searched" in x for x in scale.verdict(report))
     # The tuning against 10,000 steps at the tuned run's steady rate.
     assert not any(x.startswith("Tuning") for x in lines)  # (no tuning recorded)
-    report["runs"][3].update(tuning={"seconds": 168.0}, steady_ms_per_step=867.0)
-    report["runs"][4].update(tuning={"seconds": 200.0}, steady_ms_per_step=867.0)
+    trials = [{"name": "fp32"}, {"name": "bf16-weights"}]
+    report["runs"][3].update(tuning={"seconds": 168.0, "trials": trials}, steady_ms_per_step=867.0)
+    report["runs"][4].update(tuning={"seconds": 200.0, "trials": trials}, steady_ms_per_step=867.0)
     tuning = [x for x in scale.verdict(report) if x.startswith("Tuning")]
     assert tuning == ["Tuning (seed 0, batch 4): 168.0 s, 1.94% of 10,000 steps at its steady 867 ms: meets the 2% "
                       "target.",
                       "Tuning (seed 1, batch 4): 200.0 s, 2.31% of 10,000 steps at its steady 867 ms: misses the 2% "
                       "target."]
+    # A seed's one-candidate tuning (it trains seed 0's choice) is not the tuning's cost.
+    report["runs"][4]["tuning"]["trials"] = trials[1:]
+    assert [x for x in scale.verdict(report) if x.startswith("Tuning")] == tuning[:1]
 
 
 def test_scale_verdict_compares_losses_only_at_torchs_batch_and_the_same_steps():

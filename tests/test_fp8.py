@@ -263,6 +263,12 @@ def test_capture_inputs_runs_a_batch_shaped_as_one_run_before_only_while_a_layer
                        max_tokens=1)
     assert len(ran) == 3
     ran.clear()
+    with pytest.MonkeyPatch.context() as mp:  # under torch.distributed (a forward may be collective): all run
+        mp.setattr(torch.distributed, "is_initialized", lambda: True)
+        mp.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+        fp8.capture_inputs(zm.model, layers, alike, run, max_tokens=1)
+    assert len(ran) == 3
+    ran.clear()
     first = {n: m for n, m in layers.items() if n == "lm_head"}
     calls = iter([False, True, True])
 

@@ -434,7 +434,7 @@ def test_a_recipe_not_run_for_its_fp8_twin_runs_when_no_fp8_candidate_survives_i
 
     zm, opt, batches = _setup()
     _saving(monkeypatch, 5.0)
-    loss_fn = _timed(monkeypatch, zm, dict(SIX, fp32=10), {"fp32": 5, "bf16": 3, "bf16-weights": 2.9})
+    loss_fn = _timed(monkeypatch, zm, SIX, {"fp32": 5, "bf16": 3, "bf16-weights": 2.9})
     real = tune_module.Tuner._time_compiled
 
     def time_compiled(self, recipe, trial, offset):
@@ -448,7 +448,9 @@ def test_a_recipe_not_run_for_its_fp8_twin_runs_when_no_fp8_candidate_survives_i
     assert not result.skipped
     assert list(by) == ["fp32", "bf16+fp8", "bf16-weights+fp8", "bf16-pure+fp8", "bf16", "bf16-weights"]
     assert by["bf16+fp8"].error.startswith("could not be timed compiled: RuntimeError: planted")
-    assert by["fp32"].step_times_ms == [5]  # faster eagerly than bf16+fp8: compiled with the first finalists
+    # bf16+fp8 stood for bf16 in the first finalists, and fp32 was set aside for it; now it is judged beside bf16.
+    assert by["fp32"].verdict == ("agrees; not compiled: eager 25 ms/step against 8 for bf16, which keeps as much "
+                                  "in bf16")
     # Screened after the others were timed, then timed compiled beside them: bf16-weights is not more than
     # state_margin faster than bf16 compiled, so torch's recipe is chosen.
     assert by["bf16"].step_times_ms == [3] and by["bf16-weights"].step_times_ms == [2.9]
@@ -469,3 +471,28 @@ def test_a_recipe_runs_when_its_fp8_twin_disagrees_or_its_saving_was_timed_other
     result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, candidates=list(eager),
                   **dict(dict(fp8=dict(gain_fn=lambda *a: 1.4)), **options), steps=3, rounds=1, timed_steps=1)
     assert [t.name for t in result.trials] == order and not result.skipped
+
+
+@pytest.mark.parametrize("eager_oom", [("bf16+fp8",), ("bf16+fp8", "bf16")])
+def test_only_a_twin_without_checkpointing_stands_for_a_recipe_without(eager_oom, fp8_here, monkeypatch):
+    """fp8's casts take a little more memory: a recipe may fit where its fp8 twin needed checkpointing, and then
+    run faster than the twin does checkpointed. So it runs; once it too needs checkpointing, the checkpointed twin
+    stands for it."""
+    zm, opt, batches = _setup()
+    _saving(monkeypatch, 5.0)
+    eager = {"fp32": 25, "bf16": 8, "bf16+ckpt": 10, "bf16+fp8": 20, "bf16+fp8+ckpt": 22}
+    loss_fn = _timed(monkeypatch, zm, eager, {"fp32": 5, "bf16": 3, "bf16+fp8": 2, "bf16+fp8+ckpt": 2.6},
+                     eager_out_of_memory=eager_oom)
+    result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn,
+                  candidates=["fp32", "bf16", "bf16+fp8"], fp8=dict(gain_fn=lambda *a: 1.4), steps=3, rounds=1,
+                  timed_steps=1, min_cosine=0.0)
+    by, skipped = {t.name: t for t in result.trials}, dict(result.skipped)
+    if eager_oom == ("bf16+fp8",):
+        assert list(by) == ["fp32", "bf16+fp8", "bf16+fp8+ckpt", "bf16"] and not skipped
+        assert by["bf16"].error is None and by["bf16"].step_times_ms == [3]
+    else:
+        assert list(by) == ["fp32", "bf16+fp8", "bf16+fp8+ckpt", "bf16"] and list(skipped) == ["bf16+ckpt"]
+        assert skipped["bf16+ckpt"].startswith("bf16+fp8+ckpt agrees and fits")
+        assert by["bf16"].error.startswith("out of memory")
+    # Compiled, bf16+fp8 fits without checkpointing, and is the fastest.
+    assert by["bf16+fp8"].agreement_from == "bf16+fp8+ckpt" and result.recipe.name == "bf16+fp8"

@@ -414,11 +414,14 @@ def verdict(report: dict) -> List[str]:
 
 
 def _tuning_lines(runs: List[dict]) -> List[str]:
-    """Each tuned run's tuning against 10,000 of its steps at its steady rate."""
+    """Each tuned run's tuning against 10,000 of its steps at its steady rate (not the one-candidate tunings of
+    the seeds after the first, which train its choice)."""
     lines = []
     for r in runs:
-        seconds = (r.get("tuning") or {}).get("seconds")
-        if r["recipe"] != "tune" or "error" in r or seconds is None or not r.get("steady_ms_per_step"):
+        tuning = r.get("tuning") or {}
+        seconds = tuning.get("seconds")
+        if r["recipe"] != "tune" or "error" in r or seconds is None or not r.get("steady_ms_per_step") or \
+                len(tuning.get("trials", ())) + len(tuning.get("skipped", ())) < 2:
             continue
         share = seconds / (10000 * r["steady_ms_per_step"] / 1e3)
         lines.append(f"Tuning (seed {r['seed']}, batch {r['batch']}): {seconds:.1f} s, {share:.2%} of 10,000 steps "

@@ -55,7 +55,8 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
     model's captures fit beside it whatever the number of batches (a batch that finds a layer full adds only
     its shape); the shapes are kept whole. Once every layer is full, a batch whose tensors have the shapes and
     dtypes of one already run (with the same other values) is not run: it would add only the shapes that one
-    did. With `max_tokens`, layers called one after another on the same,
+    did, in a model whose shapes follow its inputs' (not one whose layers' rows depend on the values, as a
+    mixture of experts' do: pass batches of the shapes to measure). Under torch.distributed every batch runs. With `max_tokens`, layers called one after another on the same,
     unchanged tensor (a block's query, key and value projections) share one kept copy, and `dtype` (the
     autocast dtype the layers will be measured under, which their matmuls read anyway) keeps wider floating
     inputs in it; without `max_tokens` the inputs are kept as they are. A layer not called has no entry."""
@@ -93,13 +94,17 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
         # Eager even where the model (or its blocks) is compiled: the hooks are each layer's own, and tracing
         # them would compile a graph per layer for a measurement that trains nothing.
         seen = set()  # the signatures of the batches run
+        # Under torch.distributed every rank runs every batch: a forward may be collective (FSDP2's all-gathers,
+        # DDP's buffer broadcast), and each rank's batches and rows are its own.
+        alone = not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                     and torch.distributed.get_world_size() > 1)
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             for batch in batches:
                 signature = _signature(batch)
                 # Once every layer is full, a batch shaped as one already run would add only the shapes that
                 # one did: a tuning's batches are usually alike, and at 8 x 2048 tokens a Llama-3-8B's first
                 # batch fills the default 8192 rows of every layer, so the others' forwards were spent for nothing.
-                if signature is not None and signature in seen and max_tokens is not None and \
+                if alone and signature is not None and signature in seen and max_tokens is not None and \
                         all(rows.get(n, 0) >= max_tokens for n in layers):
                     continue
                 run(model, batch)
