@@ -45,7 +45,8 @@ that keeps the loss and fits the memory budget.
    first is timed); then ``rounds - 1`` more rounds, each running every
    contender for one warm-up step and ``timed_steps`` timed steps, in an order
    rotated each round so that drift (clocks, thermals) falls on all; the
-   median is kept. A contender agrees, fits, may be chosen (step 5's bf16
+   median is kept (candidates run later, once the others' rounds showed they
+   were needed, time as many rounds among themselves). A contender agrees, fits, may be chosen (step 5's bf16
    moments rule) and was within ``contenders``
    (20%) of the fastest such candidate in the first round: the extra rounds
    are there to settle close calls, so a candidate that cannot win (fp32 on a
@@ -1349,31 +1350,16 @@ class Tuner:
         passed_over: List[Recipe] = []  # skipped: they could not be chosen (see _cannot_win)
         try:
             self._run_queue(list(self.recipes), trials, recipes, passed_over)
-            # (Compiled, the eager screen's times only pick what to compile: no eager rounds.)
-            contenders = [] if self.compiled else self._contenders([t for t in trials if t.error is None and t.fits],
-                                                                   recipes)
-            if self.rounds > 1 and contenders:
-                self.say("tune: timing rounds for " + ", ".join(t.name for t in contenders))
-            for r in range(1, self.rounds):
-                order = contenders[r % len(contenders):] + contenders[:r % len(contenders)] if contenders else []
-                for t in order:
-                    try:
-                        self._time_round(recipes[t.name], t, offset=r * (self.timed_steps + 1))
-                    except Exception as exc:  # noqa: BLE001
-                        if not _is_oom(exc):
-                            raise
-                        t.error, t.fits = f"out of memory while timed: {_short(exc)}", False
-                        self._free()
-                    self._agree_timing(t)
-                    if t.error is not None:
-                        contenders.remove(t)
+            self._timing_rounds(trials, recipes)
             if passed_over and not self._full_moments_left(trials, recipes):
                 # Every candidate with fp32 moments ran out of memory in a timing round: the ones passed over
                 # may be chosen after all.
                 names = {r.name for r in passed_over}
                 self.skipped = [(n, why) for n, why in self.skipped if n not in names]
                 self.say("tune: no candidate with fp32 moments is left; trials of " + ", ".join(sorted(names)))
+                start = len(trials)
                 self._run_queue(passed_over, trials, recipes, None)
+                self._timing_rounds(trials[start:], recipes)
             if self.compiled:
                 self._time_finalists(trials, recipes)
             self._run_dominated(trials, recipes)
@@ -1382,6 +1368,29 @@ class Tuner:
             self.snapshot = self._ref_grads = None
             self._free(collect=False)
         return self._choose(trials, self._reference, recipes, time.perf_counter() - started)
+
+    def _timing_rounds(self, trials: List[Trial], recipes: Dict[str, Recipe]) -> None:
+        """Eagerly, the timing rounds after the trajectories (module docstring, step 4) for the contenders among
+        `trials` (those run later time theirs when they run, as many). Compiled, the eager screen's times only
+        pick what to compile: no eager rounds."""
+        if self.compiled:
+            return
+        contenders = self._contenders([t for t in trials if t.error is None and t.fits], recipes)
+        if self.rounds > 1 and contenders:
+            self.say("tune: timing rounds for " + ", ".join(t.name for t in contenders))
+        for r in range(1, self.rounds):
+            order = contenders[r % len(contenders):] + contenders[:r % len(contenders)] if contenders else []
+            for t in order:
+                try:
+                    self._time_round(recipes[t.name], t, offset=r * (self.timed_steps + 1))
+                except Exception as exc:  # noqa: BLE001
+                    if not _is_oom(exc):
+                        raise
+                    t.error, t.fits = f"out of memory while timed: {_short(exc)}", False
+                    self._free()
+                self._agree_timing(t)
+                if t.error is not None:
+                    contenders.remove(t)
 
     def _run_queue(self, queue: List[Recipe], trials: List[Trial], recipes: Dict[str, Recipe],
                    passed_over: Optional[List[Recipe]]):
@@ -1531,6 +1540,7 @@ class Tuner:
         self._stood = []
         start = len(trials)
         self._run_queue(lost, trials, recipes, None)
+        self._timing_rounds(trials[start:], recipes)
         if self.compiled:
             self._time_finalists(again + trials[start:], recipes, more=True)
 

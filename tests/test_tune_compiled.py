@@ -496,3 +496,26 @@ def test_only_a_twin_without_checkpointing_stands_for_a_recipe_without(eager_oom
         assert by["bf16"].error.startswith("out of memory")
     # Compiled, bf16+fp8 fits without checkpointing, and is the fastest.
     assert by["bf16+fp8"].agreement_from == "bf16+fp8+ckpt" and result.recipe.name == "bf16+fp8"
+
+
+def test_eagerly_a_recipe_run_after_its_fp8_twin_failed_gets_its_timing_rounds(fp8_here, monkeypatch):
+    from adaptive_amp import tune as tune_module
+
+    zm, opt, batches = _setup()
+    _saving(monkeypatch, 5.0)
+    eager = {"fp32": 25, "bf16": 8, "bf16+fp8": 20}
+    loss_fn = _timed(monkeypatch, zm, eager, {})
+    real = tune_module.Tuner._time_round
+
+    def time_round(self, recipe, trial, offset):
+        if "+fp8" in recipe.name:
+            raise torch.OutOfMemoryError("CUDA out of memory (planted: a timing round)")
+        return real(self, recipe, trial, offset)
+    monkeypatch.setattr(tune_module.Tuner, "_time_round", time_round)
+    result = tune(zm.model, opt, batches, loss_fn, candidates=list(eager), fp8=dict(gain_fn=lambda *a: 1.4),
+                  steps=3, rounds=2, timed_steps=2, min_cosine=0.0)
+    by = {t.name: t for t in result.trials}
+    assert list(by) == ["fp32", "bf16+fp8", "bf16"] and not result.skipped
+    assert by["bf16+fp8"].error.startswith("out of memory while timed")
+    # The trajectory's two timed steps, then a round of two, as the first contenders had.
+    assert by["bf16"].step_times_ms == [8] * 4 and result.recipe.name == "bf16"
