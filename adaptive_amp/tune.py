@@ -46,8 +46,8 @@ that keeps the loss and fits the memory budget.
    contender for one warm-up step and ``timed_steps`` timed steps, in an order
    rotated each round so that drift (clocks, thermals) falls on all; the
    median is kept (candidates run later, once the others' rounds showed they
-   were needed, time as many rounds among themselves). A contender agrees, fits, may be chosen (step 5's bf16
-   moments rule) and was within ``contenders``
+   were needed, time as many rounds among themselves). A contender agrees,
+   fits, may be chosen (step 5's bf16 moments rule) and was within ``contenders``
    (20%) of the fastest such candidate in the first round: the extra rounds
    are there to settle close calls, so a candidate that cannot win (fp32 on a
    GPU with bf16 tensor cores, one that disagrees) is not timed again.

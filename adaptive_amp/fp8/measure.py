@@ -56,10 +56,11 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
     its shape); the shapes are kept whole. Once every layer is full, a batch whose tensors have the shapes and
     dtypes of one already run (with the same other values) is not run: it would add only the shapes that one
     did, in a model whose shapes follow its inputs' (not one whose layers' rows depend on the values, as a
-    mixture of experts' do: pass batches of the shapes to measure). Under torch.distributed every batch runs. With `max_tokens`, layers called one after another on the same,
-    unchanged tensor (a block's query, key and value projections) share one kept copy, and `dtype` (the
-    autocast dtype the layers will be measured under, which their matmuls read anyway) keeps wider floating
-    inputs in it; without `max_tokens` the inputs are kept as they are. A layer not called has no entry."""
+    mixture of experts' do: pass batches of the shapes to measure). Under torch.distributed every batch runs.
+    With `max_tokens`, layers called one after another on the same, unchanged tensor (a block's query, key and
+    value projections) share one kept copy, and `dtype` (the autocast dtype the layers will be measured under,
+    which their matmuls read anyway) keeps wider floating inputs in it; without `max_tokens` the inputs are kept
+    as they are. A layer not called has no entry."""
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1 (or None: all), got {max_tokens}")
     run = run or _call
