@@ -206,6 +206,35 @@ def test_trainer_bf16_pure_and_auto(tmp_path):
     assert cb.amp.step_count == 2
 
 
+def test_trainer_torch_compile_compiles_once_with_the_controllers_context_around_the_graph(tmp_path):
+    """The Trainer compiles the model whole (its torch_compile): the controller takes the compiled wrapper and its
+    context goes around the compiled forward. Inside it, traced, the context broke the graph into pieces and
+    recompiled them at later steps (CPU, aot_eager: 6, 7, 7, 10, 14 and 14 graphs after each of six steps)."""
+    from torch._dynamo.utils import counters
+    from transformers import TrainerCallback
+
+    class Graphs(TrainerCallback):
+        after = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.after.append(counters["stats"]["unique_graphs"])
+
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = _trainer(tmp_path, steps=6, torch_compile=True, torch_compile_backend="aot_eager")
+    cb = hf.attach(trainer, "params=float32,compute=bfloat16", stats_every=2, read_every=2)
+    graphs = Graphs()
+    trainer.add_callback(graphs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert cb.amp.model is trainer.model_wrapped and cb.amp.model is not trainer.model  # the compiled wrapper
+    # Nothing compiles after the second step (the first, a statistics step, compiled one block's graph).
+    assert graphs.after[-1] == graphs.after[1] <= 3, graphs.after
+    assert sorted({ls.step for ls in cb.amp.monitor.layer_stats}) == [0, 2, 4]
+    torch._dynamo.reset()
+
+
 def test_attach_refuses_the_trainers_own_mixed_precision(tmp_path):
     with pytest.raises(ValueError, match="mixed_precision='no'"):
         hf.attach(_trainer(tmp_path, bf16=True), "auto")

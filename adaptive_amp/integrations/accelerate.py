@@ -16,7 +16,13 @@ Usage::
 What each Accelerate call becomes:
 
 * the model's forward runs under the controller's autocast (policy dtype,
-  fp32 islands, layer statistics on training forwards);
+  fp32 islands, layer statistics on training forwards). A model Accelerate
+  compiled whole in one process (its dynamo plugin; the transformers
+  Trainer's ``torch_compile``) runs the compiled forward inside that context,
+  as a model compiled by hand does under the controller: one whole-model
+  graph, and its statistics steps with the repeated blocks compiled. Under
+  DDP the compiled wrapper holds DDP, and the context goes inside it: its
+  statistics steps then compile the whole model a second time;
 * ``accelerator.backward(loss)`` is the controller's backward (the loss scaled
   by :class:`adaptive_amp.GradScaler` where the policy scales, and recorded);
 * ``accelerator.clip_grad_norm_`` is the scaler's ``clip_grad_norm_`` (the
@@ -60,6 +66,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 from ..controller import AdaptiveMixedPrecision
 from ..distributed import CollectiveAdaptiveMixedPrecision, world_group
+from ..layers import unwrap_model
 from ..policy import PrecisionPolicy
 from ..step_result import StepResult
 
@@ -146,16 +153,21 @@ class AcceleratorBridge:
             raise TypeError("optimizer: pass the optimizer that accelerator.prepare returned (an "
                             f"AcceleratedOptimizer), got {type(optimizer).__name__}")
         module = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        # A model compiled whole around the module itself (Accelerate's dynamo plugin, the transformers
+        # Trainer's torch_compile, in one process): the controller takes the compiled wrapper, as it takes a
+        # user's, and its context goes around the compiled forward. Inside it, traced, the context broke the
+        # graph into pieces and recompiled them, and the statistics steps compiled the whole model again.
+        outer = model if model is not module and unwrap_model(model) is module else module
         raw = _raw_optimizer(optimizer)
         if self.amp is not None:
             self.amp.remove()
         make = CollectiveAdaptiveMixedPrecision if world_group() is not None else AdaptiveMixedPrecision
-        self.amp = make(module, raw, self.policy, **self.controller_kwargs)
+        self.amp = make(outer, raw, self.policy, **self.controller_kwargs)
         self._optimizer = raw
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.amp.load_state_dict(state)
-        self._wrap_forward(module)
+        self._wrap_forward(outer)
         # Instance attribute, as Accelerate patches optimizer.step itself: the object the Accelerator,
         # its scheduler wrapper and the caller hold stays the same.
         optimizer.step = self._step_method(optimizer)
