@@ -626,10 +626,9 @@ class AdaptivePrecisionSelector:
 
         recipes, skipped = candidate_recipes(capabilities, analysis, candidates, fp8=fp8_map)
         # What the fp8 layers save a step, where they were timed as the finalists are (compiled or eagerly).
-        saved = None
-        if measured and isinstance(model, torch.nn.Module) and \
-                bool(fp8_options.get("compiled", is_compiled(model))) == is_compiled(model):
-            saved = measured[0].saved_ms
+        compiled = isinstance(model, torch.nn.Module) and is_compiled(model)
+        saved = measured[0].saved_ms if measured and bool(fp8_options.get("compiled", compiled)) == compiled \
+            else None
         result = Tuner(model, optimizer, batches, loss_fn, capabilities, recipes, skipped, steps=steps,
                        memory_budget=memory_budget, analysis=analysis, fp8_saved_ms=saved, **options).run()
         if measured:

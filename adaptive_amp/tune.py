@@ -1489,10 +1489,8 @@ class Tuner:
             return None
         if _has_fp8(recipe):
             return None
-        base = recipe.name[:-len("+ckpt")] if recipe.checkpoint else recipe.name
-        if not any(r.name == base + "+fp8" for r in self.recipes):
-            return None
-        return self._twins(recipe)[0]
+        twins = self._twins(recipe)  # (the last is the candidate's name, without checkpointing)
+        return twins[0] if any(r.name == twins[-1] for r in self.recipes) else None
 
     @staticmethod
     def _twins(recipe: Recipe) -> Tuple[str, ...]:
@@ -1511,7 +1509,7 @@ class Tuner:
         `recipe` does, and its fp8 layers were timed to save more than `tie` of a step, so `recipe` cannot be
         faster, nor within `tie` of it and safer. (It runs after all if the twin then fails:
         :meth:`_run_dominated`.)"""
-        held = next((t for t in trials if t.name in self._twins(recipe) and _holds(t)), None)
+        held = self._held_twin(recipe, trials)
         if held is None:
             return None
         return (f"{held.name} agrees and fits, and its fp8 layers were timed {self.fp8_saved_ms:.4g} ms a step "
@@ -1519,14 +1517,17 @@ class Tuner:
                 f"{self._reference.step_time_ms:.4g} ms): {recipe.name} cannot be faster; it runs if {held.name} "
                 "fails later")
 
+    def _held_twin(self, recipe: Recipe, trials: List[Trial]) -> Optional[Trial]:
+        """The first trial of :meth:`_twins` that ran without error, fits and agrees; None if none does."""
+        return next((t for t in trials if t.name in self._twins(recipe) and _holds(t)), None)
+
     def _run_dominated(self, trials: List[Trial], recipes: Dict[str, Recipe]) -> None:
         """The recipes not run for their fp8 twin (:meth:`_dominated_by`) run after all when no twin of theirs
         still holds, or no candidate with fp8 layers can be chosen (each failed when timed: out of memory, an
         error compiling): their trials, and compiled, their finalists timed beside the others, with the trials
         the twins stood for (:meth:`_stood_for`) and a checkpointed recipe's own that ran out of memory."""
         fp8_ok = any(_usable(t) and _has_fp8(recipes[t.name]) for t in trials)
-        lost = [r for r in self._dominated if not fp8_ok or not any(
-            t.name in self._twins(r) and _holds(t) for t in trials)]
+        lost = [r for r in self._dominated if not fp8_ok or self._held_twin(r, trials) is None]
         self._dominated = []
         if not lost:
             return

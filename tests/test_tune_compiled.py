@@ -398,12 +398,14 @@ def _saving(monkeypatch, saved_ms):
 SIX = {"fp32": 25, "bf16": 8, "bf16-weights": 7, "bf16+fp8": 20, "bf16-weights+fp8": 19.5, "bf16-pure+fp8": 18}
 
 
-@pytest.mark.parametrize("saved_ms, runs_plain", [(5.0, False), (0.05, True), (None, True)])
-def test_a_recipe_whose_fp8_twin_agrees_and_saves_is_not_run(saved_ms, runs_plain, fp8_here, monkeypatch):
+@pytest.mark.parametrize("saved_ms, runs_plain, family", [(5.0, False, "llama"), (0.05, True, "llama"),
+                                                          (None, True, "llama"),
+                                                          pytest.param(5.0, False, "gpt2", marks=pytest.mark.slow)])
+def test_a_recipe_whose_fp8_twin_agrees_and_saves_is_not_run(saved_ms, runs_plain, family, fp8_here, monkeypatch):
     """Its twin computes every other op as it does, and each of the twin's fp8 layers was timed faster than in
     bf16: it cannot be faster. Only when the saving is more than `tie` of the reference's step (25 ms here),
     and measured (not a gain_fn's)."""
-    zm, opt, batches = _setup()
+    zm, opt, batches = _setup(family)
     _saving(monkeypatch, saved_ms)
     loss_fn = _timed(monkeypatch, zm, SIX, {"fp32": 5, "bf16": 3, "bf16-weights": 2.9, "bf16+fp8": 2,
                                             "bf16-weights+fp8": 1.9, "bf16-pure+fp8": 1.5})
@@ -469,7 +471,7 @@ def test_a_recipe_runs_when_its_fp8_twin_disagrees_or_its_saving_was_timed_other
     eager = {"fp32": 25, "bf16": 8, "bf16+fp8": 20}
     loss_fn = _timed(monkeypatch, zm, eager, {"fp32": 5, "bf16": 3, "bf16+fp8": 2})
     result = tune(torch.compile(zm.model, backend="eager"), opt, batches, loss_fn, candidates=list(eager),
-                  **dict(dict(fp8=dict(gain_fn=lambda *a: 1.4)), **options), steps=3, rounds=1, timed_steps=1)
+                  **{"fp8": dict(gain_fn=lambda *a: 1.4), **options}, steps=3, rounds=1, timed_steps=1)
     assert [t.name for t in result.trials] == order and not result.skipped
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
+from .._process_group import world_group
 from .config import check_kind
 from .execution import fp8_forward, plain_forward
 
@@ -97,8 +98,7 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
         seen = set()  # the signatures of the batches run
         # Under torch.distributed every rank runs every batch: a forward may be collective (FSDP2's all-gathers,
         # DDP's buffer broadcast), and each rank's batches and rows are its own.
-        alone = not (torch.distributed.is_available() and torch.distributed.is_initialized()
-                     and torch.distributed.get_world_size() > 1)
+        alone = world_group() is None
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             for batch in batches:
                 signature = _signature(batch)
