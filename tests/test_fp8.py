@@ -153,6 +153,35 @@ def test_fp8_forward_compiles_without_a_graph_break():
     assert torch.equal(out, eager) and xc.grad is not None and linear.weight.grad is not None
 
 
+@pytest.mark.parametrize("make", ["linear", "conv1d"])
+def test_fp8_layer_graphs_do_not_depend_on_the_imported_modules(monkeypatch, make):
+    # Every fp8 layer's forward asks whether it is a Conv1D inside the traced graph. Asked through sys.modules,
+    # the graph was guarded on it: importing transformers recompiled, and a thread importing a module while
+    # dynamo read sys.modules failed the compile ("dictionary changed size during iteration").
+    import sys
+    import types
+
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48) if make == "linear" else _conv1d(64, 48)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    compiled = torch.compile(lambda t: fp8.fp8_forward(layer, t, "fp8-tensorwise") + fp8.plain_forward(layer, t),
+                             backend=backend, fullgraph=True)
+    x = torch.randn(4, 64)
+    compiled(x)
+    monkeypatch.setitem(sys.modules, "transformers.pytorch_utils", types.ModuleType("transformers.pytorch_utils"))
+    monkeypatch.setitem(sys.modules, "an_unrelated_module", types.ModuleType("an_unrelated_module"))
+    out = compiled(x)
+    assert len(graphs) == 1
+    assert torch.equal(out, fp8.fp8_forward(layer, x, "fp8-tensorwise") + fp8.plain_forward(layer, x))
+    assert eligibility.is_conv1d(layer) is (make == "conv1d")
+
+
 def test_wrap_forward_is_a_kind_for_the_per_layer_mechanism():
     torch.manual_seed(0)
     linear = nn.Linear(64, 32)
