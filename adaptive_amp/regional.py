@@ -10,15 +10,17 @@ So a statistics step of such a model runs it eagerly around its repeated blocks
 (``torch.compiler.set_stance("force_eager")`` for the whole-model graph) and each block through one compiled
 graph that every block shares, compiled with the user's backend: the second compile is one block's. This is the
 regional compilation that collect.py already measures (blocks compiled one at a time), and the ordinary steps
-run the user's whole-model graph, traced without the hooks. Models whose blocks are compiled on their own, or
-that have no repeated blocks, or torch without ``set_stance`` (before 2.6), keep the whole-model statistics graph.
+run the user's whole-model graph, traced without the hooks. A model compiled whole is a torch.compile wrapper, a
+module compiled in place, or one whose forward the instance replaced by a compiled one (Lightning's way). Models
+whose blocks are compiled on their own, or that have no repeated blocks, or torch without ``set_stance`` (before
+2.6), keep the whole-model statistics graph.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -79,14 +81,31 @@ class RegionalStatistics:
         self.model = model
         self._compiled = None  # torch.compile of _statistics_block with the user's backend, made when first used
 
-    def blocks(self) -> List[nn.Module]:
-        """The blocks a statistics step compiles: the repeated blocks of a model compiled whole (a torch.compile
-        wrapper, or ``model.compile()``), none of them compiled on its own; [] where the whole-model statistics
-        graph stays (or nothing is compiled, or the stance was set by the user, or this runs while compiling)."""
+    def _compiled_whole(self) -> Tuple[bool, Any]:
+        """Whether the model is compiled whole, and the dynamo context it was compiled with (None where it cannot
+        be read): a torch.compile wrapper, a module compiled in place (``model.compile()``), or one whose forward
+        was replaced by a compiled function in the instance, as Lightning's ``from_compiled`` does (``trainer.fit``
+        applies it to a ``torch.compile``\ d LightningModule: its forward and training_step)."""
         root = unwrap_model(self.model)
-        wrapped = root is not self.model
-        if not (wrapped or getattr(root, "_compiled_call_impl", None) is not None):
+        if root is not self.model:
+            return True, getattr(self.model, "dynamo_ctx", None)
+        impl = getattr(root, "_compiled_call_impl", None)
+        if impl is not None:
+            return True, compile_context(impl)
+        forward = vars(root).get("forward")
+        context = compile_context(forward) if forward is not None else None
+        # (only dynamo's own context: a forward wrapped by another library keeps the eager path)
+        dynamo_context = getattr(getattr(torch._dynamo, "eval_frame", None), "_TorchDynamoContext", None)
+        compiled = context is not None and dynamo_context is not None and isinstance(context, dynamo_context)
+        return compiled, context if compiled else None
+
+    def blocks(self) -> List[nn.Module]:
+        """The blocks a statistics step compiles: the repeated blocks of a model compiled whole (see
+        :meth:`_compiled_whole`), none of them compiled on its own; [] where the whole-model statistics graph
+        stays (or nothing is compiled, or the stance was set by the user, or this runs while compiling)."""
+        if not self._compiled_whole()[0]:
             return []
+        root = unwrap_model(self.model)
         if _stance() != "default" or _compiling():
             return []
         blocks = [b for _, b in find_blocks(root)]
@@ -101,10 +120,7 @@ class RegionalStatistics:
             yield []
             return
         if self._compiled is None:
-            root = unwrap_model(self.model)
-            context = getattr(self.model, "dynamo_ctx", None) if root is not self.model else \
-                compile_context(root._compiled_call_impl)
-            self._compiled = torch.compile(_statistics_block, backend=compile_backend(context))
+            self._compiled = torch.compile(_statistics_block, backend=compile_backend(self._compiled_whole()[1]))
         with torch.compiler.set_stance("force_eager"):
             for b in blocks:
                 b._compiled_call_impl = functools.partial(_in_default_stance, self._compiled, b)

@@ -52,7 +52,8 @@ def _fit(plugin, steps=5, module=None, ckpt_path=None, trainer_kw=None, data=Non
          **module_kw):
     """`ns`: the Lightning package whose Trainer runs it (pytorch_lightning, or lightning.pytorch)."""
     ns.seed_everything(0, verbose=False)
-    module = module or (LitGPT2 if ns is pl else lit_gpt2_class(ns.LightningModule))(**module_kw)
+    if module is None:
+        module = (LitGPT2 if ns is pl else lit_gpt2_class(ns.LightningModule))(**module_kw)
     trainer = _trainer(plugin, max_steps=steps, device=device, ns=ns, **(trainer_kw or {}))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -318,3 +319,42 @@ def test_unified_trainer_checkpoint_resume_continues_bitwise(tmp_path):
     assert m_resumed.losses == m_straight.losses[3:]
     assert resumed.amp.step_count == 6 and resumed.amp.scaler.skipped_steps == 1
     assert json.dumps(resumed.amp.state_dict()["monitor"]) == json.dumps(straight.amp.state_dict()["monitor"])
+
+
+def test_a_compiled_lightning_module_compiles_one_block_for_its_statistics_steps():
+    """``trainer.fit(torch.compile(module))``: Lightning replaces the module's forward and training_step with
+    compiled ones. The controller's statistics steps then run the repeated blocks through one block graph, as for
+    a model compiled by hand, instead of compiling the whole step a second time with its hooks."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    aot_eager = lookup_backend("aot_eager")
+
+    class Compilable(LitGPT2):  # no .item() and no global_step in the step: the same graphs every step
+        def __init__(self):
+            super().__init__()
+            # (with a key-value cache, the first block sees it empty and the others filled: two block graphs)
+            self.model.config.use_cache = False
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+    def fit(plugin):
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(len(gm.graph.nodes))
+            return aot_eager(gm, example_inputs)
+
+        torch._dynamo.reset()
+        pl.seed_everything(0, verbose=False)
+        _fit(plugin, module=torch.compile(Compilable(), backend=backend))
+        return graphs
+
+    theirs = fit(MixedPrecision("bf16-mixed", "cpu"))
+    plugin = AdaptivePrecision("params=float32,compute=bfloat16", read_every=2, stats_every=2)
+    ours = fit(plugin)
+    # Lightning's own graphs of the whole step (the model's, and the loss's after transformers' graph break), and
+    # one more before them: a block's, at the first step (a statistics step), smaller than the model's. (Without
+    # it: the whole step compiled again with the hooks, [187, 12, 155, 12].)
+    assert ours[1:] == theirs and ours[0] < theirs[0], (ours, theirs)
+    assert sorted({ls.step for ls in plugin.amp.monitor.layer_stats}) == [0, 2, 4]

@@ -109,3 +109,31 @@ def test_a_statistics_step_that_raises_leaves_the_blocks_and_the_stance_as_they_
             raise RuntimeError("the forward failed")
     assert _stance() == "default"
     assert all(b._compiled_call_impl is None for _, b in find_blocks(zm.model))
+
+
+def test_a_forward_replaced_by_a_compiled_one_counts_as_compiled_whole():
+    # Lightning's from_compiled (what trainer.fit does with a torch.compile'd LightningModule) replaces the
+    # instance's forward with a compiled one; a forward wrapped by something else keeps the eager path.
+    import functools
+
+    zm = zoo.build("llama", seed=0)
+    model = zm.model
+    eager_forward = model.forward
+
+    class Hook:
+        callback = staticmethod(lambda *a: None)  # looks like a context to a closure scan, is not dynamo's
+
+    hook = Hook()
+
+    @functools.wraps(eager_forward)
+    def wrapped(*args, **kwargs):
+        assert hook is not None
+        return eager_forward(*args, **kwargs)
+
+    model.forward = wrapped
+    assert RegionalStatistics(model).blocks() == []
+    torch._dynamo.reset()
+    model.forward = torch.compile(eager_forward, backend="aot_eager")
+    assert len(RegionalStatistics(model).blocks()) == len(find_blocks(model)) >= 2
+    del model.forward
+    assert RegionalStatistics(model).blocks() == []
