@@ -156,8 +156,8 @@ def test_fp8_forward_compiles_without_a_graph_break():
 @pytest.mark.parametrize("make", ["linear", "conv1d"])
 def test_fp8_layer_graphs_do_not_depend_on_the_imported_modules(monkeypatch, make):
     # Every fp8 layer's forward asks whether it is a Conv1D inside the traced graph. Asked through sys.modules,
-    # the graph was guarded on it: importing transformers recompiled, and a thread importing a module while
-    # dynamo read sys.modules failed the compile ("dictionary changed size during iteration").
+    # the graph would be guarded on it: importing transformers would recompile, and a thread importing a module
+    # while dynamo reads sys.modules fails the compile ("dictionary changed size during iteration").
     import sys
     import types
 

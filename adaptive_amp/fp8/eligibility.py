@@ -32,8 +32,8 @@ def _conv1d_class() -> Optional[type]:
 def is_conv1d(module: nn.Module) -> bool:
     """Whether `module` is (a subclass of) transformers' Conv1D. Told from its class's own names, not from
     transformers' module: every fp8 layer's forward asks this, inside the graph torch.compile traces, where a
-    lookup in ``sys.modules`` is guarded on (an import of transformers recompiled every graph) and once failed
-    the compile with "dictionary changed size during iteration" as another thread imported a module."""
+    lookup in ``sys.modules`` would be guarded on (an import of transformers would recompile every graph) and
+    fails the compile ("dictionary changed size during iteration") when another thread imports a module."""
     return any(c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils" for c in type(module).__mro__)
 
 
