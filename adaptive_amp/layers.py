@@ -54,6 +54,13 @@ def is_compiled(model: nn.Module) -> bool:
     return unwrap_model(model) is not model or bool(compiled_in_place(model))
 
 
+def is_instance_named(obj, module: str, name: str) -> bool:
+    """Whether `obj` is an instance of the class `name` of `module` (``"transformers.pytorch_utils"``,
+    ``"Conv1D"``), or of a subclass of it, told by the classes' own names: `module` need not be imported, and
+    code that torch.compile traces reads nothing it would guard on beyond `obj`'s type."""
+    return any(c.__name__ == name and c.__module__ == module for c in type(obj).__mro__)
+
+
 def is_sharded(tensor) -> bool:
     """Whether `tensor` (a parameter, its gradient, an optimizer state, a recorded value) is a DTensor, as FSDP2's
     ``fully_shard`` and tensor parallelism leave them: each rank holds its shard, or a replica."""

@@ -25,7 +25,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .layers import unwrap_model
+from .layers import is_instance_named, unwrap_model
 from .recipes import find_blocks
 
 
@@ -53,7 +53,18 @@ def _statistics_block(module: nn.Module, *args, **kwargs):
     return module._call_impl(*args, **kwargs)
 
 
+def _holds_a_cache(args, kwargs) -> bool:
+    """Whether a block's call carries a transformers key-value cache."""
+    return any(is_instance_named(v, "transformers.cache_utils", "Cache") for v in (*args, *kwargs.values()))
+
+
 def _in_default_stance(compiled, module: nn.Module, *args, **kwargs):
+    # A block handed a transformers key-value cache (transformers keeps one in training while the model's
+    # config.use_cache is on) fills its own layer of it, so each block's graph would be one of its own: as many
+    # compiles as blocks, up to dynamo's recompile limit. Such a statistics step runs its blocks eagerly instead
+    # (one eager step every stats_every steps, nothing compiled).
+    if _holds_a_cache(args, kwargs):
+        return module._call_impl(*args, **kwargs)
     # The whole-model graph is set aside by the force_eager stance; the block's graph runs in the default one.
     with torch.compiler.set_stance("default"):
         return compiled(module, *args, **kwargs)

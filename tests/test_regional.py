@@ -137,3 +137,26 @@ def test_a_forward_replaced_by_a_compiled_one_counts_as_compiled_whole():
     assert len(RegionalStatistics(model).blocks()) == len(find_blocks(model)) >= 2
     del model.forward
     assert RegionalStatistics(model).blocks() == []
+
+
+def test_blocks_handed_a_key_value_cache_run_eagerly_at_statistics_steps():
+    # With config.use_cache on, transformers hands every block the cache, and each block fills its own layer of
+    # it: a shared block graph would compile once per block. The statistics steps run the blocks eagerly instead.
+    zm = zoo.build("llama", seed=0)
+    zm.model.config.use_cache = True
+    reference = copy.deepcopy(zm)
+    torch._dynamo.reset()
+    graphs = []
+    compiled = torch.compile(zm.model, backend=counting_aot_eager(graphs))
+    amp = train(zm, compiled, 5)
+    assert len(find_blocks(zm.model)) >= 2
+    assert sorted({ls.step for ls in amp.monitor.layer_stats}) == [0, 2, 4]
+    assert len(graphs) == 1, graphs  # the whole model's, for the ordinary steps; nothing for the statistics steps
+    eager = train(reference, reference.model, 1)
+    ours, theirs = rows_at(amp, 0), rows_at(eager, 0)
+    assert set(ours) == set(theirs) == {"activation", "input", "gradient"}
+    for kind in ours:
+        assert [(r[0], r[2]) for r in ours[kind]] == [(r[0], r[2]) for r in theirs[kind]], kind
+        for a, b in zip(ours[kind], theirs[kind]):
+            assert a[1] == pytest.approx(b[1], rel=1e-3, abs=1e-6), (kind, a[0])
+    amp.remove()

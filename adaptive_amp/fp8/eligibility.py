@@ -19,7 +19,7 @@ from typing import Dict, Iterable, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ..layers import unwrap_model
+from ..layers import is_instance_named, unwrap_model
 from .config import DIVISOR, MIN_CAPABILITY, TORCHAO_MIN_VERSION, check_kind
 
 
@@ -34,7 +34,7 @@ def is_conv1d(module: nn.Module) -> bool:
     transformers' module: every fp8 layer's forward asks this, inside the graph torch.compile traces, where a
     lookup in ``sys.modules`` would be guarded on (an import of transformers would recompile every graph) and
     fails the compile ("dictionary changed size during iteration") when another thread imports a module."""
-    return any(c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils" for c in type(module).__mro__)
+    return is_instance_named(module, "transformers.pytorch_utils", "Conv1D")
 
 
 def matmul_sizes(module: nn.Module) -> Optional[Tuple[int, int]]:
