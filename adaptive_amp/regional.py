@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -58,16 +59,12 @@ def _holds_a_cache(args, kwargs) -> bool:
     return any(is_instance_named(v, "transformers.cache_utils", "Cache") for v in (*args, *kwargs.values()))
 
 
-def _in_default_stance(compiled, module: nn.Module, *args, **kwargs):
-    # A block handed a transformers key-value cache (transformers keeps one in training while the model's
-    # config.use_cache is on) fills its own layer of it, so each block's graph would be one of its own: as many
-    # compiles as blocks, up to dynamo's recompile limit. Such a statistics step runs its blocks eagerly instead
-    # (one eager step every stats_every steps, nothing compiled).
-    if _holds_a_cache(args, kwargs):
-        return module._call_impl(*args, **kwargs)
-    # The whole-model graph is set aside by the force_eager stance; the block's graph runs in the default one.
-    with torch.compiler.set_stance("default"):
-        return compiled(module, *args, **kwargs)
+def _compiles(context) -> bool:
+    """Whether `context` (a dynamo context) compiles: torch.compile's, not ``torch.compiler.disable``'s or
+    ``torch._dynamo.run``'s (the same class family, with no backend)."""
+    dynamo_context = getattr(getattr(torch._dynamo, "eval_frame", None), "_TorchDynamoContext", None)
+    return dynamo_context is not None and isinstance(context, dynamo_context) and \
+        callable(getattr(context, "callback", None))
 
 
 def _stance() -> Optional[str]:
@@ -91,38 +88,63 @@ class RegionalStatistics:
     def __init__(self, model: nn.Module):
         self.model = model
         self._compiled = None  # torch.compile of _statistics_block with the user's backend, made when first used
+        self._warned_cache = False
 
     def _compiled_whole(self) -> Tuple[bool, Any]:
         """Whether the model is compiled whole, and the dynamo context it was compiled with (None where it cannot
-        be read): a torch.compile wrapper, a module compiled in place (``model.compile()``), or one whose forward
-        was replaced by a compiled function in the instance, as Lightning's ``from_compiled`` does (``trainer.fit``
-        applies it to a ``torch.compile``\ d LightningModule: its forward and training_step)."""
+        be read): a torch.compile wrapper, a module compiled in place (``model.compile()``), a LightningModule
+        that Lightning's ``from_compiled`` compiled (``trainer.fit`` applies it to a ``torch.compile``\ d one:
+        its forward and training_step, the context kept in ``_compiler_ctx``), or a module whose forward was
+        replaced by a compiled function in the instance."""
         root = unwrap_model(self.model)
         if root is not self.model:
-            return True, getattr(self.model, "dynamo_ctx", None)
+            context = getattr(self.model, "dynamo_ctx", None)
+            return context is None or _compiles(context), context  # (None: a torch without it; compiled)
         impl = getattr(root, "_compiled_call_impl", None)
         if impl is not None:
             return True, compile_context(impl)
-        forward = vars(root).get("forward")
-        context = compile_context(forward) if forward is not None else None
-        # (only dynamo's own context: a forward wrapped by another library keeps the eager path)
-        dynamo_context = getattr(getattr(torch._dynamo, "eval_frame", None), "_TorchDynamoContext", None)
-        compiled = context is not None and dynamo_context is not None and isinstance(context, dynamo_context)
+        lightning = getattr(root, "_compiler_ctx", None)  # what from_compiled leaves: training_step compiled too
+        context = lightning.get("dynamo_ctx") if isinstance(lightning, dict) else None
+        if context is None and "forward" in vars(root):
+            # (only dynamo's own compiling context: a forward wrapped by another library, or by
+            # torch.compiler.disable, keeps the eager path)
+            context = compile_context(vars(root)["forward"])
+        compiled = _compiles(context)
         return compiled, context if compiled else None
 
     def blocks(self) -> List[nn.Module]:
         """The blocks a statistics step compiles: the repeated blocks of a model compiled whole (see
         :meth:`_compiled_whole`), none of them compiled on its own; [] where the whole-model statistics graph
         stays (or nothing is compiled, or the stance was set by the user, or this runs while compiling)."""
+        # (first: while tracing, nothing below may be read, and the stance is the user's to set)
+        if _stance() != "default" or _compiling():
+            return []
         if not self._compiled_whole()[0]:
             return []
         root = unwrap_model(self.model)
-        if _stance() != "default" or _compiling():
-            return []
         blocks = [b for _, b in find_blocks(root)]
         if not blocks or any(getattr(b, "_compiled_call_impl", None) is not None for b in blocks):
             return []
         return blocks
+
+    def _call_block(self, module: nn.Module, *args, **kwargs):
+        """A block's call at a statistics step: through the shared block graph, in the default stance (the
+        whole-model graph is set aside by force_eager)."""
+        if _holds_a_cache(args, kwargs):
+            # A block handed a transformers key-value cache (transformers keeps one in training while the model's
+            # config.use_cache is on) fills its own layer of it, so each block's graph would be one of its own: as
+            # many compiles as blocks, up to dynamo's recompile limit. Run eagerly instead (one eager step every
+            # stats_every steps, nothing compiled).
+            if not self._warned_cache:
+                self._warned_cache = True
+                warnings.warn("AdaptiveMixedPrecision: the statistics steps run the model eagerly: its blocks are "
+                              "handed a transformers key-value cache (config.use_cache is on), which would compile "
+                              "one graph per block. Training does not use the cache: set "
+                              "model.config.use_cache = False to run them through one compiled block graph (and "
+                              "save the cache's memory).", stacklevel=2)
+            return module._call_impl(*args, **kwargs)
+        with torch.compiler.set_stance("default"):
+            return self._compiled(module, *args, **kwargs)
 
     @contextlib.contextmanager
     def step(self):
@@ -134,7 +156,7 @@ class RegionalStatistics:
             self._compiled = torch.compile(_statistics_block, backend=compile_backend(self._compiled_whole()[1]))
         with torch.compiler.set_stance("force_eager"):
             for b in blocks:
-                b._compiled_call_impl = functools.partial(_in_default_stance, self._compiled, b)
+                b._compiled_call_impl = functools.partial(self._call_block, b)
             try:
                 yield blocks
             finally:

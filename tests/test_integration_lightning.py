@@ -332,7 +332,7 @@ def test_a_compiled_lightning_module_compiles_one_block_for_its_statistics_steps
     class Compilable(LitGPT2):  # no .item() and no global_step in the step: the same graphs every step
         def __init__(self):
             super().__init__()
-            # (with a key-value cache, the first block sees it empty and the others filled: two block graphs)
+            # (with a key-value cache the statistics steps run eagerly: test_regional.py has that case)
             self.model.config.use_cache = False
 
         def training_step(self, batch, batch_idx):

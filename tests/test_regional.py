@@ -132,6 +132,8 @@ def test_a_forward_replaced_by_a_compiled_one_counts_as_compiled_whole():
 
     model.forward = wrapped
     assert RegionalStatistics(model).blocks() == []
+    model.forward = torch.compiler.disable(eager_forward)  # a dynamo context too, that compiles nothing
+    assert RegionalStatistics(model).blocks() == []
     torch._dynamo.reset()
     model.forward = torch.compile(eager_forward, backend="aot_eager")
     assert len(RegionalStatistics(model).blocks()) == len(find_blocks(model)) >= 2
@@ -148,7 +150,8 @@ def test_blocks_handed_a_key_value_cache_run_eagerly_at_statistics_steps():
     torch._dynamo.reset()
     graphs = []
     compiled = torch.compile(zm.model, backend=counting_aot_eager(graphs))
-    amp = train(zm, compiled, 5)
+    with pytest.warns(UserWarning, match="model.config.use_cache = False"):
+        amp = train(zm, compiled, 5)
     assert len(find_blocks(zm.model)) >= 2
     assert sorted({ls.step for ls in amp.monitor.layer_stats}) == [0, 2, 4]
     assert len(graphs) == 1, graphs  # the whole model's, for the ordinary steps; nothing for the statistics steps
@@ -159,4 +162,30 @@ def test_blocks_handed_a_key_value_cache_run_eagerly_at_statistics_steps():
         assert [(r[0], r[2]) for r in ours[kind]] == [(r[0], r[2]) for r in theirs[kind]], kind
         for a, b in zip(ours[kind], theirs[kind]):
             assert a[1] == pytest.approx(b[1], rel=1e-3, abs=1e-6), (kind, a[0])
+    amp.remove()
+
+
+def test_a_statistics_step_traced_by_the_users_compile_keeps_the_whole_graph():
+    # amp.autocast() inside a function the user compiles: the statistics step's context is traced, and must not
+    # read what dynamo cannot trace (a model compiled in place: its compiled call's closure).
+    zm = zoo.build("llama", seed=0)
+    torch._dynamo.reset()
+    zm.model.compile(backend="eager")
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp = AdaptiveMixedPrecision(zm.model, opt, policy=BF16, capabilities=CPU_BF16, progress=False,
+                                     read_every=2, stats_every=2)
+
+    @torch.compile(backend="eager")
+    def forward_loss(batch):
+        with amp.autocast():
+            return zm.loss(zm.model, batch)
+
+    for i in range(3):
+        amp.backward(forward_loss(zm.make_batch(2, seed=i)))
+        amp.step()
+        amp.zero_grad()
+    assert sorted({ls.step for ls in amp.monitor.layer_stats}) == [0, 2]
+    assert all(b._compiled_call_impl is None for _, b in find_blocks(zm.model))
     amp.remove()
