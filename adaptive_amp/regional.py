@@ -13,7 +13,8 @@ regional compilation that collect.py already measures (blocks compiled one at a 
 run the user's whole-model graph, traced without the hooks. A model compiled whole is a torch.compile wrapper, a
 module compiled in place, or one whose forward the instance replaced by a compiled one (Lightning's way). Models
 whose blocks are compiled on their own, or that have no repeated blocks, or torch without ``set_stance`` (before
-2.6), keep the whole-model statistics graph.
+2.6), keep the whole-model statistics graph. Blocks handed a transformers key-value cache run eagerly at
+statistics steps (:meth:`RegionalStatistics._call_block` says why).
 """
 
 from __future__ import annotations
