@@ -235,3 +235,16 @@ def controller_losses(amp, zm, model, steps: int, device="cpu", batch: int = 8) 
         amp.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def counting_aot_eager(graphs: list):
+    """A torch.compile backend that runs as "aot_eager" (dynamo and AOT autograd as with inductor, without code
+    generation) and appends each graph's node count to `graphs`: how many graphs compiled, and how large."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    aot_eager = lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return aot_eager(gm, example_inputs)
+    return backend

@@ -24,7 +24,7 @@ from adaptive_amp.integrations.lightning import AdaptiveFabricPrecision, Adaptiv
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
 
 from _integ_models import lit_gpt2_class, tiny_gpt2, token_batches  # noqa: E402
-from conftest import cuda_param  # noqa: E402
+from conftest import counting_aot_eager, cuda_param  # noqa: E402
 
 FP16 = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval=3"
 
@@ -325,10 +325,6 @@ def test_a_compiled_lightning_module_compiles_one_block_for_its_statistics_steps
     """``trainer.fit(torch.compile(module))``: Lightning replaces the module's forward and training_step with
     compiled ones. The controller's statistics steps then run the repeated blocks through one block graph, as for
     a model compiled by hand, instead of compiling the whole step a second time with its hooks."""
-    from torch._dynamo.backends.registry import lookup_backend
-
-    aot_eager = lookup_backend("aot_eager")
-
     class Compilable(LitGPT2):  # no .item() and no global_step in the step: the same graphs every step
         def __init__(self):
             super().__init__()
@@ -340,14 +336,9 @@ def test_a_compiled_lightning_module_compiles_one_block_for_its_statistics_steps
 
     def fit(plugin):
         graphs = []
-
-        def backend(gm, example_inputs):
-            graphs.append(len(gm.graph.nodes))
-            return aot_eager(gm, example_inputs)
-
         torch._dynamo.reset()
         pl.seed_everything(0, verbose=False)
-        _fit(plugin, module=torch.compile(Compilable(), backend=backend))
+        _fit(plugin, module=torch.compile(Compilable(), backend=counting_aot_eager(graphs)))
         return graphs
 
     theirs = fit(MixedPrecision("bf16-mixed", "cpu"))

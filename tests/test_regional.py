@@ -20,22 +20,13 @@ from adaptive_amp.hardware import Capabilities  # noqa: E402
 from adaptive_amp.recipes import find_blocks  # noqa: E402
 from adaptive_amp.regional import RegionalStatistics  # noqa: E402
 
+from conftest import counting_aot_eager  # noqa: E402
+
 pytestmark = pytest.mark.skipif(getattr(torch.compiler, "set_stance", None) is None,
                                 reason="torch.compiler.set_stance (torch >= 2.6)")
 
 CPU_BF16 = Capabilities(device_type="cpu", name="test cpu with bf16", bf16=True, fp16=True)
 BF16 = "params=float32,compute=bfloat16"
-
-
-def counting_aot_eager(graphs):
-    from torch._dynamo.backends.registry import lookup_backend
-
-    aot_eager = lookup_backend("aot_eager")
-
-    def backend(gm, example_inputs):
-        graphs.append(len(gm.graph.nodes))
-        return aot_eager(gm, example_inputs)
-    return backend
 
 
 def train(zm, model, steps, **kwargs):
@@ -141,10 +132,11 @@ def test_a_forward_replaced_by_a_compiled_one_counts_as_compiled_whole():
     assert RegionalStatistics(model).blocks() == []
 
 
-def test_blocks_handed_a_key_value_cache_run_eagerly_at_statistics_steps():
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_blocks_handed_a_key_value_cache_run_eagerly_at_statistics_steps(family):
     # With config.use_cache on, transformers hands every block the cache, and each block fills its own layer of
     # it: a shared block graph would compile once per block. The statistics steps run the blocks eagerly instead.
-    zm = zoo.build("llama", seed=0)
+    zm = zoo.build(family, seed=0)
     zm.model.config.use_cache = True
     reference = copy.deepcopy(zm)
     torch._dynamo.reset()
