@@ -94,7 +94,7 @@ class RegionalStatistics:
     def _compiled_whole(self) -> Tuple[bool, Any]:
         """Whether the model is compiled whole, and the dynamo context it was compiled with (None where it cannot
         be read): a torch.compile wrapper, a module compiled in place (``model.compile()``), a LightningModule
-        that Lightning's ``from_compiled`` compiled (``trainer.fit`` applies it to a ``torch.compile``\ d one:
+        that Lightning's ``from_compiled`` compiled (``trainer.fit`` applies it to a module ``torch.compile`` wrapped:
         its forward and training_step, the context kept in ``_compiler_ctx``), or a module whose forward was
         replaced by a compiled function in the instance."""
         root = unwrap_model(self.model)
