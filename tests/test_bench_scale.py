@@ -272,3 +272,45 @@ def test_scale_verdict_says_how_soon_each_seed_reached_the_loss_both_reach():
                      "torch's 19 steps, 0.2 s: 1.90x as fast.",
                      "Seed 1: to the loss both reach (82.5000), ours took 20 steps, 0.4 s at its steady rate, "
                      "torch's 19 steps, 0.2 s: 0.47x as fast."]
+
+
+def test_scale_merge_draws_one_verdict_over_reports_written_apart(tmp_path, capsys):
+    """Seeds run side by side (a GPU each) write a report each; --merge judges them together and runs nothing."""
+    def report(path, *runs, shape=None, date="2026-11-30 11:34 UTC"):
+        path.write_text(json.dumps({"device": "NVIDIA H200", "torch": "2.11.0", "date": date, "args": {"steps": 20},
+                                    "shape": shape or {"hidden_size": 64}, "fsdp2": None, "search": {},
+                                    "skipped": {"torchao-rowwise": "torchao is not installed"}, "runs": list(runs)}))
+        return str(path)
+
+    def r(recipe, seed, loss, tps=100.0, **kw):
+        return dict(recipe=recipe, seed=seed, batch=3, steps=20, steady_tokens_per_s=tps, tokens_per_s=tps,
+                    peak_gib=90.0, final_loss=loss, checkpointing=False, **kw)
+    paths = [report(tmp_path / "t0.json", r("torch-bf16", 0, 2.0)),
+             report(tmp_path / "t1.json", r("torch-bf16", 1, 2.2)),
+             report(tmp_path / "o0.json", r("tune", 0, 2.05, tps=150.0, chosen="bf16+fp8"), r("torch-bf16", 0, 9.0),
+                    date="2026-11-30 11:41 UTC"),
+             report(tmp_path / "o1.json", r("tune", 1, 2.15, tps=160.0, chosen="bf16-pure+fp8"))]
+    before = [open(p).read() for p in paths]
+    out = tmp_path / "all.json"
+    # (The later report's run of torch-bf16 seed 0 replaces the first's, as --resume would.)
+    assert scale.main(["--merge", *paths[:2], paths[3], paths[2], "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert sorted((x["recipe"], x["seed"], x["final_loss"]) for x in merged["runs"]) == [
+        ("torch-bf16", 0, 9.0), ("torch-bf16", 1, 2.2), ("tune", 0, 2.05), ("tune", 1, 2.15)]
+    assert [m["path"] for m in merged["merged"]] == [*paths[:2], paths[3], paths[2]]
+    assert merged["skipped"] == {"torchao-rowwise": "torchao is not installed"}
+    assert scale.main(["--merge", paths[2], *paths[:2], paths[3]]) == 0
+    text = capsys.readouterr().out
+    assert "Speed: ours (tune, chose bf16+fp8, batch 3) trained at 1.50x" in text
+    assert "ours (tune, chose bf16+fp8, bf16-pure+fp8) 2.1000 (2 seed(s)) against torch's 2.1000" in text
+    assert [open(p).read() for p in paths] == before  # the reports read are left as they were
+    # Bad input, by name: a report that cannot be read, is no report, or holds another model; --resume.
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    for argv, message in ((["--merge", paths[0], str(tmp_path / "none.json")], "--merge: cannot read"),
+                          (["--merge", paths[0], str(tmp_path / "bad.json")], "is not a report of bench scale"),
+                          (["--merge", paths[0], report(tmp_path / "other.json", shape={"hidden_size": 32})],
+                           "holds a model of shape"),
+                          (["--merge", *paths, "--json", str(out), "--resume"], "nothing to --resume")):
+        with pytest.raises(SystemExit):
+            scale.main(argv)
+        assert message in capsys.readouterr().err

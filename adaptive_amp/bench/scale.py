@@ -45,7 +45,9 @@ model (``torch.compile(model)``), ``off`` none. Every recipe is compiled the sam
 A full comparison takes longer than one sitting may allow: with --json PATH and --resume, the runs already in
 PATH are kept (a run of the same recipe, seed and batch is replaced), a recipe's batch search is reused, and
 the verdict is drawn over all of them, so that the recipes, and with --seed S their seeds, can run one command
-at a time on the same machine.
+at a time on the same machine. Runs side by side (a seed a GPU: ``CUDA_VISIBLE_DEVICES=1 ... --seed 1 --json
+s1.json``) write a report each, and ``--merge s0.json s1.json ...`` draws the verdict over them all; a tuned run
+made apart from seed 0's tunes for itself, where one command's later seeds train seed 0's choice.
 
 The verdict compares ours (the tuned run, else the fastest of our named recipes) with the fastest torch
 recipe and the fastest torchao recipe: tokens/s (targets: >= 1.3x torch's, >= 1.1x torchao's), peak memory at
@@ -505,6 +507,44 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def merge(paths: List[str], error) -> dict:
+    """One report of the runs in the reports at `paths` (written by separate commands: seeds run side by side on
+    two GPUs, say), with its verdict. A later report's run of the same recipe, seed and batch replaces an earlier
+    one's, as --resume does. `error(message)` refuses a report that cannot be read or holds another model."""
+    reports = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                reports.append(json.load(f))
+        except (OSError, ValueError) as exc:
+            error(f"--merge: cannot read {path}: {exc}")
+        if not isinstance(reports[-1], dict) or "runs" not in reports[-1] or "shape" not in reports[-1]:
+            error(f"--merge: {path} is not a report of bench scale --json")
+    first = reports[0]
+    for path, report in zip(paths[1:], reports[1:]):
+        if report["shape"] != first["shape"]:
+            error(f"--merge: {path} holds a model of shape {report['shape']}, {paths[0]} one of {first['shape']}")
+        if report.get("fsdp2") != first.get("fsdp2"):
+            error(f"--merge: {path} and {paths[0]} were not sharded alike (--fsdp2 {report.get('fsdp2')} against "
+                  f"{first.get('fsdp2')})")
+    out = dict(first, runs=[], search={}, skipped={}, earlier=[], merged=[])
+    for path, report in zip(paths, reports):
+        for run in report["runs"]:
+            key = (run.get("recipe"), run.get("seed"), run.get("batch"))
+            out["runs"] = [old for old in out["runs"]
+                           if (old.get("recipe"), old.get("seed"), old.get("batch")) != key] + [run]
+        out["search"].update(report.get("search", {}))
+        out["skipped"].update(report.get("skipped", {}))
+        out["earlier"] += report.get("earlier", [])
+        out["merged"].append({"path": path, **{k: report.get(k) for k in
+                                               ("date", "device", "torch", "transformers", "torchao")}})
+    # A recipe that ran in one report is not skipped because another command skipped it.
+    ran = {run["recipe"] for run in out["runs"] if "error" not in run}
+    out["skipped"] = {name: why for name, why in out["skipped"].items() if name not in ran}
+    out["verdict"] = verdict(out)
+    return out
+
+
 def _versions() -> dict:
     out = {"torch": torch.__version__}
     for name in ("transformers", "torchao"):
@@ -549,11 +589,14 @@ def _positive(text: str) -> int:
 
 _EPILOG = """examples:
   python -m adaptive_amp bench scale --layers 8 --recipes torch-bf16 --max-seconds 360   # one recipe, < 10 min
-  python -m adaptive_amp bench scale --steps 500 --seeds 2 --json scale.json         # the full comparison
+  python -m adaptive_amp bench scale --steps 700 --seeds 2 --json scale.json         # the full comparison
   python -m adaptive_amp bench scale --recipes torch-bf16 --batch 1 --steps 100 --json s.json --resume
                                                                                    # one recipe a command
   python -m adaptive_amp bench scale --tiny --device cpu --steps 6                   # CPU smoke run, seconds
-  torchrun --standalone --nproc_per_node=2 -m adaptive_amp bench scale --fsdp2 --batch 4 --steps 500 \
+  CUDA_VISIBLE_DEVICES=0 python -m adaptive_amp bench scale --recipes torch-bf16 --batch 3 --seed 0 --json t0.json &
+  CUDA_VISIBLE_DEVICES=1 python -m adaptive_amp bench scale --recipes torch-bf16 --batch 3 --seed 1 --json t1.json &
+  wait; python -m adaptive_amp bench scale --merge t0.json t1.json tune0.json tune1.json  # seeds side by side
+  torchrun --standalone --nproc_per_node=2 -m adaptive_amp bench scale --fsdp2 --batch 4 --steps 700 \
       --recipes torch-bf16,torchao-tensorwise,bf16-pure+fp8 --json fsdp2.json   # two GPUs, FSDP2
 """
 
@@ -579,7 +622,9 @@ def main(argv=None) -> int:
     p.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto",
                    help="activation checkpointing: auto (only for a recipe that does not fit one sequence), "
                         "on, off (default auto)")
-    p.add_argument("--steps", type=_positive, default=500, help="training steps per recipe and seed (default 500)")
+    p.add_argument("--steps", type=_positive, default=700,
+                   help="training steps per recipe and seed (default 700: at 500 the stream's loss still falls "
+                        "steeply, and a recipe a few steps behind is far off in loss)")
     p.add_argument("--max-seconds", type=float, default=None,
                    help="a run (building, compiling and tuning included) starts no new window of steps after "
                         "this many seconds and reports the steps it ran (the batch search is not counted)")
@@ -605,7 +650,20 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true",
                    help="keep the runs already in --json PATH (the same shape) and add these recipes' runs to them")
     p.add_argument("--verbose", action="store_true", help="print the tuning's progress")
+    p.add_argument("--merge", nargs="+", metavar="PATH",
+                   help="run nothing: the table and verdict over the runs in these reports (--json files of the "
+                        "same shape written by separate commands, one a GPU say); with --json, write them as one")
     args = p.parse_args(argv)
+    if args.merge:
+        if args.resume:
+            p.error("--merge runs nothing, so there is nothing to --resume; leave it out")
+        report = merge(args.merge, p.error)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+        print(table(report))
+        print("\n".join(report["verdict"]), flush=True)
+        return 0
     args.rank, args.world = 0, 1
     if args.fsdp2:
         from .scale_fsdp2 import start
