@@ -25,8 +25,9 @@ same name in a compiled model and in the eager one.
 from __future__ import annotations
 
 import fnmatch
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
+import torch
 from torch import nn
 
 #: The attribute through which torch.compile's OptimizedModule holds the module it compiled.
@@ -49,9 +50,48 @@ def compiled_in_place(model: nn.Module) -> List[nn.Module]:
     return [m for m in unwrap_model(model).modules() if getattr(m, "_compiled_call_impl", None) is not None]
 
 
+def compile_context(impl):
+    """The dynamo context (its ``callback`` is the backend) of a function torch.compile returned, such as the
+    ``_compiled_call_impl`` of a module compiled in place; None where it cannot be found."""
+    cells = getattr(impl, "__closure__", None) or ()
+    return next((c.cell_contents for c in cells if hasattr(c.cell_contents, "callback")), None)
+
+
+def compiles(context) -> bool:
+    """Whether `context` (a dynamo context) compiles: torch.compile's, not ``torch.compiler.disable``'s or
+    ``torch._dynamo.run``'s (the same class family, with no backend)."""
+    dynamo_context = getattr(getattr(torch._dynamo, "eval_frame", None), "_TorchDynamoContext", None)
+    return dynamo_context is not None and isinstance(context, dynamo_context) and \
+        callable(getattr(context, "callback", None))
+
+
+def compiled_whole(model: nn.Module) -> Tuple[bool, Any]:
+    """Whether `model` is compiled whole, and the dynamo context it was compiled with (None where it cannot be
+    read): a torch.compile wrapper, a module compiled in place (``model.compile()``), a LightningModule that
+    Lightning's ``from_compiled`` compiled (``trainer.fit`` applies it to a module ``torch.compile`` wrapped: its
+    forward and training_step, the context kept in ``_compiler_ctx``), or a module whose forward was replaced by
+    a compiled function in the instance. A wrapper or forward of ``torch.compiler.disable`` is not compiled."""
+    root = unwrap_model(model)
+    if root is not model:
+        context = getattr(model, "dynamo_ctx", None)
+        return context is None or compiles(context), context  # (None: a torch without it; compiled)
+    impl = getattr(root, "_compiled_call_impl", None)
+    if impl is not None:
+        return True, compile_context(impl)
+    lightning = getattr(root, "_compiler_ctx", None)  # what from_compiled leaves: training_step compiled too
+    context = lightning.get("dynamo_ctx") if isinstance(lightning, dict) else None
+    if context is None and "forward" in vars(root):
+        # (only dynamo's own compiling context: a forward wrapped by another library, or by
+        # torch.compiler.disable, runs eagerly)
+        context = compile_context(vars(root)["forward"])
+    compiled = compiles(context)
+    return compiled, context if compiled else None
+
+
 def is_compiled(model: nn.Module) -> bool:
-    """Whether `model` runs compiled: a ``torch.compile`` wrapper, or a module of it compiled in place."""
-    return unwrap_model(model) is not model or bool(compiled_in_place(model))
+    """Whether `model` runs compiled: compiled whole (:func:`compiled_whole`: a ``torch.compile`` wrapper, in
+    place, or by Lightning), or a module of it compiled in place (each repeated block, say)."""
+    return compiled_whole(model)[0] or bool(compiled_in_place(model))
 
 
 def is_instance_named(obj, module: str, name: str) -> bool:

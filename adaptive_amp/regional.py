@@ -22,26 +22,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 from torch import nn
 
-from .layers import is_instance_named, unwrap_model
+from .layers import compiled_whole, is_instance_named, unwrap_model
 from .recipes import find_blocks
 
 
-def compile_context(impl):
-    """The dynamo context (its ``callback`` is the backend) of a function torch.compile returned, such as the
-    ``_compiled_call_impl`` of a module compiled in place; None where it cannot be found."""
-    cells = getattr(impl, "__closure__", None) or ()
-    return next((c.cell_contents for c in cells if hasattr(c.cell_contents, "callback")), None)
-
-
 def compile_backend(context):
-    """The backend of `context` (a torch.compile wrapper's ``dynamo_ctx``, or :func:`compile_context`'s), so that
-    the blocks compile as the user's model does (inductor with the user's mode and options, or aot_eager, ...);
-    "inductor" where it cannot be read."""
+    """The backend of `context` (a torch.compile wrapper's ``dynamo_ctx``, or
+    :func:`~adaptive_amp.layers.compile_context`'s), so that the blocks compile as the user's model does (inductor
+    with the user's mode and options, or aot_eager, ...); "inductor" where it cannot be read."""
     backend = getattr(context, "callback", None)
     while getattr(backend, "_torchdynamo_orig_backend", None) is not None:
         backend = backend._torchdynamo_orig_backend
@@ -58,14 +51,6 @@ def _statistics_block(module: nn.Module, *args, **kwargs):
 def _holds_a_cache(args, kwargs) -> bool:
     """Whether a block's call carries a transformers key-value cache."""
     return any(is_instance_named(v, "transformers.cache_utils", "Cache") for v in (*args, *kwargs.values()))
-
-
-def _compiles(context) -> bool:
-    """Whether `context` (a dynamo context) compiles: torch.compile's, not ``torch.compiler.disable``'s or
-    ``torch._dynamo.run``'s (the same class family, with no backend)."""
-    dynamo_context = getattr(getattr(torch._dynamo, "eval_frame", None), "_TorchDynamoContext", None)
-    return dynamo_context is not None and isinstance(context, dynamo_context) and \
-        callable(getattr(context, "callback", None))
 
 
 def _stance() -> Optional[str]:
@@ -91,36 +76,15 @@ class RegionalStatistics:
         self._compiled = None  # torch.compile of _statistics_block with the user's backend, made when first used
         self._warned_cache = False
 
-    def _compiled_whole(self) -> Tuple[bool, Any]:
-        """Whether the model is compiled whole, and the dynamo context it was compiled with (None where it cannot
-        be read): a torch.compile wrapper, a module compiled in place (``model.compile()``), a LightningModule
-        that Lightning's ``from_compiled`` compiled (``trainer.fit`` applies it to a module ``torch.compile`` wrapped:
-        its forward and training_step, the context kept in ``_compiler_ctx``), or a module whose forward was
-        replaced by a compiled function in the instance."""
-        root = unwrap_model(self.model)
-        if root is not self.model:
-            context = getattr(self.model, "dynamo_ctx", None)
-            return context is None or _compiles(context), context  # (None: a torch without it; compiled)
-        impl = getattr(root, "_compiled_call_impl", None)
-        if impl is not None:
-            return True, compile_context(impl)
-        lightning = getattr(root, "_compiler_ctx", None)  # what from_compiled leaves: training_step compiled too
-        context = lightning.get("dynamo_ctx") if isinstance(lightning, dict) else None
-        if context is None and "forward" in vars(root):
-            # (only dynamo's own compiling context: a forward wrapped by another library, or by
-            # torch.compiler.disable, keeps the eager path)
-            context = compile_context(vars(root)["forward"])
-        compiled = _compiles(context)
-        return compiled, context if compiled else None
-
     def blocks(self) -> List[nn.Module]:
         """The blocks a statistics step compiles: the repeated blocks of a model compiled whole (see
-        :meth:`_compiled_whole`), none of them compiled on its own; [] where the whole-model statistics graph
-        stays (or nothing is compiled, or the stance was set by the user, or this runs while compiling)."""
+        :func:`~adaptive_amp.layers.compiled_whole`), none of them compiled on its own; [] where the whole-model
+        statistics graph stays (or nothing is compiled, or the stance was set by the user, or this runs while
+        compiling)."""
         # (first: while tracing, nothing below may be read, and the stance is the user's to set)
         if _stance() != "default" or _compiling():
             return []
-        if not self._compiled_whole()[0]:
+        if not compiled_whole(self.model)[0]:
             return []
         root = unwrap_model(self.model)
         blocks = [b for _, b in find_blocks(root)]
@@ -154,7 +118,7 @@ class RegionalStatistics:
             yield []
             return
         if self._compiled is None:
-            self._compiled = torch.compile(_statistics_block, backend=compile_backend(self._compiled_whole()[1]))
+            self._compiled = torch.compile(_statistics_block, backend=compile_backend(compiled_whole(self.model)[1]))
         with torch.compiler.set_stance("force_eager"):
             for b in blocks:
                 b._compiled_call_impl = functools.partial(self._call_block, b)

@@ -179,16 +179,16 @@ import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ._process_group import rank_zeros
 from .adjust import forget_compiled_graphs
-from .layers import compiled_in_place, is_sharded, unwrap_model
+from .layers import compile_context, compiled_in_place, is_sharded, unwrap_model
 from .recipes import AppliedRecipe, Recipe, convertible, find_blocks
-from .regional import compile_backend, compile_context
+from .regional import compile_backend
 from .report import _jsonable, _matplotlib, _save, comparison_table
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

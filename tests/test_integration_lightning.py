@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 import adaptive_amp  # noqa: E402
 from adaptive_amp.integrations.lightning import AdaptiveFabricPrecision, AdaptivePrecision  # noqa: E402
+from adaptive_amp.layers import is_compiled  # noqa: E402
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
 
 from _integ_models import lit_gpt2_class, tiny_gpt2, token_batches  # noqa: E402
@@ -349,3 +350,5 @@ def test_a_compiled_lightning_module_compiles_one_block_for_its_statistics_steps
     # it: the whole step compiled again with the hooks, [187, 12, 155, 12].)
     assert ours[1:] == theirs and ours[0] < theirs[0], (ours, theirs)
     assert sorted({ls.step for ls in plugin.amp.monitor.layer_stats}) == [0, 2, 4]
+    # What the fp8 map and the tuner read to time its layers compiled, as the step runs.
+    assert is_compiled(plugin.amp.model)

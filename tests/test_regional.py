@@ -132,6 +132,26 @@ def test_a_forward_replaced_by_a_compiled_one_counts_as_compiled_whole():
     assert RegionalStatistics(model).blocks() == []
 
 
+def test_what_runs_compiled_is_what_the_layers_are_timed_as():
+    # The fp8 map and the tuner time a model's layers compiled where the model runs compiled (layers.is_compiled):
+    # a wrapper, a module compiled in place, Lightning's compiled module, a compiled forward; not a module that
+    # torch.compiler.disable wrapped (it runs eagerly: fp8 timed compiled would be judged faster than it runs).
+    from adaptive_amp.layers import compiled_whole, is_compiled
+
+    zm = zoo.build("llama", seed=0)
+    model = zm.model
+    torch._dynamo.reset()
+    assert not is_compiled(model) and compiled_whole(model) == (False, None)
+    wrapper = torch.compile(model, backend="aot_eager")
+    assert is_compiled(wrapper) and compiled_whole(wrapper) == (True, wrapper.dynamo_ctx)
+    assert not is_compiled(torch.compiler.disable(model))
+    model._compiler_ctx = {"compiler": "dynamo", "dynamo_ctx": wrapper.dynamo_ctx}  # what from_compiled leaves
+    assert is_compiled(model) and compiled_whole(model)[1] is wrapper.dynamo_ctx
+    del model._compiler_ctx
+    find_blocks(model)[0][1].compile(backend="aot_eager")  # one block in place: compiled, not whole
+    assert is_compiled(model) and not compiled_whole(model)[0]
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_blocks_handed_a_key_value_cache_run_eagerly_at_statistics_steps(family):
     # With config.use_cache on, transformers hands every block the cache, and each block fills its own layer of
