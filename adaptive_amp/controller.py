@@ -212,7 +212,8 @@ class AdaptiveMixedPrecision:
             selection's options apply to the "+fp8" candidates (unless ``tune`` has its own ``fp8``).
             Keys: ``guard`` (an adaptive_amp.fp8.Fp8Guard; False: none), ``batches``, and
             select_fp8_layers' options (kinds, min_gain, max_error, gain_fn, run, ...; ``compiled`` defaults
-            to whether the model runs compiled, as a wrapper or with modules compiled in place). With `adapt`, the
+            to whether the model runs compiled: adaptive_amp.layers.is_compiled, a torch.compile wrapper,
+            modules compiled in place, or a LightningModule Lightning compiled). With `adapt`, the
             guard reads every fp8 layer at statistics steps and, between steps, moves a layer that stops
             tolerating fp8 to bf16 (event "fp8_demote") and back after a stable period ("fp8_restore").
     """

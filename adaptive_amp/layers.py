@@ -74,7 +74,8 @@ def compiled_whole(model: nn.Module) -> Tuple[bool, Any]:
     root = unwrap_model(model)
     if root is not model:
         context = getattr(model, "dynamo_ctx", None)
-        return context is None or compiles(context), context  # (None: a torch without it; compiled)
+        compiled = context is None or compiles(context)  # (None: a torch without it; compiled)
+        return compiled, context if compiled else None
     impl = getattr(root, "_compiled_call_impl", None)
     if impl is not None:
         return True, compile_context(impl)

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Optional, Tuple, Union
 import torch
 
 from .hardware import Capabilities, HardwareDetector
-from .layers import canonical_name, expand_names, is_compiled
+from .layers import canonical_name, expand_names
 from .names import CANDIDATES, format_name, recipe_names
 from .recipes import Recipe
 
@@ -593,7 +593,7 @@ class AdaptivePrecisionSelector:
         ``.plot(path)``, ``.to_dict()`` are the A/B report. The model, the optimizer and the RNG states are
         left as they were, bitwise."""
         from ._process_group import rank_zeros
-        from .tune import Tuner, check_unsharded, trained_parameters
+        from .tune import Tuner, check_unsharded, times_compiled, trained_parameters
 
         device = torch.device("cpu")
         if isinstance(model, torch.nn.Module):  # (else Tuner says why)
@@ -605,6 +605,9 @@ class AdaptivePrecisionSelector:
         from .fp8.training import check_tuning_options, tuning_fp8_map
 
         fp8_options = check_tuning_options(fp8)
+        # What the fp8 layers save a step, timed as the finalists are (compiled or eagerly).
+        compiled = isinstance(model, torch.nn.Module) and times_compiled(model)
+        fp8_options.setdefault("compiled", compiled)
         asked = list(CANDIDATES) if candidates is None else candidate_names(candidates)
         if all(n.startswith(("bf16-weights", "bf16-pure")) for n in asked if "+fp8" in n):
             # Every fp8 candidate trains bf16 weights: time the layers as those runs compute them.
@@ -625,10 +628,8 @@ class AdaptivePrecisionSelector:
             return measured[0]
 
         recipes, skipped = candidate_recipes(capabilities, analysis, candidates, fp8=fp8_map)
-        # What the fp8 layers save a step, where they were timed as the finalists are (compiled or eagerly).
-        compiled = isinstance(model, torch.nn.Module) and is_compiled(model)
-        saved = measured[0].saved_ms if measured and bool(fp8_options.get("compiled", compiled)) == compiled \
-            else None
+        # (None where the user's fp8 options timed them otherwise)
+        saved = measured[0].saved_ms if measured and bool(fp8_options["compiled"]) == compiled else None
         result = Tuner(model, optimizer, batches, loss_fn, capabilities, recipes, skipped, steps=steps,
                        memory_budget=memory_budget, analysis=analysis, fp8_saved_ms=saved, **options).run()
         if measured:

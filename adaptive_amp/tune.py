@@ -186,7 +186,7 @@ from torch import nn
 
 from ._process_group import rank_zeros
 from .adjust import forget_compiled_graphs
-from .layers import compile_context, compiled_in_place, is_sharded, unwrap_model
+from .layers import compile_context, compiled_in_place, compiled_whole, is_sharded, unwrap_model
 from .recipes import AppliedRecipe, Recipe, convertible, find_blocks
 from .regional import compile_backend
 from .report import _jsonable, _matplotlib, _save, comparison_table
@@ -441,6 +441,14 @@ def filled_host_copies(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dt
     for d in devices:
         torch.cuda.synchronize(d)
     return block, views, devices
+
+
+def times_compiled(model: nn.Module) -> bool:
+    """Whether a tuning of `model` compiles and times its finalists: a torch.compile wrapper that compiles, or
+    modules of it compiled in place. A model otherwise compiled (a forward replaced by a compiled one, as
+    Lightning's ``from_compiled`` does) runs its trials as it is, and a ``torch.compiler.disable`` wrapper eagerly.
+    The fp8 map of its ``+fp8`` candidates is timed the same way."""
+    return (unwrap_model(model) is not model and compiled_whole(model)[0]) or bool(compiled_in_place(model))
 
 
 def check_unsharded(model: nn.Module) -> None:
@@ -889,7 +897,7 @@ class Tuner:
         # Modules compiled in place (``module.compile()``: each block, as for large models, or the whole model):
         # their compiled calls are set aside while tuning, so that the screen runs eagerly as for a wrapper.
         self._in_place = compiled_in_place(self.module)
-        self.compiled = wrapped or bool(self._in_place)
+        self.compiled = times_compiled(model)
         self.backend = (compile_backend(getattr(model, "dynamo_ctx", None)) if wrapped else
                         compile_backend(compile_context(self._in_place[0]._compiled_call_impl)) if self._in_place
                         else None)

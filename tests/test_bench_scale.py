@@ -276,8 +276,8 @@ def test_scale_verdict_says_how_soon_each_seed_reached_the_loss_both_reach():
 
 def test_scale_merge_draws_one_verdict_over_reports_written_apart(tmp_path, capsys):
     """Seeds run side by side (a GPU each) write a report each; --merge judges them together and runs nothing."""
-    def report(path, *runs, shape=None, date="2026-11-30 11:34 UTC"):
-        path.write_text(json.dumps({"device": "NVIDIA H200", "torch": "2.11.0", "date": date, "args": {"steps": 20},
+    def report(path, *runs, shape=None, date="2026-11-30 11:34 UTC", device="NVIDIA H200"):
+        path.write_text(json.dumps({"device": device, "torch": "2.11.0", "date": date, "args": {"steps": 20},
                                     "shape": shape or {"hidden_size": 64}, "fsdp2": None, "search": {},
                                     "skipped": {"torchao-rowwise": "torchao is not installed"}, "runs": list(runs)}))
         return str(path)
@@ -304,13 +304,27 @@ def test_scale_merge_draws_one_verdict_over_reports_written_apart(tmp_path, caps
     assert "Speed: ours (tune, chose bf16+fp8, batch 3) trained at 1.50x" in text
     assert "ours (tune, chose bf16+fp8, bf16-pure+fp8) 2.1000 (2 seed(s)) against torch's 2.1000" in text
     assert [open(p).read() for p in paths] == before  # the reports read are left as they were
-    # Bad input, by name: a report that cannot be read, is no report, or holds another model; --resume.
+    # A run that failed fails the merge's exit code too, as it does the command's.
+    failed = report(tmp_path / "failed.json", dict(r("tune", 0, 2.0), error="out of memory"))
+    assert scale.main(["--merge", paths[0], failed]) == 1
+    capsys.readouterr()
+    # Bad input, by name, nothing written: a report that cannot be read, is no report, holds another model or ran
+    # on another device; options of a run; --json naming a report merged.
     (tmp_path / "bad.json").write_text("[1, 2]")
+    (tmp_path / "no_runs.json").write_text(json.dumps({"device": "cpu", "args": {}, "shape": {}, "runs": None}))
+    (tmp_path / "no_recipe.json").write_text(json.dumps({"device": "cpu", "args": {}, "shape": {}, "runs": [{}]}))
+    out.unlink()
     for argv, message in ((["--merge", paths[0], str(tmp_path / "none.json")], "--merge: cannot read"),
-                          (["--merge", paths[0], str(tmp_path / "bad.json")], "is not a report of bench scale"),
+                          (["--merge", paths[0], str(tmp_path / "bad.json")], "bad.json is not a report of bench"),
+                          (["--merge", str(tmp_path / "no_runs.json")], "no_runs.json is not a report of bench"),
+                          (["--merge", str(tmp_path / "no_recipe.json")], "no_recipe.json is not a report of bench"),
                           (["--merge", paths[0], report(tmp_path / "other.json", shape={"hidden_size": 32})],
                            "holds a model of shape"),
-                          (["--merge", *paths, "--json", str(out), "--resume"], "nothing to --resume")):
+                          (["--merge", paths[0], report(tmp_path / "cpu.json", device="cpu")], "ran on cpu"),
+                          (["--merge", *paths, "--resume"], "leave out --resume"),
+                          (["--merge", *paths, "--recipes", "tune", "--steps", "3"], "leave out --recipes, --steps"),
+                          (["--merge", *paths, "--json", paths[1]], "is one of the reports merged")):
         with pytest.raises(SystemExit):
-            scale.main(argv)
+            scale.main([*argv, "--json", str(out)] if "--json" not in argv else argv)
         assert message in capsys.readouterr().err
+        assert not out.exists() and [open(p).read() for p in paths] == before

@@ -133,23 +133,27 @@ def test_a_forward_replaced_by_a_compiled_one_counts_as_compiled_whole():
 
 
 def test_what_runs_compiled_is_what_the_layers_are_timed_as():
-    # The fp8 map and the tuner time a model's layers compiled where the model runs compiled (layers.is_compiled):
-    # a wrapper, a module compiled in place, Lightning's compiled module, a compiled forward; not a module that
+    # An fp8 policy's map times a model's layers compiled where the model runs compiled (layers.is_compiled): a
+    # wrapper, a module compiled in place, Lightning's compiled module, a compiled forward; not a module that
     # torch.compiler.disable wrapped (it runs eagerly: fp8 timed compiled would be judged faster than it runs).
+    # A tuning times its map as its finalists run (tune.times_compiled): compiled for a wrapper or modules
+    # compiled in place, which it can set aside for its eager screen; as it is for the rest.
     from adaptive_amp.layers import compiled_whole, is_compiled
+    from adaptive_amp.tune import times_compiled
 
     zm = zoo.build("llama", seed=0)
     model = zm.model
     torch._dynamo.reset()
-    assert not is_compiled(model) and compiled_whole(model) == (False, None)
+    assert not is_compiled(model) and not times_compiled(model) and compiled_whole(model) == (False, None)
     wrapper = torch.compile(model, backend="aot_eager")
-    assert is_compiled(wrapper) and compiled_whole(wrapper) == (True, wrapper.dynamo_ctx)
-    assert not is_compiled(torch.compiler.disable(model))
+    assert is_compiled(wrapper) and times_compiled(wrapper) and compiled_whole(wrapper) == (True, wrapper.dynamo_ctx)
+    disabled = torch.compiler.disable(model)
+    assert not is_compiled(disabled) and not times_compiled(disabled) and compiled_whole(disabled) == (False, None)
     model._compiler_ctx = {"compiler": "dynamo", "dynamo_ctx": wrapper.dynamo_ctx}  # what from_compiled leaves
-    assert is_compiled(model) and compiled_whole(model)[1] is wrapper.dynamo_ctx
+    assert is_compiled(model) and compiled_whole(model)[1] is wrapper.dynamo_ctx and not times_compiled(model)
     del model._compiler_ctx
     find_blocks(model)[0][1].compile(backend="aot_eager")  # one block in place: compiled, not whole
-    assert is_compiled(model) and not compiled_whole(model)[0]
+    assert is_compiled(model) and times_compiled(model) and not compiled_whole(model)[0]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

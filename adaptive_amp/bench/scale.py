@@ -510,7 +510,8 @@ def table(report: dict) -> str:
 def merge(paths: List[str], error) -> dict:
     """One report of the runs in the reports at `paths` (written by separate commands: seeds run side by side on
     two GPUs, say), with its verdict. A later report's run of the same recipe, seed and batch replaces an earlier
-    one's, as --resume does. `error(message)` refuses a report that cannot be read or holds another model."""
+    one's, as --resume does. `error(message)` refuses a report that cannot be read, holds another model or
+    ran on another device."""
     reports = []
     for path in paths:
         try:
@@ -518,12 +519,18 @@ def merge(paths: List[str], error) -> dict:
                 reports.append(json.load(f))
         except (OSError, ValueError) as exc:
             error(f"--merge: cannot read {path}: {exc}")
-        if not isinstance(reports[-1], dict) or "runs" not in reports[-1] or "shape" not in reports[-1]:
+        report = reports[-1]
+        if not isinstance(report, dict) or not all(k in report for k in ("shape", "device", "args")) or \
+                not isinstance(report.get("runs"), list) or \
+                not all(isinstance(r, dict) and isinstance(r.get("recipe"), str) for r in report["runs"]):
             error(f"--merge: {path} is not a report of bench scale --json")
     first = reports[0]
     for path, report in zip(paths[1:], reports[1:]):
         if report["shape"] != first["shape"]:
             error(f"--merge: {path} holds a model of shape {report['shape']}, {paths[0]} one of {first['shape']}")
+        if report["device"] != first["device"]:
+            error(f"--merge: {path} ran on {report['device']}, {paths[0]} on {first['device']}: their speeds and "
+                  "memory do not compare")
         if report.get("fsdp2") != first.get("fsdp2"):
             error(f"--merge: {path} and {paths[0]} were not sharded alike (--fsdp2 {report.get('fsdp2')} against "
                   f"{first.get('fsdp2')})")
@@ -655,15 +662,20 @@ def main(argv=None) -> int:
                         "same shape written by separate commands, one a GPU say); with --json, write them as one")
     args = p.parse_args(argv)
     if args.merge:
-        if args.resume:
-            p.error("--merge runs nothing, so there is nothing to --resume; leave it out")
+        # (argparse keeps no public list of the options given: its actions say which differ from their defaults)
+        given = [a.option_strings[0] for a in p._actions if a.option_strings and a.dest not in ("merge", "json", "help")
+                 and getattr(args, a.dest) != a.default]
+        if given:
+            p.error(f"--merge runs nothing: leave out {', '.join(given)}")
+        if args.json and any(os.path.abspath(args.json) == os.path.abspath(path) for path in args.merge):
+            p.error(f"--json {args.json} is one of the reports merged; name a new file")
         report = merge(args.merge, p.error)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=1, default=str)
         print(table(report))
         print("\n".join(report["verdict"]), flush=True)
-        return 0
+        return 1 if any("error" in r for r in report["runs"]) else 0
     args.rank, args.world = 0, 1
     if args.fsdp2:
         from .scale_fsdp2 import start
