@@ -91,7 +91,8 @@ def compiled_whole(model: nn.Module) -> Tuple[bool, Any]:
 
 def is_compiled(model: nn.Module) -> bool:
     """Whether `model` runs compiled: compiled whole (:func:`compiled_whole`: a ``torch.compile`` wrapper, in
-    place, or by Lightning), or a module of it compiled in place (each repeated block, say)."""
+    place, or by Lightning), or a module of it compiled in place (each repeated block, say: compiled even under a
+    ``torch.compiler.disable`` wrapper, whose context the block's own compiled call replaces)."""
     return compiled_whole(model)[0] or bool(compiled_in_place(model))
 
 

@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Optional, Tuple, Union
 import torch
 
 from .hardware import Capabilities, HardwareDetector
-from .layers import canonical_name, expand_names
+from .layers import canonical_name, expand_names, is_compiled
 from .names import CANDIDATES, format_name, recipe_names
 from .recipes import Recipe
 
@@ -593,7 +593,7 @@ class AdaptivePrecisionSelector:
         ``.plot(path)``, ``.to_dict()`` are the A/B report. The model, the optimizer and the RNG states are
         left as they were, bitwise."""
         from ._process_group import rank_zeros
-        from .tune import Tuner, check_unsharded, times_compiled, trained_parameters
+        from .tune import Tuner, check_unsharded, trained_parameters
 
         device = torch.device("cpu")
         if isinstance(model, torch.nn.Module):  # (else Tuner says why)
@@ -605,8 +605,9 @@ class AdaptivePrecisionSelector:
         from .fp8.training import check_tuning_options, tuning_fp8_map
 
         fp8_options = check_tuning_options(fp8)
-        # What the fp8 layers save a step, timed as the finalists are (compiled or eagerly).
-        compiled = isinstance(model, torch.nn.Module) and times_compiled(model)
+        # What the fp8 layers save a step, timed as the timed steps compute: compiled where the model runs compiled
+        # (the finalists the tuning compiles, or the trials of a model compiled otherwise), else eagerly.
+        compiled = isinstance(model, torch.nn.Module) and is_compiled(model)
         fp8_options.setdefault("compiled", compiled)
         asked = list(CANDIDATES) if candidates is None else candidate_names(candidates)
         if all(n.startswith(("bf16-weights", "bf16-pure")) for n in asked if "+fp8" in n):

@@ -444,10 +444,11 @@ def filled_host_copies(tensors: Sequence[torch.Tensor], dtype: Optional[torch.dt
 
 
 def times_compiled(model: nn.Module) -> bool:
-    """Whether a tuning of `model` compiles and times its finalists: a torch.compile wrapper that compiles, or
-    modules of it compiled in place. A model otherwise compiled (a forward replaced by a compiled one, as
-    Lightning's ``from_compiled`` does) runs its trials as it is, and a ``torch.compiler.disable`` wrapper eagerly.
-    The fp8 map of its ``+fp8`` candidates is timed the same way."""
+    """Whether a tuning of `model` screens it eagerly and compiles and times its finalists itself: a torch.compile
+    wrapper that compiles, or a model with modules compiled in place (their compiled calls it can set aside). A
+    model compiled otherwise (a forward replaced by a compiled one, as Lightning's ``from_compiled`` does) runs
+    its trials as it is, compiled; a ``torch.compiler.disable`` wrapper runs them eagerly (but for modules
+    compiled in place inside it)."""
     return (unwrap_model(model) is not model and compiled_whole(model)[0]) or bool(compiled_in_place(model))
 
 
@@ -898,7 +899,8 @@ class Tuner:
         # their compiled calls are set aside while tuning, so that the screen runs eagerly as for a wrapper.
         self._in_place = compiled_in_place(self.module)
         self.compiled = times_compiled(model)
-        self.backend = (compile_backend(getattr(model, "dynamo_ctx", None)) if wrapped else
+        whole = wrapped and compiled_whole(model)[0]  # (a torch.compiler.disable wrapper compiles nothing)
+        self.backend = (compile_backend(getattr(model, "dynamo_ctx", None)) if whole else
                         compile_backend(compile_context(self._in_place[0]._compiled_call_impl)) if self._in_place
                         else None)
         self.finalists: List[str] = []  # compiled: the candidates whose blocks were compiled and timed

@@ -323,6 +323,7 @@ def test_scale_merge_draws_one_verdict_over_reports_written_apart(tmp_path, caps
                           (["--merge", paths[0], report(tmp_path / "cpu.json", device="cpu")], "ran on cpu"),
                           (["--merge", *paths, "--resume"], "leave out --resume"),
                           (["--merge", *paths, "--recipes", "tune", "--steps", "3"], "leave out --recipes, --steps"),
+                          (["--merge", *paths, "--steps", "700"], "leave out --steps"),  # (the default, given)
                           (["--merge", *paths, "--json", paths[1]], "is one of the reports merged")):
         with pytest.raises(SystemExit):
             scale.main([*argv, "--json", str(out)] if "--json" not in argv else argv)

@@ -133,11 +133,11 @@ def test_a_forward_replaced_by_a_compiled_one_counts_as_compiled_whole():
 
 
 def test_what_runs_compiled_is_what_the_layers_are_timed_as():
-    # An fp8 policy's map times a model's layers compiled where the model runs compiled (layers.is_compiled): a
-    # wrapper, a module compiled in place, Lightning's compiled module, a compiled forward; not a module that
+    # fp8 maps time a model's layers compiled where the model runs compiled (layers.is_compiled): a wrapper, a
+    # module compiled in place, Lightning's compiled module, a compiled forward; not a module that
     # torch.compiler.disable wrapped (it runs eagerly: fp8 timed compiled would be judged faster than it runs).
-    # A tuning times its map as its finalists run (tune.times_compiled): compiled for a wrapper or modules
-    # compiled in place, which it can set aside for its eager screen; as it is for the rest.
+    # A tuning screens eagerly and compiles its finalists itself (tune.times_compiled) for a wrapper or modules
+    # compiled in place, whose compiled calls it can set aside; a model compiled otherwise runs its trials as is.
     from adaptive_amp.layers import compiled_whole, is_compiled
     from adaptive_amp.tune import times_compiled
 
@@ -154,6 +154,16 @@ def test_what_runs_compiled_is_what_the_layers_are_timed_as():
     del model._compiler_ctx
     find_blocks(model)[0][1].compile(backend="aot_eager")  # one block in place: compiled, not whole
     assert is_compiled(model) and times_compiled(model) and not compiled_whole(model)[0]
+    # Under a torch.compiler.disable wrapper a block compiled in place still runs compiled (its own compiled call
+    # replaces the wrapper's context), so the model counts as compiled, and a tuning compiles its finalists.
+    disabled = torch.compiler.disable(model)
+    assert is_compiled(disabled) and times_compiled(disabled)
+    graphs = []
+    torch._dynamo.reset()
+    find_blocks(model)[0][1].compile(backend=counting_aot_eager(graphs))
+    with torch.no_grad():
+        disabled(**zm.make_batch(1, seed=0))
+    assert len(graphs) == 1, graphs
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

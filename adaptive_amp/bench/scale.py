@@ -662,12 +662,15 @@ def main(argv=None) -> int:
                         "same shape written by separate commands, one a GPU say); with --json, write them as one")
     args = p.parse_args(argv)
     if args.merge:
-        # (argparse keeps no public list of the options given: its actions say which differ from their defaults)
-        given = [a.option_strings[0] for a in p._actions if a.option_strings and a.dest not in ("merge", "json", "help")
-                 and getattr(args, a.dest) != a.default]
+        # Which options were given, whatever their values: parsed again over a namespace that already holds a
+        # marker for each (argparse sets only the defaults that a namespace lacks).
+        unset = object()
+        options = [a for a in p._actions if a.option_strings and a.dest not in ("merge", "json", "help")]
+        seen = p.parse_args(argv, namespace=argparse.Namespace(**{a.dest: unset for a in options}))
+        given = [a.option_strings[0] for a in options if getattr(seen, a.dest) is not unset]
         if given:
             p.error(f"--merge runs nothing: leave out {', '.join(given)}")
-        if args.json and any(os.path.abspath(args.json) == os.path.abspath(path) for path in args.merge):
+        if args.json and any(os.path.realpath(args.json) == os.path.realpath(path) for path in args.merge):
             p.error(f"--json {args.json} is one of the reports merged; name a new file")
         report = merge(args.merge, p.error)
         if args.json:
