@@ -329,3 +329,67 @@ def test_scale_merge_draws_one_verdict_over_reports_written_apart(tmp_path, caps
             scale.main([*argv, "--json", str(out)] if "--json" not in argv else argv)
         assert message in capsys.readouterr().err
         assert not out.exists() and [open(p).read() for p in paths] == before
+
+
+def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path, monkeypatch, capsys):
+    """--gpus N: each try is a torchrun of its own (a rank out of memory ends them all), the search as on one GPU,
+    then one torchrun a recipe at its batch; the searches join the report. Here torchrun is played by a fake."""
+    import subprocess
+
+    commands, other_failure = [], []
+
+    def fake_run(command, capture_output=False, text=False):
+        commands.append(command)
+        batch = int(command[command.index("--batch") + 1].split("=")[1])
+        path = command[command.index("--json") + 1]
+        if batch == 4:  # what torchrun prints when a rank ran out of memory
+            return subprocess.CompletedProcess(command, 1, "", "torch.OutOfMemoryError: CUDA out of memory")
+        if batch == 3 and other_failure:
+            return subprocess.CompletedProcess(command, 1, "", "ValueError: something else")
+        run = dict(recipe="torch-bf16", seed=0, batch=batch, steps=3, steady_tokens_per_s=100.0 * batch,
+                   tokens_per_s=100.0 * batch, peak_gib=None, final_loss=2.0, checkpointing=False, fsdp2=2)
+        report = {"device": "cpu", "args": {"steps": 3}, "shape": {}, "fsdp2": 2, "search": {}, "skipped": {},
+                  "runs": [run]}
+        with open(path, "w") as f:
+            json.dump(report, f)
+        return subprocess.CompletedProcess(command, 0, "", "")
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    out = tmp_path / "scale.json"
+    assert scale.main(["--tiny", "--device", "cpu", "--gpus", "2", "--recipes", "torch-bf16,tune", "--max-batch", "4",
+                       "--steps", "5", "--seed", "1", "--json", str(out)]) == 0
+    tries = [int(c[c.index("--batch") + 1].split("=")[1]) for c in commands[:-1]]
+    assert tries == [1, 2, 4, 3]  # doubling until out of memory, then one between
+    final = commands[-1]
+    assert final[final.index("--batch") + 1] == "torch-bf16=3" and final[final.index("--steps") + 1] == "5"
+    assert "--fsdp2" in final and "--nproc_per_node=2" in final and "--tiny" in final and "--seed" in final
+    assert all(c[c.index("--steps") + 1] == str(scale.SEARCH_STEPS) for c in commands[:-1])
+    report = json.loads(out.read_text())
+    assert report["search"]["torch-bf16"] == {"batch": 3, "tried": {"1": None, "2": None, "4": "out of memory",
+                                                                      "3": None}, "gpus": 2}
+    assert "runs in one process" in report["skipped"]["tune"]
+    assert "a GPU runs out of memory" in capsys.readouterr().out
+    # A try that fails for another reason than memory stops the command, with what it printed.
+    other_failure.append(True)
+    monkeypatch.setattr(scale, "largest_batch", lambda fits, max_batch: fits(3) and 3)
+    assert scale.main(["--tiny", "--device", "cpu", "--gpus", "2", "--recipes", "torch-bf16",
+                       "--json", str(tmp_path / "other.json")]) == 1
+    assert "the try of torch-bf16 at batch 3 failed" in capsys.readouterr().out
+    # Bad input, by name.
+    for argv, message in ((["--fsdp2"], "--gpus starts torchrun itself"), (["--max-seconds", "9"], "--max-seconds"),
+                          (["--merge", str(out)], "leave out --device, --gpus, --tiny")):
+        with pytest.raises(SystemExit):
+            scale.main(["--tiny", "--device", "cpu", "--gpus", "2", *argv])
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_scale_gpus_runs_each_recipe_under_torchrun(tmp_path):
+    """The real thing on the CPU: torchrun with two gloo processes a try and a recipe."""
+    out = tmp_path / "scale.json"
+    assert main(["scale", "--tiny", "--device", "cpu", "--gpus", "2", "--recipes", "torch-bf16,tune,bf16-pure",
+                 "--batch", "bf16-pure=1", "--max-batch", "1", "--steps", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert sorted((r["recipe"], r["batch"], r["fsdp2"], r["ranks"]) for r in report["runs"]) == [
+        ("bf16-pure", 1, 2, 2), ("torch-bf16", 1, 2, 2)]
+    assert report["search"]["torch-bf16"]["batch"] == 1 and "bf16-pure" not in report["search"]
+    assert "runs in one process" in report["skipped"]["tune"]

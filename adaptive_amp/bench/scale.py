@@ -36,7 +36,8 @@ final loss (the mean of the last 10% of the training losses; every batch is new)
 
 On several GPUs (``torchrun --nproc_per_node=N -m adaptive_amp bench scale --fsdp2 --batch B``) each recipe
 runs sharded by FSDP2, B sequences a GPU, its decisions collective (scale_fsdp2.py says how each recipe is
-sharded).
+sharded). There is no batch search inside torchrun (a rank out of memory ends them all); ``--gpus N`` runs
+from one plain command instead: one torchrun a try of the batch search and one a recipe, at its largest batch.
 
 Compiled (--compile): ``blocks`` (the default on a GPU) compiles each decoder layer (``module.compile()``; the
 32 layers share one graph, so compiling takes the time of one layer, as torchtitan does), ``model`` the whole
@@ -261,6 +262,20 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def largest_batch(fits, max_batch: int) -> int:
+    """The largest batch `fits(batch)` accepts, by a short search: 1, 2, 4, ... up to `max_batch` until one does
+    not fit, then one batch between the last that fit and the first that did not (0: not even 1)."""
+    good, bad, b = 0, None, 1
+    while b <= max_batch:
+        if not fits(b):
+            bad = b
+            break
+        good, b = b, b * 2
+    if good and bad and bad - good > 1 and fits((good + bad) // 2):
+        good = (good + bad) // 2
+    return good
+
+
 def search_batch(recipe: str, shape: dict, device, args) -> dict:
     """The largest batch at which `recipe` fits: {"batch", "tried": {batch: peak GiB or "out of memory"}}."""
     capacity = torch.cuda.get_device_properties(device).total_memory
@@ -294,15 +309,7 @@ def search_batch(recipe: str, shape: dict, device, args) -> dict:
             print(f"   {recipe}: batch {b} ({b * seq} tokens) peaks at {peak / 2**30:.1f} GiB", flush=True)
             return peak <= limit
 
-        good, bad, b = 0, None, 1
-        while b <= args.max_batch:
-            if not fits(b):
-                bad = b
-                break
-            good, b = b, b * 2
-        if good and bad and bad - good > 1 and fits((good + bad) // 2):
-            good = (good + bad) // 2
-        return {"batch": good, "tried": tried}
+        return {"batch": largest_batch(fits, args.max_batch), "tried": tried}
     except torch.OutOfMemoryError as exc:  # building or tuning did not fit
         return {"batch": 0, "tried": tried, "error": f"out of memory before a step ran: {str(exc)[:600]}"}
     finally:
@@ -347,6 +354,89 @@ def run(recipe: str, shape: dict, batch: int, seed: int, device, args, choice=No
         _free(device)
 
 
+# ------------------------------------------------------------------------------------- FSDP2 from one command
+
+#: The options a run launched by --gpus takes as given here: the model's shape and how it trains.
+_FORWARDED = (("--layers", "layers"), ("--hidden", "hidden"), ("--mlp", "mlp"), ("--heads", "heads"),
+              ("--kv-heads", "kv_heads"), ("--seq", "seq"), ("--vocab", "vocab"), ("--lr", "lr"),
+              ("--compile", "compile"), ("--device", "device"), ("--checkpointing", "checkpointing"))
+#: Steps of a batch search's try under --gpus (the first compiles; the second shows the steady peak).
+SEARCH_STEPS = 3
+
+
+def _sharded_command(args, recipe: str, batch: int, steps: int, path: str, *extra: str) -> List[str]:
+    """torchrun over --gpus processes of this machine: `recipe` sharded at `batch`, its report written to `path`."""
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
+               "-m", "adaptive_amp", "bench", "scale", "--fsdp2", "--recipes", recipe, "--batch", f"{recipe}={batch}",
+               "--steps", str(steps), "--json", path, *extra]
+    for flag, dest in _FORWARDED:
+        if getattr(args, dest) is not None:
+            command += [flag, str(getattr(args, dest))]
+    return command + (["--tiny"] if args.tiny else []) + (["--verbose"] if args.verbose else [])
+
+
+def run_sharded(args, report_path: str, device, capacity_gib: Optional[float]) -> tuple:
+    """--gpus N: each recipe sharded by FSDP2 over N GPUs of this machine, each in its own torchrun (a rank that
+    runs out of memory ends them all), at its largest batch: searched as on one GPU (:func:`largest_batch`, a try
+    of SEARCH_STEPS steps; a batch fits where every rank's peak stays under --memory-fraction of
+    `capacity_gib`, None: no limit) unless --batch names it, then run for --steps (and --seeds or --seed) into
+    the report at `report_path`. Returns each recipe's search and the recipes that cannot run sharded here, with
+    why; a try that fails for another reason than memory raises RuntimeError with its output's end."""
+    import subprocess
+    import tempfile
+
+    searches: Dict[str, dict] = {}
+    skipped: Dict[str, str] = {}
+    resume = bool(args.resume)
+    seeds = ["--seed", str(args.seed)] if args.seed is not None else ["--seeds", str(args.seeds)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for recipe in args.recipes:
+            why = skip_reason(recipe, device, sharded=True)
+            if why:
+                skipped[recipe] = why
+                print(f"-- {recipe}: skipped: {why}", flush=True)
+                continue
+            batch = None if args.batch is None else args.batch.get(recipe, args.batch.get("*"))
+            if batch is None:
+                tried: Dict[int, object] = {}
+
+                def fits(b: int, recipe=recipe, tried=tried) -> bool:
+                    path = os.path.join(tmp, f"{recipe}-{b}.json")
+                    done = subprocess.run(_sharded_command(args, recipe, b, SEARCH_STEPS, path),
+                                          capture_output=True, text=True)
+                    out = done.stdout + done.stderr
+                    if done.returncode != 0:
+                        if "OutOfMemoryError" not in out and "out of memory" not in out:
+                            raise RuntimeError(f"--gpus: the try of {recipe} at batch {b} failed:\n{out[-3000:]}")
+                        tried[b] = "out of memory"
+                        print(f"   {recipe}: batch {b} a GPU runs out of memory", flush=True)
+                        return False
+                    with open(path) as f:
+                        runs = json.load(f)["runs"]
+                    peak = runs[0].get("peak_gib") if runs else None
+                    tried[b] = peak
+                    print(f"   {recipe}: batch {b} a GPU" + (f" peaks at {peak:.1f} GiB" if peak is not None else
+                                                             " runs"), flush=True)
+                    return bool(runs) and (peak is None or capacity_gib is None or
+                                           peak <= args.memory_fraction * capacity_gib)
+
+                print(f"-- {recipe}: searching the largest batch a GPU that fits, one torchrun a try", flush=True)
+                batch = largest_batch(fits, args.max_batch)
+                searches[recipe] = {"batch": batch, "tried": tried, "gpus": args.gpus}
+                if batch == 0:
+                    print(f"-- {recipe}: not even one sequence a GPU fits", flush=True)
+                    continue
+            print(f"-- {recipe}: batch {batch} a GPU, {args.steps} steps, sharded over {args.gpus} GPUs", flush=True)
+            done = subprocess.run(_sharded_command(args, recipe, batch, args.steps, report_path, *seeds,
+                                                   *(["--resume"] if resume else [])))
+            if done.returncode != 0:
+                raise RuntimeError(f"--gpus: the run of {recipe} at batch {batch} failed (exit {done.returncode})")
+            resume = True  # (the next recipe's runs join this one's report)
+    return searches, skipped
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 
@@ -361,7 +451,8 @@ def _peak_at(report: dict, recipe: str, batch: int) -> Optional[float]:
     for r in report["runs"]:
         if r["recipe"] == recipe and r.get("batch") == batch and r.get("peak_gib") is not None:
             return r["peak_gib"]
-    peak = report["search"].get(recipe, {}).get("tried", {}).get(batch)
+    tried = report["search"].get(recipe, {}).get("tried", {})
+    peak = tried.get(batch, tried.get(str(batch)))  # (a report read back from JSON has string keys)
     return peak if isinstance(peak, float) else None
 
 
@@ -552,6 +643,38 @@ def merge(paths: List[str], error) -> dict:
     return out
 
 
+def _main_sharded(args, device, error) -> int:
+    """main() under --gpus: run_sharded, then the report's table and verdict with the searches in it."""
+    import tempfile
+
+    if args.max_seconds is not None:
+        error("--gpus: every rank runs --steps steps; --max-seconds could stop the ranks at different steps")
+    if device.type == "cuda" and torch.cuda.device_count() < args.gpus:
+        error(f"--gpus {args.gpus}: torch sees {torch.cuda.device_count()} GPU(s) here")
+    capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.json or os.path.join(tmp, "scale.json")
+        try:
+            searches, skipped = run_sharded(args, path, device, capacity)
+        except RuntimeError as exc:
+            print(exc, flush=True)
+            return 1
+        if not os.path.exists(path):
+            print("No recipe ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()), flush=True)
+            return 1
+        with open(path) as f:
+            report = json.load(f)
+        report["search"].update(searches)
+        report["skipped"].update(skipped)
+        report["verdict"] = verdict(report)
+        if args.json:
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+    print(table(report))
+    print("\n".join(report["verdict"]), flush=True)
+    return 1 if any("error" in r for r in report["runs"]) else 0
+
+
 def _versions() -> dict:
     out = {"torch": torch.__version__}
     for name in ("transformers", "torchao"):
@@ -605,6 +728,8 @@ _EPILOG = """examples:
   wait; python -m adaptive_amp bench scale --merge t0.json t1.json tune0.json tune1.json  # seeds side by side
   torchrun --standalone --nproc_per_node=2 -m adaptive_amp bench scale --fsdp2 --batch 4 --steps 700 \
       --recipes torch-bf16,torchao-tensorwise,bf16-pure+fp8 --json fsdp2.json   # two GPUs, FSDP2
+  python -m adaptive_amp bench scale --gpus 2 --steps 40 --recipes torch-bf16,torchao-tensorwise,bf16-pure+fp8 \
+      --json fsdp2.json                             # the same, each recipe at its largest batch a GPU
 """
 
 
@@ -652,6 +777,10 @@ def main(argv=None) -> int:
     p.add_argument("--fsdp2", action="store_true",
                    help="shard the model with FSDP2 over the processes of torchrun (one a GPU); --batch is "
                         "per GPU (adaptive_amp/bench/scale_fsdp2.py)")
+    p.add_argument("--gpus", type=_positive, default=None, metavar="N",
+                   help="run each recipe sharded by FSDP2 over N GPUs of this machine, from this command: one "
+                        "torchrun a recipe, at its largest batch a GPU (searched with one torchrun a try, as a "
+                        "rank that runs out of memory ends them all) unless --batch names it")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (a CPU smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write every run, the searches and the verdict as JSON")
     p.add_argument("--resume", action="store_true",
@@ -679,6 +808,8 @@ def main(argv=None) -> int:
         print(table(report))
         print("\n".join(report["verdict"]), flush=True)
         return 1 if any("error" in r for r in report["runs"]) else 0
+    if args.gpus is not None and args.fsdp2:
+        p.error("--gpus starts torchrun itself: leave out --fsdp2 (what each of its processes runs with)")
     args.rank, args.world = 0, 1
     if args.fsdp2:
         from .scale_fsdp2 import start
@@ -712,6 +843,8 @@ def main(argv=None) -> int:
         p.error(f"--seed {args.seed}: seeds are 0, 1, ...")
     seeds = list(range(args.seeds)) if args.seed is None else [args.seed]
     args.tune_candidates = [c.strip() for c in args.tune_candidates.split(",") if c.strip()]
+    if args.gpus is not None:
+        return _main_sharded(args, device, p.error)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 work outside autocast, as torch users run it
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
