@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from conftest import requires_cuda
@@ -336,47 +337,72 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     then one torchrun a recipe at its batch; the searches join the report. Here torchrun is played by a fake."""
     import subprocess
 
-    commands, other_failure = [], []
+    commands, fail = [], {"other": False, "run": False}
 
     def fake_run(command, capture_output=False, text=False):
         commands.append(command)
-        batch = int(command[command.index("--batch") + 1].split("=")[1])
-        path = command[command.index("--json") + 1]
-        if batch == 4:  # what torchrun prints when a rank ran out of memory
+        recipe, batch = command[command.index("--batch") + 1].split("=")
+        batch, path = int(batch), command[command.index("--json") + 1]
+        checkpointing = command[command.index("--checkpointing") + 1] == "on"
+        steps = int(command[command.index("--steps") + 1])
+        too_big = 4 if recipe == "torch-bf16" else (2 if checkpointing else 1)
+        if batch >= too_big:  # (what torchrun prints when a rank ran out of memory)
             return subprocess.CompletedProcess(command, 1, "", "torch.OutOfMemoryError: CUDA out of memory")
-        if batch == 3 and other_failure:
+        if (fail["other"] and batch == 3) or (fail["run"] and steps == 5):
             return subprocess.CompletedProcess(command, 1, "", "ValueError: something else")
-        run = dict(recipe="torch-bf16", seed=0, batch=batch, steps=3, steady_tokens_per_s=100.0 * batch,
-                   tokens_per_s=100.0 * batch, peak_gib=None, final_loss=2.0, checkpointing=False, fsdp2=2)
-        report = {"device": "cpu", "args": {"steps": 3}, "shape": {}, "fsdp2": 2, "search": {}, "skipped": {},
-                  "runs": [run]}
+        run = dict(recipe=recipe, seed=0, batch=batch, steps=steps, steady_tokens_per_s=100.0 * batch,
+                   tokens_per_s=100.0 * batch, peak_gib=None, final_loss=2.0, checkpointing=checkpointing, fsdp2=2)
+        report = {"device": "cpu", "args": {"steps": steps}, "shape": scale.TINY, "fsdp2": 2, "search": {},
+                  "skipped": {}, "runs": [run]}
+        if "--resume" in command and os.path.exists(path):
+            with open(path) as f:
+                report["runs"] = json.load(f)["runs"] + [run]
         with open(path, "w") as f:
             json.dump(report, f)
         return subprocess.CompletedProcess(command, 0, "", "")
     monkeypatch.setattr(subprocess, "run", fake_run)
     out = tmp_path / "scale.json"
-    assert scale.main(["--tiny", "--device", "cpu", "--gpus", "2", "--recipes", "torch-bf16,tune", "--max-batch", "4",
-                       "--steps", "5", "--seed", "1", "--json", str(out)]) == 0
-    tries = [int(c[c.index("--batch") + 1].split("=")[1]) for c in commands[:-1]]
-    assert tries == [1, 2, 4, 3]  # doubling until out of memory, then one between
-    final = commands[-1]
-    assert final[final.index("--batch") + 1] == "torch-bf16=3" and final[final.index("--steps") + 1] == "5"
-    assert "--fsdp2" in final and "--nproc_per_node=2" in final and "--tiny" in final and "--seed" in final
-    assert all(c[c.index("--steps") + 1] == str(scale.SEARCH_STEPS) for c in commands[:-1])
+    common = ["--tiny", "--device", "cpu", "--gpus", "2", "--max-batch", "4", "--steps", "5", "--json", str(out)]
+    assert scale.main([*common, "--recipes", "torch-bf16,tune,bf16-pure", "--seed", "1"]) == 0
+    tries = [(c[c.index("--batch") + 1], c[c.index("--checkpointing") + 1]) for c in commands
+             if c[c.index("--steps") + 1] == str(scale.SEARCH_STEPS)]
+    # Doubling until out of memory, then one between; bf16-pure, not one sequence without checkpointing, again
+    # with it.
+    assert tries == [("torch-bf16=1", "off"), ("torch-bf16=2", "off"), ("torch-bf16=4", "off"),
+                     ("torch-bf16=3", "off"), ("bf16-pure=1", "off"), ("bf16-pure=1", "on"), ("bf16-pure=2", "on")]
+    runs = [c for c in commands if c[c.index("--steps") + 1] == "5"]
+    assert [(c[c.index("--batch") + 1], c[c.index("--checkpointing") + 1], "--resume" in c) for c in runs] == [
+        ("torch-bf16=3", "off", False), ("bf16-pure=1", "on", True)]
+    assert all("--fsdp2" in c and "--nproc_per_node=2" in c and "--tiny" in c and "--seed" in c for c in runs)
     report = json.loads(out.read_text())
     assert report["search"]["torch-bf16"] == {"batch": 3, "tried": {"1": None, "2": None, "4": "out of memory",
-                                                                      "3": None}, "gpus": 2}
+                                                                      "3": None}, "gpus": 2, "checkpointing": False}
+    assert report["search"]["bf16-pure"]["checkpointing"] is True
     assert "runs in one process" in report["skipped"]["tune"]
+    assert [r["recipe"] for r in report["runs"]] == ["torch-bf16", "bf16-pure"]
     assert "a GPU runs out of memory" in capsys.readouterr().out
-    # A try that fails for another reason than memory stops the command, with what it printed.
-    other_failure.append(True)
-    monkeypatch.setattr(scale, "largest_batch", lambda fits, max_batch: fits(3) and 3)
-    assert scale.main(["--tiny", "--device", "cpu", "--gpus", "2", "--recipes", "torch-bf16",
-                       "--json", str(tmp_path / "other.json")]) == 1
-    assert "the try of torch-bf16 at batch 3 failed" in capsys.readouterr().out
+    # --resume reuses the searches over as many GPUs (nothing tried again); a run that fails is an error run of
+    # the report, and the command fails.
+    commands.clear()
+    fail["run"] = True
+    assert scale.main([*common, "--recipes", "torch-bf16", "--resume"]) == 1
+    assert [c[c.index("--batch") + 1] for c in commands] == ["torch-bf16=3"]
+    report = json.loads(out.read_text())
+    assert report["runs"][-1]["recipe"] == "torch-bf16" and "failed" in report["runs"][-1]["error"]
+    # A try that fails for another reason than memory: nothing ran, said so, and the report left as it was.
+    fail.update(other=True, run=False)
+    before = out.read_text()
+    capsys.readouterr()
+    assert scale.main([*common, "--recipes", "torch-bf16"]) == 1
+    printed = capsys.readouterr().out
+    assert "the try at batch 3 failed" in printed and "ValueError: something else" in printed
+    assert "No recipe ran" in printed and out.read_text() == before
+    assert scale.main([*common, "--recipes", "bf16-weights"]) == 1  # (skipped sharded)
+    assert "No recipe ran" in capsys.readouterr().out and out.read_text() == before
     # Bad input, by name.
     for argv, message in ((["--fsdp2"], "--gpus starts torchrun itself"), (["--max-seconds", "9"], "--max-seconds"),
-                          (["--merge", str(out)], "leave out --device, --gpus, --tiny")):
+                          (["--merge", str(out)], "leave out --device, --gpus, --tiny"),
+                          (["--layers", "3", "--json", str(out), "--resume"], "holds runs of shape")):
         with pytest.raises(SystemExit):
             scale.main(["--tiny", "--device", "cpu", "--gpus", "2", *argv])
         assert message in capsys.readouterr().err

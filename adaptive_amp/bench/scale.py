@@ -372,69 +372,138 @@ def _sharded_command(args, recipe: str, batch: int, steps: int, path: str, *extr
                "-m", "adaptive_amp", "bench", "scale", "--fsdp2", "--recipes", recipe, "--batch", f"{recipe}={batch}",
                "--steps", str(steps), "--json", path, *extra]
     for flag, dest in _FORWARDED:
-        if getattr(args, dest) is not None:
-            command += [flag, str(getattr(args, dest))]
+        value = getattr(args, dest)
+        if value is not None:
+            # (each process takes its own GPU: the device's type, not a driver-side index such as cuda:1)
+            command += [flag, torch.device(value).type if dest == "device" else str(value)]
     return command + (["--tiny"] if args.tiny else []) + (["--verbose"] if args.verbose else [])
 
 
-def run_sharded(args, report_path: str, device, capacity_gib: Optional[float]) -> tuple:
+def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], earlier: dict) -> dict:
     """--gpus N: each recipe sharded by FSDP2 over N GPUs of this machine, each in its own torchrun (a rank that
-    runs out of memory ends them all), at its largest batch: searched as on one GPU (:func:`largest_batch`, a try
-    of SEARCH_STEPS steps; a batch fits where every rank's peak stays under --memory-fraction of
-    `capacity_gib`, None: no limit) unless --batch names it, then run for --steps (and --seeds or --seed) into
-    the report at `report_path`. Returns each recipe's search and the recipes that cannot run sharded here, with
-    why; a try that fails for another reason than memory raises RuntimeError with its output's end."""
+    runs out of memory ends them all), at its largest batch a GPU: searched as on one GPU (:func:`largest_batch`,
+    a try of SEARCH_STEPS steps that fits where it ends well and every rank's peak stays under --memory-fraction
+    of `capacity_gib`, None: no limit; a try whose output says "out of memory", CUDA's or NCCL's, does not fit),
+    with --checkpointing auto again with checkpointing where not one sequence fits, unless --batch names the
+    batch or `earlier` (the searches of the report resumed) holds one over as many GPUs; then run for --steps
+    (and --seeds or --seed) into the report at `report_path`. Returns {"search", "skipped", "failed", "ran"}:
+    the searches made, the recipes that cannot run (why), the runs that failed (the end of their output), and
+    whether any run wrote the report. A try that fails for another reason than memory is a failed run."""
     import subprocess
     import tempfile
 
-    searches: Dict[str, dict] = {}
-    skipped: Dict[str, str] = {}
+    out = {"search": {}, "skipped": {}, "failed": {}, "ran": False}
     resume = bool(args.resume)
     seeds = ["--seed", str(args.seed)] if args.seed is not None else ["--seeds", str(args.seeds)]
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in args.recipes:
             why = skip_reason(recipe, device, sharded=True)
             if why:
-                skipped[recipe] = why
+                out["skipped"][recipe] = why
                 print(f"-- {recipe}: skipped: {why}", flush=True)
                 continue
+            checkpointing = args.checkpointing == "on"
             batch = None if args.batch is None else args.batch.get(recipe, args.batch.get("*"))
-            if batch is None:
-                tried: Dict[int, object] = {}
+            found = earlier.get(recipe, {})
+            if batch is None and found.get("batch") and found.get("gpus") == args.gpus:
+                batch, checkpointing = found["batch"], bool(found.get("checkpointing"))
+                print(f"-- {recipe}: batch {batch} a GPU, from the batch search already in {args.json}", flush=True)
+            try:
+                if batch is None:
+                    tried: Dict[int, object] = {}
 
-                def fits(b: int, recipe=recipe, tried=tried) -> bool:
-                    path = os.path.join(tmp, f"{recipe}-{b}.json")
-                    done = subprocess.run(_sharded_command(args, recipe, b, SEARCH_STEPS, path),
-                                          capture_output=True, text=True)
-                    out = done.stdout + done.stderr
-                    if done.returncode != 0:
-                        if "OutOfMemoryError" not in out and "out of memory" not in out:
-                            raise RuntimeError(f"--gpus: the try of {recipe} at batch {b} failed:\n{out[-3000:]}")
-                        tried[b] = "out of memory"
-                        print(f"   {recipe}: batch {b} a GPU runs out of memory", flush=True)
-                        return False
-                    with open(path) as f:
-                        runs = json.load(f)["runs"]
-                    peak = runs[0].get("peak_gib") if runs else None
-                    tried[b] = peak
-                    print(f"   {recipe}: batch {b} a GPU" + (f" peaks at {peak:.1f} GiB" if peak is not None else
-                                                             " runs"), flush=True)
-                    return bool(runs) and (peak is None or capacity_gib is None or
-                                           peak <= args.memory_fraction * capacity_gib)
+                    def fits(b: int, recipe=recipe, tried=tried) -> bool:
+                        path = os.path.join(tmp, f"{recipe}-{b}.json")
+                        flags = ["--checkpointing", "on" if checkpointing else "off"]
+                        done = subprocess.run(_sharded_command(args, recipe, b, SEARCH_STEPS, path, *flags),
+                                              capture_output=True, text=True)
+                        printed = done.stdout + done.stderr
+                        if done.returncode != 0:
+                            if "OutOfMemoryError" not in printed and "out of memory" not in printed:
+                                raise RuntimeError(f"the try at batch {b} failed:\n{printed[-3000:]}")
+                            tried[b] = "out of memory"
+                            print(f"   {recipe}: batch {b} a GPU runs out of memory", flush=True)
+                            return False
+                        with open(path) as f:
+                            runs = json.load(f)["runs"]
+                        peak = runs[0].get("peak_gib") if runs else None
+                        tried[b] = peak
+                        print(f"   {recipe}: batch {b} a GPU" + (f" peaks at {peak:.1f} GiB" if peak is not None
+                                                                 else " runs"), flush=True)
+                        return bool(runs) and (peak is None or capacity_gib is None or
+                                               peak <= args.memory_fraction * capacity_gib)
 
-                print(f"-- {recipe}: searching the largest batch a GPU that fits, one torchrun a try", flush=True)
-                batch = largest_batch(fits, args.max_batch)
-                searches[recipe] = {"batch": batch, "tried": tried, "gpus": args.gpus}
-                if batch == 0:
-                    print(f"-- {recipe}: not even one sequence a GPU fits", flush=True)
-                    continue
-            print(f"-- {recipe}: batch {batch} a GPU, {args.steps} steps, sharded over {args.gpus} GPUs", flush=True)
-            done = subprocess.run(_sharded_command(args, recipe, batch, args.steps, report_path, *seeds,
-                                                   *(["--resume"] if resume else [])))
-            if done.returncode != 0:
-                raise RuntimeError(f"--gpus: the run of {recipe} at batch {batch} failed (exit {done.returncode})")
-            resume = True  # (the next recipe's runs join this one's report)
-    return searches, skipped
+                    print(f"-- {recipe}: searching the largest batch a GPU that fits, one torchrun a try",
+                          flush=True)
+                    batch = largest_batch(fits, args.max_batch)
+                    if batch == 0 and args.checkpointing == "auto":
+                        print(f"-- {recipe}: one sequence a GPU does not fit; again with activation checkpointing",
+                              flush=True)
+                        checkpointing = True
+                        tried.clear()
+                        batch = largest_batch(fits, args.max_batch)
+                    out["search"][recipe] = {"batch": batch, "tried": tried, "gpus": args.gpus,
+                                             "checkpointing": checkpointing}
+                    if batch == 0:
+                        out["skipped"][recipe] = "not even one sequence a GPU fits"
+                        print(f"-- {recipe}: {out['skipped'][recipe]}", flush=True)
+                        continue
+                print(f"-- {recipe}: batch {batch} a GPU, {args.steps} steps, sharded over {args.gpus} GPUs",
+                      flush=True)
+                done = subprocess.run(_sharded_command(
+                    args, recipe, batch, args.steps, report_path, *seeds,
+                    "--checkpointing", "on" if checkpointing else "off", *(["--resume"] if resume else [])))
+                if done.returncode != 0:
+                    raise RuntimeError(f"the run at batch {batch} failed (exit {done.returncode}; its output is above)")
+            except RuntimeError as exc:
+                out["failed"][recipe] = str(exc)
+                print(f"-- {recipe}: {exc}", flush=True)
+                continue
+            out["ran"] = resume = True  # (the next recipe's runs join this one's report)
+    return out
+
+
+def _main_sharded(args, shape: dict, device, error) -> int:
+    """main() under --gpus: run_sharded, then the report's table and verdict, its searches, skips and failures in
+    it."""
+    import tempfile
+
+    if args.max_seconds is not None:
+        error("--gpus: every rank runs --steps steps; --max-seconds could stop the ranks at different steps")
+    if device.type == "cuda" and torch.cuda.device_count() < args.gpus:
+        error(f"--gpus {args.gpus}: torch sees {torch.cuda.device_count()} GPU(s) here")
+    earlier: dict = {}
+    if args.resume and os.path.exists(args.json):
+        try:
+            with open(args.json) as f:
+                before = json.load(f)
+        except (OSError, ValueError) as exc:
+            error(f"--resume: cannot read {args.json}: {exc}")
+        if before.get("shape") != shape or before.get("fsdp2") != args.gpus:
+            error(f"--resume: {args.json} holds runs of shape {before.get('shape')} over "
+                  f"{before.get('fsdp2') or 1} GPU(s), not of {shape} over {args.gpus}; name another --json")
+        earlier = before.get("search", {})
+    capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.json or os.path.join(tmp, "scale.json")
+        done = run_sharded(args, path, device, capacity, earlier)
+        if not done["ran"] and not (args.resume and os.path.exists(path)):
+            print("No recipe ran. " + " ".join(f"{k}: {v}." for k, v in {**done["skipped"], **done["failed"]}.items()),
+                  flush=True)
+            return 1
+        with open(path) as f:
+            report = json.load(f)
+        report["search"].update(done["search"])
+        report["skipped"].update(done["skipped"])
+        report["runs"] += [{"recipe": recipe, "seed": args.seed or 0, "batch": done["search"].get(recipe, {}).get(
+            "batch") or 0, "error": why[:600]} for recipe, why in done["failed"].items()]
+        report["verdict"] = verdict(report)
+        if args.json:
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+    print(table(report))
+    print("\n".join(report["verdict"]), flush=True)
+    return 1 if any("error" in r for r in report["runs"]) else 0
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -643,38 +712,6 @@ def merge(paths: List[str], error) -> dict:
     return out
 
 
-def _main_sharded(args, device, error) -> int:
-    """main() under --gpus: run_sharded, then the report's table and verdict with the searches in it."""
-    import tempfile
-
-    if args.max_seconds is not None:
-        error("--gpus: every rank runs --steps steps; --max-seconds could stop the ranks at different steps")
-    if device.type == "cuda" and torch.cuda.device_count() < args.gpus:
-        error(f"--gpus {args.gpus}: torch sees {torch.cuda.device_count()} GPU(s) here")
-    capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
-    with tempfile.TemporaryDirectory() as tmp:
-        path = args.json or os.path.join(tmp, "scale.json")
-        try:
-            searches, skipped = run_sharded(args, path, device, capacity)
-        except RuntimeError as exc:
-            print(exc, flush=True)
-            return 1
-        if not os.path.exists(path):
-            print("No recipe ran: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()), flush=True)
-            return 1
-        with open(path) as f:
-            report = json.load(f)
-        report["search"].update(searches)
-        report["skipped"].update(skipped)
-        report["verdict"] = verdict(report)
-        if args.json:
-            with open(path, "w") as f:
-                json.dump(report, f, indent=1, default=str)
-    print(table(report))
-    print("\n".join(report["verdict"]), flush=True)
-    return 1 if any("error" in r for r in report["runs"]) else 0
-
-
 def _versions() -> dict:
     out = {"torch": torch.__version__}
     for name in ("transformers", "torchao"):
@@ -844,7 +881,7 @@ def main(argv=None) -> int:
     seeds = list(range(args.seeds)) if args.seed is None else [args.seed]
     args.tune_candidates = [c.strip() for c in args.tune_candidates.split(",") if c.strip()]
     if args.gpus is not None:
-        return _main_sharded(args, device, p.error)
+        return _main_sharded(args, shape, device, p.error)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 work outside autocast, as torch users run it
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
