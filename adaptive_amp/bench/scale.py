@@ -472,17 +472,7 @@ def _main_sharded(args, shape: dict, device, error) -> int:
         error("--gpus: every rank runs --steps steps; --max-seconds could stop the ranks at different steps")
     if device.type == "cuda" and torch.cuda.device_count() < args.gpus:
         error(f"--gpus {args.gpus}: torch sees {torch.cuda.device_count()} GPU(s) here")
-    earlier: dict = {}
-    if args.resume and os.path.exists(args.json):
-        try:
-            with open(args.json) as f:
-                before = json.load(f)
-        except (OSError, ValueError) as exc:
-            error(f"--resume: cannot read {args.json}: {exc}")
-        if before.get("shape") != shape or before.get("fsdp2") != args.gpus:
-            error(f"--resume: {args.json} holds runs of shape {before.get('shape')} over "
-                  f"{before.get('fsdp2') or 1} GPU(s), not of {shape} over {args.gpus}; name another --json")
-        earlier = before.get("search", {})
+    earlier = _resumed(args.json, shape, args.gpus, error).get("search", {}) if args.resume else {}
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     with tempfile.TemporaryDirectory() as tmp:
         path = args.json or os.path.join(tmp, "scale.json")
@@ -667,6 +657,30 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _with_run(runs: List[dict], run: dict) -> List[dict]:
+    """`runs` with `run` in place of a run of the same recipe, seed and batch (else added)."""
+    key = (run.get("recipe"), run.get("seed"), run.get("batch"))
+    return [old for old in runs if (old.get("recipe"), old.get("seed"), old.get("batch")) != key] + [run]
+
+
+def _resumed(path: str, shape: dict, fsdp2: Optional[int], error) -> dict:
+    """The report at `path` that --resume adds to, {} where there is none yet; `error(message)` refuses one that
+    cannot be read, holds another model, or was not sharded over `fsdp2` GPUs (None: one GPU)."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            before = json.load(f)
+    except (OSError, ValueError) as exc:
+        error(f"--resume: cannot read {path}: {exc}")
+    if before.get("shape") != shape:
+        error(f"--resume: {path} holds runs of shape {before.get('shape')}, not of {shape}; name another --json")
+    if before.get("fsdp2") != fsdp2:
+        error(f"--resume: {path} holds runs " + (f"sharded over {before['fsdp2']} GPUs" if before.get("fsdp2")
+                                                  else "on one GPU") + ", not these; name another --json")
+    return before
+
+
 def merge(paths: List[str], error) -> dict:
     """One report of the runs in the reports at `paths` (written by separate commands: seeds run side by side on
     two GPUs, say), with its verdict. A later report's run of the same recipe, seed and batch replaces an earlier
@@ -697,9 +711,7 @@ def merge(paths: List[str], error) -> dict:
     out = dict(first, runs=[], search={}, skipped={}, earlier=[], merged=[])
     for path, report in zip(paths, reports):
         for run in report["runs"]:
-            key = (run.get("recipe"), run.get("seed"), run.get("batch"))
-            out["runs"] = [old for old in out["runs"]
-                           if (old.get("recipe"), old.get("seed"), old.get("batch")) != key] + [run]
+            out["runs"] = _with_run(out["runs"], run)
         out["search"].update(report.get("search", {}))
         out["skipped"].update(report.get("skipped", {}))
         out["earlier"] += report.get("earlier", [])
@@ -893,18 +905,8 @@ def main(argv=None) -> int:
           + (f"; sharded by FSDP2 over {args.world} processes, --batch sequences each" if args.fsdp2 else ""),
           flush=True)
 
-    if args.resume and os.path.exists(args.json):
-        try:
-            with open(args.json) as f:
-                before = json.load(f)
-        except (OSError, ValueError) as exc:
-            p.error(f"--resume: cannot read {args.json}: {exc}")
-        if before.get("shape") != shape:
-            p.error(f"--resume: {args.json} holds a model of shape {before.get('shape')}, not {shape}; "
-                    "name another --json")
-        if before.get("fsdp2") != report["fsdp2"]:
-            p.error(f"--resume: {args.json} holds runs " + (f"sharded over {before['fsdp2']} GPUs" if
-                    before.get("fsdp2") else "on one GPU") + ", not these; name another --json")
+    before = _resumed(args.json, shape, report["fsdp2"], p.error) if args.resume else {}
+    if before:
         report["runs"] = before.get("runs", [])  # (a run of the same recipe, seed and batch is replaced below)
         report["skipped"] = {k: v for k, v in before.get("skipped", {}).items() if k not in args.recipes}
         # A recipe's batch search is kept, and its batch reused unless --batch names another now.
@@ -959,8 +961,7 @@ def main(argv=None) -> int:
             r = run(recipe, shape, batch, seed, device, args, choice if seed else None)
             if seed == 0:  # (run again now: its choice is the one the other seeds take)
                 choice = r.get("chosen")
-            report["runs"] = [old for old in report["runs"] if (old.get("recipe"), old.get("seed"), old.get("batch"))
-                              != (recipe, seed, batch)] + [r]
+            report["runs"] = _with_run(report["runs"], r)
             save()
     report["verdict"] = verdict(report)
     save()
