@@ -203,6 +203,32 @@ def test_scale_searches_the_largest_batch_on_a_gpu(tmp_path):
     assert any(line.startswith("Memory at torch's batch (4)") for line in report["verdict"])
 
 
+@pytest.mark.parametrize("per_sequence, out_of_memory_from, expected, tries", [
+    (10.0, None, 7, [1, 2, 7]),      # the line through 1 and 2 reaches the limit (95) at 7.5: three tries
+    (10.0, 7, 6, [1, 2, 7, 4, 6]),   # out of memory before the limit, far above what fit: half way, then again
+    (20.0, 3, 2, [1, 2, 3]),         # out of memory just above what fit: that is the largest
+    (20.0, None, 3, [1, 2, 3]),
+    (0.5, None, 16, [1, 2, 16]),     # the line passes --max-batch: that batch
+    (30.0, None, 2, [1, 2]),         # a third sequence would pass the limit
+    (50.0, None, 1, [1, 2]),         # two do
+])
+def test_largest_batch_predicts_from_the_peaks(per_sequence, out_of_memory_from, expected, tries):
+    """The peak grows linearly with the batch (a state of 20, `per_sequence` a sequence): after two tries the
+    search goes to the batch the line predicts at the limit (95), and down from a prediction that does not fit."""
+    done = []
+
+    def measure(b):
+        done.append(b)
+        if out_of_memory_from is not None and b >= out_of_memory_from:
+            return False, None
+        peak = 20.0 + per_sequence * b
+        return peak <= 95.0, peak
+    assert scale.largest_batch(measure, 16, 95.0) == expected
+    assert done == tries
+    done.clear()  # without a limit (no peaks to go by): doubling, then one between
+    assert scale.largest_batch(lambda b: (done.append(b) or b < 6, None), 16) == 4 and done == [1, 2, 4, 8, 6]
+
+
 def test_scale_max_seconds_stops_a_run_and_says_its_loss_is_not_comparable(tmp_path):
     out = tmp_path / "scale.json"
     assert main(["scale", "--tiny", "--device", "cpu", "--steps", "20", "--max-seconds", "0",
@@ -253,8 +279,8 @@ def test_scale_fsdp2_shards_over_two_processes_and_reports_once(tmp_path):
     assert all(r["fsdp2"] == 2 and r["ranks"] == 2 and r["batch"] == 2 for r in runs.values())
     assert runs["bf16-pure"]["policy"].startswith("params=bfloat16")
     assert runs["torch-bf16"]["final_loss"] < runs["torch-bf16"]["first_loss"]
-    assert "runs in one process" in report["skipped"]["tune"]
     assert "one dtype per sharded unit" in report["skipped"]["bf16-weights"]
+    assert "--gpus N tunes on one GPU" in report["skipped"]["tune"]
     assert any(line.startswith("Speed: ours (bf16-pure, batch 2)") for line in report["verdict"])
 
 
@@ -337,26 +363,42 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     then one torchrun a recipe at its batch; the searches join the report. Here torchrun is played by a fake."""
     import subprocess
 
-    commands, fail = [], {"other": False, "run": False}
+    commands, fail = [], {"other": False, "run": False, "tuning": False}
 
     def fake_run(command, capture_output=False, text=False):
         commands.append(command)
         recipe, batch = command[command.index("--batch") + 1].split("=")
+        if "--tune-only" in command:  # the tuning, in one process
+            if fail["tuning"]:
+                return subprocess.CompletedProcess(command, 1, "", "")
+            assert "--fsdp2" not in command and "bf16-weights" not in command[command.index("--tune-candidates") + 1]
+            with open(command[command.index("--tune-only") + 1], "w") as f:
+                json.dump({"chosen": "bf16-pure+fp8+ckpt", "batch": int(batch),
+                           "tuning": {"seconds": 2.5, "trials": [{}, {}], "skipped": []}}, f)
+            return subprocess.CompletedProcess(command, 0, "", "")
         batch, path = int(batch), command[command.index("--json") + 1]
-        checkpointing = command[command.index("--checkpointing") + 1] == "on"
+        # (the last --checkpointing is the one argparse keeps)
+        checkpointing = command[len(command) - 1 - command[::-1].index("--checkpointing") + 1] == "on"
         steps = int(command[command.index("--steps") + 1])
-        too_big = 4 if recipe == "torch-bf16" else (2 if checkpointing else 1)
+        if recipe == "tune":  # its torchruns run the tuning's choice
+            with open(command[command.index("--tuned") + 1]) as f:
+                assert json.load(f)["chosen"] == "bf16-pure+fp8+ckpt"
+        too_big = {"torch-bf16": 4, "tune": 3}.get(recipe, 2 if checkpointing else 1)
         if batch >= too_big:  # (what torchrun prints when a rank ran out of memory)
             return subprocess.CompletedProcess(command, 1, "", "torch.OutOfMemoryError: CUDA out of memory")
         if (fail["other"] and batch == 3) or (fail["run"] and steps == 5):
             return subprocess.CompletedProcess(command, 1, "", "ValueError: something else")
         run = dict(recipe=recipe, seed=0, batch=batch, steps=steps, steady_tokens_per_s=100.0 * batch,
-                   tokens_per_s=100.0 * batch, peak_gib=None, final_loss=2.0, checkpointing=checkpointing, fsdp2=2)
+                   tokens_per_s=100.0 * batch, peak_gib=None, final_loss=2.0, checkpointing=checkpointing, fsdp2=2,
+                   steady_ms_per_step=10.0)
+        if recipe == "tune":
+            run.update(chosen="bf16-pure+fp8+ckpt", tuned_batch=1, tuning={"seconds": 2.5, "trials": [{}, {}]})
         report = {"device": "cpu", "args": {"steps": steps}, "shape": scale.TINY, "fsdp2": 2, "search": {},
                   "skipped": {}, "runs": [run]}
         if "--resume" in command and os.path.exists(path):
             with open(path) as f:
-                report["runs"] = json.load(f)["runs"] + [run]
+                before = json.load(f)
+            report.update(runs=before["runs"] + [run], search=before["search"])
         with open(path, "w") as f:
             json.dump(report, f)
         return subprocess.CompletedProcess(command, 0, "", "")
@@ -364,31 +406,46 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     out = tmp_path / "scale.json"
     common = ["--tiny", "--device", "cpu", "--gpus", "2", "--max-batch", "4", "--steps", "5", "--json", str(out)]
     assert scale.main([*common, "--recipes", "torch-bf16,tune,bf16-pure", "--seed", "1"]) == 0
-    tries = [(c[c.index("--batch") + 1], c[c.index("--checkpointing") + 1]) for c in commands
-             if c[c.index("--steps") + 1] == str(scale.SEARCH_STEPS)]
-    # Doubling until out of memory, then one between; bf16-pure, not one sequence without checkpointing, again
-    # with it.
+    tries = [(c[c.index("--batch") + 1], c[len(c) - c[::-1].index("--checkpointing")]) for c in commands
+             if "--tune-only" not in c and c[c.index("--steps") + 1] == str(scale.SEARCH_STEPS)]
+    # Doubling until out of memory, then one between (no peaks on the CPU to predict from); tune, tuned first in one
+    # process among the candidates that run sharded, its choice searched and run with the tuning; bf16-pure, not
+    # one sequence without checkpointing, again with it.
     assert tries == [("torch-bf16=1", "off"), ("torch-bf16=2", "off"), ("torch-bf16=4", "off"),
-                     ("torch-bf16=3", "off"), ("bf16-pure=1", "off"), ("bf16-pure=1", "on"), ("bf16-pure=2", "on")]
-    runs = [c for c in commands if c[c.index("--steps") + 1] == "5"]
-    assert [(c[c.index("--batch") + 1], c[c.index("--checkpointing") + 1], "--resume" in c) for c in runs] == [
-        ("torch-bf16=3", "off", False), ("bf16-pure=1", "on", True)]
+                     ("torch-bf16=3", "off"), ("tune=1", "off"), ("tune=2", "off"), ("tune=4", "off"),
+                     ("tune=3", "off"), ("bf16-pure=1", "off"), ("bf16-pure=1", "on"), ("bf16-pure=2", "on")]
+    assert [c[c.index("--batch") + 1] for c in commands if "--tune-only" in c] == ["tune=1"]
+    runs = [c for c in commands if "--tune-only" not in c and c[c.index("--steps") + 1] == "5"]
+    assert [(c[c.index("--batch") + 1], c[len(c) - c[::-1].index("--checkpointing")], "--resume" in c)
+            for c in runs] == [("torch-bf16=3", "off", False), ("tune=2", "off", True), ("bf16-pure=1", "on", True)]
     assert all("--fsdp2" in c and "--nproc_per_node=2" in c and "--tiny" in c and "--seed" in c for c in runs)
     report = json.loads(out.read_text())
     assert report["search"]["torch-bf16"] == {"batch": 3, "tried": {"1": None, "2": None, "4": "out of memory",
                                                                       "3": None}, "gpus": 2, "checkpointing": False}
     assert report["search"]["bf16-pure"]["checkpointing"] is True
-    assert "runs in one process" in report["skipped"]["tune"]
-    assert [r["recipe"] for r in report["runs"]] == ["torch-bf16", "bf16-pure"]
+    assert report["search"]["tune"]["batch"] == 2 and report["search"]["tune"]["tuned"]["chosen"] == \
+        "bf16-pure+fp8+ckpt"
+    assert [r["recipe"] for r in report["runs"]] == ["torch-bf16", "tune", "bf16-pure"]
+    assert any("made in one process on one GPU at batch 1" in line for line in report["verdict"])
     assert "a GPU runs out of memory" in capsys.readouterr().out
-    # --resume reuses the searches over as many GPUs (nothing tried again); a run that fails is an error run of
-    # the report, and the command fails.
+    # --resume reuses the searches over as many GPUs (nothing tried again), the tuning with its search.
+    commands.clear()
+    assert scale.main([*common, "--recipes", "tune", "--resume"]) == 0
+    assert [c[c.index("--batch") + 1] for c in commands] == ["tune=2"] and "--tuned" in commands[0]
+    # A tuning that fails is an error run of the report (at the batch given), and the command fails; so does a
+    # run that fails.
+    fail["tuning"] = True
+    assert scale.main([*common, "--recipes", "tune", "--batch", "tune=2", "--resume"]) == 1  # (tuned at 1 before)
+    failed = json.loads(out.read_text())["runs"][-1]
+    assert failed["recipe"] == "tune" and failed["batch"] == 2 and "the tuning failed" in failed["error"]
+    fail["tuning"] = False
     commands.clear()
     fail["run"] = True
     assert scale.main([*common, "--recipes", "torch-bf16", "--resume"]) == 1
     assert [c[c.index("--batch") + 1] for c in commands] == ["torch-bf16=3"]
     report = json.loads(out.read_text())
     assert report["runs"][-1]["recipe"] == "torch-bf16" and "failed" in report["runs"][-1]["error"]
+    assert report["runs"][-1]["batch"] == 3  # (the batch of the search reused)
     # A try that fails for another reason than memory: nothing ran, said so, and the report left as it was.
     fail.update(other=True, run=False)
     before = out.read_text()
@@ -410,12 +467,15 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
 
 @pytest.mark.slow
 def test_scale_gpus_runs_each_recipe_under_torchrun(tmp_path):
-    """The real thing on the CPU: torchrun with two gloo processes a try and a recipe."""
+    """The real thing on the CPU: torchrun with two gloo processes a try and a recipe; tune tuned in a process of
+    its own, its choice then run sharded."""
     out = tmp_path / "scale.json"
     assert main(["scale", "--tiny", "--device", "cpu", "--gpus", "2", "--recipes", "torch-bf16,tune,bf16-pure",
                  "--batch", "bf16-pure=1", "--max-batch", "1", "--steps", "3", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert sorted((r["recipe"], r["batch"], r["fsdp2"], r["ranks"]) for r in report["runs"]) == [
-        ("bf16-pure", 1, 2, 2), ("torch-bf16", 1, 2, 2)]
+        ("bf16-pure", 1, 2, 2), ("torch-bf16", 1, 2, 2), ("tune", 1, 2, 2)]
+    tuned = next(r for r in report["runs"] if r["recipe"] == "tune")
+    assert tuned["chosen"] == report["search"]["tune"]["tuned"]["chosen"] and tuned["tuning"]["trials"]
+    assert tuned["tuned_batch"] == 1
     assert report["search"]["torch-bf16"]["batch"] == 1 and "bf16-pure" not in report["search"]
-    assert "runs in one process" in report["skipped"]["tune"]

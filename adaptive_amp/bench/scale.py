@@ -26,9 +26,9 @@ the same batches for every recipe and seed. Recipes (``--recipes``):
 
 The torchao recipes are skipped, with the reason, when torchao is missing or the GPU has no float8 matmuls.
 
-Each recipe runs at the largest batch that fits (a short search: 1, 2, 4, ... sequences until a step runs
-out of memory or passes --memory-fraction of the GPU, then one batch between the last that fit and the first
-that did not), or at --batch (one number for every recipe, or ``recipe=N,...``). With --checkpointing auto,
+Each recipe runs at the largest batch that fits (a short search: 1 and 2 sequences, then the batch at which
+the line through their peaks reaches --memory-fraction of the GPU, checked by a try; see largest_batch), or at
+--batch (one number for every recipe, or ``recipe=N,...``). With --checkpointing auto,
 a recipe that does not fit one sequence retries with activation checkpointing (transformers'
 ``gradient_checkpointing_enable``). Then --steps steps per seed:
 tokens/s over the steps after warm-up and at steady state (the median of ten windows), peak memory, and the
@@ -38,6 +38,10 @@ On several GPUs (``torchrun --nproc_per_node=N -m adaptive_amp bench scale --fsd
 runs sharded by FSDP2, B sequences a GPU, its decisions collective (scale_fsdp2.py says how each recipe is
 sharded). There is no batch search inside torchrun (a rank out of memory ends them all); ``--gpus N`` runs
 from one plain command instead: one torchrun a try of the batch search and one a recipe, at its largest batch.
+``tune`` does not run sharded (a trial's snapshot would write whole tensors into the shards): under ``--gpus``
+the tuning runs first in a process of its own, the model unsharded on one GPU, among the candidates that run
+sharded, and its choice is then searched and run sharded as the tuned run, as a user would tune a model that
+FSDP2 then trains.
 
 Compiled (--compile): ``blocks`` (the default on a GPU) compiles each decoder layer (``module.compile()``; the
 32 layers share one graph, so compiling takes the time of one layer, as torchtitan does), ``model`` the whole
@@ -65,6 +69,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -119,12 +124,13 @@ def stream(shape: dict, batch: int, n: int, seed: int, device, rank: int = 0) ->
     return [make_batch(batch, seed=seed * 1_000_003 + rank * 100_003 + k, device=device) for k in range(n)]
 
 
-def skip_reason(recipe: str, device, sharded: bool = False) -> Optional[str]:
-    """Why `recipe` cannot run here (None: it can); `sharded`: under --fsdp2."""
+def skip_reason(recipe: str, device, sharded: bool = False, tuned: bool = False) -> Optional[str]:
+    """Why `recipe` cannot run here (None: it can); `sharded`: under --fsdp2 (`tuned`: with a tuning made in
+    one process, which --gpus makes)."""
     if sharded:
         from .scale_fsdp2 import skip_reason as sharded_skip_reason
 
-        why = sharded_skip_reason(recipe)
+        why = sharded_skip_reason(recipe, tuned)
         if why:
             return why
     if recipe in TORCHAO_RECIPES:
@@ -169,7 +175,14 @@ def compile_model(zm, mode: str):
 
 def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches=None, choice=None) -> Trainer:
     """`recipe` on a fresh model of seed `seed` (compiled as --compile says); `choice`: tune only this
-    candidate (seed 0's choice, for the other seeds' loss spread)."""
+    candidate (seed 0's choice, for the other seeds' loss spread). ``tune`` with --tuned PATH (under --gpus)
+    runs the choice of the tuning made in one process, recorded in PATH, as the tuned run."""
+    name, tuned = recipe, None
+    if recipe == "tune" and getattr(args, "tuned", None):
+        with open(args.tuned) as f:
+            tuned = json.load(f)
+        # (checkpointing is the batch search's to decide here: sharded, a recipe may fit without it)
+        recipe = tuned["chosen"].removesuffix("+ckpt")
     zm = build(shape, seed, device)
     if args.checkpointing_now:
         zm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -229,7 +242,7 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
         print(amp.tuning.table(), flush=True)
     else:
         base = recipe[:-len("+fp8")] if recipe in FP8_RECIPES else recipe
-        if base == "bf16":
+        if base in ("bf16", "fp32"):
             opt = torch.optim.AdamW(zm.model.parameters(), lr=args.lr, fused=cuda)
         else:
             from ..optim import AdamW
@@ -247,7 +260,9 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
                                          " measured in " in r), None)
             print(f"   {recipe}: {info['fp8_layers']} layers in fp8; {info['fp8_measured']}", flush=True)
     info.update(tuning_seconds=round(time.perf_counter() - t0, 2), policy=str(amp.policy))
-    return Trainer(recipe, zm, model, lambda batch: amp.train_step(lambda: zm.loss(model, batch)), amp, info)
+    if tuned is not None:
+        info.update(chosen=tuned["chosen"], tuning=tuned["tuning"], tuned_batch=tuned["batch"])
+    return Trainer(name, zm, model, lambda batch: amp.train_step(lambda: zm.loss(model, batch)), amp, info)
 
 
 def _free(device):
@@ -262,18 +277,57 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def largest_batch(fits, max_batch: int) -> int:
-    """The largest batch `fits(batch)` accepts, by a short search: 1, 2, 4, ... up to `max_batch` until one does
-    not fit, then one batch between the last that fit and the first that did not (0: not even 1)."""
+def largest_batch(measure, max_batch: int, limit: Optional[float] = None) -> int:
+    """The largest batch up to `max_batch` that fits (0: not even 1), by a short search. ``measure(batch) ->
+    (fits, peak)``: whether a try at that batch fits, and its peak memory (None: not known, or out of memory).
+
+    With `limit` (the most a peak may be, in the peaks' unit) and the peaks of two batches that fit, the next
+    try is the batch at which the line through the two largest of them reaches `limit`: the state is the same
+    at every batch and the activations grow with it, so a compiled step's peak grows about linearly (1, 2, then
+    the prediction: three tries where doubling took five or six). A prediction that does not fit is followed
+    by the batch below it, or, more than four batches above the largest that fit, the batch half way.
+    Without peaks: 1, 2, 4, ... until one does not fit, then one batch between the last that fit and the first
+    that did not."""
+    peaks: Dict[int, Optional[float]] = {}
+
+    def fits(b: int) -> bool:
+        ok, peaks[b] = measure(b)
+        return ok
+
     good, bad, b = 0, None, 1
     while b <= max_batch:
         if not fits(b):
             bad = b
             break
-        good, b = b, b * 2
+        good = b
+        known = sorted(k for k in peaks if peaks[k] is not None and k <= good)
+        if limit is not None and len(known) >= 2 and peaks[known[-1]] > peaks[known[-2]]:
+            return _extrapolated(fits, peaks, known[-2:], good, max_batch, limit)
+        b *= 2
     if good and bad and bad - good > 1 and fits((good + bad) // 2):
         good = (good + bad) // 2
     return good
+
+
+def _extrapolated(fits, peaks: dict, pair: List[int], good: int, max_batch: int, limit: float) -> int:
+    """largest_batch past its first two peaks (`pair`, the batches): predict, try, and predict again from the
+    two largest batches that fit, until the prediction is a batch already known to fit."""
+    upper = None  # the smallest batch known not to fit
+    while True:
+        (a, b), guess = pair, good
+        slope = (peaks[b] - peaks[a]) / (b - a)
+        if slope > 0:
+            guess = min(max_batch, b + int((limit - peaks[b]) // slope))
+        if upper is not None and guess >= upper:  # the line says it fits where a try did not: below, or half way
+            guess = upper - 1 if upper - good <= 4 else (good + upper) // 2
+        if guess <= good:
+            return good
+        if fits(guess):
+            good = guess
+            if peaks.get(guess) is not None:
+                pair = [b, guess]
+        else:
+            upper = guess
 
 
 def search_batch(recipe: str, shape: dict, device, args) -> dict:
@@ -289,7 +343,7 @@ def search_batch(recipe: str, shape: dict, device, args) -> dict:
             tune_batches = stream(shape, 1, 8, 0, device)
         trainer = make_trainer(recipe, shape, 0, device, args, tune_batches)
 
-        def fits(b: int) -> bool:
+        def measure(b: int):
             batches = stream(shape, b, 2, 0, device)
             try:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -302,14 +356,14 @@ def search_batch(recipe: str, shape: dict, device, args) -> dict:
                 trainer.zm.model.zero_grad(set_to_none=True)  # what the failed step left, before the next try
                 gc.collect()
                 torch.cuda.empty_cache()
-                return False
+                return False, None
             finally:
                 del batches
             tried[b] = round(peak / 2**30, 2)
             print(f"   {recipe}: batch {b} ({b * seq} tokens) peaks at {peak / 2**30:.1f} GiB", flush=True)
-            return peak <= limit
+            return peak <= limit, peak / 2**30
 
-        return {"batch": largest_batch(fits, args.max_batch), "tried": tried}
+        return {"batch": largest_batch(measure, args.max_batch, limit / 2**30), "tried": tried}
     except torch.OutOfMemoryError as exc:  # building or tuning did not fit
         return {"batch": 0, "tried": tried, "error": f"out of memory before a step ran: {str(exc)[:600]}"}
     finally:
@@ -364,19 +418,72 @@ _FORWARDED = (("--layers", "layers"), ("--hidden", "hidden"), ("--mlp", "mlp"), 
 SEARCH_STEPS = 3
 
 
-def _sharded_command(args, recipe: str, batch: int, steps: int, path: str, *extra: str) -> List[str]:
-    """torchrun over --gpus processes of this machine: `recipe` sharded at `batch`, its report written to `path`."""
-    import sys
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
-               "-m", "adaptive_amp", "bench", "scale", "--fsdp2", "--recipes", recipe, "--batch", f"{recipe}={batch}",
-               "--steps", str(steps), "--json", path, *extra]
+def _forwarded(args) -> List[str]:
+    """The options of this command that a process it starts takes as given here (_FORWARDED, --tiny, --verbose)."""
+    out: List[str] = []
     for flag, dest in _FORWARDED:
         value = getattr(args, dest)
         if value is not None:
             # (each process takes its own GPU: the device's type, not a driver-side index such as cuda:1)
-            command += [flag, torch.device(value).type if dest == "device" else str(value)]
-    return command + (["--tiny"] if args.tiny else []) + (["--verbose"] if args.verbose else [])
+            out += [flag, torch.device(value).type if dest == "device" else str(value)]
+    return out + (["--tiny"] if args.tiny else []) + (["--verbose"] if args.verbose else [])
+
+
+def _sharded_command(args, recipe: str, batch: int, steps: int, path: str, *extra: str) -> List[str]:
+    """torchrun over --gpus processes of this machine: `recipe` sharded at `batch`, its report written to `path`;
+    `extra` last, so that its --checkpointing (the search's) is the one that counts."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
+            "-m", "adaptive_amp", "bench", "scale", "--fsdp2", "--recipes", recipe, "--batch", f"{recipe}={batch}",
+            "--steps", str(steps), "--json", path, *_forwarded(args), *extra]
+
+
+def tune_only(args, shape: dict, device) -> int:
+    """--tune-only PATH: the tuning alone, in this process on `device`, at --batch tune=N sequences (default 1),
+    on seed 0's batches; its choice and record written to PATH for the tuned run's sharded torchruns
+    (--tuned PATH)."""
+    batch = _tuning_batch(args)
+    args.checkpointing_now = args.checkpointing == "on"
+    trainer = make_trainer("tune", shape, 0, device, args, stream(shape, batch, 8, 0, device))
+    try:
+        with open(args.tune_only, "w") as f:
+            json.dump({"chosen": trainer.info["chosen"], "tuning": trainer.info["tuning"], "batch": batch},
+                      f, indent=1, default=str)
+    finally:
+        trainer.close()
+    return 0
+
+
+def _tuning_batch(args) -> int:
+    """Sequences a step the tuning under --gpus runs at: --batch's for tune, else one (as a batch search on one
+    GPU tunes: the sharded search then grows the choice's batch)."""
+    return (args.batch or {}).get("tune", (args.batch or {}).get("*", 1))
+
+
+def tune_alone(args, tmp: str) -> dict:
+    """--gpus with tune: the tuning, in a process of its own on one GPU of this machine, the model unsharded,
+    among the candidates that run sharded (FSDP2 keeps one dtype per sharded unit: not the bf16-weights ones);
+    its record (``--tune-only``). RuntimeError when it fails."""
+    import subprocess
+
+    from .scale_fsdp2 import skip_reason as sharded_skip_reason
+
+    left_out = [c for c in args.tune_candidates if sharded_skip_reason(c)]
+    candidates = [c for c in args.tune_candidates if c not in left_out]
+    if not candidates:
+        raise RuntimeError(f"none of the tuning's candidates runs sharded ({', '.join(left_out)})")
+    path = os.path.join(tmp, "tuning.json")
+    command = [sys.executable, "-m", "adaptive_amp", "bench", "scale", "--tune-only", path, "--recipes", "tune",
+               "--batch", f"tune={_tuning_batch(args)}", "--tune-candidates", ",".join(candidates),
+               "--tune-steps", str(args.tune_steps), "--tune-timed-steps", str(args.tune_timed_steps),
+               *_forwarded(args)]
+    print(f"-- tune: tuning in one process, unsharded on one GPU, at batch {_tuning_batch(args)}, among "
+          f"{', '.join(candidates)}" + (f" ({', '.join(left_out)} left out: "
+                                        f"{sharded_skip_reason(left_out[0])})" if left_out else ""), flush=True)
+    done = subprocess.run(command)
+    if done.returncode != 0:
+        raise RuntimeError(f"the tuning failed (exit {done.returncode}; its output is above)")
+    with open(path) as f:
+        return json.load(f)
 
 
 def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], earlier: dict) -> dict:
@@ -394,10 +501,11 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
 
     out = {"search": {}, "skipped": {}, "failed": {}, "ran": False}
     resume = bool(args.resume)
+    limit = None if capacity_gib is None else args.memory_fraction * capacity_gib
     seeds = ["--seed", str(args.seed)] if args.seed is not None else ["--seeds", str(args.seeds)]
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in args.recipes:
-            why = skip_reason(recipe, device, sharded=True)
+            why = skip_reason(recipe, device, sharded=True, tuned=True)
             if why:
                 out["skipped"][recipe] = why
                 print(f"-- {recipe}: skipped: {why}", flush=True)
@@ -409,13 +517,21 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                 batch, checkpointing = found["batch"], bool(found.get("checkpointing"))
                 print(f"-- {recipe}: batch {batch} a GPU, from the batch search already in {args.json}", flush=True)
             try:
+                tuned: List[str] = []  # (--tuned PATH: the tuning whose choice a tuned recipe's torchruns run)
+                if recipe == "tune":
+                    tuning = found.get("tuned")
+                    if not tuning or tuning.get("batch") != _tuning_batch(args):
+                        tuning = tune_alone(args, tmp)
+                    tuned = ["--tuned", os.path.join(tmp, "tuned.json")]
+                    with open(tuned[1], "w") as f:
+                        json.dump(tuning, f, default=str)
                 if batch is None:
                     tried: Dict[int, object] = {}
 
-                    def fits(b: int, recipe=recipe, tried=tried) -> bool:
+                    def measure(b: int, recipe=recipe, tried=tried):
                         path = os.path.join(tmp, f"{recipe}-{b}.json")
                         flags = ["--checkpointing", "on" if checkpointing else "off"]
-                        done = subprocess.run(_sharded_command(args, recipe, b, SEARCH_STEPS, path, *flags),
+                        done = subprocess.run(_sharded_command(args, recipe, b, SEARCH_STEPS, path, *flags, *tuned),
                                               capture_output=True, text=True)
                         printed = done.stdout + done.stderr
                         if done.returncode != 0:
@@ -423,27 +539,28 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                                 raise RuntimeError(f"the try at batch {b} failed:\n{printed[-3000:]}")
                             tried[b] = "out of memory"
                             print(f"   {recipe}: batch {b} a GPU runs out of memory", flush=True)
-                            return False
+                            return False, None
                         with open(path) as f:
                             runs = json.load(f)["runs"]
                         peak = runs[0].get("peak_gib") if runs else None
                         tried[b] = peak
                         print(f"   {recipe}: batch {b} a GPU" + (f" peaks at {peak:.1f} GiB" if peak is not None
                                                                  else " runs"), flush=True)
-                        return bool(runs) and (peak is None or capacity_gib is None or
-                                               peak <= args.memory_fraction * capacity_gib)
+                        return bool(runs) and (peak is None or limit is None or peak <= limit), peak
 
                     print(f"-- {recipe}: searching the largest batch a GPU that fits, one torchrun a try",
                           flush=True)
-                    batch = largest_batch(fits, args.max_batch)
+                    batch = largest_batch(measure, args.max_batch, limit)
                     if batch == 0 and args.checkpointing == "auto":
                         print(f"-- {recipe}: one sequence a GPU does not fit; again with activation checkpointing",
                               flush=True)
                         checkpointing = True
                         tried.clear()
-                        batch = largest_batch(fits, args.max_batch)
+                        batch = largest_batch(measure, args.max_batch, limit)
                     out["search"][recipe] = {"batch": batch, "tried": tried, "gpus": args.gpus,
                                              "checkpointing": checkpointing}
+                    if tuned:
+                        out["search"][recipe]["tuned"] = tuning
                     if batch == 0:
                         out["skipped"][recipe] = "not even one sequence a GPU fits"
                         print(f"-- {recipe}: {out['skipped'][recipe]}", flush=True)
@@ -451,12 +568,12 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                 print(f"-- {recipe}: batch {batch} a GPU, {args.steps} steps, sharded over {args.gpus} GPUs",
                       flush=True)
                 done = subprocess.run(_sharded_command(
-                    args, recipe, batch, args.steps, report_path, *seeds,
+                    args, recipe, batch, args.steps, report_path, *seeds, *tuned,
                     "--checkpointing", "on" if checkpointing else "off", *(["--resume"] if resume else [])))
                 if done.returncode != 0:
                     raise RuntimeError(f"the run at batch {batch} failed (exit {done.returncode}; its output is above)")
             except RuntimeError as exc:
-                out["failed"][recipe] = str(exc)
+                out["failed"][recipe] = {"batch": batch or 0, "error": str(exc)}
                 print(f"-- {recipe}: {exc}", flush=True)
                 continue
             out["ran"] = resume = True  # (the next recipe's runs join this one's report)
@@ -478,15 +595,15 @@ def _main_sharded(args, shape: dict, device, error) -> int:
         path = args.json or os.path.join(tmp, "scale.json")
         done = run_sharded(args, path, device, capacity, earlier)
         if not done["ran"] and not (args.resume and os.path.exists(path)):
-            print("No recipe ran. " + " ".join(f"{k}: {v}." for k, v in {**done["skipped"], **done["failed"]}.items()),
-                  flush=True)
+            why = {**done["skipped"], **{k: v["error"] for k, v in done["failed"].items()}}
+            print("No recipe ran. " + " ".join(f"{k}: {v}." for k, v in why.items()), flush=True)
             return 1
         with open(path) as f:
             report = json.load(f)
         report["search"].update(done["search"])
         report["skipped"].update(done["skipped"])
-        report["runs"] += [{"recipe": recipe, "seed": args.seed or 0, "batch": done["search"].get(recipe, {}).get(
-            "batch") or 0, "error": why[:600]} for recipe, why in done["failed"].items()]
+        report["runs"] += [{"recipe": recipe, "seed": args.seed or 0, "batch": failed["batch"],
+                            "error": failed["error"][:600]} for recipe, failed in done["failed"].items()]
         report["verdict"] = verdict(report)
         if args.json:
             with open(path, "w") as f:
@@ -576,8 +693,9 @@ def _tuning_lines(runs: List[dict]) -> List[str]:
                 len(tuning.get("trials", ())) + len(tuning.get("skipped", ())) < 2:
             continue
         share = seconds / (10000 * r["steady_ms_per_step"] / 1e3)
-        lines.append(f"Tuning (seed {r['seed']}, batch {r['batch']}): {seconds:.1f} s, {share:.2%} of 10,000 steps "
-                     f"at its steady {r['steady_ms_per_step']:.0f} ms: "
+        where = (f", made in one process on one GPU at batch {r['tuned_batch']}" if r.get("tuned_batch") else "")
+        lines.append(f"Tuning (seed {r['seed']}, batch {r['batch']}{where}): {seconds:.1f} s, {share:.2%} of 10,000 "
+                     f"steps at its steady {r['steady_ms_per_step']:.0f} ms: "
                      f"{'meets' if share <= TARGET_TUNING else 'misses'} the {TARGET_TUNING:.0%} target.")
     return lines
 
@@ -777,8 +895,8 @@ _EPILOG = """examples:
   wait; python -m adaptive_amp bench scale --merge t0.json t1.json tune0.json tune1.json  # seeds side by side
   torchrun --standalone --nproc_per_node=2 -m adaptive_amp bench scale --fsdp2 --batch 4 --steps 700 \
       --recipes torch-bf16,torchao-tensorwise,bf16-pure+fp8 --json fsdp2.json   # two GPUs, FSDP2
-  python -m adaptive_amp bench scale --gpus 2 --steps 40 --recipes torch-bf16,torchao-tensorwise,bf16-pure+fp8 \
-      --json fsdp2.json                             # the same, each recipe at its largest batch a GPU
+  python -m adaptive_amp bench scale --gpus 2 --steps 40 --recipes torch-bf16,torchao-tensorwise,tune \
+      --json fsdp2.json                             # each recipe at its largest batch a GPU, tune's choice too
 """
 
 
@@ -829,7 +947,12 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", type=_positive, default=None, metavar="N",
                    help="run each recipe sharded by FSDP2 over N GPUs of this machine, from this command: one "
                         "torchrun a recipe, at its largest batch a GPU (searched with one torchrun a try, as a "
-                        "rank that runs out of memory ends them all) unless --batch names it")
+                        "rank that runs out of memory ends them all) unless --batch names it; tune tunes first "
+                        "in one process on one GPU, unsharded, at --batch tune=N (default 1)")
+    # What --gpus gives the processes it starts with tune: the tuning alone, written to PATH; a tuning's record,
+    # whose choice the tuned run trains sharded.
+    p.add_argument("--tune-only", metavar="PATH", help=argparse.SUPPRESS)
+    p.add_argument("--tuned", metavar="PATH", help=argparse.SUPPRESS)
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (a CPU smoke run)")
     p.add_argument("--json", metavar="PATH", help="also write every run, the searches and the verdict as JSON")
     p.add_argument("--resume", action="store_true",
@@ -892,6 +1015,8 @@ def main(argv=None) -> int:
         p.error(f"--seed {args.seed}: seeds are 0, 1, ...")
     seeds = list(range(args.seeds)) if args.seed is None else [args.seed]
     args.tune_candidates = [c.strip() for c in args.tune_candidates.split(",") if c.strip()]
+    if args.tune_only:
+        return tune_only(args, shape, device)
     if args.gpus is not None:
         return _main_sharded(args, shape, device, p.error)
     if device.type == "cuda":
@@ -921,7 +1046,7 @@ def main(argv=None) -> int:
                 json.dump(report, f, indent=1, default=str)
 
     for recipe in args.recipes:
-        why = skip_reason(recipe, device, sharded=args.fsdp2)
+        why = skip_reason(recipe, device, sharded=args.fsdp2, tuned=bool(args.tuned))
         if why:
             report["skipped"][recipe] = why
             print(f"-- {recipe}: skipped: {why}", flush=True)

@@ -12,7 +12,8 @@ tokens, peak memory is the largest rank's, and the losses are the mean over rank
   recipe casts the model to bf16 before sharding (FSDP2 fixes each parameter's dtype when it shards it).
 
 There is no batch search (an out-of-memory error on one rank would leave the others waiting in a
-collective): give ``--batch``. ``tune`` and the ``bf16-weights`` recipes do not run sharded.
+collective): give ``--batch``. The ``bf16-weights`` recipes do not run sharded. ``tune`` runs the choice of a
+tuning made in one process (``--gpus`` makes it: the tuning itself does not run sharded).
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ def start(args, error) -> Tuple[int, int, torch.device]:
     return rank, world, torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
 
-def skip_reason(recipe: str) -> Optional[str]:
-    """Why `recipe` does not run sharded (None: it does)."""
-    if recipe == "tune":
-        return "the tuning runs in one process; tune on one GPU and run the recipe it chose with --fsdp2"
+def skip_reason(recipe: str, tuned: bool = False) -> Optional[str]:
+    """Why `recipe` does not run sharded (None: it does); `tuned`: a tuning made in one process comes with it."""
+    if recipe == "tune" and not tuned:
+        return ("the tuning runs in one process: --gpus N tunes on one GPU, then runs its choice sharded "
+                "(or tune on one GPU and run the recipe it chose with --fsdp2)")
     if recipe.startswith("bf16-weights"):
         return ("FSDP2 keeps one dtype per sharded unit, and bf16-weights keeps float32 norms beside bf16 matmul "
                 "weights; bf16-pure and torch's MixedPrecisionPolicy run sharded")
