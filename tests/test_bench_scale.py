@@ -363,7 +363,7 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     then one torchrun a recipe at its batch; the searches join the report. Here torchrun is played by a fake."""
     import subprocess
 
-    commands, fail = [], {"other": False, "run": False, "tuning": False}
+    commands, fail = [], {"other": False, "run": False, "tuning": False, "cut": False}
 
     def fake_run(command, capture_output=False, text=False):
         commands.append(command)
@@ -386,6 +386,8 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
         too_big = {"torch-bf16": 4, "tune": 3}.get(recipe, 2 if checkpointing else 1)
         if batch >= too_big:  # (what torchrun prints when a rank ran out of memory)
             return subprocess.CompletedProcess(command, 1, "", "torch.OutOfMemoryError: CUDA out of memory")
+        if fail["cut"] and recipe == "tune" and steps == 5:  # (a time limit ends the command)
+            raise KeyboardInterrupt
         if (fail["other"] and batch == 3) or (fail["run"] and steps == 5):
             return subprocess.CompletedProcess(command, 1, "", "ValueError: something else")
         run = dict(recipe=recipe, seed=0, batch=batch, steps=steps, steady_tokens_per_s=100.0 * batch,
@@ -415,9 +417,10 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
                      ("torch-bf16=3", "off"), ("tune=1", "off"), ("tune=2", "off"), ("tune=4", "off"),
                      ("tune=3", "off"), ("bf16-pure=1", "off"), ("bf16-pure=1", "on"), ("bf16-pure=2", "on")]
     assert [c[c.index("--batch") + 1] for c in commands if "--tune-only" in c] == ["tune=1"]
+    # (every run adds to the report, which holds the searches from the first one on)
     runs = [c for c in commands if "--tune-only" not in c and c[c.index("--steps") + 1] == "5"]
     assert [(c[c.index("--batch") + 1], c[len(c) - c[::-1].index("--checkpointing")], "--resume" in c)
-            for c in runs] == [("torch-bf16=3", "off", False), ("tune=2", "off", True), ("bf16-pure=1", "on", True)]
+            for c in runs] == [("torch-bf16=3", "off", True), ("tune=2", "off", True), ("bf16-pure=1", "on", True)]
     assert all("--fsdp2" in c and "--nproc_per_node=2" in c and "--tiny" in c and "--seed" in c for c in runs)
     report = json.loads(out.read_text())
     assert report["search"]["torch-bf16"] == {"batch": 3, "tried": {"1": None, "2": None, "4": "out of memory",
@@ -456,6 +459,20 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     assert "No recipe ran" in printed and out.read_text() == before
     assert scale.main([*common, "--recipes", "bf16-weights"]) == 1  # (skipped sharded)
     assert "No recipe ran" in capsys.readouterr().out and out.read_text() == before
+    # A command cut short keeps the searches and the tuning made so far in the report, for --resume.
+    cut = tmp_path / "cut.json"
+    fail.update(other=False, cut=True)
+    with pytest.raises(KeyboardInterrupt):
+        scale.main([*common[:-1], str(cut), "--recipes", "torch-bf16,tune"])
+    kept = json.loads(cut.read_text())
+    assert kept["search"]["torch-bf16"]["batch"] == 3 and kept["search"]["tune"]["batch"] == 2
+    assert kept["search"]["tune"]["tuned"]["chosen"] == "bf16-pure+fp8+ckpt" and kept["fsdp2"] == 2
+    assert [r["recipe"] for r in kept["runs"]] == ["torch-bf16"]
+    commands.clear()
+    fail["cut"] = False
+    assert scale.main([*common[:-1], str(cut), "--recipes", "tune", "--resume"]) == 0
+    assert [c[c.index("--batch") + 1] for c in commands] == ["tune=2"]
+    assert [r["recipe"] for r in json.loads(cut.read_text())["runs"]] == ["torch-bf16", "tune"]
     # Bad input, by name.
     for argv, message in ((["--fsdp2"], "--gpus starts torchrun itself"), (["--max-seconds", "9"], "--max-seconds"),
                           (["--merge", str(out)], "leave out --device, --gpus, --tiny"),

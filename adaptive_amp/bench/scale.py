@@ -486,7 +486,8 @@ def tune_alone(args, tmp: str) -> dict:
         return json.load(f)
 
 
-def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], earlier: dict) -> dict:
+def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], earlier: dict,
+                keep=None) -> dict:
     """--gpus N: each recipe sharded by FSDP2 over N GPUs of this machine, each in its own torchrun (a rank that
     runs out of memory ends them all), at its largest batch a GPU: searched as on one GPU (:func:`largest_batch`,
     a try of SEARCH_STEPS steps that fits where it ends well and every rank's peak stays under --memory-fraction
@@ -495,7 +496,10 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
     batch or `earlier` (the searches of the report resumed) holds one over as many GPUs; then run for --steps
     (and --seeds or --seed) into the report at `report_path`. Returns {"search", "skipped", "failed", "ran"}:
     the searches made, the recipes that cannot run (why), the runs that failed (the end of their output), and
-    whether any run wrote the report. A try that fails for another reason than memory is a failed run."""
+    whether any run wrote the report. A try that fails for another reason than memory is a failed run.
+    `keep(search)`, when given, is called with the searches (and tunings) made so far as each is made, and says
+    whether it wrote them into the report at `report_path` (then the runs add to it): a command cut short, by
+    a time limit say, leaves them for --resume."""
     import subprocess
     import tempfile
 
@@ -525,6 +529,9 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                     tuned = ["--tuned", os.path.join(tmp, "tuned.json")]
                     with open(tuned[1], "w") as f:
                         json.dump(tuning, f, default=str)
+                    if batch is None:
+                        out["search"][recipe] = {**found, "tuned": tuning}
+                        resume = (keep is not None and keep(out["search"])) or resume
                 if batch is None:
                     tried: Dict[int, object] = {}
 
@@ -561,6 +568,7 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                                              "checkpointing": checkpointing}
                     if tuned:
                         out["search"][recipe]["tuned"] = tuning
+                    resume = (keep is not None and keep(out["search"])) or resume
                     if batch == 0:
                         out["skipped"][recipe] = "not even one sequence a GPU fits"
                         print(f"-- {recipe}: {out['skipped'][recipe]}", flush=True)
@@ -593,7 +601,21 @@ def _main_sharded(args, shape: dict, device, error) -> int:
     capacity = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
     with tempfile.TemporaryDirectory() as tmp:
         path = args.json or os.path.join(tmp, "scale.json")
-        done = run_sharded(args, path, device, capacity, earlier)
+
+        written = []  # (without --resume the first write replaces what the file held, as a first run would)
+
+        def keep(search: dict) -> bool:
+            if not args.json:
+                return False
+            report = (_resumed(path, shape, args.gpus, error) if args.resume or written else {}) or \
+                _new_report(args, shape, device, args.gpus)
+            report["search"].update(search)
+            written.append(True)
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+            return True
+
+        done = run_sharded(args, path, device, capacity, earlier, keep)
         if not done["ran"] and not (args.resume and os.path.exists(path)):
             why = {**done["skipped"], **{k: v["error"] for k, v in done["failed"].items()}}
             print("No recipe ran. " + " ".join(f"{k}: {v}." for k, v in why.items()), flush=True)
@@ -842,6 +864,13 @@ def merge(paths: List[str], error) -> dict:
     return out
 
 
+def _new_report(args, shape: dict, device, fsdp2: Optional[int]) -> dict:
+    """A report with no runs yet: where, when and what ran (`fsdp2`: over how many GPUs; None: one GPU)."""
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", **_versions(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shape": shape, "fsdp2": fsdp2,
+            "args": {k: v for k, v in vars(args).items()}, "search": {}, "skipped": {}, "runs": []}
+
+
 def _versions() -> dict:
     out = {"torch": torch.__version__}
     for name in ("transformers", "torchao"):
@@ -1021,10 +1050,7 @@ def main(argv=None) -> int:
         return _main_sharded(args, shape, device, p.error)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 work outside autocast, as torch users run it
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              **_versions(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shape": shape,
-              "fsdp2": args.world if args.fsdp2 else None,
-              "args": {k: v for k, v in vars(args).items()}, "search": {}, "skipped": {}, "runs": []}
+    report = _new_report(args, shape, device, args.world if args.fsdp2 else None)
     print(f"scale: LlamaForCausalLM {shape} on {report['device']}, torch {report['torch']}, transformers "
           f"{report['transformers']}, torchao {report['torchao']}"
           + (f"; sharded by FSDP2 over {args.world} processes, --batch sequences each" if args.fsdp2 else ""),
