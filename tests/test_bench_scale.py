@@ -203,27 +203,29 @@ def test_scale_searches_the_largest_batch_on_a_gpu(tmp_path):
     assert any(line.startswith("Memory at torch's batch (4)") for line in report["verdict"])
 
 
-@pytest.mark.parametrize("per_sequence, out_of_memory_from, expected, tries", [
-    (10.0, None, 7, [1, 2, 7]),      # the line through 1 and 2 reaches the limit (95) at 7.5: three tries
-    (10.0, 7, 6, [1, 2, 7, 4, 6]),   # out of memory before the limit, far above what fit: half way, then again
-    (20.0, 3, 2, [1, 2, 3]),         # out of memory just above what fit: that is the largest
-    (20.0, None, 3, [1, 2, 3]),
-    (0.5, None, 16, [1, 2, 16]),     # the line passes --max-batch: that batch
-    (30.0, None, 2, [1, 2]),         # a third sequence would pass the limit
-    (50.0, None, 1, [1, 2]),         # two do
+@pytest.mark.parametrize("peak, out_of_memory_from, expected, tries", [
+    ((20, 10), None, 7, [1, 2, 4, 7]),      # straight from 1 to 4: the line reaches the limit (95) at 7.5
+    ((20, 10), 7, 6, [1, 2, 4, 7, 6]),      # out of memory below the limit: the batch below
+    ((20, 10), 12, 7, [1, 2, 4, 7]),
+    ((20, 3), 9, 8, [1, 2, 4, 25, 14, 9, 6, 8]),  # far off: half way, then up the line through what fit
+    ((20, 0.5), None, 16, [1, 2, 4, 16]),   # the line passes --max-batch: that batch
+    ((20, 20), None, 3, [1, 2, 4, 3]),      # 4 passes the limit: one between
+    ((20, 50), None, 1, [1, 2]),
+    ((30, 3, 20, 8), None, 9, [1, 2, 4, 8, 9]),  # steeper past 2 (as measured): the line through 2, 4 and 8
 ])
-def test_largest_batch_predicts_from_the_peaks(per_sequence, out_of_memory_from, expected, tries):
-    """The peak grows linearly with the batch (a state of 20, `per_sequence` a sequence): after two tries the
-    search goes to the batch the line predicts at the limit (95), and down from a prediction that does not fit."""
+def test_largest_batch_predicts_from_the_peaks(peak, out_of_memory_from, expected, tries):
+    """The peak grows with the batch along `peak` (state, GiB a sequence; or the larger of two such lines):
+    once three tries lie on a line, the search goes to the batch where it reaches the limit (95), and down from
+    one that does not fit."""
     done = []
 
     def measure(b):
         done.append(b)
         if out_of_memory_from is not None and b >= out_of_memory_from:
             return False, None
-        peak = 20.0 + per_sequence * b
-        return peak <= 95.0, peak
-    assert scale.largest_batch(measure, 16, 95.0) == expected
+        at = max(peak[i] + peak[i + 1] * b for i in range(0, len(peak), 2))
+        return at <= 95.0, at
+    assert scale.largest_batch(measure, 16 if peak[1] == 0.5 else 64, 95.0) == expected
     assert done == tries
     done.clear()  # without a limit (no peaks to go by): doubling, then one between
     assert scale.largest_batch(lambda b: (done.append(b) or b < 6, None), 16) == 4 and done == [1, 2, 4, 8, 6]

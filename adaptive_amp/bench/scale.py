@@ -26,9 +26,9 @@ the same batches for every recipe and seed. Recipes (``--recipes``):
 
 The torchao recipes are skipped, with the reason, when torchao is missing or the GPU has no float8 matmuls.
 
-Each recipe runs at the largest batch that fits (a short search: 1 and 2 sequences, then the batch at which
-the line through their peaks reaches --memory-fraction of the GPU, checked by a try; see largest_batch), or at
---batch (one number for every recipe, or ``recipe=N,...``). With --checkpointing auto,
+Each recipe runs at the largest batch that fits (a short search: 1, 2, 4, ... sequences until the peak grows
+along a straight line, then the batch at which it reaches --memory-fraction of the GPU, checked by a try; see
+largest_batch), or at --batch (one number for every recipe, or ``recipe=N,...``). With --checkpointing auto,
 a recipe that does not fit one sequence retries with activation checkpointing (transformers'
 ``gradient_checkpointing_enable``). Then --steps steps per seed:
 tokens/s over the steps after warm-up and at steady state (the median of ten windows), peak memory, and the
@@ -281,13 +281,13 @@ def largest_batch(measure, max_batch: int, limit: Optional[float] = None) -> int
     """The largest batch up to `max_batch` that fits (0: not even 1), by a short search. ``measure(batch) ->
     (fits, peak)``: whether a try at that batch fits, and its peak memory (None: not known, or out of memory).
 
-    With `limit` (the most a peak may be, in the peaks' unit) and the peaks of two batches that fit, the next
-    try is the batch at which the line through the two largest of them reaches `limit`: the state is the same
-    at every batch and the activations grow with it, so a compiled step's peak grows about linearly (1, 2, then
-    the prediction: three tries where doubling took five or six). A prediction that does not fit is followed
-    by the batch below it, or, more than four batches above the largest that fit, the batch half way.
-    Without peaks: 1, 2, 4, ... until one does not fit, then one batch between the last that fit and the first
-    that did not."""
+    1, 2, 4, ... until one does not fit, then one batch between the last that fit and the first that did not;
+    but with `limit` (the most a peak may be, in the peaks' unit), as soon as the peak grew by about as much a
+    sequence (within STRAIGHT) from each of the last three batches to the next, the next try is the batch at
+    which that line reaches `limit`. The state is the same at every batch and the activations grow with it, so
+    past the smallest batches a step's peak grows linearly; at the smallest, something else can set it (H200,
+    the 8B model sharded over two GPUs: 55.8 and 60.1 GiB at 1 and 2 sequences a GPU, then 9.3 GiB a sequence,
+    and the line through 1 and 2 pointed at 19 where 9 was the largest)."""
     peaks: Dict[int, Optional[float]] = {}
 
     def fits(b: int) -> bool:
@@ -300,13 +300,21 @@ def largest_batch(measure, max_batch: int, limit: Optional[float] = None) -> int
             bad = b
             break
         good = b
-        known = sorted(k for k in peaks if peaks[k] is not None and k <= good)
-        if limit is not None and len(known) >= 2 and peaks[known[-1]] > peaks[known[-2]]:
-            return _extrapolated(fits, peaks, known[-2:], good, max_batch, limit)
+        known = sorted(k for k in peaks if peaks[k] is not None and k <= good)[-3:]
+        if limit is not None and len(known) == 3:
+            (a, m, z) = known
+            before, last = (peaks[m] - peaks[a]) / (m - a), (peaks[z] - peaks[m]) / (z - m)
+            if last > 0 and abs(last - before) <= STRAIGHT * last:
+                return _extrapolated(fits, peaks, [m, z], good, max_batch, limit)
         b *= 2
     if good and bad and bad - good > 1 and fits((good + bad) // 2):
         good = (good + bad) // 2
     return good
+
+
+#: How far apart (a fraction of the later) the growths a sequence of two steps of the batch search may be for
+#: the peak to be taken as a straight line in the batch.
+STRAIGHT = 0.25
 
 
 def _extrapolated(fits, peaks: dict, pair: List[int], good: int, max_batch: int, limit: float) -> int:
