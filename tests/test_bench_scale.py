@@ -83,6 +83,8 @@ def test_scale_resume_keeps_the_other_recipes_runs_and_batches_per_recipe(tmp_pa
     (["--layers", "0"], "not a whole number >= 1"),
     (["--heads", "5"], "--hidden must be a multiple of --heads"),
     (["--memory-fraction", "2"], "--memory-fraction"),
+    (["--tune-batch", "2"], "--tune-batch is for --gpus"),
+    (["--tune-batch", "0", "--gpus", "2"], "not a whole number >= 1"),
 ])
 def test_scale_refuses_bad_options_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -437,6 +439,11 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     commands.clear()
     assert scale.main([*common, "--recipes", "tune", "--resume"]) == 0
     assert [c[c.index("--batch") + 1] for c in commands] == ["tune=2"] and "--tuned" in commands[0]
+    # --tune-batch sets the tuning's batch apart from the run's.
+    commands.clear()
+    assert scale.main([*common[:-1], str(tmp_path / "apart.json"), "--recipes", "tune", "--batch", "tune=2",
+                       "--tune-batch", "1"]) == 0
+    assert [c[c.index("--batch") + 1] for c in commands] == ["tune=1", "tune=2"] and "--tune-only" in commands[0]
     # A tuning that fails is an error run of the report (at the batch given), and the command fails; so does a
     # run that fails.
     fail["tuning"] = True

@@ -462,8 +462,10 @@ def tune_only(args, shape: dict, device) -> int:
 
 
 def _tuning_batch(args) -> int:
-    """Sequences a step the tuning under --gpus runs at: --batch's for tune, else one (as a batch search on one
-    GPU tunes: the sharded search then grows the choice's batch)."""
+    """Sequences a step the tuning under --gpus runs at: --tune-batch, else --batch's for tune, else one (as a
+    batch search on one GPU tunes: the sharded search then grows the choice's batch)."""
+    if args.tune_batch is not None:
+        return args.tune_batch
     return (args.batch or {}).get("tune", (args.batch or {}).get("*", 1))
 
 
@@ -974,6 +976,9 @@ def main(argv=None) -> int:
                         "and fp8 over each; on a compiled model only the finalists compile)")
     p.add_argument("--tune-steps", type=_positive, default=4, help="tune: trial steps per candidate")
     p.add_argument("--tune-timed-steps", type=_positive, default=2, help="tune: timed steps per candidate")
+    p.add_argument("--tune-batch", type=_positive, default=None, metavar="N",
+                   help="tune under --gpus: sequences a step of the tuning made on one GPU, the model unsharded "
+                        "(default: --batch's for tune, else 1); the sharded run's batch is --batch's or the largest")
     p.add_argument("--compile", choices=("blocks", "model", "off"), default=None,
                    help="torch.compile each decoder layer (blocks), the whole model (model) or nothing (off) "
                         "(default: blocks on a GPU, off on the CPU)")
@@ -985,7 +990,7 @@ def main(argv=None) -> int:
                    help="run each recipe sharded by FSDP2 over N GPUs of this machine, from this command: one "
                         "torchrun a recipe, at its largest batch a GPU (searched with one torchrun a try, as a "
                         "rank that runs out of memory ends them all) unless --batch names it; tune tunes first "
-                        "in one process on one GPU, unsharded, at --batch tune=N (default 1)")
+                        "in one process on one GPU, unsharded (--tune-batch)")
     # What --gpus gives the processes it starts with tune: the tuning alone, written to PATH; a tuning's record,
     # whose choice the tuned run trains sharded.
     p.add_argument("--tune-only", metavar="PATH", help=argparse.SUPPRESS)
@@ -1019,6 +1024,9 @@ def main(argv=None) -> int:
         return 1 if any("error" in r for r in report["runs"]) else 0
     if args.gpus is not None and args.fsdp2:
         p.error("--gpus starts torchrun itself: leave out --fsdp2 (what each of its processes runs with)")
+    if args.tune_batch is not None and args.gpus is None:
+        p.error("--tune-batch is for --gpus, where the tuning runs apart from the sharded run; on one GPU the "
+                "tuning runs on the run's own batches (--batch tune=N)")
     args.rank, args.world = 0, 1
     if args.fsdp2:
         from .scale_fsdp2 import start
