@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 from conftest import requires_cuda
@@ -205,17 +206,17 @@ def test_scale_searches_the_largest_batch_on_a_gpu(tmp_path):
     assert any(line.startswith("Memory at torch's batch (4)") for line in report["verdict"])
 
 
-@pytest.mark.parametrize("peak, out_of_memory_from, expected, tries", [
-    ((20, 10), None, 7, [1, 2, 4, 7]),      # straight from 1 to 4: the line reaches the limit (95) at 7.5
-    ((20, 10), 7, 6, [1, 2, 4, 7, 6]),      # out of memory below the limit: the batch below
-    ((20, 10), 12, 7, [1, 2, 4, 7]),
-    ((20, 3), 9, 8, [1, 2, 4, 25, 14, 9, 6, 8]),  # far off: half way, then up the line through what fit
-    ((20, 0.5), None, 16, [1, 2, 4, 16]),   # the line passes --max-batch: that batch
-    ((20, 20), None, 3, [1, 2, 4, 3]),      # 4 passes the limit: one between
-    ((20, 50), None, 1, [1, 2]),
-    ((30, 3, 20, 8), None, 9, [1, 2, 4, 8, 9]),  # steeper past 2 (as measured): the line through 2, 4 and 8
+@pytest.mark.parametrize("peak, max_batch, out_of_memory_from, expected, tries", [
+    ((20, 10), 64, None, 7, [1, 2, 4, 7]),      # straight from 1 to 4: the line reaches the limit (95) at 7.5
+    ((20, 10), 64, 7, 6, [1, 2, 4, 7, 6]),      # out of memory below the limit: the batch below
+    ((20, 3), 64, 9, 8, [1, 2, 4, 25, 14, 9, 6, 8]),  # far off: half way, then up the line through what fit
+    ((20, 0.5), 16, None, 16, [1, 2, 4, 16]),   # the line passes --max-batch: that batch
+    ((20, 20), 64, None, 3, [1, 2, 4, 3]),      # 4 passes the limit: one between
+    ((20, 50), 64, None, 1, [1, 2]),
+    ((30, 3, 20, 8), 64, None, 9, [1, 2, 4, 8, 9]),  # steeper past 2 (as measured): the line through 2, 4 and 8
+    ((40, 0.5, 0, 5), 64, None, 19, [1, 2, 4, 64, 34, 19]),  # flat, then steep: half way, then the new line
 ])
-def test_largest_batch_predicts_from_the_peaks(peak, out_of_memory_from, expected, tries):
+def test_largest_batch_predicts_from_the_peaks(peak, max_batch, out_of_memory_from, expected, tries):
     """The peak grows with the batch along `peak` (state, GiB a sequence; or the larger of two such lines):
     once three tries lie on a line, the search goes to the batch where it reaches the limit (95), and down from
     one that does not fit."""
@@ -227,10 +228,21 @@ def test_largest_batch_predicts_from_the_peaks(peak, out_of_memory_from, expecte
             return False, None
         at = max(peak[i] + peak[i + 1] * b for i in range(0, len(peak), 2))
         return at <= 95.0, at
-    assert scale.largest_batch(measure, 16 if peak[1] == 0.5 else 64, 95.0) == expected
+    assert scale.largest_batch(measure, max_batch, 95.0) == expected
     assert done == tries
-    done.clear()  # without a limit (no peaks to go by): doubling, then one between
+
+
+def test_largest_batch_without_peaks_doubles_up_to_max_batch_then_tries_one_between():
+    done = []
     assert scale.largest_batch(lambda b: (done.append(b) or b < 6, None), 16) == 4 and done == [1, 2, 4, 8, 6]
+    done.clear()  # peaks unknown although a limit is given (a CPU run): the same
+    assert scale.largest_batch(lambda b: (done.append(b) or b < 6, None), 16, 95.0) == 4 and done == [1, 2, 4, 8, 6]
+    done.clear()  # a --max-batch between two doublings is tried itself
+    assert scale.largest_batch(lambda b: (done.append(b) or True, None), 12) == 12 and done == [1, 2, 4, 8, 12]
+    done.clear()  # a prediction that fits with a peak no higher than before: nothing to draw a line through
+    peaks = {1: 30.0, 2: 40.0, 4: 60.0, 7: 50.0}
+    assert scale.largest_batch(lambda b: (done.append(b) or True, peaks.get(b)), 64, 95.0) == 7
+    assert done == [1, 2, 4, 7]
 
 
 def test_scale_max_seconds_stops_a_run_and_says_its_loss_is_not_comparable(tmp_path):
@@ -255,27 +267,81 @@ def test_scale_fsdp2_refuses_to_run_outside_torchrun_or_without_a_batch(capsys, 
     assert "--fsdp2: give --batch" in capsys.readouterr().err
 
 
-def _scale_rank(rank, port, out):
+def _scale_rank(rank, port, out, argv=("--recipes", "torch-bf16,bf16-pure,tune,bf16-weights")):
     import os
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
-    scale.main(["--tiny", "--device", "cpu", "--fsdp2", "--batch", "2", "--steps", "6",
-                "--recipes", "torch-bf16,bf16-pure,tune,bf16-weights", "--json", str(out)])  # (ends the process)
+    scale.main(["--tiny", "--device", "cpu", "--fsdp2", "--batch", "2", "--steps", "6", *argv,
+                "--json", str(out)])  # (ends the process)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_scale_fsdp2_trains_a_tunings_choice_as_the_tuned_run(tmp_path):
+    """--tuned (what --gpus gives the sharded runs of tune): the choice trains sharded, as the tuned run, its
+    "+ckpt" left to the batch search, bf16 as autocast over float32 weights; the record goes with seed 0's run."""
+    import torch
+
+    record = tmp_path / "tuning.json"
+    record.write_text(json.dumps({"chosen": "bf16+ckpt", "batch": 1, "tuning": {"seconds": 2.0, "trials": []}}))
+    out = tmp_path / "scale.json"
+    torch.multiprocessing.spawn(_scale_rank, args=(_free_port(), out, ("--recipes", "tune", "--seeds", "2",
+                                                                       "--tuned", str(record))), nprocs=2)
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["recipe"], r["seed"], r["chosen"], r["checkpointing"]) for r in runs] == [
+        ("tune", 0, "bf16+ckpt", False), ("tune", 1, "bf16+ckpt", False)]
+    assert runs[0]["policy"].startswith("params=float32,compute=bfloat16") and runs[0]["tuned_batch"] == 1
+    assert runs[0]["tuning"]["seconds"] == 2.0 and "tuning" not in runs[1]
+
+
+def test_scale_tuned_record_is_checked_by_name(tmp_path):
+    import argparse
+
+    def error(message):
+        raise SystemExit(message)
+    path = tmp_path / "tuning.json"
+    args = argparse.Namespace(fsdp2=True, recipes=["tune"], tuned=str(path))
+    for record, message in ((None, "not a tuning's record (FileNotFoundError"),
+                            ({"chosen": "bf16", "batch": 1}, "not a tuning's record (KeyError"),
+                            ({"chosen": "bf16+islands", "batch": 1, "tuning": {}}, "the tuning chose 'bf16+islands'"),
+                            ({"chosen": "bf16-weights", "batch": 1, "tuning": {}}, "the sharded run trains fp32")):
+        if record is not None:
+            path.write_text(json.dumps(record))
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            scale._tuned_record(args, error)
+    path.write_text(json.dumps({"chosen": "bf16-pure+fp8+ckpt", "batch": "3", "tuning": {}}))
+    assert scale._tuned_record(args, error)["batch"] == 3
+    for wrong in (dict(fsdp2=False), dict(recipes=["tune", "torch-bf16"])):
+        with pytest.raises(SystemExit, match="--tuned is what --gpus gives"):
+            scale._tuned_record(argparse.Namespace(**{**vars(args), **wrong}), error)
+
+
+def test_scale_gpus_tunes_among_the_candidates_the_sharded_run_trains():
+    import argparse
+
+    args = argparse.Namespace(tune_candidates=["fp32", "bf16", "fp16", "bf16+islands", "bf16-weights+fp8",
+                                               "bf16-pure+fp8+ckpt"])
+    kept, left_out = scale._sharded_candidates(args)
+    assert kept == ["fp32", "bf16", "bf16-pure+fp8+ckpt"]
+    assert "one dtype per sharded unit" in left_out["bf16-weights+fp8"]
+    assert set(left_out) == {"fp16", "bf16+islands", "bf16-weights+fp8"}
+    assert all("the sharded run trains" in left_out[c] for c in ("fp16", "bf16+islands"))
 
 
 def test_scale_fsdp2_shards_over_two_processes_and_reports_once(tmp_path):
     """Two gloo processes as torchrun starts them: each recipe sharded, every rank's tokens counted, the
     losses averaged over ranks; tune and bf16-weights skipped with why; rank 0 alone writes the report."""
-    import socket
-
     import torch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "scale.json"
-    torch.multiprocessing.spawn(_scale_rank, args=(port, out), nprocs=2)
+    torch.multiprocessing.spawn(_scale_rank, args=(_free_port(), out), nprocs=2)
     report = json.loads(out.read_text())
     assert report["fsdp2"] == 2
     runs = {r["recipe"]: r for r in report["runs"]}
@@ -362,6 +428,11 @@ def test_scale_merge_draws_one_verdict_over_reports_written_apart(tmp_path, caps
         assert not out.exists() and [open(p).read() for p in paths] == before
 
 
+def _last(command, flag):
+    """The value of `flag`'s last occurrence in `command`: the one argparse keeps."""
+    return command[len(command) - command[::-1].index(flag)]
+
+
 def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path, monkeypatch, capsys):
     """--gpus N: each try is a torchrun of its own (a rank out of memory ends them all), the search as on one GPU,
     then one torchrun a recipe at its batch; the searches join the report. Here torchrun is played by a fake."""
@@ -381,8 +452,7 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
                            "tuning": {"seconds": 2.5, "trials": [{}, {}], "skipped": []}}, f)
             return subprocess.CompletedProcess(command, 0, "", "")
         batch, path = int(batch), command[command.index("--json") + 1]
-        # (the last --checkpointing is the one argparse keeps)
-        checkpointing = command[len(command) - 1 - command[::-1].index("--checkpointing") + 1] == "on"
+        checkpointing = _last(command, "--checkpointing") == "on"
         steps = int(command[command.index("--steps") + 1])
         if recipe == "tune":  # its torchruns run the tuning's choice
             with open(command[command.index("--tuned") + 1]) as f:
@@ -412,7 +482,7 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     out = tmp_path / "scale.json"
     common = ["--tiny", "--device", "cpu", "--gpus", "2", "--max-batch", "4", "--steps", "5", "--json", str(out)]
     assert scale.main([*common, "--recipes", "torch-bf16,tune,bf16-pure", "--seed", "1"]) == 0
-    tries = [(c[c.index("--batch") + 1], c[len(c) - c[::-1].index("--checkpointing")]) for c in commands
+    tries = [(c[c.index("--batch") + 1], _last(c, "--checkpointing")) for c in commands
              if "--tune-only" not in c and c[c.index("--steps") + 1] == str(scale.SEARCH_STEPS)]
     # Doubling until out of memory, then one between (no peaks on the CPU to predict from); tune, tuned first in one
     # process among the candidates that run sharded, its choice searched and run with the tuning; bf16-pure, not
@@ -421,10 +491,9 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
                      ("torch-bf16=3", "off"), ("tune=1", "off"), ("tune=2", "off"), ("tune=4", "off"),
                      ("tune=3", "off"), ("bf16-pure=1", "off"), ("bf16-pure=1", "on"), ("bf16-pure=2", "on")]
     assert [c[c.index("--batch") + 1] for c in commands if "--tune-only" in c] == ["tune=1"]
-    # (every run adds to the report, which holds the searches from the first one on)
     runs = [c for c in commands if "--tune-only" not in c and c[c.index("--steps") + 1] == "5"]
-    assert [(c[c.index("--batch") + 1], c[len(c) - c[::-1].index("--checkpointing")], "--resume" in c)
-            for c in runs] == [("torch-bf16=3", "off", True), ("tune=2", "off", True), ("bf16-pure=1", "on", True)]
+    assert [(c[c.index("--batch") + 1], _last(c, "--checkpointing"), "--resume" in c)
+            for c in runs] == [("torch-bf16=3", "off", False), ("tune=2", "off", True), ("bf16-pure=1", "on", True)]
     assert all("--fsdp2" in c and "--nproc_per_node=2" in c and "--tiny" in c and "--seed" in c for c in runs)
     report = json.loads(out.read_text())
     assert report["search"]["torch-bf16"] == {"batch": 3, "tried": {"1": None, "2": None, "4": "out of memory",
@@ -468,11 +537,11 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     assert "No recipe ran" in printed and out.read_text() == before
     assert scale.main([*common, "--recipes", "bf16-weights"]) == 1  # (skipped sharded)
     assert "No recipe ran" in capsys.readouterr().out and out.read_text() == before
-    # A command cut short keeps the searches and the tuning made so far in the report, for --resume.
+    # Under --resume, a command cut short keeps the searches and the tuning made so far in the report.
     cut = tmp_path / "cut.json"
     fail.update(other=False, cut=True)
     with pytest.raises(KeyboardInterrupt):
-        scale.main([*common[:-1], str(cut), "--recipes", "torch-bf16,tune"])
+        scale.main([*common[:-1], str(cut), "--recipes", "torch-bf16,tune", "--resume"])
     kept = json.loads(cut.read_text())
     assert kept["search"]["torch-bf16"]["batch"] == 3 and kept["search"]["tune"]["batch"] == 2
     assert kept["search"]["tune"]["tuned"]["chosen"] == "bf16-pure+fp8+ckpt" and kept["fsdp2"] == 2

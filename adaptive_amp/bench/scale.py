@@ -39,9 +39,9 @@ runs sharded by FSDP2, B sequences a GPU, its decisions collective (scale_fsdp2.
 sharded). There is no batch search inside torchrun (a rank out of memory ends them all); ``--gpus N`` runs
 from one plain command instead: one torchrun a try of the batch search and one a recipe, at its largest batch.
 ``tune`` does not run sharded (a trial's snapshot would write whole tensors into the shards): under ``--gpus``
-the tuning runs first in a process of its own, the model unsharded on one GPU, among the candidates that run
-sharded, and its choice is then searched and run sharded as the tuned run, as a user would tune a model that
-FSDP2 then trains.
+the tuning runs first in a process of its own, the model unsharded on one GPU (--tune-batch), among the
+candidates the sharded run trains (SHARDED_CHOICES), and its choice is then searched and run sharded as the
+tuned run, as a user would tune a model that FSDP2 then trains.
 
 Compiled (--compile): ``blocks`` (the default on a GPU) compiles each decoder layer (``module.compile()``; the
 32 layers share one graph, so compiling takes the time of one layer, as torchtitan does), ``model`` the whole
@@ -72,7 +72,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -177,10 +177,8 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
     """`recipe` on a fresh model of seed `seed` (compiled as --compile says); `choice`: tune only this
     candidate (seed 0's choice, for the other seeds' loss spread). ``tune`` with --tuned PATH (under --gpus)
     runs the choice of the tuning made in one process, recorded in PATH, as the tuned run."""
-    name, tuned = recipe, None
-    if recipe == "tune" and getattr(args, "tuned", None):
-        with open(args.tuned) as f:
-            tuned = json.load(f)
+    name, tuned = recipe, getattr(args, "tuned_record", None) if recipe == "tune" else None
+    if tuned is not None:
         # (checkpointing is the batch search's to decide here: sharded, a recipe may fit without it)
         recipe = tuned["chosen"].removesuffix("+ckpt")
     zm = build(shape, seed, device)
@@ -250,6 +248,8 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
             opt = AdamW(zm.model.parameters(), lr=args.lr, stochastic_rounding=True,
                         moment_dtype=torch.bfloat16 if base.endswith("+bf16-moments") else torch.float32)
         policy = base.replace("+bf16-moments", "") + ("+fp8" if recipe in FP8_RECIPES else "")
+        if policy == "bf16":  # (the name alone is ambiguous as a policy: here bf16 autocast over float32 weights)
+            policy = "params=float32,compute=bfloat16"
         # Each layer's inputs are captured from the eager model; the gains are timed compiled when the run is.
         fp8 = dict(batches=(tune_batches or stream(shape, 1, 2, 0, device, args.rank))[:2],
                    run=lambda _, batch: zm.loss(zm.model, batch), compiled=compiled) if recipe in FP8_RECIPES else None
@@ -260,8 +260,9 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
                                          " measured in " in r), None)
             print(f"   {recipe}: {info['fp8_layers']} layers in fp8; {info['fp8_measured']}", flush=True)
     info.update(tuning_seconds=round(time.perf_counter() - t0, 2), policy=str(amp.policy))
-    if tuned is not None:
-        info.update(chosen=tuned["chosen"], tuning=tuned["tuning"], tuned_batch=tuned["batch"])
+    if tuned is not None:  # (the record once, with seed 0's run: the other seeds train the same choice)
+        info.update(chosen=tuned["chosen"], tuned_batch=tuned["batch"], **({"tuning": tuned["tuning"]}
+                                                                           if seed == 0 else {}))
     return Trainer(name, zm, model, lambda batch: amp.train_step(lambda: zm.loss(model, batch)), amp, info)
 
 
@@ -277,17 +278,23 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+#: How far apart the growths of the peak a sequence over two doublings of the batch search may be (a fraction of
+#: the later) for the peak to be taken as a straight line in the batch.
+STRAIGHT = 0.25
+
+
 def largest_batch(measure, max_batch: int, limit: Optional[float] = None) -> int:
     """The largest batch up to `max_batch` that fits (0: not even 1), by a short search. ``measure(batch) ->
     (fits, peak)``: whether a try at that batch fits, and its peak memory (None: not known, or out of memory).
 
-    1, 2, 4, ... until one does not fit, then one batch between the last that fit and the first that did not;
-    but with `limit` (the most a peak may be, in the peaks' unit), as soon as the peak grew by about as much a
-    sequence (within STRAIGHT) from each of the last three batches to the next, the next try is the batch at
-    which that line reaches `limit`. The state is the same at every batch and the activations grow with it, so
-    past the smallest batches a step's peak grows linearly; at the smallest, something else can set it (H200,
-    the 8B model sharded over two GPUs: 55.8 and 60.1 GiB at 1 and 2 sequences a GPU, then 9.3 GiB a sequence,
-    and the line through 1 and 2 pointed at 19 where 9 was the largest)."""
+    The batch doubles (1, 2, 4, ..., then `max_batch` itself) until one does not fit, then one batch between
+    the last that fit and the first that did not is tried. With `limit` (the most a peak may be, in the peaks'
+    unit), once the peak grew by about as much a sequence (within STRAIGHT) from the batch before last to the
+    last as from the one before that, the next try is the batch at which that line reaches `limit`
+    (:func:`_extrapolated`). The state is the same at every batch and the activations grow with it, so past the
+    smallest batches a step's peak grows linearly; at the smallest, something else can set it (H200, the 8B model
+    sharded over two GPUs: 55.8 and 60.1 GiB at 1 and 2 sequences a GPU, then 9.3 GiB a sequence: the line
+    through 1 and 2 pointed at 19, where 9 was the largest)."""
     peaks: Dict[int, Optional[float]] = {}
 
     def fits(b: int) -> bool:
@@ -305,37 +312,34 @@ def largest_batch(measure, max_batch: int, limit: Optional[float] = None) -> int
             (a, m, z) = known
             before, last = (peaks[m] - peaks[a]) / (m - a), (peaks[z] - peaks[m]) / (z - m)
             if last > 0 and abs(last - before) <= STRAIGHT * last:
-                return _extrapolated(fits, peaks, [m, z], good, max_batch, limit)
-        b *= 2
+                return _extrapolated(fits, peaks, (m, z), good, max_batch, limit)
+        b = max_batch if b < max_batch < 2 * b else 2 * b
     if good and bad and bad - good > 1 and fits((good + bad) // 2):
         good = (good + bad) // 2
     return good
 
 
-#: How far apart (a fraction of the later) the growths a sequence of two steps of the batch search may be for
-#: the peak to be taken as a straight line in the batch.
-STRAIGHT = 0.25
-
-
-def _extrapolated(fits, peaks: dict, pair: List[int], good: int, max_batch: int, limit: float) -> int:
-    """largest_batch past its first two peaks (`pair`, the batches): predict, try, and predict again from the
-    two largest batches that fit, until the prediction is a batch already known to fit."""
+def _extrapolated(fits, peaks: dict, pair: Tuple[int, int], good: int, max_batch: int, limit: float) -> int:
+    """largest_batch from the line through the peaks of `pair` (two batches that fit, the later at `good`, its
+    peak the higher): try the batch where the line reaches `limit`; after a try that fits, the line through the
+    two largest batches that fit (while the peak still grows between them); after one that does not, the batch
+    below it, or half way when more than four batches lie between; until the next try would be a batch known
+    to fit."""
     upper = None  # the smallest batch known not to fit
     while True:
-        (a, b), guess = pair, good
+        a, b = pair
         slope = (peaks[b] - peaks[a]) / (b - a)
-        if slope > 0:
-            guess = min(max_batch, b + int((limit - peaks[b]) // slope))
+        guess = min(max_batch, b + int((limit - peaks[b]) // slope))
         if upper is not None and guess >= upper:  # the line says it fits where a try did not: below, or half way
             guess = upper - 1 if upper - good <= 4 else (good + upper) // 2
         if guess <= good:
             return good
-        if fits(guess):
-            good = guess
-            if peaks.get(guess) is not None:
-                pair = [b, guess]
-        else:
+        if not fits(guess):
             upper = guess
+            continue
+        good = guess
+        if peaks.get(guess) is not None and peaks[guess] > peaks[b]:
+            pair = (b, guess)
 
 
 def search_batch(recipe: str, shape: dict, device, args) -> dict:
@@ -461,6 +465,25 @@ def tune_only(args, shape: dict, device) -> int:
     return 0
 
 
+def _tuned_record(args, error) -> dict:
+    """--tuned PATH: the record of the tuning whose choice the tuned run trains sharded; `error(message)` refuses
+    it where it is not used (--fsdp2, --recipes tune) or cannot be read, or its choice cannot run sharded."""
+    if not args.fsdp2 or args.recipes != ["tune"]:
+        error("--tuned is what --gpus gives the sharded runs of tune: it needs --fsdp2 and --recipes tune alone")
+    try:
+        with open(args.tuned) as f:
+            record = json.load(f)
+        chosen, batch = record["chosen"], int(record["batch"])
+        if "tuning" not in record:
+            raise KeyError("tuning")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        error(f"--tuned {args.tuned}: not a tuning's record ({type(exc).__name__}: {exc})")
+    if not isinstance(chosen, str) or chosen.removesuffix("+ckpt") not in SHARDED_CHOICES:
+        error(f"--tuned {args.tuned}: the tuning chose {chosen!r}; the sharded run trains "
+              f"{', '.join(SHARDED_CHOICES)} (each also +ckpt)")
+    return dict(record, batch=batch)
+
+
 def _tuning_batch(args) -> int:
     """Sequences a step the tuning under --gpus runs at: --tune-batch, else --batch's for tune, else one (as a
     batch search on one GPU tunes: the sharded search then grows the choice's batch)."""
@@ -469,31 +492,57 @@ def _tuning_batch(args) -> int:
     return (args.batch or {}).get("tune", (args.batch or {}).get("*", 1))
 
 
-def tune_alone(args, tmp: str) -> dict:
-    """--gpus with tune: the tuning, in a process of its own on one GPU of this machine, the model unsharded,
-    among the candidates that run sharded (FSDP2 keeps one dtype per sharded unit: not the bf16-weights ones);
-    its record (``--tune-only``). RuntimeError when it fails."""
-    import subprocess
+#: The recipes a tuned run under --gpus may choose, by candidate name (less "+ckpt": the sharded batch search
+#: decides checkpointing): those the sharded run trains.
+SHARDED_CHOICES = ("fp32", "bf16", "bf16+fp8", "bf16-pure", "bf16-pure+bf16-moments", "bf16-pure+fp8",
+                   "bf16-pure+bf16-moments+fp8")
 
+
+def _sharded_candidates(args) -> Tuple[List[str], Dict[str, str]]:
+    """(the tuning's candidates that run sharded, {candidate left out: why})."""
     from .scale_fsdp2 import skip_reason as sharded_skip_reason
 
-    left_out = [c for c in args.tune_candidates if sharded_skip_reason(c)]
-    candidates = [c for c in args.tune_candidates if c not in left_out]
+    kept, left_out = [], {}
+    for c in args.tune_candidates:
+        why = sharded_skip_reason(c.removesuffix("+ckpt")) or (
+            None if c.removesuffix("+ckpt") in SHARDED_CHOICES else
+            f"the sharded run trains {', '.join(SHARDED_CHOICES)} (each also +ckpt)")
+        if why:
+            left_out[c] = why
+        else:
+            kept.append(c)
+    return kept, left_out
+
+
+def _tuning_settings(args) -> dict:
+    """What a tuning under --gpus was made with: one kept in a report is reused only where these are the same."""
+    return {"batch": _tuning_batch(args), "candidates": _sharded_candidates(args)[0], "steps": args.tune_steps,
+            "timed_steps": args.tune_timed_steps, "compile": args.compile, "checkpointing": args.checkpointing,
+            "lr": args.lr}
+
+
+def tune_alone(args, tmp: str) -> dict:
+    """--gpus with tune: the tuning, in a process of its own on one GPU of this machine, the model unsharded,
+    among the candidates that run sharded (_sharded_candidates); its record (``--tune-only``) with the settings
+    it was made with. RuntimeError when it fails."""
+    import subprocess
+
+    candidates, left_out = _sharded_candidates(args)
     if not candidates:
-        raise RuntimeError(f"none of the tuning's candidates runs sharded ({', '.join(left_out)})")
+        raise RuntimeError("none of the tuning's candidates runs sharded: " +
+                           "; ".join(f"{c}: {why}" for c, why in left_out.items()))
     path = os.path.join(tmp, "tuning.json")
     command = [sys.executable, "-m", "adaptive_amp", "bench", "scale", "--tune-only", path, "--recipes", "tune",
                "--batch", f"tune={_tuning_batch(args)}", "--tune-candidates", ",".join(candidates),
                "--tune-steps", str(args.tune_steps), "--tune-timed-steps", str(args.tune_timed_steps),
                *_forwarded(args)]
     print(f"-- tune: tuning in one process, unsharded on one GPU, at batch {_tuning_batch(args)}, among "
-          f"{', '.join(candidates)}" + (f" ({', '.join(left_out)} left out: "
-                                        f"{sharded_skip_reason(left_out[0])})" if left_out else ""), flush=True)
+          f"{', '.join(candidates)}" + "".join(f"; {c} left out: {why}" for c, why in left_out.items()), flush=True)
     done = subprocess.run(command)
     if done.returncode != 0:
         raise RuntimeError(f"the tuning failed (exit {done.returncode}; its output is above)")
     with open(path) as f:
-        return json.load(f)
+        return {**json.load(f), "settings": _tuning_settings(args)}
 
 
 def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], earlier: dict,
@@ -508,13 +557,17 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
     the searches made, the recipes that cannot run (why), the runs that failed (the end of their output), and
     whether any run wrote the report. A try that fails for another reason than memory is a failed run.
     `keep(search)`, when given, is called with the searches (and tunings) made so far as each is made, and says
-    whether it wrote them into the report at `report_path` (then the runs add to it): a command cut short, by
-    a time limit say, leaves them for --resume."""
+    whether it wrote them into the report at `report_path` (then the runs add to it): under --resume a command
+    cut short, by a time limit say, leaves them for the next."""
     import subprocess
     import tempfile
 
     out = {"search": {}, "skipped": {}, "failed": {}, "ran": False}
     resume = bool(args.resume)
+
+    def kept() -> bool:
+        return keep is not None and keep(out["search"])
+
     limit = None if capacity_gib is None else args.memory_fraction * capacity_gib
     seeds = ["--seed", str(args.seed)] if args.seed is not None else ["--seeds", str(args.seeds)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -534,14 +587,14 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                 tuned: List[str] = []  # (--tuned PATH: the tuning whose choice a tuned recipe's torchruns run)
                 if recipe == "tune":
                     tuning = found.get("tuned")
-                    if not tuning or tuning.get("batch") != _tuning_batch(args):
+                    if not tuning or tuning.get("settings") != _tuning_settings(args):
                         tuning = tune_alone(args, tmp)
                     tuned = ["--tuned", os.path.join(tmp, "tuned.json")]
                     with open(tuned[1], "w") as f:
                         json.dump(tuning, f, default=str)
                     if batch is None:
                         out["search"][recipe] = {**found, "tuned": tuning}
-                        resume = (keep is not None and keep(out["search"])) or resume
+                        resume = kept() or resume
                 if batch is None:
                     tried: Dict[int, object] = {}
 
@@ -578,7 +631,7 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                                              "checkpointing": checkpointing}
                     if tuned:
                         out["search"][recipe]["tuned"] = tuning
-                    resume = (keep is not None and keep(out["search"])) or resume
+                    resume = kept() or resume
                     if batch == 0:
                         out["skipped"][recipe] = "not even one sequence a GPU fits"
                         print(f"-- {recipe}: {out['skipped'][recipe]}", flush=True)
@@ -612,15 +665,11 @@ def _main_sharded(args, shape: dict, device, error) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.json or os.path.join(tmp, "scale.json")
 
-        written = []  # (without --resume the first write replaces what the file held, as a first run would)
-
         def keep(search: dict) -> bool:
-            if not args.json:
+            if not (args.json and args.resume):  # (without --resume the report is the runs' of this command)
                 return False
-            report = (_resumed(path, shape, args.gpus, error) if args.resume or written else {}) or \
-                _new_report(args, shape, device, args.gpus)
+            report = _resumed(path, shape, args.gpus, error) or _new_report(args, shape, device, args.gpus)
             report["search"].update(search)
-            written.append(True)
             with open(path, "w") as f:
                 json.dump(report, f, indent=1, default=str)
             return True
@@ -1061,7 +1110,10 @@ def main(argv=None) -> int:
     seeds = list(range(args.seeds)) if args.seed is None else [args.seed]
     args.tune_candidates = [c.strip() for c in args.tune_candidates.split(",") if c.strip()]
     if args.tune_only:
+        if args.fsdp2 or args.gpus is not None:
+            p.error("--tune-only is what --gpus runs in a process of its own: leave out --fsdp2 and --gpus")
         return tune_only(args, shape, device)
+    args.tuned_record = _tuned_record(args, p.error) if args.tuned else None
     if args.gpus is not None:
         return _main_sharded(args, shape, device, p.error)
     if device.type == "cuda":
@@ -1124,7 +1176,8 @@ def main(argv=None) -> int:
                        and r.get("batch") == batch and r.get("chosen")), None)
         for seed in seeds:
             print(f"-- {recipe}: seed {seed}, batch {batch}, {args.steps} steps"
-                  + (f", tuning only seed 0's choice {choice}" if choice and seed else ""), flush=True)
+                  + (f", tuning only seed 0's choice {choice}" if choice and seed and not args.tuned else ""),
+                  flush=True)
             r = run(recipe, shape, batch, seed, device, args, choice if seed else None)
             if seed == 0:  # (run again now: its choice is the one the other seeds take)
                 choice = r.get("chosen")
