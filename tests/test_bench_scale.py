@@ -516,7 +516,7 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     # A tuning that fails is an error run of the report (at the batch given), and the command fails; so does a
     # run that fails.
     fail["tuning"] = True
-    assert scale.main([*common, "--recipes", "tune", "--batch", "tune=2", "--resume"]) == 1  # (tuned at 1 before)
+    assert scale.main([*common, "--recipes", "tune", "--batch", "tune=2", "--tune-batch", "2", "--resume"]) == 1
     failed = json.loads(out.read_text())["runs"][-1]
     assert failed["recipe"] == "tune" and failed["batch"] == 2 and "the tuning failed" in failed["error"]
     fail["tuning"] = False

@@ -485,11 +485,9 @@ def _tuned_record(args, error) -> dict:
 
 
 def _tuning_batch(args) -> int:
-    """Sequences a step the tuning under --gpus runs at: --tune-batch, else --batch's for tune, else one (as a
-    batch search on one GPU tunes: the sharded search then grows the choice's batch)."""
-    if args.tune_batch is not None:
-        return args.tune_batch
-    return (args.batch or {}).get("tune", (args.batch or {}).get("*", 1))
+    """Sequences a step the tuning under --gpus runs at: --tune-batch, else one (as a batch search on one GPU
+    tunes; --batch is the sharded run's, a GPU's share of a model it does not hold whole)."""
+    return args.tune_batch or 1
 
 
 #: The recipes a tuned run under --gpus may choose, by candidate name (less "+ckpt": the sharded batch search
@@ -1027,7 +1025,7 @@ def main(argv=None) -> int:
     p.add_argument("--tune-timed-steps", type=_positive, default=2, help="tune: timed steps per candidate")
     p.add_argument("--tune-batch", type=_positive, default=None, metavar="N",
                    help="tune under --gpus: sequences a step of the tuning made on one GPU, the model unsharded "
-                        "(default: --batch's for tune, else 1); the sharded run's batch is --batch's or the largest")
+                        "(default 1); the sharded run's batch is --batch's or the largest")
     p.add_argument("--compile", choices=("blocks", "model", "off"), default=None,
                    help="torch.compile each decoder layer (blocks), the whole model (model) or nothing (off) "
                         "(default: blocks on a GPU, off on the CPU)")
