@@ -323,6 +323,23 @@ def test_scale_tuned_record_is_checked_by_name(tmp_path):
             scale._tuned_record(argparse.Namespace(**{**vars(args), **wrong}), error)
 
 
+def test_scale_tune_only_tunes_at_the_batch_given_and_writes_the_record(tmp_path, monkeypatch):
+    """--tune-only PATH (what --gpus runs for tune, with --batch tune=N for its --tune-batch N)."""
+    seen = {}
+
+    def fake_trainer(recipe, shape, seed, device, args, tune_batches=None, choice=None):
+        seen.update(recipe=recipe, batches=len(tune_batches), batch=tune_batches[0]["input_ids"].shape[0])
+        return scale.Trainer(recipe, None, None, None, info={"chosen": "bf16", "tuning": {"seconds": 1.0}})
+    monkeypatch.setattr(scale, "make_trainer", fake_trainer)
+    path = tmp_path / "tuning.json"
+    assert scale.main(["--tiny", "--device", "cpu", "--recipes", "tune", "--batch", "tune=3",
+                       "--tune-only", str(path)]) == 0
+    assert seen == {"recipe": "tune", "batches": 8, "batch": 3}
+    assert json.loads(path.read_text()) == {"chosen": "bf16", "tuning": {"seconds": 1.0}, "batch": 3}
+    with pytest.raises(SystemExit):
+        scale.main(["--tiny", "--device", "cpu", "--gpus", "2", "--tune-only", str(path)])
+
+
 def test_scale_gpus_tunes_among_the_candidates_the_sharded_run_trains():
     import argparse
 

@@ -450,10 +450,10 @@ def _sharded_command(args, recipe: str, batch: int, steps: int, path: str, *extr
 
 
 def tune_only(args, shape: dict, device) -> int:
-    """--tune-only PATH: the tuning alone, in this process on `device`, at --batch tune=N sequences (default 1),
-    on seed 0's batches; its choice and record written to PATH for the tuned run's sharded torchruns
-    (--tuned PATH)."""
-    batch = _tuning_batch(args)
+    """--tune-only PATH: the tuning alone, in this process on `device`, at --batch tune=N sequences (default 1;
+    what tune_alone passes for --tune-batch), on seed 0's batches; its choice and record written to PATH for the
+    tuned run's sharded torchruns (--tuned PATH)."""
+    batch = (args.batch or {}).get("tune", 1)
     args.checkpointing_now = args.checkpointing == "on"
     trainer = make_trainer("tune", shape, 0, device, args, stream(shape, batch, 8, 0, device))
     try:
