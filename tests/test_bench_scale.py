@@ -84,8 +84,10 @@ def test_scale_resume_keeps_the_other_recipes_runs_and_batches_per_recipe(tmp_pa
     (["--layers", "0"], "not a whole number >= 1"),
     (["--heads", "5"], "--hidden must be a multiple of --heads"),
     (["--memory-fraction", "2"], "--memory-fraction"),
-    (["--tune-batch", "2"], "--tune-batch is for --gpus"),
+    (["--tune-batch", "2"], "--tune-batch is for tune under --gpus"),
     (["--tune-batch", "0", "--gpus", "2"], "not a whole number >= 1"),
+    (["--tune-batch", "2", "--gpus", "2", "--recipes", "torch-bf16"], "--tune-batch is for tune under --gpus"),
+    (["--tune-only", "t.json", "--tuned", "t.json"], "--tune-only is what --gpus runs"),
 ])
 def test_scale_refuses_bad_options_by_name(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -240,7 +242,7 @@ def test_largest_batch_without_peaks_doubles_up_to_max_batch_then_tries_one_betw
     done.clear()  # a --max-batch between two doublings is tried itself
     assert scale.largest_batch(lambda b: (done.append(b) or True, None), 12) == 12 and done == [1, 2, 4, 8, 12]
     done.clear()  # a prediction that fits with a peak no higher than before: nothing to draw a line through
-    peaks = {1: 30.0, 2: 40.0, 4: 60.0, 7: 50.0}
+    peaks = {1: 30.0, 2: 40.0, 4: 60.0, 7: 60.0}
     assert scale.largest_batch(lambda b: (done.append(b) or True, peaks.get(b)), 64, 95.0) == 7
     assert done == [1, 2, 4, 7]
 
@@ -455,7 +457,8 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     then one torchrun a recipe at its batch; the searches join the report. Here torchrun is played by a fake."""
     import subprocess
 
-    commands, fail = [], {"other": False, "run": False, "tuning": False, "cut": False}
+    commands, fail = [], {"other": False, "run": False, "tuning": False, "cut": False,
+                          "chosen": "bf16-pure+fp8+ckpt"}
 
     def fake_run(command, capture_output=False, text=False):
         commands.append(command)
@@ -465,7 +468,7 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
                 return subprocess.CompletedProcess(command, 1, "", "")
             assert "--fsdp2" not in command and "bf16-weights" not in command[command.index("--tune-candidates") + 1]
             with open(command[command.index("--tune-only") + 1], "w") as f:
-                json.dump({"chosen": "bf16-pure+fp8+ckpt", "batch": int(batch),
+                json.dump({"chosen": fail["chosen"], "batch": int(batch),
                            "tuning": {"seconds": 2.5, "trials": [{}, {}], "skipped": []}}, f)
             return subprocess.CompletedProcess(command, 0, "", "")
         batch, path = int(batch), command[command.index("--json") + 1]
@@ -473,7 +476,7 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
         steps = int(command[command.index("--steps") + 1])
         if recipe == "tune":  # its torchruns run the tuning's choice
             with open(command[command.index("--tuned") + 1]) as f:
-                assert json.load(f)["chosen"] == "bf16-pure+fp8+ckpt"
+                assert json.load(f)["chosen"] == fail["chosen"]
         too_big = {"torch-bf16": 4, "tune": 3}.get(recipe, 2 if checkpointing else 1)
         if batch >= too_big:  # (what torchrun prints when a rank ran out of memory)
             return subprocess.CompletedProcess(command, 1, "", "torch.OutOfMemoryError: CUDA out of memory")
@@ -525,6 +528,15 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     commands.clear()
     assert scale.main([*common, "--recipes", "tune", "--resume"]) == 0
     assert [c[c.index("--batch") + 1] for c in commands] == ["tune=2"] and "--tuned" in commands[0]
+    # A tuning made again (other settings) that chooses another recipe: its batch is searched again, and the
+    # report keeps the new tuning.
+    commands.clear()
+    fail["chosen"] = "fp32"
+    assert scale.main([*common, "--recipes", "tune", "--tune-batch", "2", "--resume"]) == 0
+    assert [c[c.index("--batch") + 1] for c in commands] == ["tune=2", "tune=1", "tune=2", "tune=4", "tune=3",
+                                                              "tune=2"]
+    assert json.loads(out.read_text())["search"]["tune"]["tuned"]["chosen"] == "fp32"
+    fail["chosen"] = "bf16-pure+fp8+ckpt"
     # --tune-batch sets the tuning's batch apart from the run's.
     commands.clear()
     assert scale.main([*common[:-1], str(tmp_path / "apart.json"), "--recipes", "tune", "--batch", "tune=2",
@@ -533,7 +545,7 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     # A tuning that fails is an error run of the report (at the batch given), and the command fails; so does a
     # run that fails.
     fail["tuning"] = True
-    assert scale.main([*common, "--recipes", "tune", "--batch", "tune=2", "--tune-batch", "2", "--resume"]) == 1
+    assert scale.main([*common, "--recipes", "tune", "--batch", "tune=2", "--tune-batch", "3", "--resume"]) == 1
     failed = json.loads(out.read_text())["runs"][-1]
     assert failed["recipe"] == "tune" and failed["batch"] == 2 and "the tuning failed" in failed["error"]
     fail["tuning"] = False

@@ -575,24 +575,27 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                 out["skipped"][recipe] = why
                 print(f"-- {recipe}: skipped: {why}", flush=True)
                 continue
-            checkpointing = args.checkpointing == "on"
-            batch = None if args.batch is None else args.batch.get(recipe, args.batch.get("*"))
+            checkpointing, batch = args.checkpointing == "on", None
+            given = None if args.batch is None else args.batch.get(recipe, args.batch.get("*"))
             found = earlier.get(recipe, {})
-            if batch is None and found.get("batch") and found.get("gpus") == args.gpus:
-                batch, checkpointing = found["batch"], bool(found.get("checkpointing"))
-                print(f"-- {recipe}: batch {batch} a GPU, from the batch search already in {args.json}", flush=True)
             try:
                 tuned: List[str] = []  # (--tuned PATH: the tuning whose choice a tuned recipe's torchruns run)
                 if recipe == "tune":
                     tuning = found.get("tuned")
                     if not tuning or tuning.get("settings") != _tuning_settings(args):
                         tuning = tune_alone(args, tmp)
+                        if tuning["chosen"] != found.get("tuned", {}).get("chosen"):
+                            found = {}  # (a search of another choice's batch)
                     tuned = ["--tuned", os.path.join(tmp, "tuned.json")]
                     with open(tuned[1], "w") as f:
                         json.dump(tuning, f, default=str)
-                    if batch is None:
-                        out["search"][recipe] = {**found, "tuned": tuning}
-                        resume = kept() or resume
+                    out["search"][recipe] = {**found, "tuned": tuning}
+                    resume = kept() or resume
+                batch = given
+                if batch is None and found.get("batch") and found.get("gpus") == args.gpus:
+                    batch, checkpointing = found["batch"], bool(found.get("checkpointing"))
+                    print(f"-- {recipe}: batch {batch} a GPU, from the batch search already in {args.json}",
+                          flush=True)
                 if batch is None:
                     tried: Dict[int, object] = {}
 
@@ -642,7 +645,7 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                 if done.returncode != 0:
                     raise RuntimeError(f"the run at batch {batch} failed (exit {done.returncode}; its output is above)")
             except RuntimeError as exc:
-                out["failed"][recipe] = {"batch": batch or 0, "error": str(exc)}
+                out["failed"][recipe] = {"batch": batch or given or 0, "error": str(exc)}
                 print(f"-- {recipe}: {exc}", flush=True)
                 continue
             out["ran"] = resume = True  # (the next recipe's runs join this one's report)
@@ -1071,10 +1074,13 @@ def main(argv=None) -> int:
         return 1 if any("error" in r for r in report["runs"]) else 0
     if args.gpus is not None and args.fsdp2:
         p.error("--gpus starts torchrun itself: leave out --fsdp2 (what each of its processes runs with)")
-    if args.tune_batch is not None and args.gpus is None:
-        p.error("--tune-batch is for --gpus, where the tuning runs apart from the sharded run; on one GPU the "
-                "tuning runs on the run's own batches (--batch tune=N)")
+    if args.tune_batch is not None and (args.gpus is None or "tune" not in args.recipes):
+        p.error("--tune-batch is for tune under --gpus, where the tuning runs apart from the sharded run; on one "
+                "GPU the tuning runs on the run's own batches (--batch tune=N)")
     args.rank, args.world = 0, 1
+    if args.tune_only and (args.fsdp2 or args.gpus is not None or args.tuned):
+        p.error("--tune-only is what --gpus runs in a process of its own: leave out --fsdp2, --gpus and --tuned")
+    args.tuned_record = _tuned_record(args, p.error) if args.tuned else None  # (before joining a process group)
     if args.fsdp2:
         from .scale_fsdp2 import start
 
@@ -1108,10 +1114,7 @@ def main(argv=None) -> int:
     seeds = list(range(args.seeds)) if args.seed is None else [args.seed]
     args.tune_candidates = [c.strip() for c in args.tune_candidates.split(",") if c.strip()]
     if args.tune_only:
-        if args.fsdp2 or args.gpus is not None:
-            p.error("--tune-only is what --gpus runs in a process of its own: leave out --fsdp2 and --gpus")
         return tune_only(args, shape, device)
-    args.tuned_record = _tuned_record(args, p.error) if args.tuned else None
     if args.gpus is not None:
         return _main_sharded(args, shape, device, p.error)
     if device.type == "cuda":
