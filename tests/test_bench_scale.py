@@ -566,9 +566,14 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     assert "No recipe ran" in printed and out.read_text() == before
     assert scale.main([*common, "--recipes", "bf16-weights"]) == 1  # (skipped sharded)
     assert "No recipe ran" in capsys.readouterr().out and out.read_text() == before
-    # Under --resume, a command cut short keeps the searches and the tuning made so far in the report.
+    # Under --resume, a command cut short keeps the searches and the tuning made so far in the report; without
+    # it, the report is left as it was.
     cut = tmp_path / "cut.json"
     fail.update(other=False, cut=True)
+    before = out.read_text()
+    with pytest.raises(KeyboardInterrupt):
+        scale.main([*common, "--recipes", "tune"])
+    assert out.read_text() == before
     with pytest.raises(KeyboardInterrupt):
         scale.main([*common[:-1], str(cut), "--recipes", "torch-bf16,tune", "--resume"])
     kept = json.loads(cut.read_text())
