@@ -40,8 +40,8 @@ sharded). There is no batch search inside torchrun (a rank out of memory ends th
 from one plain command instead: one torchrun a try of the batch search and one a recipe, at its largest batch.
 ``tune`` does not run sharded (a trial's snapshot would write whole tensors into the shards): under ``--gpus``
 the tuning runs first in a process of its own, the model unsharded on one GPU (--tune-batch), among the
-candidates the sharded run trains (SHARDED_CHOICES), and its choice is then searched and run sharded as the
-tuned run, as a user would tune a model that FSDP2 then trains.
+candidates the sharded run trains (fp32, bf16, bf16+fp8 and the bf16-pure recipes), and its choice is then
+searched and run sharded as the tuned run, as a user would tune a model that FSDP2 then trains.
 
 Compiled (--compile): ``blocks`` (the default on a GPU) compiles each decoder layer (``module.compile()``; the
 32 layers share one graph, so compiling takes the time of one layer, as torchtitan does), ``model`` the whole
