@@ -260,9 +260,10 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
                                          " measured in " in r), None)
             print(f"   {recipe}: {info['fp8_layers']} layers in fp8; {info['fp8_measured']}", flush=True)
     info.update(tuning_seconds=round(time.perf_counter() - t0, 2), policy=str(amp.policy))
-    if tuned is not None:  # (the record once, with seed 0's run: the other seeds train the same choice)
-        info.update(chosen=tuned["chosen"], tuned_batch=tuned["batch"], **({"tuning": tuned["tuning"]}
-                                                                           if seed == 0 else {}))
+    if tuned is not None:
+        info.update(chosen=tuned["chosen"], tuned_batch=tuned["batch"])
+        if seed == 0:  # (the record once: the other seeds train the same choice)
+            info["tuning"] = tuned["tuning"]
     return Trainer(name, zm, model, lambda batch: amp.train_step(lambda: zm.loss(model, batch)), amp, info)
 
 
@@ -671,8 +672,7 @@ def _main_sharded(args, shape: dict, device, error) -> int:
                 return False
             report = _resumed(path, shape, args.gpus, error) or _new_report(args, shape, device, args.gpus)
             report["search"].update(search)
-            with open(path, "w") as f:
-                json.dump(report, f, indent=1, default=str)
+            _write_report(path, report)
             return True
 
         done = run_sharded(args, path, device, capacity, earlier, keep)
@@ -688,11 +688,8 @@ def _main_sharded(args, shape: dict, device, error) -> int:
                             "error": failed["error"][:600]} for recipe, failed in done["failed"].items()]
         report["verdict"] = verdict(report)
         if args.json:
-            with open(path, "w") as f:
-                json.dump(report, f, indent=1, default=str)
-    print(table(report))
-    print("\n".join(report["verdict"]), flush=True)
-    return 1 if any("error" in r for r in report["runs"]) else 0
+            _write_report(path, report)
+    return _show(report)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -924,6 +921,18 @@ def merge(paths: List[str], error) -> dict:
     return out
 
 
+def _write_report(path: str, report: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
+def _show(report: dict) -> int:
+    """The report's table and verdict printed; the exit code (1 where a run failed)."""
+    print(table(report))
+    print("\n".join(report["verdict"]), flush=True)
+    return 1 if any("error" in r for r in report["runs"]) else 0
+
+
 def _new_report(args, shape: dict, device, fsdp2: Optional[int]) -> dict:
     """A report with no runs yet: where, when and what ran (`fsdp2`: over how many GPUs; None: one GPU)."""
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", **_versions(),
@@ -1067,11 +1076,8 @@ def main(argv=None) -> int:
             p.error(f"--json {args.json} is one of the reports merged; name a new file")
         report = merge(args.merge, p.error)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1, default=str)
-        print(table(report))
-        print("\n".join(report["verdict"]), flush=True)
-        return 1 if any("error" in r for r in report["runs"]) else 0
+            _write_report(args.json, report)
+        return _show(report)
     if args.gpus is not None and args.fsdp2:
         p.error("--gpus starts torchrun itself: leave out --fsdp2 (what each of its processes runs with)")
     if args.tune_batch is not None and (args.gpus is None or "tune" not in args.recipes):
@@ -1137,8 +1143,7 @@ def main(argv=None) -> int:
 
     def save():
         if args.json and args.rank == 0:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1, default=str)
+            _write_report(args.json, report)
 
     for recipe in args.recipes:
         why = skip_reason(recipe, device, sharded=args.fsdp2, tuned=bool(args.tuned))
@@ -1186,9 +1191,7 @@ def main(argv=None) -> int:
             save()
     report["verdict"] = verdict(report)
     save()
-    print(table(report))
-    print("\n".join(report["verdict"]), flush=True)
-    code = 1 if any("error" in r for r in report["runs"]) else 0
+    code = _show(report)
     if args.fsdp2:
         from ._dist_exit import finish
 
