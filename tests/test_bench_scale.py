@@ -258,6 +258,30 @@ def test_scale_max_seconds_stops_a_run_and_says_its_loss_is_not_comparable(tmp_p
     assert not any(line.startswith("Loss after") for line in report["verdict"])
 
 
+def test_scale_fsdp2_float8_all_gather_is_torchaos_tensorwise_unless_turned_off(capsys):
+    """Sharded, torchao's tensorwise recipe all-gathers its weights in float8 (as torchao advises);
+    --float8-all-gather off gathers them in bf16, to show what the float8 all-gather is worth. Forwarded by
+    --gpus to the runs it starts; refused on one GPU, where there is no all-gather."""
+    import argparse
+
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig
+
+    from adaptive_amp.bench.scale_fsdp2 import torchao_config
+
+    tensorwise, rowwise = (Float8LinearConfig.from_recipe_name(r) for r in ("tensorwise", "rowwise"))
+    assert torchao_config(tensorwise, "torchao-tensorwise").enable_fsdp_float8_all_gather
+    assert not torchao_config(tensorwise, "torchao-tensorwise", all_gather=False).enable_fsdp_float8_all_gather
+    assert not torchao_config(rowwise, "torchao-rowwise").enable_fsdp_float8_all_gather
+    assert not tensorwise.enable_fsdp_float8_all_gather  # (a copy: the config given is left as it was)
+    given = {dest: None for _, dest in scale._FORWARDED}
+    args = argparse.Namespace(**{**given, "float8_all_gather": "off"}, tiny=False, verbose=False)
+    assert scale._forwarded(args) == ["--float8-all-gather", "off"]
+    with pytest.raises(SystemExit):
+        scale.main(["--tiny", "--device", "cpu", "--float8-all-gather", "off"])
+    assert "--float8-all-gather is for sharded runs (--fsdp2 or --gpus)" in capsys.readouterr().err
+
+
 def test_scale_fsdp2_refuses_to_run_outside_torchrun_or_without_a_batch(capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(SystemExit):

@@ -188,7 +188,7 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
     compiled = args.compile != "off"
     info: Dict[str, object] = {"parameters": zm.num_parameters(), "checkpointing": bool(args.checkpointing_now),
                                "compile": args.compile}
-    sharded = args.world > 1
+    sharded, float8_gather = args.world > 1, False
     if recipe in TORCHAO_RECIPES:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -196,7 +196,8 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
         if sharded:
             from .scale_fsdp2 import torchao_config
 
-            config = torchao_config(config, recipe)
+            config = torchao_config(config, recipe, getattr(args, "float8_all_gather", None) != "off")
+            float8_gather = config.enable_fsdp_float8_all_gather
         # torchtitan's choice too: the output head stays in bf16 (its gradients feed every layer).
         convert_to_float8_training(zm.model, config=config, module_filter_fn=lambda mod, fqn: fqn != "lm_head"
                                    and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
@@ -220,7 +221,8 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
             return loss
         info["policy"] = "autocast bf16" + (f" + torchao float8 {recipe.split('-', 1)[1]}"
                                             if recipe in TORCHAO_RECIPES else "") + \
-            (", FSDP2 bf16 params, fp32 reduce" if sharded else "")
+            (", FSDP2 bf16 params, fp32 reduce" if sharded else "") + \
+            (", float8 all-gather" if float8_gather else "")
         return Trainer(recipe, zm, model, step, info=info)
     if sharded:
         from ..distributed import CollectiveAdaptiveMixedPrecision as AdaptiveMixedPrecision
@@ -426,7 +428,8 @@ def run(recipe: str, shape: dict, batch: int, seed: int, device, args, choice=No
 #: The options a run launched by --gpus takes as given here: the model's shape and how it trains.
 _FORWARDED = (("--layers", "layers"), ("--hidden", "hidden"), ("--mlp", "mlp"), ("--heads", "heads"),
               ("--kv-heads", "kv_heads"), ("--seq", "seq"), ("--vocab", "vocab"), ("--lr", "lr"),
-              ("--compile", "compile"), ("--device", "device"), ("--checkpointing", "checkpointing"))
+              ("--compile", "compile"), ("--device", "device"), ("--checkpointing", "checkpointing"),
+              ("--float8-all-gather", "float8_all_gather"))
 #: Steps of a batch search's try under --gpus (the first compiles; the second shows the steady peak).
 SEARCH_STEPS = 3
 
@@ -1045,6 +1048,9 @@ def main(argv=None) -> int:
     p.add_argument("--fsdp2", action="store_true",
                    help="shard the model with FSDP2 over the processes of torchrun (one a GPU); --batch is "
                         "per GPU (adaptive_amp/bench/scale_fsdp2.py)")
+    p.add_argument("--float8-all-gather", choices=("on", "off"), default=None,
+                   help="sharded (--fsdp2, --gpus): torchao's tensorwise recipe all-gathers its weights in float8 "
+                        "(on, the default, as torchao advises) or in bf16 (off: what the float8 all-gather is worth)")
     p.add_argument("--gpus", type=_positive, default=None, metavar="N",
                    help="run each recipe sharded by FSDP2 over N GPUs of this machine, from this command: one "
                         "torchrun a recipe, at its largest batch a GPU (searched with one torchrun a try, as a "
@@ -1083,6 +1089,8 @@ def main(argv=None) -> int:
     if args.tune_batch is not None and (args.gpus is None or "tune" not in args.recipes):
         p.error("--tune-batch is for tune under --gpus, where the tuning runs apart from the sharded run; on one "
                 "GPU the tuning runs on the run's own batches (--batch tune=N)")
+    if args.float8_all_gather is not None and not (args.fsdp2 or args.gpus is not None):
+        p.error("--float8-all-gather is for sharded runs (--fsdp2 or --gpus): on one GPU there is no all-gather")
     args.rank, args.world = 0, 1
     if args.tune_only and (args.fsdp2 or args.gpus is not None or args.tuned):
         p.error("--tune-only is what --gpus runs in a process of its own: leave out --fsdp2, --gpus and --tuned")

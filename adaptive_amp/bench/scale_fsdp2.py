@@ -7,7 +7,8 @@ tokens, peak memory is the largest rank's, and the losses are the mean over rank
 * torch's and torchao's: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` (float32
   weights and gradients sharded, bf16 all-gathered), bf16 autocast and AdamW as on one GPU; torchao's
   tensorwise recipe all-gathers its weights in float8 (``enable_fsdp_float8_all_gather``) and precomputes
-  their scales after each step, as torchao advises;
+  their scales after each step, as torchao advises (``--float8-all-gather off``: in bf16, to see what the
+  float8 all-gather is worth);
 * ours: the controller is :class:`~adaptive_amp.distributed.CollectiveAdaptiveMixedPrecision`; a bf16-pure
   recipe casts the model to bf16 before sharding (FSDP2 fixes each parameter's dtype when it shards it).
 
@@ -60,9 +61,10 @@ def skip_reason(recipe: str, tuned: bool = False) -> Optional[str]:
     return None
 
 
-def torchao_config(config, recipe: str):
-    """torchao's float8 config for a sharded run: float8 all-gather where torchao supports it (tensorwise)."""
-    if recipe.endswith("tensorwise"):
+def torchao_config(config, recipe: str, all_gather: bool = True):
+    """torchao's float8 config for a sharded run: float8 all-gather where torchao supports it (tensorwise), unless
+    `all_gather` is False."""
+    if all_gather and recipe.endswith("tensorwise"):
         return dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     return config
 
