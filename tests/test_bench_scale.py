@@ -261,7 +261,7 @@ def test_scale_max_seconds_stops_a_run_and_says_its_loss_is_not_comparable(tmp_p
 def test_scale_fsdp2_float8_all_gather_is_torchaos_tensorwise_unless_turned_off(capsys):
     """Sharded, torchao's tensorwise recipe all-gathers its weights in float8 (as torchao advises);
     --float8-all-gather off gathers them in bf16, to show what the float8 all-gather is worth. Forwarded by
-    --gpus to the runs it starts; refused on one GPU, where there is no all-gather."""
+    --gpus to the runs it starts; refused on one GPU, where there is no all-gather, and without that recipe."""
     import argparse
 
     pytest.importorskip("torchao")
@@ -275,11 +275,16 @@ def test_scale_fsdp2_float8_all_gather_is_torchaos_tensorwise_unless_turned_off(
     assert not torchao_config(rowwise, "torchao-rowwise").enable_fsdp_float8_all_gather
     assert not tensorwise.enable_fsdp_float8_all_gather  # (a copy: the config given is left as it was)
     given = {dest: None for _, dest in scale._FORWARDED}
-    args = argparse.Namespace(**{**given, "float8_all_gather": "off"}, tiny=False, verbose=False)
-    assert scale._forwarded(args) == ["--float8-all-gather", "off"]
-    with pytest.raises(SystemExit):
-        scale.main(["--tiny", "--device", "cpu", "--float8-all-gather", "off"])
-    assert "--float8-all-gather is for sharded runs (--fsdp2 or --gpus)" in capsys.readouterr().err
+    args = argparse.Namespace(**given, float8_all_gather="off", tiny=False, verbose=False, gpus=2)
+    assert "--float8-all-gather" not in scale._forwarded(args)  # (not the tuning's process, nor other recipes)
+    commands = {r: scale._sharded_command(args, r, 4, 3, "out.json") for r in ("torchao-tensorwise", "torch-bf16")}
+    assert _last(commands["torchao-tensorwise"], "--float8-all-gather") == "off"
+    assert "--float8-all-gather" not in commands["torch-bf16"]
+    for argv, message in ((["--recipes", "torchao-tensorwise"], "--float8-all-gather is for sharded runs"),
+                          (["--gpus", "2", "--recipes", "torch-bf16,tune"], "is torchao-tensorwise's")):
+        with pytest.raises(SystemExit):
+            scale.main(["--tiny", "--device", "cpu", "--float8-all-gather", "off", *argv])
+        assert message in capsys.readouterr().err
 
 
 def test_scale_fsdp2_refuses_to_run_outside_torchrun_or_without_a_batch(capsys, monkeypatch):

@@ -428,8 +428,7 @@ def run(recipe: str, shape: dict, batch: int, seed: int, device, args, choice=No
 #: The options a run launched by --gpus takes as given here: the model's shape and how it trains.
 _FORWARDED = (("--layers", "layers"), ("--hidden", "hidden"), ("--mlp", "mlp"), ("--heads", "heads"),
               ("--kv-heads", "kv_heads"), ("--seq", "seq"), ("--vocab", "vocab"), ("--lr", "lr"),
-              ("--compile", "compile"), ("--device", "device"), ("--checkpointing", "checkpointing"),
-              ("--float8-all-gather", "float8_all_gather"))
+              ("--compile", "compile"), ("--device", "device"), ("--checkpointing", "checkpointing"))
 #: Steps of a batch search's try under --gpus (the first compiles; the second shows the steady peak).
 SEARCH_STEPS = 3
 
@@ -446,11 +445,14 @@ def _forwarded(args) -> List[str]:
 
 
 def _sharded_command(args, recipe: str, batch: int, steps: int, path: str, *extra: str) -> List[str]:
-    """torchrun over --gpus processes of this machine: `recipe` sharded at `batch`, its report written to `path`;
-    `extra` last, so that its --checkpointing (the search's) is the one that counts."""
+    """torchrun over --gpus processes of this machine: `recipe` sharded at `batch`, its report written to `path`
+    (--float8-all-gather goes to torchao-tensorwise's alone); `extra` last, so that its --checkpointing (the
+    search's) is the one that counts."""
+    gather = getattr(args, "float8_all_gather", None)
+    gather = ["--float8-all-gather", gather] if gather is not None and recipe == "torchao-tensorwise" else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
             "-m", "adaptive_amp", "bench", "scale", "--fsdp2", "--recipes", recipe, "--batch", f"{recipe}={batch}",
-            "--steps", str(steps), "--json", path, *_forwarded(args), *extra]
+            "--steps", str(steps), "--json", path, *_forwarded(args), *gather, *extra]
 
 
 def tune_only(args, shape: dict, device) -> int:
@@ -1091,6 +1093,9 @@ def main(argv=None) -> int:
                 "GPU the tuning runs on the run's own batches (--batch tune=N)")
     if args.float8_all_gather is not None and not (args.fsdp2 or args.gpus is not None):
         p.error("--float8-all-gather is for sharded runs (--fsdp2 or --gpus): on one GPU there is no all-gather")
+    if args.float8_all_gather is not None and "torchao-tensorwise" not in args.recipes:
+        p.error("--float8-all-gather is torchao-tensorwise's (torchao's float8 all-gather is tensorwise only): add "
+                "it to --recipes")
     args.rank, args.world = 0, 1
     if args.tune_only and (args.fsdp2 or args.gpus is not None or args.tuned):
         p.error("--tune-only is what --gpus runs in a process of its own: leave out --fsdp2, --gpus and --tuned")
