@@ -25,11 +25,27 @@ def test_scale_smoke_compares_our_recipe_with_torch_and_says_so(tmp_path, capsys
     # The same weights and batches for every recipe: the first losses agree to bf16's rounding.
     assert abs(runs["torch-bf16", 0]["first_loss"] - runs["bf16-weights", 0]["first_loss"]) < 0.05
     assert runs["bf16-weights", 0]["policy"].startswith("params=bfloat16") and runs["bf16-weights", 0]["batch"] == 2
+    assert runs["bf16-weights", 0]["stats_every"] == 200  # (the controller's default: --stats-every)
     assert report["shape"]["num_hidden_layers"] == 2 and report["shape"]["num_key_value_heads"] == 2
     assert "fp8 matmuls need a CUDA GPU" in report["skipped"]["torchao-rowwise"]
     text = capsys.readouterr().out
     assert "Speed: ours (bf16-weights, batch 2) trained at" in text and "torch's seed spread" in text
     assert "torchao-rowwise did not run" in text
+
+
+def test_scale_stats_every_sets_our_controllers_statistics_steps(tmp_path, capsys):
+    """--stats-every N: our recipes' statistics cadence, in each run's record; refused by name where nothing of
+    ours runs, or not a whole number >= 1."""
+    out = tmp_path / "scale.json"
+    assert main(["scale", "--tiny", "--device", "cpu", "--steps", "3", "--recipes", "bf16-pure",
+                 "--stats-every", "2", "--json", str(out)]) == 0
+    assert [r["stats_every"] for r in json.loads(out.read_text())["runs"]] == [2]
+    capsys.readouterr()
+    for argv, message in ((["--recipes", "torch-bf16"], "--stats-every is for our recipes"),
+                          (["--stats-every", "0"], "is not a whole number >= 1")):
+        with pytest.raises(SystemExit):
+            main(["scale", "--tiny", "--device", "cpu", "--stats-every", "3", *argv])
+        assert message in capsys.readouterr().err
 
 
 def test_scale_tune_takes_seed_zeros_choice_for_the_other_seeds(tmp_path):
@@ -280,6 +296,10 @@ def test_scale_fsdp2_float8_all_gather_is_torchaos_tensorwise_unless_turned_off(
     commands = {r: scale._sharded_command(args, r, 4, 3, "out.json") for r in ("torchao-tensorwise", "torch-bf16")}
     assert _last(commands["torchao-tensorwise"], "--float8-all-gather") == "off"
     assert "--float8-all-gather" not in commands["torch-bf16"]
+    # (--stats-every likewise goes to our recipes' runs alone)
+    args.stats_every = 7
+    assert _last(scale._sharded_command(args, "tune", 4, 3, "out.json"), "--stats-every") == "7"
+    assert "--stats-every" not in scale._sharded_command(args, "torchao-tensorwise", 4, 3, "out.json")
     for argv, message in ((["--recipes", "torchao-tensorwise"], "--float8-all-gather is for sharded runs"),
                           (["--gpus", "2", "--recipes", "torch-bf16,tune"], "is torchao-tensorwise's")):
         with pytest.raises(SystemExit):
@@ -544,6 +564,12 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     assert [(c[c.index("--batch") + 1], _last(c, "--checkpointing"), "--resume" in c)
             for c in runs] == [("torch-bf16=3", "off", False), ("tune=2", "off", True), ("bf16-pure=1", "on", True)]
     assert all("--fsdp2" in c and "--nproc_per_node=2" in c and "--tiny" in c and "--seed" in c for c in runs)
+    # Each try has a statistics step after the optimizer's state exists (its peak is a statistics step's); the
+    # runs keep the controller's cadence.
+    trials = [c for c in commands if "--tune-only" not in c and c[c.index("--steps") + 1] == str(scale.SEARCH_STEPS)]
+    assert all(_last(c, "--stats-every") == str(scale.SEARCH_STATS_EVERY) for c in trials if "torch-bf16=" not in
+               c[c.index("--batch") + 1]) and not any("--stats-every" in c for c in trials if "torch-bf16=1" in c)
+    assert scale.SEARCH_STEPS > scale.SEARCH_STATS_EVERY and not any("--stats-every" in c for c in runs)
     report = json.loads(out.read_text())
     assert report["search"]["torch-bf16"] == {"batch": 3, "tried": {"1": None, "2": None, "4": "out of memory",
                                                                       "3": None}, "gpus": 2, "checkpointing": False}

@@ -233,7 +233,7 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
     if recipe == "tune":
         opt = torch.optim.AdamW(zm.model.parameters(), lr=args.lr, fused=cuda)
         amp = AdaptiveMixedPrecision(
-            model, opt, policy="tune", progress=False,
+            model, opt, policy="tune", progress=False, stats_every=_stats_every(args),
             tune=dict(batches=tune_batches, loss_fn=zm.loss, candidates=[choice] if choice else args.tune_candidates,
                       steps=args.tune_steps, rounds=1, timed_steps=args.tune_timed_steps,
                       progress=(lambda m: print(f"   {m}", flush=True)) if args.verbose else None))
@@ -255,18 +255,33 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
         # Each layer's inputs are captured from the eager model; the gains are timed compiled when the run is.
         fp8 = dict(batches=(tune_batches or stream(shape, 1, 2, 0, device, args.rank))[:2],
                    run=lambda _, batch: zm.loss(zm.model, batch), compiled=compiled) if recipe in FP8_RECIPES else None
-        amp = AdaptiveMixedPrecision(model, opt, policy=policy, progress=False, fp8=fp8)
+        amp = AdaptiveMixedPrecision(model, opt, policy=policy, progress=False, fp8=fp8,
+                                     stats_every=_stats_every(args))
         if fp8 is not None:
             info["fp8_layers"] = sum(kind.startswith("fp8-") for kind in amp.adjuster.layer_kinds.values())
             info["fp8_measured"] = next((r for r in amp.policy.reasons if r.startswith("fp8: ") and
                                          " measured in " in r), None)
             print(f"   {recipe}: {info['fp8_layers']} layers in fp8; {info['fp8_measured']}", flush=True)
-    info.update(tuning_seconds=round(time.perf_counter() - t0, 2), policy=str(amp.policy))
+    info.update(tuning_seconds=round(time.perf_counter() - t0, 2), policy=str(amp.policy),
+                stats_every=amp.monitor.stats_every)
     if tuned is not None:
         info.update(chosen=tuned["chosen"], tuned_batch=tuned["batch"])
         if seed == 0:  # (the record once: the other seeds train the same choice)
             info["tuning"] = tuned["tuning"]
     return Trainer(name, zm, model, lambda batch: amp.train_step(lambda: zm.loss(model, batch)), amp, info)
+
+
+#: Steps between statistics steps in a batch search's tries: every second step, so that a try of two steps or
+#: more has one after the optimizer's state exists. A statistics step measures every layer and keeps a few rows
+#: of each fp8 layer's input: its peak is higher than an ordinary step's (H200, 4 decoder layers of the 8B
+#: model at 8 sequences, bf16-pure+fp8, blocks compiled: 24.99 against 23.50 GiB). A run's first statistics
+#: step, its first step, comes before that state; the next comes after --stats-every steps (200 by default).
+SEARCH_STATS_EVERY = 2
+
+
+def _stats_every(args) -> Optional[int]:
+    """The controller's stats_every for our recipes: --stats-every, None for the controller's default."""
+    return getattr(args, "stats_every", None)
 
 
 def _free(device):
@@ -356,7 +371,9 @@ def search_batch(recipe: str, shape: dict, device, args) -> dict:
     try:
         if recipe == "tune":  # tuned once at one sequence a step; the search then grows the choice's batch
             tune_batches = stream(shape, 1, 8, 0, device)
-        trainer = make_trainer(recipe, shape, 0, device, args, tune_batches)
+        # (each try's two steps hold a statistics step: after the first try, with the optimizer's state)
+        trainer = make_trainer(recipe, shape, 0, device, argparse.Namespace(**{**vars(args),
+                               "stats_every": SEARCH_STATS_EVERY}), tune_batches)
 
         def measure(b: int):
             batches = stream(shape, b, 2, 0, device)
@@ -444,15 +461,21 @@ def _forwarded(args) -> List[str]:
     return out + (["--tiny"] if args.tiny else []) + (["--verbose"] if args.verbose else [])
 
 
-def _sharded_command(args, recipe: str, batch: int, steps: int, path: str, *extra: str) -> List[str]:
-    """torchrun over --gpus processes of this machine: `recipe` sharded at `batch`, its report written to `path`
-    (--float8-all-gather goes to torchao-tensorwise's alone); `extra` last, so that its --checkpointing (the
-    search's) is the one that counts."""
-    gather = getattr(args, "float8_all_gather", None)
-    gather = ["--float8-all-gather", gather] if gather is not None and recipe == "torchao-tensorwise" else []
+def _sharded_command(args, recipe: str, batch: int, steps: int, path: str, *extra: str,
+                     stats_every: Optional[int] = None) -> List[str]:
+    """torchrun over --gpus processes of this machine: `recipe` sharded at `batch`, its report written to `path`;
+    the options that are one recipe's go to its runs alone: --float8-all-gather to torchao-tensorwise's,
+    `stats_every` (default --stats-every) to ours. `extra` last, so that its --checkpointing (the search's) is
+    the one that counts."""
+    own = []
+    gather, stats_every = getattr(args, "float8_all_gather", None), stats_every or _stats_every(args)
+    if gather is not None and recipe == "torchao-tensorwise":
+        own += ["--float8-all-gather", gather]
+    if stats_every is not None and recipe not in TORCH_RECIPES and recipe not in TORCHAO_RECIPES:
+        own += ["--stats-every", str(stats_every)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
             "-m", "adaptive_amp", "bench", "scale", "--fsdp2", "--recipes", recipe, "--batch", f"{recipe}={batch}",
-            "--steps", str(steps), "--json", path, *_forwarded(args), *gather, *extra]
+            "--steps", str(steps), "--json", path, *_forwarded(args), *own, *extra]
 
 
 def tune_only(args, shape: dict, device) -> int:
@@ -608,7 +631,8 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                     def measure(b: int, recipe=recipe, tried=tried):
                         path = os.path.join(tmp, f"{recipe}-{b}.json")
                         flags = ["--checkpointing", "on" if checkpointing else "off"]
-                        done = subprocess.run(_sharded_command(args, recipe, b, SEARCH_STEPS, path, *flags, *tuned),
+                        done = subprocess.run(_sharded_command(args, recipe, b, SEARCH_STEPS, path, *flags, *tuned,
+                                                               stats_every=SEARCH_STATS_EVERY),
                                               capture_output=True, text=True)
                         printed = done.stdout + done.stderr
                         if done.returncode != 0:
@@ -1050,6 +1074,12 @@ def main(argv=None) -> int:
     p.add_argument("--fsdp2", action="store_true",
                    help="shard the model with FSDP2 over the processes of torchrun (one a GPU); --batch is "
                         "per GPU (adaptive_amp/bench/scale_fsdp2.py)")
+    p.add_argument("--stats-every", type=_positive, default=None, metavar="N",
+                   help="our recipes: steps between the controller's statistics steps (default: the "
+                        "controller's, 200). A statistics step peaks higher than an ordinary one; the first, the "
+                        "run's first step, comes before the optimizer's state, so a run's peak includes one with "
+                        "that state only when it is longer than N steps. The batch search's tries have one "
+                        "every second step")
     p.add_argument("--float8-all-gather", choices=("on", "off"), default=None,
                    help="sharded (--fsdp2, --gpus): torchao's tensorwise recipe all-gathers its weights in float8 "
                         "(on, the default, as torchao advises) or in bf16 (off: what the float8 all-gather is worth)")
@@ -1091,6 +1121,8 @@ def main(argv=None) -> int:
     if args.tune_batch is not None and (args.gpus is None or "tune" not in args.recipes):
         p.error("--tune-batch is for tune under --gpus, where the tuning runs apart from the sharded run; on one "
                 "GPU the tuning runs on the run's own batches (--batch tune=N)")
+    if args.stats_every is not None and all(r in TORCH_RECIPES or r in TORCHAO_RECIPES for r in args.recipes):
+        p.error("--stats-every is for our recipes (the controller's statistics steps): add one to --recipes")
     if args.float8_all_gather is not None and not (args.fsdp2 or args.gpus is not None):
         p.error("--float8-all-gather is for sharded runs (--fsdp2 or --gpus): on one GPU there is no all-gather")
     if args.float8_all_gather is not None and "torchao-tensorwise" not in args.recipes:
