@@ -563,6 +563,13 @@ class AdaptiveMixedPrecision:
         """Whether this step collects per-layer statistics (activations, inputs and gradients)."""
         return self.layer_stats and self.monitor.stats_due(self._step)
 
+    def _drop_partial_step(self) -> None:
+        """Forget what a forward or backward that failed (out of memory, in train_step) recorded of this step:
+        its loss and its layer statistics, so that the step run again records its own (its statistics too:
+        the flag that a step's activations were collected would otherwise skip them)."""
+        self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
+        self.monitor.drop_layer_stats(self._step)
+
     def _activations_due(self) -> bool:
         return self._watch_left > 0 or self._stats_due()
 

@@ -176,6 +176,11 @@ class StabilityMonitor:
                             f"names=[layer names])), got {type(stats).__name__}")
         self._pending_stats.append((int(step), kind, stats))
 
+    def drop_layer_stats(self, step: int) -> None:
+        """Forget the per-layer statistics recorded at `step` and not yet read: a step whose forward or backward
+        failed and runs again records its own."""
+        self._pending_stats = [entry for entry in self._pending_stats if entry[0] != step]
+
     def read_due(self, step: int) -> bool:
         """Whether `step` ends a read window (reads follow the step count, so a resumed run reads
         at the same steps as an uninterrupted one)."""

@@ -417,7 +417,7 @@ def train_step(amp, closure: Callable[[], torch.Tensor], max_grad_norm=None, nor
         # Outside the except block: the traceback (and the activations its frames hold) is gone.
         loss = None
         amp.zero_grad(set_to_none=True)
-        amp._loss_sum, amp._loss_count = None, 0
+        amp._drop_partial_step()
         gc.collect()
         if amp.device.type == "cuda":
             torch.cuda.empty_cache()

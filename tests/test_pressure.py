@@ -180,3 +180,39 @@ def test_guard_settings():
         MemoryGuard(recover_after="2")
     with pytest.raises(ValueError, match=re.escape("min_free is -1; pass a finite number of bytes > 0")):
         MemoryGuard(min_free=-1)
+
+
+def test_a_step_run_again_after_running_out_of_memory_records_its_own_layer_statistics():
+    """An out-of-memory error in backward, at a statistics step, after the forward recorded each layer: the step
+    run again collects its layers again, and the monitor keeps one set of them (the retry's), not the failed
+    attempt's nor none."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    amp = AdaptiveMixedPrecision(model, opt, "params=float32,compute=bfloat16", capabilities=CPU, progress=False,
+                                 stats_every=1, read_every=1)
+    fail = [True]
+
+    class Backward(torch.autograd.Function):  # out of memory in the first backward only
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if fail[0]:
+                fail[0] = False
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            return grad
+
+    def closure():  # (the failed attempt's batch differs, so that its statistics would show)
+        x, y = _batch(0)
+        return Backward.apply(torch.nn.functional.mse_loss(model(x * (100.0 if fail[0] else 1.0)).float(), y))
+
+    with pytest.raises(torch.OutOfMemoryError, match="no memory guard"):
+        amp.train_step(closure)
+    assert amp.step_count == 0 and all(p.grad is None for p in model.parameters())
+    amp.train_step(closure)
+    amp.monitor.read()
+    activation = [ls for ls in amp.monitor.layer_stats if ls.kind == "activation"]
+    assert [ls.step for ls in activation] == [0] and [r["name"] for r in activation[0].rows] == ["0", "2"]
+    assert 0 < activation[0].rows[0]["amax"] < 10  # the retry's (the failed attempt's input was 100x larger)
