@@ -33,6 +33,29 @@ def test_scale_smoke_compares_our_recipe_with_torch_and_says_so(tmp_path, capsys
     assert "torchao-rowwise did not run" in text
 
 
+def test_scale_search_on_one_gpu_tries_with_a_statistics_step_every_second_step(monkeypatch):
+    """The one-GPU batch search trains its tries under a controller with a statistics step every second step
+    (each two-step try has one; its peak is that step's), on a copy of the arguments: the runs keep theirs."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+
+    made, steps = [], []
+
+    def fake_make_trainer(recipe, shape, seed, device, args, tune_batches=None, choice=None):
+        made.append((recipe, args.stats_every, args.checkpointing_now))
+        return SimpleNamespace(step=steps.append, close=lambda: None)
+    monkeypatch.setattr(scale, "make_trainer", fake_make_trainer)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**30 * (1 + len(steps)))
+    args = argparse.Namespace(memory_fraction=0.95, max_batch=4, stats_every=None, checkpointing_now=True)
+    found = scale.search_batch("bf16-pure", scale.TINY, torch.device("cpu"), args)
+    assert made == [("bf16-pure", scale.SEARCH_STATS_EVERY, True)] and args.stats_every is None
+    assert found["batch"] == 4 and len(steps) == 2 * len(found["tried"]) and scale.SEARCH_STATS_EVERY == 2
+
+
 def test_scale_stats_every_sets_our_controllers_statistics_steps(tmp_path, capsys):
     """--stats-every N: our recipes' statistics cadence, in each run's record; refused by name where nothing of
     ours runs, or not a whole number >= 1."""
@@ -130,6 +153,10 @@ def test_scale_verdict_against_the_targets_in_words():
     assert any("0.70x: meets the 0.8x target" in x for x in lines)
     assert any("torchao's best (torchao-rowwise" in x and "1.17x" in x and "meets" in x for x in lines)
     assert any("inside torch's seed spread" in x for x in lines)
+    # A sharded tensorwise run that gathered its weights in bf16 (--float8-all-gather off) is named so.
+    gathered = dict(report, runs=report["runs"] + [r("torchao-tensorwise", 130.0, 90.0, 2.1, float8_all_gather=False)])
+    assert any("torchao's best (torchao-tensorwise, batch 4, its weights all-gathered in bf16: --float8-all-gather "
+               "off): 1.08x" in x for x in scale.verdict(gathered))
     # A tuned run at a batch given, not searched, says its speed is at that batch; a searched one does not.
     assert any(x.startswith("Ours (tune) ran only at the batch given (4), not searched") for x in lines)
     report["search"]["tune"] = {"batch": 4, "tried": {}}
@@ -280,16 +307,6 @@ def test_scale_fsdp2_float8_all_gather_is_torchaos_tensorwise_unless_turned_off(
     --gpus to the runs it starts; refused on one GPU, where there is no all-gather, and without that recipe."""
     import argparse
 
-    pytest.importorskip("torchao")
-    from torchao.float8 import Float8LinearConfig
-
-    from adaptive_amp.bench.scale_fsdp2 import torchao_config
-
-    tensorwise, rowwise = (Float8LinearConfig.from_recipe_name(r) for r in ("tensorwise", "rowwise"))
-    assert torchao_config(tensorwise, "torchao-tensorwise").enable_fsdp_float8_all_gather
-    assert not torchao_config(tensorwise, "torchao-tensorwise", all_gather=False).enable_fsdp_float8_all_gather
-    assert not torchao_config(rowwise, "torchao-rowwise").enable_fsdp_float8_all_gather
-    assert not tensorwise.enable_fsdp_float8_all_gather  # (a copy: the config given is left as it was)
     given = {dest: None for _, dest in scale._FORWARDED}
     args = argparse.Namespace(**given, float8_all_gather="off", tiny=False, verbose=False, gpus=2)
     assert "--float8-all-gather" not in scale._forwarded(args)  # (not the tuning's process, nor other recipes)
@@ -305,6 +322,16 @@ def test_scale_fsdp2_float8_all_gather_is_torchaos_tensorwise_unless_turned_off(
         with pytest.raises(SystemExit):
             scale.main(["--tiny", "--device", "cpu", "--float8-all-gather", "off", *argv])
         assert message in capsys.readouterr().err
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig
+
+    from adaptive_amp.bench.scale_fsdp2 import torchao_config
+
+    tensorwise, rowwise = (Float8LinearConfig.from_recipe_name(r) for r in ("tensorwise", "rowwise"))
+    assert torchao_config(tensorwise, "torchao-tensorwise").enable_fsdp_float8_all_gather
+    assert not torchao_config(tensorwise, "torchao-tensorwise", all_gather=False).enable_fsdp_float8_all_gather
+    assert not torchao_config(rowwise, "torchao-rowwise").enable_fsdp_float8_all_gather
+    assert not tensorwise.enable_fsdp_float8_all_gather  # (a copy: the config given is left as it was)
 
 
 def test_scale_fsdp2_refuses_to_run_outside_torchrun_or_without_a_batch(capsys, monkeypatch):
@@ -567,8 +594,9 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     # Each try has a statistics step after the optimizer's state exists (its peak is a statistics step's); the
     # runs keep the controller's cadence.
     trials = [c for c in commands if "--tune-only" not in c and c[c.index("--steps") + 1] == str(scale.SEARCH_STEPS)]
-    assert all(_last(c, "--stats-every") == str(scale.SEARCH_STATS_EVERY) for c in trials if "torch-bf16=" not in
-               c[c.index("--batch") + 1]) and not any("--stats-every" in c for c in trials if "torch-bf16=1" in c)
+    ours = [c for c in trials if not c[c.index("--batch") + 1].startswith("torch-bf16=")]
+    assert ours and all(_last(c, "--stats-every") == str(scale.SEARCH_STATS_EVERY) for c in ours)
+    assert not any("--stats-every" in c for c in trials if c not in ours)
     assert scale.SEARCH_STEPS > scale.SEARCH_STATS_EVERY and not any("--stats-every" in c for c in runs)
     report = json.loads(out.read_text())
     assert report["search"]["torch-bf16"] == {"batch": 3, "tried": {"1": None, "2": None, "4": "out of memory",
@@ -583,6 +611,17 @@ def test_scale_gpus_searches_each_recipes_batch_with_one_torchrun_a_try(tmp_path
     commands.clear()
     assert scale.main([*common, "--recipes", "tune", "--resume"]) == 0
     assert [c[c.index("--batch") + 1] for c in commands] == ["tune=2"] and "--tuned" in commands[0]
+    # A search of ours whose tries took no statistics step after the optimizer's state existed (a report written
+    # before they did) is made again; torch's stands.
+    kept = json.loads(out.read_text())
+    del kept["search"]["tune"]["stats_every"]
+    out.write_text(json.dumps(kept))
+    commands.clear()
+    assert scale.main([*common, "--recipes", "torch-bf16,tune", "--resume"]) == 0
+    assert [c[c.index("--batch") + 1] for c in commands] == ["torch-bf16=3", "tune=1", "tune=2", "tune=4",
+                                                              "tune=3", "tune=2"]
+    assert json.loads(out.read_text())["search"]["tune"]["stats_every"] == scale.SEARCH_STATS_EVERY
+    assert "tried no statistics step after the optimizer's state existed" in capsys.readouterr().out
     # A tuning made again (other settings) that chooses another recipe: its batch is searched again, and the
     # report keeps the new tuning.
     commands.clear()
