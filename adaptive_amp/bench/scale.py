@@ -272,10 +272,9 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
 
 
 #: Steps between statistics steps in a batch search's tries: every second step, so that a try of two steps or
-#: more has one after the optimizer's state exists. A statistics step measures every layer and keeps a few rows
-#: of each fp8 layer's input: its peak is higher than an ordinary step's (H200, 4 decoder layers of the 8B
-#: model at 8 sequences, bf16-pure+fp8, blocks compiled: 24.99 against 23.50 GiB). A run's first statistics
-#: step, its first step, comes before that state; the next comes after --stats-every steps (200 by default).
+#: more has one after the optimizer's state exists. With fp8 layers such a step peaked 6% above an ordinary one
+#: (bench/RESULTS.md, "Statistics steps and the peak"). A run's first statistics step, its first step, comes
+#: before that state; the next comes after --stats-every steps (200 by default).
 SEARCH_STATS_EVERY = 2
 
 
@@ -1096,10 +1095,10 @@ def main(argv=None) -> int:
                         "per GPU (adaptive_amp/bench/scale_fsdp2.py)")
     p.add_argument("--stats-every", type=_positive, default=None, metavar="N",
                    help="our recipes: steps between the controller's statistics steps (default: the "
-                        "controller's, 200). A statistics step peaks higher than an ordinary one; the first, the "
-                        "run's first step, comes before the optimizer's state, so a run's peak includes one with "
-                        "that state only when it is longer than N steps. The batch search's tries have one "
-                        "every second step")
+                        "controller's, 200). With fp8 layers a statistics step peaked higher than an ordinary "
+                        "one; the first, the run's first step, comes before the optimizer's state, so a run's "
+                        "peak includes one with that state only when it is longer than N steps. The batch "
+                        "search's tries have one every second step")
     p.add_argument("--float8-all-gather", choices=("on", "off"), default=None,
                    help="sharded (--fsdp2, --gpus): torchao's tensorwise recipe all-gathers its weights in float8 "
                         "(on, the default, as torchao advises) or in bf16 (off: what the float8 all-gather is worth)")
