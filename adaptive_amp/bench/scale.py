@@ -83,6 +83,11 @@ OUR_NAMED_RECIPES = ("bf16-weights", "bf16-pure", *FP8_RECIPES)
 RECIPES = (*TORCH_RECIPES, *TORCHAO_RECIPES, "tune", *OUR_NAMED_RECIPES)
 DEFAULT_RECIPES = ("torch-bf16", "torchao-tensorwise", "torchao-rowwise", "tune", "bf16-weights")
 
+
+def is_ours(recipe: str) -> bool:
+    """Whether `recipe` trains under our controller (not torch's or torchao's recipe)."""
+    return recipe not in TORCH_RECIPES and recipe not in TORCHAO_RECIPES
+
 #: Llama-3-8B's shape (vocabulary 32000, Llama 2's, as the zoo's Llamas).
 FULL = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
             num_key_value_heads=8, vocab_size=32000, seq_len=2048)
@@ -204,10 +209,10 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
     if sharded:
         from .scale_fsdp2 import after_step, shard
 
-        shard(zm.model, recipe, ours=recipe not in TORCH_RECIPES and recipe not in TORCHAO_RECIPES)
+        shard(zm.model, recipe, ours=is_ours(recipe))
         info["fsdp2"] = args.world
     model = compile_model(zm, args.compile)
-    if recipe in TORCH_RECIPES or recipe in TORCHAO_RECIPES:
+    if not is_ours(recipe):
         opt = torch.optim.AdamW(zm.model.parameters(), lr=args.lr, fused=cuda)
 
         def step(batch):
@@ -281,14 +286,12 @@ SEARCH_STATS_EVERY = 2
 def _search_holds(recipe: str, search: dict) -> bool:
     """Whether a batch search kept in a report (--resume) holds for `recipe`: ours searched with a statistics
     step in its tries (SEARCH_STATS_EVERY, recorded with it); torch's and torchao's take none."""
-    ours = recipe not in TORCH_RECIPES and recipe not in TORCHAO_RECIPES
-    return not ours or search.get("stats_every") == SEARCH_STATS_EVERY
+    return not is_ours(recipe) or search.get("stats_every") == SEARCH_STATS_EVERY
 
 
 def _search_record(recipe: str, record: dict) -> dict:
     """A batch search's record for the report, with the statistics cadence of its tries where it is ours."""
-    ours = recipe not in TORCH_RECIPES and recipe not in TORCHAO_RECIPES
-    return {**record, "stats_every": SEARCH_STATS_EVERY} if ours else record
+    return {**record, "stats_every": SEARCH_STATS_EVERY} if is_ours(recipe) else record
 
 
 def _stats_every(args) -> Optional[int]:
@@ -483,7 +486,7 @@ def _sharded_command(args, recipe: str, batch: int, steps: int, path: str, *extr
     gather, stats_every = getattr(args, "float8_all_gather", None), stats_every or _stats_every(args)
     if gather is not None and recipe == "torchao-tensorwise":
         own += ["--float8-all-gather", gather]
-    if stats_every is not None and recipe not in TORCH_RECIPES and recipe not in TORCHAO_RECIPES:
+    if stats_every is not None and is_ours(recipe):
         own += ["--stats-every", str(stats_every)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
             "-m", "adaptive_amp", "bench", "scale", "--fsdp2", "--recipes", recipe, "--batch", f"{recipe}={batch}",
@@ -1140,7 +1143,7 @@ def main(argv=None) -> int:
     if args.tune_batch is not None and (args.gpus is None or "tune" not in args.recipes):
         p.error("--tune-batch is for tune under --gpus, where the tuning runs apart from the sharded run; on one "
                 "GPU the tuning runs on the run's own batches (--batch tune=N)")
-    if args.stats_every is not None and all(r in TORCH_RECIPES or r in TORCHAO_RECIPES for r in args.recipes):
+    if args.stats_every is not None and not any(is_ours(r) for r in args.recipes):
         p.error("--stats-every is for our recipes (the controller's statistics steps): add one to --recipes")
     if args.float8_all_gather is not None and not (args.fsdp2 or args.gpus is not None):
         p.error("--float8-all-gather is for sharded runs (--fsdp2 or --gpus): on one GPU there is no all-gather")
