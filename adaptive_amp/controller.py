@@ -568,10 +568,14 @@ class AdaptiveMixedPrecision:
 
     def _drop_partial_step(self) -> None:
         """Forget what a forward or backward that failed (out of memory, in train_step) recorded of this step:
-        its loss and its layer statistics, so that the step run again records its own (its statistics too:
-        the flag that a step's activations were collected would otherwise skip them)."""
+        its loss, its layer statistics and the fp8 layers' captured inputs, so that the step run again records
+        its own (its statistics too: the flag that a step's activations were collected would otherwise skip
+        them, and the step would count as watched without them)."""
         self._loss_sum, self._loss_count, self._collected_activations = None, 0, False
+        self._watched = None
         self.monitor.drop_layer_stats(self._step)
+        if self._fp8_watch is not None:
+            self._fp8_watch.drop()
 
     def _activations_due(self) -> bool:
         return self._watch_left > 0 or self._stats_due()

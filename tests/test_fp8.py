@@ -551,6 +551,11 @@ def test_the_watch_keeps_a_copy_of_a_few_rows_not_the_whole_input():
     assert kept.shape == (16, 64) and kept.untyped_storage().nbytes() == 16 * 64 * 4
     assert torch.equal(kept, x.reshape(-1, 64)[:16])
     watch.armed = False
+    watch.drop()  # (a step that failed: what it captured goes, and there is nothing to read)
+    assert _KEPT not in model[0].__dict__ and watch.read() is None
+    watch.armed = watch.due = True
+    model(x)
+    watch.armed = False
     rows = watch.read()
     assert [r["name"] for r in rows] == ["0"] and _KEPT not in model[0].__dict__ and watch.read() is None
     watch.remove()

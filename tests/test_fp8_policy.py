@@ -435,3 +435,38 @@ def test_a_compiled_model_has_its_fp8_gains_timed_compiled(monkeypatch):
     in_place[0].compile(backend="aot_eager")
     assert measured(in_place) == {True}
     assert measured(torch.compile(_mlp(), backend="aot_eager"), compiled=False) == {False}
+
+
+def test_a_step_that_ran_out_of_memory_leaves_no_fp8_inputs_behind(fp8_here):
+    """A statistics step whose backward ran out of memory: the inputs its fp8 layers captured for the guard are
+    dropped (memory held where it is short), and the step run again captures and reads its own."""
+    from adaptive_amp import AdaptiveMixedPrecision, zoo
+    from adaptive_amp.fp8.training import _KEPT
+
+    zm = zoo.build("llama", "tiny", seed=0)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise",
+                                 progress=False, stats_every=1)
+    fp8_layers = [m for n, m in zm.model.named_modules() if n in amp.adjuster.layer_kinds]
+    fail = [True]
+
+    class Backward(torch.autograd.Function):  # out of memory in the first backward only
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if fail[0]:
+                fail[0] = False
+                assert all(_KEPT in m.__dict__ for m in fp8_layers)  # (captured by the forward)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            return grad
+
+    batch = zm.make_batch(4, seed=0)
+    with pytest.raises(torch.OutOfMemoryError):
+        amp.train_step(lambda: Backward.apply(zm.loss(zm.model, batch)))
+    assert fp8_layers and not any(_KEPT in m.__dict__ for m in fp8_layers) and not amp._fp8_watch.due
+    amp.train_step(lambda: Backward.apply(zm.loss(zm.model, batch)))
+    assert len(amp._fp8_watch.rows) == len(fp8_layers) and amp.step_count == 1
+    amp.remove()

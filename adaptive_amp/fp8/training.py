@@ -236,6 +236,15 @@ class Fp8Watch:
                 rows.append(fp8_layer_row(name, layer, x, kind, error=self.error))
         return rows
 
+    def drop(self) -> None:
+        """Forget the inputs captured since the last read: a step that failed and runs again captures its own
+        (the copies of the failed attempt would otherwise stay on the modules, memory held where it is short)."""
+        self.due = False
+        for ref in self._modules.values():
+            module = ref()
+            if module is not None:
+                module.__dict__.pop(_KEPT, None)
+
     def decide(self, step: int, rows: Optional[List[dict]]) -> List[Event]:
         """The guard's events from `rows` (:meth:`read`'s, or the same agreed over ranks)."""
         if not rows:
@@ -250,10 +259,7 @@ class Fp8Watch:
 
     def remove(self) -> None:
         self._hooks.remove()
-        for ref in self._modules.values():
-            module = ref()
-            if module is not None:
-                module.__dict__.pop(_KEPT, None)
+        self.drop()
         self._modules.clear()
 
 
