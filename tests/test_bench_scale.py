@@ -34,8 +34,9 @@ def test_scale_smoke_compares_our_recipe_with_torch_and_says_so(tmp_path, capsys
 
 
 def test_scale_search_on_one_gpu_tries_with_a_statistics_step_every_second_step(monkeypatch):
-    """The one-GPU batch search trains its tries under a controller with a statistics step every second step
-    (each two-step try has one; its peak is that step's), on a copy of the arguments: the runs keep theirs."""
+    """The one-GPU batch search trains its tries under a controller whose every step is a statistics step (from
+    the search's second step on, with the optimizer's state: each try's peak is such a step's), on a copy of the
+    arguments: the runs keep theirs."""
     import argparse
     from types import SimpleNamespace
 
@@ -53,7 +54,7 @@ def test_scale_search_on_one_gpu_tries_with_a_statistics_step_every_second_step(
     args = argparse.Namespace(memory_fraction=0.95, max_batch=4, stats_every=None, checkpointing_now=True)
     found = scale.search_batch("bf16-pure", scale.TINY, torch.device("cpu"), args)
     assert made == [("bf16-pure", scale.SEARCH_STATS_EVERY, True)] and args.stats_every is None
-    assert found["batch"] == 4 and len(steps) == 2 * len(found["tried"]) and scale.SEARCH_STATS_EVERY == 2
+    assert found["batch"] == 4 and len(steps) == 2 * len(found["tried"]) and scale.SEARCH_STATS_EVERY == 1
 
 
 def test_scale_stats_every_sets_our_controllers_statistics_steps(tmp_path, capsys):
@@ -153,6 +154,13 @@ def test_scale_verdict_against_the_targets_in_words():
     assert any("0.70x: meets the 0.8x target" in x for x in lines)
     assert any("torchao's best (torchao-rowwise" in x and "1.17x" in x and "meets" in x for x in lines)
     assert any("inside torch's seed spread" in x for x in lines)
+    # A run of ours no longer than its statistics cadence has no statistics step after the optimizer's state:
+    # its peak says so.
+    assert not any(x.startswith("Peaks:") for x in lines)
+    report["runs"][3]["stats_every"] = 500
+    assert any(x.startswith("Peaks: ours ran 500 steps, none of them a statistics step") for x in scale.verdict(report))
+    report["runs"][3]["stats_every"] = 200
+    assert not any(x.startswith("Peaks:") for x in scale.verdict(report))
     # A sharded tensorwise run that gathered its weights in bf16 (--float8-all-gather off) is named so.
     gathered = dict(report, runs=report["runs"] + [r("torchao-tensorwise", 130.0, 90.0, 2.1, float8_all_gather=False)])
     assert any("torchao's best (torchao-tensorwise, batch 4, its weights all-gathered in bf16: --float8-all-gather "

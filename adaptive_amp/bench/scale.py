@@ -276,11 +276,12 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
     return Trainer(name, zm, model, lambda batch: amp.train_step(lambda: zm.loss(model, batch)), amp, info)
 
 
-#: Steps between statistics steps in a batch search's tries: every second step, so that a try of two steps or
-#: more has one after the optimizer's state exists. With fp8 layers such a step peaked 6% above an ordinary one
-#: (bench/RESULTS.md, "Statistics steps and the peak"). A run's first statistics step, its first step, comes
-#: before that state; the next comes after --stats-every steps (200 by default).
-SEARCH_STATS_EVERY = 2
+#: Steps between statistics steps in a batch search's tries: every step, so that each try's peak is a statistics
+#: step's with the optimizer's state (every step after the search's first). With fp8 layers such a step peaked 6%
+#: above an ordinary one (bench/RESULTS.md, "Statistics steps and the peak"); a run's first statistics step, its
+#: first step, comes before that state, and the next after --stats-every steps (200 by default). A torchrun's
+#: try then compiles the statistics graph alone.
+SEARCH_STATS_EVERY = 1
 
 
 def _search_holds(recipe: str, search: dict) -> bool:
@@ -386,7 +387,7 @@ def search_batch(recipe: str, shape: dict, device, args) -> dict:
     try:
         if recipe == "tune":  # tuned once at one sequence a step; the search then grows the choice's batch
             tune_batches = stream(shape, 1, 8, 0, device)
-        # (each try's two steps hold a statistics step: after the first try, with the optimizer's state)
+        # (every step of a try a statistics step: from the search's second on, with the optimizer's state)
         trainer = make_trainer(recipe, shape, 0, device, argparse.Namespace(**{**vars(args),
                                "stats_every": SEARCH_STATS_EVERY}), tune_batches)
 
@@ -638,7 +639,8 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                 batch = given
                 if batch is None and found.get("batch") and not _search_holds(recipe, found):
                     print(f"-- {recipe}: the batch search in {args.json} tried no statistics step after the "
-                          "optimizer's state existed; searching again", flush=True)
+                          f"optimizer's state existed; searching again (its runs at batch {found['batch']} stay "
+                          "in the report)", flush=True)
                 elif batch is None and found.get("batch") and found.get("gpus") == args.gpus:
                     batch, checkpointing = found["batch"], bool(found.get("checkpointing"))
                     print(f"-- {recipe}: batch {batch} a GPU, from the batch search already in {args.json}",
@@ -794,6 +796,11 @@ def verdict(report: dict) -> List[str]:
             lines.append("Memory: not measured on the CPU.")
         else:
             lines.append(f"Memory: ours was not measured at torch's batch ({same}); run both with --batch {same}.")
+    cadence = ours.get("stats_every")
+    if cadence and ours.get("peak_gib") is not None and ours["steps"] <= cadence:
+        lines.append(f"Peaks: ours ran {ours['steps']} steps, none of them a statistics step after the optimizer's "
+                     f"state existed (one every {cadence} steps, --stats-every), which peaks higher: over a longer run "
+                     "its peak memory is higher.")
     if torchao_best is not None:
         ratio = ours["steady_tokens_per_s"] / torchao_best["steady_tokens_per_s"]
         # (A sharded tensorwise run with --float8-all-gather off is not torchao's recipe as advised: named.)
@@ -1100,8 +1107,8 @@ def main(argv=None) -> int:
                    help="our recipes: steps between the controller's statistics steps (default: the "
                         "controller's, 200). With fp8 layers a statistics step peaked higher than an ordinary "
                         "one; the first, the run's first step, comes before the optimizer's state, so a run's "
-                        "peak includes one with that state only when it is longer than N steps. The batch "
-                        "search's tries have one every second step")
+                        "peak includes one with that state only when it is longer than N steps. Every step of the "
+                        "batch search's tries is one")
     p.add_argument("--float8-all-gather", choices=("on", "off"), default=None,
                    help="sharded (--fsdp2, --gpus): torchao's tensorwise recipe all-gathers its weights in float8 "
                         "(on, the default, as torchao advises) or in bf16 (off: what the float8 all-gather is worth)")
@@ -1225,7 +1232,8 @@ def main(argv=None) -> int:
         earlier = report["search"].get(recipe, {})
         if batch is None and earlier.get("batch") and not _search_holds(recipe, earlier):
             print(f"-- {recipe}: the batch search in {args.json} tried no statistics step after the optimizer's "
-                  "state existed; searching again", flush=True)
+                  f"state existed; searching again (its runs at batch {earlier['batch']} stay in the report)",
+                  flush=True)
         elif batch is None and earlier.get("batch"):
             batch, args.checkpointing_now = earlier["batch"], bool(earlier.get("checkpointing"))
             print(f"-- {recipe}: batch {batch}, from the batch search already in {args.json}", flush=True)
