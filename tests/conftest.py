@@ -223,6 +223,28 @@ def fp8_here(monkeypatch):
     monkeypatch.setattr(eligibility, "device_unsupported", lambda device=None: None)
 
 
+def out_of_memory_in_first_backward(before=None):
+    """``apply(tensor)``: the tensor as it is, whose first backward raises CUDA's out-of-memory error (after
+    `before()`, when given) and later ones pass the gradient through; ``failed()``: whether it has raised.
+    Returns (apply, failed)."""
+    raised = []
+
+    class Backward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            if not raised:
+                raised.append(True)
+                if before is not None:
+                    before()
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            return grad
+    return Backward.apply, lambda: bool(raised)
+
+
 def controller_losses(amp, zm, model, steps: int, device="cpu", batch: int = 8) -> list:
     """`steps` steps of a zoo model `zm` (run through `model`, compiled or not) under controller `amp`, on four
     batches in turn: the losses."""

@@ -14,7 +14,7 @@ from torch import nn
 from adaptive_amp.layer_precision import base_class
 from adaptive_amp.policy import LAYER_KINDS, PrecisionPolicy
 
-from conftest import controller_losses, quiet_torchao, requires_cuda
+from conftest import controller_losses, out_of_memory_in_first_backward, quiet_torchao, requires_cuda
 
 FC = "transformer.h.0.mlp.c_fc"
 LAYER = "model.layers.0.mlp.down_proj"
@@ -448,25 +448,14 @@ def test_a_step_that_ran_out_of_memory_leaves_no_fp8_inputs_behind(fp8_here):
     amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise",
                                  progress=False, stats_every=1)
     fp8_layers = [m for n, m in zm.model.named_modules() if n in amp.adjuster.layer_kinds]
-    fail = [True]
-
-    class Backward(torch.autograd.Function):  # out of memory in the first backward only
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            if fail[0]:
-                fail[0] = False
-                assert all(_KEPT in m.__dict__ for m in fp8_layers)  # (captured by the forward)
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-            return grad
-
+    captured = []
+    oom, _ = out_of_memory_in_first_backward(before=lambda: captured.append(
+        all(_KEPT in m.__dict__ for m in fp8_layers)))  # (what the forward captured, when backward fails)
     batch = zm.make_batch(4, seed=0)
     with pytest.raises(torch.OutOfMemoryError):
-        amp.train_step(lambda: Backward.apply(zm.loss(zm.model, batch)))
-    assert fp8_layers and not any(_KEPT in m.__dict__ for m in fp8_layers) and not amp._fp8_watch.due
-    amp.train_step(lambda: Backward.apply(zm.loss(zm.model, batch)))
+        amp.train_step(lambda: oom(zm.loss(zm.model, batch)))
+    assert captured == [True] and fp8_layers
+    assert not any(_KEPT in m.__dict__ for m in fp8_layers) and not amp._fp8_watch.due
+    amp.train_step(lambda: oom(zm.loss(zm.model, batch)))
     assert len(amp._fp8_watch.rows) == len(fp8_layers) and amp.step_count == 1
     amp.remove()

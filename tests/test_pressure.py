@@ -16,6 +16,8 @@ from adaptive_amp.controller import AdaptiveMixedPrecision
 from adaptive_amp.hardware import Capabilities
 from adaptive_amp.pressure import MemoryGuard
 
+from conftest import out_of_memory_in_first_backward
+
 CPU = Capabilities(device_type="cpu", name="test cpu with bf16", bf16=True, fp16=True)
 dist = torch.distributed
 
@@ -190,23 +192,11 @@ def test_a_step_run_again_after_running_out_of_memory_records_its_own_layer_stat
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     amp = AdaptiveMixedPrecision(model, opt, "params=float32,compute=bfloat16", capabilities=CPU, progress=False,
                                  stats_every=1, read_every=1)
-    fail = [True]
-
-    class Backward(torch.autograd.Function):  # out of memory in the first backward only
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            if fail[0]:
-                fail[0] = False
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-            return grad
+    oom, failed = out_of_memory_in_first_backward()
 
     def closure():  # (the failed attempt's batch differs, so that its statistics would show)
         x, y = _batch(0)
-        return Backward.apply(torch.nn.functional.mse_loss(model(x * (100.0 if fail[0] else 1.0)).float(), y))
+        return oom(torch.nn.functional.mse_loss(model(x * (1.0 if failed() else 100.0)).float(), y))
 
     with pytest.raises(torch.OutOfMemoryError, match="no memory guard"):
         amp.train_step(closure)
