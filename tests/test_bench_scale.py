@@ -165,6 +165,19 @@ def test_scale_verdict_against_the_targets_in_words():
     gathered = dict(report, runs=report["runs"] + [r("torchao-tensorwise", 130.0, 90.0, 2.1, float8_all_gather=False)])
     assert any("torchao's best (torchao-tensorwise, batch 4, its weights all-gathered in bf16: --float8-all-gather "
                "off): 1.08x" in x for x in scale.verdict(gathered))
+    # Beside a run as torchao advises, that one is torchao's best even if the bf16 one ran faster; a report keeps
+    # both (they are not the same run).
+    advised = r("torchao-tensorwise", 125.0, 90.0, 2.1, float8_all_gather=True)
+    both = dict(gathered, runs=scale._with_run(gathered["runs"], advised))
+    assert len(both["runs"]) == len(gathered["runs"]) + 1
+    assert any("torchao's best (torchao-tensorwise, batch 4): 1.12x" in x for x in scale.verdict(both))
+    # A recipe's runs at the batch its search found count, not those at a batch an earlier search found (kept in
+    # the report when the search is made again) even if faster.
+    stale = dict(report, runs=report["runs"] + [r("tune", 200.0, 130.0, 2.1, batch=8, chosen="bf16-weights")],
+                 search={"tune": {"batch": 4, "tried": {}}})
+    assert any("batch 4) trained at 1.40x the tokens/s" in x for x in scale.verdict(stale))
+    stale["search"] = {}
+    assert any("batch 8) trained at 2.00x the tokens/s" in x for x in scale.verdict(stale))
     # A tuned run at a batch given, not searched, says its speed is at that batch; a searched one does not.
     assert any(x.startswith("Ours (tune) ran only at the batch given (4), not searched") for x in lines)
     report["search"]["tune"] = {"batch": 4, "tried": {}}

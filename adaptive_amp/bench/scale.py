@@ -745,10 +745,22 @@ def _main_sharded(args, shape: dict, device, error) -> int:
 # ------------------------------------------------------------------------------------------------ report
 
 
-def _best(runs: List[dict], names) -> Optional[dict]:
-    """The fastest seed-0 run (steady tokens/s) among `names`."""
+def _best(runs: List[dict], names, search: Optional[dict] = None) -> Optional[dict]:
+    """The fastest seed-0 run (steady tokens/s) among `names`: of a recipe whose batch `search` (the report's)
+    found, its runs at that batch where there are any (a search made again leaves the runs at the batch it
+    replaced in the report); of torchao's tensorwise recipe, its runs as torchao advises (float8 all-gather,
+    where sharded) where there are any."""
     found = [r for r in runs if r["recipe"] in names and r.get("seed") == 0 and "error" not in r]
-    return max(found, key=lambda r: r["steady_tokens_per_s"], default=None)
+    kept = set()
+    for name in names:
+        searched = (search or {}).get(name, {}).get("batch")
+        mine = [r for r in found if r["recipe"] == name]
+        kept.update(id(r) for r in (
+            [r for r in mine if r.get("batch") == searched and r.get("float8_all_gather") is not False] or
+            [r for r in mine if r.get("batch") == searched] or
+            [r for r in mine if r.get("float8_all_gather") is not False] or mine))
+    # (in the report's order: of runs equally fast, the first)
+    return max((r for r in found if id(r) in kept), key=lambda r: r["steady_tokens_per_s"], default=None)
 
 
 def _peak_at(report: dict, recipe: str, batch: int) -> Optional[float]:
@@ -764,9 +776,10 @@ def _peak_at(report: dict, recipe: str, batch: int) -> Optional[float]:
 def verdict(report: dict) -> List[str]:
     """What the runs show, as sentences, against the targets."""
     runs, lines = report["runs"], []
-    torch_best = _best(runs, TORCH_RECIPES)
-    torchao_best = _best(runs, TORCHAO_RECIPES)
-    ours = _best(runs, ("tune",)) or _best(runs, OUR_NAMED_RECIPES)
+    search = report.get("search")
+    torch_best = _best(runs, TORCH_RECIPES, search)
+    torchao_best = _best(runs, TORCHAO_RECIPES, search)
+    ours = _best(runs, ("tune",), search) or _best(runs, OUR_NAMED_RECIPES, search)
     for name, why in report["skipped"].items():
         lines.append(f"{name} did not run: {why}.")
     for r in runs:
@@ -913,9 +926,11 @@ def table(report: dict) -> str:
 
 
 def _with_run(runs: List[dict], run: dict) -> List[dict]:
-    """`runs` with `run` in place of a run of the same recipe, seed and batch (else added)."""
-    key = (run.get("recipe"), run.get("seed"), run.get("batch"))
-    return [old for old in runs if (old.get("recipe"), old.get("seed"), old.get("batch")) != key] + [run]
+    """`runs` with `run` in place of a run of the same recipe, seed, batch and all-gather (else added): a
+    --float8-all-gather off run joins the float8 one it is compared with."""
+    def key(r):
+        return r.get("recipe"), r.get("seed"), r.get("batch"), r.get("float8_all_gather")
+    return [old for old in runs if key(old) != key(run)] + [run]
 
 
 def _resumed(path: str, shape: dict, fsdp2: Optional[int], error) -> dict:
