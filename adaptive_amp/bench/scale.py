@@ -284,10 +284,17 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
 SEARCH_STATS_EVERY = 1
 
 
-def _search_holds(recipe: str, search: dict) -> bool:
-    """Whether a batch search kept in a report (--resume) holds for `recipe`: ours searched with a statistics
-    step in its tries (SEARCH_STATS_EVERY, recorded with it); torch's and torchao's take none."""
-    return not is_ours(recipe) or search.get("stats_every") == SEARCH_STATS_EVERY
+def _reusable_search(recipe: str, search: dict, path: str) -> bool:
+    """Whether the batch search `search`, kept in the report at `path` (--resume), found a batch that holds for
+    `recipe`: ours searched with a statistics step in its tries (SEARCH_STATS_EVERY, recorded with it; said
+    where not); torch's and torchao's take none."""
+    if not search.get("batch"):
+        return False
+    if not is_ours(recipe) or search.get("stats_every") == SEARCH_STATS_EVERY:
+        return True
+    print(f"-- {recipe}: the batch search in {path} tried no statistics step after the optimizer's state existed; "
+          f"searching again (its runs at batch {search['batch']} stay in the report)", flush=True)
+    return False
 
 
 def _search_record(recipe: str, record: dict) -> dict:
@@ -637,11 +644,7 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                     out["search"][recipe] = {**found, "tuned": tuning}
                     resume = kept() or resume
                 batch = given
-                if batch is None and found.get("batch") and not _search_holds(recipe, found):
-                    print(f"-- {recipe}: the batch search in {args.json} tried no statistics step after the "
-                          f"optimizer's state existed; searching again (its runs at batch {found['batch']} stay "
-                          "in the report)", flush=True)
-                elif batch is None and found.get("batch") and found.get("gpus") == args.gpus:
+                if batch is None and _reusable_search(recipe, found, args.json) and found.get("gpus") == args.gpus:
                     batch, checkpointing = found["batch"], bool(found.get("checkpointing"))
                     print(f"-- {recipe}: batch {batch} a GPU, from the batch search already in {args.json}",
                           flush=True)
@@ -751,16 +754,16 @@ def _best(runs: List[dict], names, search: Optional[dict] = None) -> Optional[di
     replaced in the report); of torchao's tensorwise recipe, its runs as torchao advises (float8 all-gather,
     where sharded) where there are any."""
     found = [r for r in runs if r["recipe"] in names and r.get("seed") == 0 and "error" not in r]
-    kept = set()
-    for name in names:
-        searched = (search or {}).get(name, {}).get("batch")
-        mine = [r for r in found if r["recipe"] == name]
-        kept.update(id(r) for r in (
-            [r for r in mine if r.get("batch") == searched and r.get("float8_all_gather") is not False] or
-            [r for r in mine if r.get("batch") == searched] or
-            [r for r in mine if r.get("float8_all_gather") is not False] or mine))
+
+    def standing(r):  # (at its recipe's searched batch first, then as torchao advises)
+        return r.get("batch") == (search or {}).get(r["recipe"], {}).get("batch"), \
+            r.get("float8_all_gather") is not False
+    top = {}
+    for r in found:
+        top[r["recipe"]] = max(top.get(r["recipe"], standing(r)), standing(r))
     # (in the report's order: of runs equally fast, the first)
-    return max((r for r in found if id(r) in kept), key=lambda r: r["steady_tokens_per_s"], default=None)
+    return max((r for r in found if standing(r) == top[r["recipe"]]), key=lambda r: r["steady_tokens_per_s"],
+               default=None)
 
 
 def _peak_at(report: dict, recipe: str, batch: int) -> Optional[float]:
@@ -1245,11 +1248,7 @@ def main(argv=None) -> int:
         if batch is None and device.type != "cuda":
             batch = 2  # no device memory to search on the CPU
         earlier = report["search"].get(recipe, {})
-        if batch is None and earlier.get("batch") and not _search_holds(recipe, earlier):
-            print(f"-- {recipe}: the batch search in {args.json} tried no statistics step after the optimizer's "
-                  f"state existed; searching again (its runs at batch {earlier['batch']} stay in the report)",
-                  flush=True)
-        elif batch is None and earlier.get("batch"):
+        if batch is None and _reusable_search(recipe, earlier, args.json):
             batch, args.checkpointing_now = earlier["batch"], bool(earlier.get("checkpointing"))
             print(f"-- {recipe}: batch {batch}, from the batch search already in {args.json}", flush=True)
         if batch is None:
