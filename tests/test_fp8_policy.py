@@ -437,25 +437,40 @@ def test_a_compiled_model_has_its_fp8_gains_timed_compiled(monkeypatch):
     assert measured(torch.compile(_mlp(), backend="aot_eager"), compiled=False) == {False}
 
 
-def test_a_step_that_ran_out_of_memory_leaves_no_fp8_inputs_behind(fp8_here):
-    """A statistics step whose backward ran out of memory: the inputs its fp8 layers captured for the guard are
-    dropped (memory held where it is short), and the step run again captures and reads its own."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_step_that_ran_out_of_memory_leaves_no_fp8_inputs_behind(fp8_here, family, compiled):
+    """A statistics step whose backward ran out of memory: the inputs its fp8 layers (transformers' Conv1D and
+    nn.Linear) captured for the guard are dropped (memory held where it is short), and the step run again
+    captures and reads its own, and records its own layer statistics, not the failed attempt's."""
     from adaptive_amp import AdaptiveMixedPrecision, zoo
     from adaptive_amp.fp8.training import _KEPT
 
-    zm = zoo.build("llama", "tiny", seed=0)
+    torch._dynamo.reset()
+    zm = zoo.build(family, "tiny", seed=0)
     opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
     amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise",
-                                 progress=False, stats_every=1)
+                                 progress=False, stats_every=1, read_every=1)
+    model = torch.compile(zm.model, backend="aot_eager") if compiled else zm.model
     fp8_layers = [m for n, m in zm.model.named_modules() if n in amp.adjuster.layer_kinds]
-    captured = []
-    oom, _ = out_of_memory_in_first_backward(before=lambda: captured.append(
-        all(_KEPT in m.__dict__ for m in fp8_layers)))  # (what the forward captured, when backward fails)
-    batch = zm.make_batch(4, seed=0)
+    captured, failed_rows = [], []
+
+    def before():  # what the forward captured and recorded, when backward fails
+        captured.append(all(_KEPT in m.__dict__ for m in fp8_layers))
+        failed_rows.extend(st.rows(sort_by=None) for s, kind, st in amp.monitor._pending_stats
+                           if s == 0 and kind == "activation")
+    oom, failed = out_of_memory_in_first_backward(before)
+    # (the failed attempt's batch differs, so that its statistics would show)
+    batches = [zm.make_batch(4, seed=1), zm.make_batch(4, seed=0)]
     with pytest.raises(torch.OutOfMemoryError):
-        amp.train_step(lambda: oom(zm.loss(zm.model, batch)))
-    assert captured == [True] and fp8_layers
+        amp.train_step(lambda: oom(zm.loss(model, batches[failed()])))
+    assert captured == [True] and fp8_layers and len(failed_rows) == 1
     assert not any(_KEPT in m.__dict__ for m in fp8_layers) and not amp._fp8_watch.due
-    amp.train_step(lambda: oom(zm.loss(zm.model, batch)))
+    amp.train_step(lambda: oom(zm.loss(model, batches[failed()])))
     assert len(amp._fp8_watch.rows) == len(fp8_layers) and amp.step_count == 1
+    amp.monitor.read()
+    activation = [ls for ls in amp.monitor.layer_stats if ls.kind == "activation"]
+    assert [ls.step for ls in activation] == [0]
+    assert [r["amax"] for r in activation[0].rows] != [r["amax"] for r in failed_rows[0]]
     amp.remove()
+    torch._dynamo.reset()
