@@ -276,5 +276,9 @@ def _capture(watch_ref):
         if watch is not None and watch.armed and args and isinstance(args[0], torch.Tensor):
             x = args[0].detach()
             # A copy: a view would hold the whole input (a second call, as in a checkpointed recompute: the last).
-            setattr(module, _KEPT, x.reshape(-1, x.shape[-1])[:watch.max_rows].clone())
+            # Made by a multiplication, not clone(): inductor drops a clone of a slice as a no-op before it
+            # partitions a compiled graph, which then returns a view of the layer's input, and the partitioner
+            # does not recompute an input the graph returns in the backward: a statistics step saved more for it
+            # than an ordinary step (see adaptive_amp.collect). x * 1 has the values of x.
+            setattr(module, _KEPT, x.reshape(-1, x.shape[-1])[:watch.max_rows] * 1)
     return capture_fp8_input
