@@ -39,8 +39,13 @@ are collective, as ranks training one model must run one recipe: each check
 all-reduces whether some rank needs a move (and whether every rank could move
 back), and :func:`train_step` all-reduces, after each forward and backward,
 whether some rank ran out of memory, so that every rank drops its partial
-step, moves and reruns its batch together (a rank that ran out of memory
-alone does not leave the others waiting in a collective it never reaches).
+step, moves and reruns its batch together. That holds where every rank
+fails in the same pass, or where the peers of the rank that failed issue no
+collective of their own until the check (a model neither DDP nor FSDP
+wraps): under DDP or FSDP2 a rank that fails alone leaves its peers in a
+gradient all-reduce, weight gather or reduce-scatter that it never joins,
+and the process group's timeout ends the run. A guard's ``min_free``
+headroom makes its move before an allocation fails.
 """
 
 from __future__ import annotations
