@@ -71,7 +71,7 @@ from torch import nn
 from .adjust import DynamicPrecisionAdjuster
 from .analysis import PrecisionAnalyzer
 from .collect import STATS_DTYPES as _STATS_DTYPES, ActivationCollector
-from .layers import Selector, find_layers, is_compiled, is_sharded, unwrap_model
+from .layers import Selector, compiled_layers, find_layers, is_sharded, unwrap_model
 from .hardware import Capabilities, HardwareDetector
 from .detectors import finite_inputs, overflowing_rows
 from .monitor import Event, StabilityMonitor, SumsOfSquares, builtin_values
@@ -215,8 +215,9 @@ class AdaptiveMixedPrecision:
             selection's options apply to the "+fp8" candidates (unless ``tune`` has its own ``fp8``).
             Keys: ``guard`` (an adaptive_amp.fp8.Fp8Guard; False: none), ``batches``, and
             select_fp8_layers' options (kinds, min_gain, max_error, gain_fn, run, ...; ``compiled`` defaults
-            to whether the model runs compiled: adaptive_amp.layers.is_compiled, a torch.compile wrapper,
-            modules compiled in place, or a LightningModule Lightning compiled). With `adapt`, the
+            to where the model runs compiled, adaptive_amp.layers.compiled_layers: every layer of a model
+            compiled whole (a torch.compile wrapper, in place, or a LightningModule Lightning compiled), the
+            layers inside modules compiled in place, and none of an eager model). With `adapt`, the
             guard reads every fp8 layer at statistics steps and, between steps, moves a layer that stops
             tolerating fp8 to bf16 (event "fp8_demote") and back after a stable period ("fp8_restore").
     """
@@ -403,7 +404,7 @@ class AdaptiveMixedPrecision:
         if overrides is not None:
             raise ValueError(f"policy={name!r} measures its fp8 layers instead of taking overrides; write the "
                              "policy string instead (e.g. 'params=float32,compute=bfloat16,layers=name:fp8-tensorwise')")
-        options.setdefault("compiled", is_compiled(self.model))  # gains timed as the run will compute
+        options.setdefault("compiled", compiled_layers(self.model))  # gains timed as the run will compute
         if "run" not in options:
             def run(model, batch):
                 args, kwargs = split_inputs(batch)

@@ -25,7 +25,7 @@ same name in a compiled model and in the eager one.
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -94,6 +94,19 @@ def is_compiled(model: nn.Module) -> bool:
     place, or by Lightning), or a module of it compiled in place (each repeated block, say: compiled even under a
     ``torch.compiler.disable`` wrapper, whose context the block's own compiled call replaces)."""
     return compiled_whole(model)[0] or bool(compiled_in_place(model))
+
+
+def compiled_layers(model: nn.Module) -> Union[bool, Callable[[str], bool]]:
+    """Which modules of `model` run compiled: True for a model compiled whole, False for an eager one, else
+    ``(name) -> bool`` (a name in the unwrapped model): those inside a module compiled in place (each decoder layer
+    compiled on its own, say; not the embedding or the output head beside them)."""
+    if compiled_whole(model)[0]:
+        return True
+    prefixes = tuple(n for n, m in unwrap_model(model).named_modules()
+                     if getattr(m, "_compiled_call_impl", None) is not None)
+    if not prefixes:
+        return False
+    return lambda name: any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def is_instance_named(obj, module: str, name: str) -> bool:

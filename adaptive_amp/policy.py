@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Optional, Tuple, Union
 import torch
 
 from .hardware import Capabilities, HardwareDetector
-from .layers import canonical_name, expand_names, is_compiled
+from .layers import canonical_name, compiled_layers, expand_names, is_compiled
 from .names import CANDIDATES, format_name, recipe_names
 from .recipes import Recipe
 
@@ -608,7 +608,7 @@ class AdaptivePrecisionSelector:
         # What the fp8 layers save a step, timed as the timed steps compute: compiled where the model runs compiled
         # (the finalists the tuning compiles, or the trials of a model compiled otherwise), else eagerly.
         compiled = isinstance(model, torch.nn.Module) and is_compiled(model)
-        fp8_options.setdefault("compiled", compiled)
+        fp8_options.setdefault("compiled", compiled_layers(model) if compiled else False)
         asked = list(CANDIDATES) if candidates is None else candidate_names(candidates)
         if all(n.startswith(("bf16-weights", "bf16-pure")) for n in asked if "+fp8" in n):
             # Every fp8 candidate trains bf16 weights: time the layers as those runs compute them.

@@ -407,8 +407,9 @@ def test_blocks_compiled_one_at_a_time_trace_no_graph_per_layer_for_the_guard(fp
 
 
 def test_a_compiled_model_has_its_fp8_gains_timed_compiled(monkeypatch):
-    """policy="bf16+fp8" on a compiled model (a wrapper, or blocks compiled in place) times each layer as the run
-    computes it: compiled; an eager model eagerly; fp8=dict(compiled=...) decides where given."""
+    """policy="bf16+fp8" times each layer as the run computes it: every layer of a model compiled whole
+    compiled; where modules are compiled in place, the layers inside them compiled and the others (an output head
+    beside compiled blocks) eagerly; an eager model eagerly; fp8=dict(compiled=...) decides where given."""
     quiet_torchao()
     from adaptive_amp import AdaptiveMixedPrecision
     from adaptive_amp.fp8 import eligibility, select
@@ -417,24 +418,41 @@ def test_a_compiled_model_has_its_fp8_gains_timed_compiled(monkeypatch):
     seen = []
 
     def layer_times(module, shape, kinds, *, bf16=True, compiled=False, **kw):
-        seen.append(compiled)
+        seen.append((module.in_features, compiled))
         return {"bf16": 1.0, **{k: 1.0 for k in kinds}}
 
     monkeypatch.setattr(select, "layer_times", layer_times)
     x = torch.randn(8, 32)
 
+    def mlp():  # (both layers' sizes fp8 can take)
+        return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 48))
+
     def measured(model, **fp8):
         seen.clear()
-        opt = torch.optim.SGD(_mlp().parameters(), lr=0.1)
-        AdaptiveMixedPrecision(model, opt, policy="bf16+fp8", sample_inputs=x, progress=False, fp8=fp8).remove()
-        return set(seen)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp = AdaptiveMixedPrecision(model, opt, policy="bf16+fp8", sample_inputs=x, progress=False, fp8=fp8)
+        reasons = [r for r in amp.policy.reasons if "timed eagerly" in r]
+        amp.remove()
+        return sorted(seen), reasons
 
-    assert measured(_mlp()) == {False}
-    assert measured(torch.compile(_mlp(), backend="aot_eager")) == {True}
-    in_place = _mlp()
-    in_place[0].compile(backend="aot_eager")
-    assert measured(in_place) == {True}
-    assert measured(torch.compile(_mlp(), backend="aot_eager"), compiled=False) == {False}
+    assert measured(mlp()) == ([(32, False), (64, False)], [])
+    assert measured(torch.compile(mlp(), backend="aot_eager")) == ([(32, True), (64, True)], [])
+    whole = mlp()
+    whole.compile(backend="aot_eager")
+    assert measured(whole) == ([(32, True), (64, True)], [])
+    in_place = mlp()
+    in_place[0].compile(backend="aot_eager")  # (the first layer on its own: the second runs eagerly)
+    timed, reasons = measured(in_place)
+    assert timed == [(32, True), (64, False)]
+    assert len(reasons) == 1 and reasons[0].startswith("layer 2: stays as it was") and "timed eagerly: it runs outside" in reasons[0]
+    assert measured(torch.compile(mlp(), backend="aot_eager"), compiled=False) == ([(32, False), (64, False)], [])
+    assert measured(in_place, compiled=True) == ([(32, True), (64, True)], [])
+    # a tuning's map (its "+fp8" candidates) the same way
+    from adaptive_amp.fp8.training import tuning_fp8_map
+
+    seen.clear()
+    tuning_fp8_map(in_place, [x], lambda model, batch: model(batch).sum())
+    assert sorted(seen) == [(32, True), (64, False)]
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -75,7 +75,7 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
                       run: Optional[Callable[[nn.Module, Any], Any]] = None,
                       kinds: Sequence[str] = KINDS, min_gain: float = MIN_GAIN, max_error: float = MAX_ERROR,
                       dtype: torch.dtype = torch.bfloat16, warmup: int = 5, iters: int = 20,
-                      compiled: bool = False, max_tokens: Optional[int] = 8192,
+                      compiled: Union[bool, Callable[[str], bool]] = False, max_tokens: Optional[int] = 8192,
                       gain_fn: Optional[GainFn] = None,
                       weight_dtype: Optional[torch.dtype] = None,
                       seconds: Optional[Dict[str, float]] = None) -> Dict[str, LayerChoice]:
@@ -88,7 +88,9 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
     min_gain: the smallest measured speed-up (bf16 ms / fp8 ms) that puts a layer in fp8 (default 1.05).
     max_error: the largest relative error of the output and of the input gradient against bf16 (default 0.1).
     dtype, warmup, iters, compiled: how the gain is timed (:func:`~adaptive_amp.fp8.measure.layer_gain`), at
-        the largest input shape the layer saw.
+        the largest input shape the layer saw. `compiled`: True or False for every layer, or ``(name) -> bool``
+        per layer (:func:`~adaptive_amp.layers.compiled_layers`: where the blocks of a model are compiled in
+        place, the output head beside them runs, and is timed, eagerly).
     max_tokens: rows of each layer's inputs, over all batches, the error is measured on (default 8192; None:
         all of them): the captures of every layer are held at once.
     gain_fn: ``(layer, input_shape, kind) -> speed-up``, in place of timing on the GPU (a gain measured
@@ -117,10 +119,12 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
     baseline: Dict[tuple, float] = {}  # a shape's bf16 milliseconds, whatever the kind
     saved: Dict[tuple, Optional[float]] = {}  # bf16 ms - the kind's ms (None: from gain_fn)
 
-    def gain_of(module, shape, kind) -> Tuple[float, Optional[float]]:
-        """(gain, milliseconds saved) of the layer's shape in `kind`."""
+    runs_compiled = compiled if callable(compiled) else (lambda name: bool(compiled))
+
+    def gain_of(module, shape, kind, compiled) -> Tuple[float, Optional[float]]:
+        """(gain, milliseconds saved) of the layer's shape in `kind`, timed compiled or eagerly."""
         base = (type(module), matmul_sizes(module), module.bias is not None, tuple(shape),
-                weight_dtype or module.weight.dtype, str(module.weight.device))
+                weight_dtype or module.weight.dtype, str(module.weight.device), compiled)
         key = base + (kind,)
         if key not in timed:
             began = time.perf_counter()
@@ -161,7 +165,8 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
             reason = f"skipped: error {errors[least].worst:.1e} above {max_error:g} in {least}"
             choices[name] = LayerChoice(name, None, reason, {}, errors)
             continue
-        gain, saved_ms = gain_of(module, shape, kind)
+        timed_compiled = runs_compiled(name)
+        gain, saved_ms = gain_of(module, shape, kind, timed_compiled)
         gains = {kind: gain}
         if gain >= min_gain:
             reason = f"gains {gain:.2f}x, error {errors[kind].worst:.1e} within {max_error:g}"
@@ -169,8 +174,10 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
             continue
         n_in, n_out = matmul_sizes(module)
         tokens = torch.Size(shape[:-1]).numel()
+        eagerly = ", timed eagerly: it runs outside the compiled modules" if callable(compiled) and not timed_compiled \
+            else ""
         reason = (f"skipped: {n_in} x {n_out} on {tokens} tokens too small to gain "
-                  f"({gains[kind]:.2f}x < {min_gain:g}x in {kind})")
+                  f"({gains[kind]:.2f}x < {min_gain:g}x in {kind}{eagerly})")
         choices[name] = LayerChoice(name, None, reason, gains, errors, saved_ms)
     if seconds is not None:
         seconds.update(spent, shapes=len(timed))

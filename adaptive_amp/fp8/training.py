@@ -34,7 +34,7 @@ from torch import nn
 
 from ..detectors import Event
 from ..layer_precision import OwnedHandles
-from ..layers import collapse_names, gathered_layer, is_compiled, unwrap_model
+from ..layers import collapse_names, compiled_layers, gathered_layer, unwrap_model
 from ..names import FP8_BASES
 from .guard import Fp8Guard, fp8_layer_row
 from .select import select_fp8_layers
@@ -126,16 +126,16 @@ def tuning_fp8_map(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[[
                    **options) -> Fp8Map:
     """The fp8 map every ``+fp8`` candidate of a tuning shares, measured once: each layer's inputs captured from
     ``loss_fn(model, batch)`` on the tuning's `batches`, run on the eager model (a compiled model's own module)
-    in eval mode, so that nothing trains and no dropout draws from the RNG; a compiled model's layers timed
-    compiled (``compiled=``, unless given), from the weights as they are (one map for every base: bf16
-    weights would time the bf16 baseline without its weight cast; ``weight_dtype=`` to time as if they were
-    in it). The RNG states and every module's training flag are left as they
+    in eval mode, so that nothing trains and no dropout draws from the RNG; the layers that run compiled timed
+    compiled (``compiled=``, unless given: :func:`~adaptive_amp.layers.compiled_layers`), from the weights as
+    they are (one map for every base: bf16 weights would time the bf16 baseline without its weight cast;
+    ``weight_dtype=`` to time as if they were in it). The RNG states and every module's training flag are left as they
     were (the tuning restores nothing it did not snapshot). ``**options``: :func:`check_tuning_options`."""
     from ..tune import _rng_states, _set_rng_states  # (the tuning's own: what its snapshot restores)
 
     options = check_tuning_options(options)
     root = unwrap_model(model)
-    options.setdefault("compiled", is_compiled(model))
+    options.setdefault("compiled", compiled_layers(model))
     modes = [(m, m.training) for m in root.modules()]
     rng = _rng_states()
     try:
