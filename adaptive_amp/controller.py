@@ -404,7 +404,7 @@ class AdaptiveMixedPrecision:
         if overrides is not None:
             raise ValueError(f"policy={name!r} measures its fp8 layers instead of taking overrides; write the "
                              "policy string instead (e.g. 'params=float32,compute=bfloat16,layers=name:fp8-tensorwise')")
-        options.setdefault("compiled", compiled_layers(self.model))  # gains timed as the run will compute
+        options.setdefault("compiled", compiled_layers(self.model))  # gains timed as each layer will run
         if "run" not in options:
             def run(model, batch):
                 args, kwargs = split_inputs(batch)
