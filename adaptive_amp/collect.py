@@ -251,9 +251,15 @@ class ActivationCollector:
         self._handles.append(module.register_forward_hook(lambda module, args, output: self._measure_waiting()))
 
     def _containers(self, module: nn.Module) -> List[nn.Module]:
-        """The children of `module` that hold layers and are none themselves (a block's attention and MLP)."""
-        return [child for child in module.children() if id(child) not in self._name_of
-                and any(id(m) in self._name_of for m in child.modules())]
+        """The children of `module` that hold layers (a block's attention and MLP), looking through those without a
+        call of their own (a ModuleList or ModuleDict, as T5's blocks hold theirs)."""
+        found = []
+        for child in module.children():
+            if type(child).forward is nn.Module.forward:
+                found += self._containers(child)
+            elif any(id(m) in self._name_of for m in child.modules() if m is not child):
+                found.append(child)
+        return found
 
     def _park(self) -> None:
         if self._parked is not None:

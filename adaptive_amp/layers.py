@@ -25,6 +25,7 @@ same name in a compiled model and in the eager one.
 from __future__ import annotations
 
 import fnmatch
+import sys
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -102,8 +103,11 @@ def compiled_layers(model: nn.Module) -> Union[bool, Callable[[str], bool]]:
     compiled on its own, say; not the embedding or the output head beside them)."""
     if compiled_whole(model)[0]:
         return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (None: nothing compiled in this process)
+    wrapper = eval_frame.OptimizedModule if eval_frame is not None else ()
+    # (a block compiled in place, or one a torch.compile wrapper replaced in its parent)
     prefixes = tuple(n for n, m in unwrap_model(model).named_modules()
-                     if getattr(m, "_compiled_call_impl", None) is not None)
+                     if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, wrapper))
     if not prefixes:
         return False
     return lambda name: any(name == p or name.startswith(p + ".") for p in prefixes)

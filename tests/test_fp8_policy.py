@@ -446,6 +446,9 @@ def test_a_compiled_model_has_its_fp8_gains_timed_compiled(monkeypatch):
     assert timed == [(32, True), (64, False)]
     assert len(reasons) == 1 and reasons[0].startswith("layer 2: stays as it was")
     assert "timed eagerly: it runs outside" in reasons[0]
+    wrapped = mlp()  # (the first layer replaced by a torch.compile wrapper in its parent)
+    wrapped[0] = torch.compile(wrapped[0], backend="aot_eager")
+    assert measured(wrapped)[0] == [(32, True), (64, False)]
     assert measured(torch.compile(mlp(), backend="aot_eager"), compiled=False) == ([(32, False), (64, False)], [])
     assert measured(in_place, compiled=True) == ([(32, True), (64, True)], [])
     # a tuning's map (its "+fp8" candidates) the same way

@@ -267,3 +267,24 @@ def test_our_grad_scaler_static_memory_cuda():
         static[name] = torch.cuda.memory_allocated() - start
         del model, opt
     assert abs(static["ours"] - static["torch"]) <= 2**20, static
+
+
+@pytest.mark.parametrize("family, parts", [
+    ("gpt2", ["attn", "mlp"]), ("llama", ["self_attn", "mlp"]),
+    ("t5", ["layer.0", "layer.1", "layer.2"]),  # (a decoder block: self-attention, cross-attention, MLP)
+    ("bert", ["attention", "intermediate", "output"]),
+])
+def test_a_compiled_blocks_layers_are_measured_when_its_parts_return(family, parts):
+    """In a block compiled in place, the layers waiting for their statistics call are measured when each part of
+    the block that holds layers returns (its attention, its MLP; through a ModuleList, as T5 holds them), not in
+    the middle of one, where the call made the partitioner save more for the backward (tests/test_zoo_compile.py)."""
+    from adaptive_amp.collect import ActivationCollector
+    from adaptive_amp.layers import find_layers
+    from adaptive_amp.recipes import find_blocks
+
+    zm = zoo.build(family, "tiny", seed=0)
+    collector = ActivationCollector(find_layers(zm.model), root=zm.model)
+    _, block = find_blocks(zm.model)[-1]
+    names = {m: n for n, m in block.named_modules()}
+    assert [names[m] for m in collector._containers(block)] == parts
+    collector.remove()

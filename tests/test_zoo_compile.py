@@ -775,12 +775,16 @@ def test_default_statistics_come_every_fourth_read_window_on_zoo_models(family, 
     amp.remove()
 
 
-@pytest.mark.parametrize("fp8", [True, False], ids=["fp8-mlps", "bf16"])
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family, fp8", [
+    ("gpt2", True), ("llama", True), ("gpt2", False), ("llama", False), ("t5", False),
+    # Its statistics step keeps two activations and the LayerNorms' statistics where an ordinary step keeps two
+    # weight casts: not found yet.
+    pytest.param("bert", False, marks=pytest.mark.xfail(strict=True, reason="BERT saves more at statistics steps")),
+], ids=["gpt2-fp8-mlps", "llama-fp8-mlps", "gpt2-bf16", "llama-bf16", "t5-bf16", "bert-bf16"])
 def test_a_compiled_statistics_step_saves_no_more_for_backward_than_an_ordinary_step(family, fp8, request):
-    """Blocks compiled with inductor, in bf16 or with fp8 MLPs (transformers' Conv1D and nn.Linear): a statistics
-    step's graph, which also measures each layer (and keeps a few rows of each fp8 layer's input for the guard),
-    saves no more for the backward than an ordinary step's. Where it saved more, a long run's statistics steps
+    """Blocks compiled with inductor, in bf16 or with fp8 MLPs (transformers' Conv1D and nn.Linear; T5's blocks
+    hold their parts in a ModuleList): a statistics step's graph, which also measures each layer (and keeps a few
+    rows of each fp8 layer's input for the guard), saves no more for the backward than an ordinary step's. Where it saved more, a long run's statistics steps
     peaked above its ordinary steps (an 8B Llama on an H200: 0.3 GiB a decoder layer at 8 sequences of 2048), and
     a batch that fit for hundreds of steps could run out of memory at the next statistics step."""
     from adaptive_amp.recipes import find_blocks

@@ -277,10 +277,10 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
 
 
 #: Steps between statistics steps in a batch search's tries: every step, so that each try's peak is a statistics
-#: step's with the optimizer's state (every step after the search's first). With fp8 layers such a step peaked 6%
-#: above an ordinary one (bench/RESULTS.md, "Statistics steps and the peak"); a run's first statistics step, its
-#: first step, comes before that state, and the next after --stats-every steps (200 by default). A torchrun's
-#: try then compiles the statistics graph alone.
+#: step's with the optimizer's state (every step after the search's first). With fp8 layers such a step keeps rows
+#: of each fp8 input for the guard (bench/RESULTS.md, "Statistics steps and the peak"); a run's first statistics
+#: step, its first step, comes before that state, and the next after --stats-every steps (200 by default). A
+#: torchrun's try then compiles the statistics graph alone.
 SEARCH_STATS_EVERY = 1
 
 

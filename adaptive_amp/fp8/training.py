@@ -279,6 +279,7 @@ def _capture(watch_ref):
             # Made by a multiplication, not clone(): inductor drops a clone of a slice as a no-op before it
             # partitions a compiled graph, which then returns a view of the layer's input, and the partitioner
             # does not recompute an input the graph returns in the backward: a statistics step saved more for it
-            # than an ordinary step (see adaptive_amp.collect). x * 1 has the values of x.
+            # than an ordinary step (see adaptive_amp.collect). x * 1 has the values of x. (Inductor's no-op
+            # removal leaves a product with a number alone; tests/test_zoo_compile.py fails where it would not.)
             setattr(module, _KEPT, x.reshape(-1, x.shape[-1])[:watch.max_rows] * 1)
     return capture_fp8_input
