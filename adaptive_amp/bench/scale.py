@@ -815,8 +815,8 @@ def verdict(report: dict) -> List[str]:
     cadence = ours.get("stats_every")
     if cadence and ours.get("peak_gib") is not None and ours["steps"] <= cadence:
         lines.append(f"Peaks: ours ran {ours['steps']} steps, none of them a statistics step after the optimizer's "
-                     f"state existed (one every {cadence} steps, --stats-every), which peaks higher: over a longer run "
-                     "its peak memory is higher.")
+                     f"state existed (one every {cadence} steps, --stats-every), where fp8 layers keep rows of their "
+                     "inputs for the guard: over a longer run its peak memory can be higher.")
     if torchao_best is not None:
         ratio = ours["steady_tokens_per_s"] / torchao_best["steady_tokens_per_s"]
         # (A sharded tensorwise run with --float8-all-gather off is not torchao's recipe as advised: named.)
