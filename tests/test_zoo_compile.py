@@ -786,9 +786,10 @@ def test_default_statistics_come_every_fourth_read_window_on_zoo_models(family, 
 def test_a_compiled_statistics_step_saves_no_more_for_backward_than_an_ordinary_step(family, fp8, request):
     """Blocks compiled with inductor, in bf16 or with fp8 MLPs (transformers' Conv1D and nn.Linear; T5's blocks
     hold their parts in a ModuleList): a statistics step's graph, which also measures each layer (and keeps a few
-    rows of each fp8 layer's input for the guard), saves no more for the backward than an ordinary step's. Where it saved more, a long run's statistics steps
-    peaked above its ordinary steps (an 8B Llama on an H200: 0.3 GiB a decoder layer at 8 sequences of 2048), and
-    a batch that fit for hundreds of steps could run out of memory at the next statistics step."""
+    rows of each fp8 layer's input for the guard), saves no more for the backward than an ordinary step's. Where
+    it saved more, a long run's statistics steps peaked above its ordinary steps (an 8B Llama on an H200: 0.33 GiB a
+    decoder layer at 8 sequences of 2048), and a batch that fit for hundreds of steps could run out of memory at
+    the next statistics step."""
     from adaptive_amp.recipes import find_blocks
 
     if fp8:
