@@ -92,14 +92,13 @@ into its graph); the rows keep forward order.
 
 from __future__ import annotations
 
-import sys
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from . import _native, adjust, ops, stats_torch
-from .layers import compiled_in_place
+from .layers import compiled_parts
 
 #: Dtypes tensor_stats reads; other outputs (integer ids, fp64) are not recorded.
 STATS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -151,15 +150,6 @@ def guard_hooks_under_compile() -> None:
         return
     config.skip_nnmodule_hook_guards = False
     adjust.forget_compiled_graphs()
-
-
-def _compiled_modules(root: nn.Module) -> List[nn.Module]:
-    """The modules of `root` compiled on their own: by ``module.compile()``, or wrapped by ``torch.compile(module)``
-    (the wrapper in their place)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is None:  # (nothing compiled in this process)
-        return []
-    return compiled_in_place(root) + [m._orig_mod for m in root.modules() if isinstance(m, eval_frame.OptimizedModule)]
 
 
 def _compiling() -> bool:
@@ -218,7 +208,7 @@ class ActivationCollector:
         self.fmt, self.skip = fmt, frozenset(skip)
         self._unpark()
         if self._root is not None:
-            for module in _compiled_modules(self._root):
+            for _, module in compiled_parts(self._root):
                 for part in (module, *self._containers(module)):
                     if id(part) not in self._flushed:
                         self._measure_on_return(part)

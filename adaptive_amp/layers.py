@@ -97,17 +97,24 @@ def is_compiled(model: nn.Module) -> bool:
     return compiled_whole(model)[0] or bool(compiled_in_place(model))
 
 
+def compiled_parts(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(name, module) of the modules of `model` compiled on their own: by ``module.compile()``, or wrapped by
+    ``torch.compile(module)`` in their parent (the wrapper's name, the module it wraps)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # (nothing compiled in this process)
+        return []
+    return [(n, m._orig_mod if isinstance(m, eval_frame.OptimizedModule) else m)
+            for n, m in unwrap_model(model).named_modules()
+            if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, eval_frame.OptimizedModule)]
+
+
 def compiled_layers(model: nn.Module) -> Union[bool, Callable[[str], bool]]:
     """Which modules of `model` run compiled: True for a model compiled whole, False for an eager one, else
-    ``(name) -> bool`` (a name in the unwrapped model): those inside a module compiled in place (each decoder layer
-    compiled on its own, say; not the embedding or the output head beside them)."""
+    ``(name) -> bool`` (a name in the unwrapped model): those inside a part compiled on its own
+    (:func:`compiled_parts`: each decoder layer, say; not the embedding or the output head beside them)."""
     if compiled_whole(model)[0]:
         return True
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (None: nothing compiled in this process)
-    wrapper = eval_frame.OptimizedModule if eval_frame is not None else ()
-    # (a block compiled in place, or one a torch.compile wrapper replaced in its parent)
-    prefixes = tuple(n for n, m in unwrap_model(model).named_modules()
-                     if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, wrapper))
+    prefixes = tuple(n for n, _ in compiled_parts(model))
     if not prefixes:
         return False
     return lambda name: any(name == p or name.startswith(p + ".") for p in prefixes)

@@ -496,3 +496,48 @@ def test_a_step_that_ran_out_of_memory_leaves_no_fp8_inputs_behind(fp8_here, fam
     assert [r["amax"] for r in activation[0].rows] != [r["amax"] for r in failed_rows[0]]
     amp.remove()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compiled", ["eager", "blocks", "whole"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_zoo_fp8_gains_are_timed_as_each_layer_runs(monkeypatch, family, compiled):
+    """The zoo's GPT-2 (Conv1D) and Llama under policy="bf16+fp8": eager, every layer timed eagerly; each decoder
+    block compiled in place, the blocks' layers timed compiled and the output head beside them eagerly; compiled
+    whole, every layer compiled."""
+    quiet_torchao()
+    from adaptive_amp import AdaptiveMixedPrecision, zoo
+    from adaptive_amp.fp8 import eligibility, select
+    from adaptive_amp.recipes import find_blocks
+
+    monkeypatch.setattr(eligibility, "device_unsupported", lambda device=None: None)
+    timed = {}
+
+    def layer_times(module, shape, kinds, *, bf16=True, compiled=False, **kw):
+        timed.setdefault(compiled, []).append(tuple(shape))
+        return {"bf16": 1.0, **{k: 1.0 for k in kinds}}
+
+    monkeypatch.setattr(select, "layer_times", layer_times)
+    torch._dynamo.reset()
+    zm = zoo.build(family, "tiny", seed=0)
+    blocks = [b for _, b in find_blocks(zm.model)]
+    model = zm.model
+    if compiled == "blocks":
+        for block in blocks:
+            block.compile(backend="aot_eager")
+    elif compiled == "whole":
+        model = torch.compile(zm.model, backend="aot_eager")
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    batch = zm.make_batch(2, seed=0)
+    amp = AdaptiveMixedPrecision(model, opt, policy="bf16+fp8", progress=False,
+                                 fp8=dict(batches=[batch], run=lambda _, b: zm.loss(zm.model, b)))
+    eagerly = [r for r in amp.policy.reasons if "timed eagerly" in r]
+    amp.remove()
+    torch._dynamo.reset()
+    assert timed
+    if compiled == "eager":
+        assert set(timed) == {False} and not eagerly
+    elif compiled == "whole":
+        assert set(timed) == {True} and not eagerly
+    else:  # the blocks' layers compiled; the head, and it alone, eagerly
+        assert set(timed) == {True, False}
+        assert len(eagerly) == 1 and eagerly[0].startswith("layer lm_head: "), eagerly
