@@ -589,8 +589,10 @@ class AdaptiveMixedPrecision:
         collector = self._collector
         collector.take()  # nothing from forwards run outside this context
         watch = self._fp8_watch if self.adapt and self._stats_due() else None
+        if watch is not None and watch.settled:
+            watch = None  # (a later forward of the step, under gradient accumulation: the first one's rows serve)
         if watch is not None:
-            watch.armed = watch.due = True  # the fp8 layers keep their inputs for the guard (read after the step)
+            watch.armed = watch.due = True  # the fp8 layers keep a few rows of their inputs for the guard
         # A model compiled whole runs a statistics step with its blocks compiled instead (adaptive_amp.regional),
         # set up before the collector looks for the modules compiled on their own.
         with self._regional.step() if collect else contextlib.nullcontext():
@@ -605,6 +607,8 @@ class AdaptiveMixedPrecision:
                 collector.stop()
                 if watch is not None:
                     watch.armed = False
+        if watch is not None and not self._removed:
+            watch.settle()  # (now, not after the step: the copies would be held through the backward, its peak)
         if not collect or self._removed:
             return  # (removed inside the block: its hooks and records went with it)
         outputs, inputs = collector.stats()  # rows in forward order; eager layers were measured as they ran

@@ -290,7 +290,8 @@ def test_fp8_layers_of_a_zoo_llama_train_on_the_gpu(compiled):
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_the_guard_keeps_a_copy_of_a_few_rows_of_each_fp8_input_in_zoo_models(fp8_here, family, compiled):
     """At a statistics step each fp8 layer (transformers' Conv1D and nn.Linear) keeps its own copy of at most
-    max_rows rows, not a view holding the whole input (with checkpointing, every block's activations)."""
+    max_rows rows, not a view holding the whole input (with checkpointing, every block's activations), and the
+    copies become the guard's rows as the forward ends: none is held through the backward."""
     from adaptive_amp import AdaptiveMixedPrecision, zoo
     from adaptive_amp.fp8.training import _KEPT
 
@@ -303,16 +304,55 @@ def test_the_guard_keeps_a_copy_of_a_few_rows_of_each_fp8_input_in_zoo_models(fp
     watched = {n: watched[n] for n in amp.adjuster.layer_kinds}
     assert watched and all(".mlp." in n for n in watched)
     amp._fp8_watch.max_rows = 3
-    amp._fp8_watch.armed = True
     model = torch.compile(zm.model, backend="aot_eager") if compiled else zm.model
+    assert amp._stats_due()
     with torch.no_grad(), amp.autocast():
         zm.loss(model, zm.make_batch(4, seed=0))
-    for name, module in watched.items():
-        kept = module.__dict__[_KEPT]
-        assert kept.shape[0] == 3 and kept.untyped_storage().nbytes() == kept.numel() * kept.element_size(), name
-    amp._fp8_watch.armed = False
+        for name, module in watched.items():
+            kept = module.__dict__[_KEPT]
+            assert kept.shape[0] == 3 and kept.untyped_storage().nbytes() == kept.numel() * kept.element_size(), name
+    assert not any(_KEPT in m.__dict__ for m in watched.values()) and amp._fp8_watch.settled
+    assert [r["name"] for r in amp._fp8_watch.read()] == list(watched)
     amp.remove()
     torch._dynamo.reset()
+
+
+def test_under_gradient_accumulation_the_first_forward_of_a_statistics_step_feeds_the_guard(fp8_here):
+    """A statistics step of two micro-batches: the first forward's fp8 inputs become the guard's rows as it ends,
+    the second captures nothing, and the step's guard reads the first's rows."""
+    from adaptive_amp import AdaptiveMixedPrecision, zoo
+    from adaptive_amp.fp8.guard import fp8_layer_row
+    from adaptive_amp.fp8.training import _KEPT
+
+    zm = zoo.build("llama", "tiny", seed=0)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise",
+                                 progress=False, stats_every=2)
+    layers = {n: m for n, m in zm.model.named_modules() if n in amp.adjuster.layer_kinds}
+    seen, kept = {}, []
+    for name, module in layers.items():
+        module.register_forward_pre_hook(lambda m, args, name=name: seen.setdefault(name, args[0].detach().clone()))
+        module.register_forward_hook(lambda m, args, out: kept.append(_KEPT in m.__dict__))
+    for step in range(3):  # statistics at steps 0 and 2
+        seen.clear()
+        kept.clear()
+        for seed in (step, step + 10):
+            with amp.autocast():
+                loss = zm.loss(zm.model, zm.make_batch(4, seed=seed))
+            if step == 0 and seed == 0:
+                first = {n: fp8_layer_row(n, layers[n], seen[n].reshape(-1, seen[n].shape[-1])[:1024])
+                         for n in layers}
+            assert not any(_KEPT in m.__dict__ for m in layers.values())  # (none held into the backward)
+            amp.backward(loss / 2)
+        amp.step()
+        amp.zero_grad()
+        # (the statistics step's first forward: a copy from each layer's hook on; none in the second, nor in an
+        # ordinary step)
+        assert kept == ([True] * len(layers) + [False] * len(layers) if step % 2 == 0 else [False] * 2 * len(layers))
+        if step == 0:
+            assert [r["amax"] for r in amp._fp8_watch.rows] == [first[n]["amax"] for n in layers]
+    assert not amp._fp8_watch.settled
+    amp.remove()
 
 
 def test_a_resumed_run_keeps_the_guards_demotions_and_back_off(fp8_here, tmp_path):
@@ -462,9 +502,10 @@ def test_a_compiled_model_has_its_fp8_gains_timed_compiled(monkeypatch):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_step_that_ran_out_of_memory_leaves_no_fp8_inputs_behind(fp8_here, family, compiled):
-    """A statistics step whose backward ran out of memory: the inputs its fp8 layers (transformers' Conv1D and
-    nn.Linear) captured for the guard are dropped (memory held where it is short), and the step run again
-    captures and reads its own, and records its own layer statistics, not the failed attempt's."""
+    """A statistics step whose backward ran out of memory: its fp8 layers' (transformers' Conv1D and nn.Linear)
+    inputs, turned into the guard's rows as the forward ended, hold no copy during the backward, the rows are
+    dropped, and the step run again captures and reads its own, and records its own layer statistics, not the
+    failed attempt's."""
     from adaptive_amp import AdaptiveMixedPrecision, zoo
     from adaptive_amp.fp8.training import _KEPT
 
@@ -475,10 +516,11 @@ def test_a_step_that_ran_out_of_memory_leaves_no_fp8_inputs_behind(fp8_here, fam
                                  progress=False, stats_every=1, read_every=1)
     model = torch.compile(zm.model, backend="aot_eager") if compiled else zm.model
     fp8_layers = [m for n, m in zm.model.named_modules() if n in amp.adjuster.layer_kinds]
-    captured, failed_rows = [], []
+    captured, failed_rows, failed_fp8_rows = [], [], []
 
     def before():  # what the forward captured and recorded, when backward fails
-        captured.append(all(_KEPT in m.__dict__ for m in fp8_layers))
+        captured.append(amp._fp8_watch.settled and not any(_KEPT in m.__dict__ for m in fp8_layers))
+        failed_fp8_rows.extend(amp._fp8_watch._settled)
         failed_rows.extend(st.rows(sort_by=None) for s, kind, st in amp.monitor._pending_stats
                            if s == 0 and kind == "activation")
     oom, failed = out_of_memory_in_first_backward(before)
@@ -488,8 +530,10 @@ def test_a_step_that_ran_out_of_memory_leaves_no_fp8_inputs_behind(fp8_here, fam
         amp.train_step(lambda: oom(zm.loss(model, batches[failed()])))
     assert captured == [True] and fp8_layers and len(failed_rows) == 1
     assert not any(_KEPT in m.__dict__ for m in fp8_layers) and not amp._fp8_watch.due
+    assert not amp._fp8_watch.settled
     amp.train_step(lambda: oom(zm.loss(model, batches[failed()])))
     assert len(amp._fp8_watch.rows) == len(fp8_layers) and amp.step_count == 1
+    assert [r["amax"] for r in amp._fp8_watch.rows] != [r["amax"] for r in failed_fp8_rows]
     amp.monitor.read()
     activation = [ls for ls in amp.monitor.layer_stats if ls.kind == "activation"]
     assert [ls.step for ls in activation] == [0]

@@ -12,10 +12,12 @@ once, on the tuning's batches and loss function.
 
 :class:`Fp8Watch` is the controller's eye on its fp8 layers: armed at a
 statistics step, a forward pre-hook on each keeps a copy of at most
-``max_rows`` rows of its input; after the step :meth:`Fp8Watch.observe`
+``max_rows`` rows of its input; as the forward ends :meth:`Fp8Watch.settle`
 turns them into the guard's rows (:func:`~adaptive_amp.fp8.guard.fp8_layer_row`:
-cast statistics and the output error against a float32 recompute) and hands
-them to :class:`~adaptive_amp.fp8.guard.Fp8Guard`. A layer the guard demotes
+cast statistics and the output error against a float32 recompute) and frees
+the copies before the backward, where a step peaks; after the step
+:meth:`Fp8Watch.observe` hands the rows to
+:class:`~adaptive_amp.fp8.guard.Fp8Guard`. A layer the guard demotes
 stays watched (its rows say what fp8 would do), so that it can come back.
 :func:`policy_after` is the policy change each of the guard's events asks for,
 through the map: ``fp8_demote`` moves the layer to ``"bf16"``,
@@ -190,7 +192,8 @@ class Fp8Watch:
         self.kinds: Dict[str, str] = {}  # layer -> the fp8 kind it runs in, or returns to once restored
         self.rows: List[dict] = []  # the last statistics step's rows
         self.armed = False
-        self.due = False  # armed since the last observe(): the fp8 layers may hold inputs to read
+        self.due = False  # armed since the last settle(): the fp8 layers may hold inputs to read
+        self._settled: Optional[List[dict]] = None  # the rows settle() made, until read() takes them
         self._hooks = OwnedHandles(self)
         self._modules: Dict[str, "weakref.ref[nn.Module]"] = {}
 
@@ -217,13 +220,20 @@ class Fp8Watch:
         """The guard's events from the inputs captured since the last call (none: no events)."""
         return self.decide(step, self.read())
 
-    def read(self) -> Optional[List[dict]]:
-        """The rows of the inputs captured since the last call, in the order of :attr:`kinds`; None when nothing
-        was armed since (every step asks; only a statistics step has anything to read). Under FSDP2 each layer's
-        whole weight is gathered for its recompute, on every rank for every watched layer (a collective: a
-        statistics step is one on every rank)."""
+    @property
+    def settled(self) -> bool:
+        """Whether rows wait to be read: a forward of this step has settled its inputs (under gradient
+        accumulation, the later forwards of the step need not capture again)."""
+        return self._settled is not None
+
+    def settle(self) -> None:
+        """Turn the inputs captured since the last call into rows now and free their copies: called as a
+        forward ends, so that no copy is held through the backward, where a training step peaks (1024 rows of
+        every matmul's input of a Llama-3-8B take 2.4 GiB in bf16). The rows wait for :meth:`read`; a later settle replaces
+        them. Under FSDP2 each layer's whole weight is gathered for its recompute, on every rank for every
+        watched layer (a collective: a statistics step's forward is one on every rank)."""
         if not self.due:
-            return None
+            return
         self.due = False
         rows = []
         for name, kind in self.kinds.items():
@@ -234,12 +244,22 @@ class Fp8Watch:
             layer = gathered_layer(module) if self.error else module
             if x is not None:
                 rows.append(fp8_layer_row(name, layer, x, kind, error=self.error))
+        self._settled = rows
+
+    def read(self) -> Optional[List[dict]]:
+        """The rows of the inputs captured since the last call (settled as the forward ended, or now), in the
+        order of :attr:`kinds`; None when nothing was armed since (every step asks; only a statistics step has
+        anything to read)."""
+        self.settle()
+        rows, self._settled = self._settled, None
         return rows
 
     def drop(self) -> None:
-        """Forget the inputs captured since the last read: a step that failed and runs again captures its own
-        (the copies of the failed attempt would otherwise stay on the modules, memory held where it is short)."""
+        """Forget the inputs captured and the rows settled since the last read: a step that failed and runs
+        again captures its own (the copies of the failed attempt would otherwise stay on the modules, memory
+        held where it is short)."""
         self.due = False
+        self._settled = None
         for ref in self._modules.values():
             module = ref()
             if module is not None:
