@@ -325,6 +325,11 @@ def test_captured_inputs_are_shared_by_layers_reading_one_tensor_and_kept_in_the
         assert kept.inputs[attn + "q_proj"][k] is kept.inputs[attn + "k_proj"][k] is kept.inputs[attn + "v_proj"][k]
         assert kept.inputs[attn + "q_proj"][k] is not kept.inputs[attn + "o_proj"][k]
     assert all(x.dtype == torch.bfloat16 for xs in kept.inputs.values() for x in xs)
+    # Which layers read one tensor, with or without a bound on the rows kept.
+    mlp = "model.layers.0.mlp."
+    expected = {attn + "k_proj": attn + "q_proj", attn + "v_proj": attn + "q_proj", mlp + "up_proj": mlp + "gate_proj"}
+    assert {k: v for k, v in kept.shared.items() if k.startswith("model.layers.0.")} == expected
+    assert fp8.capture_inputs(zm.model, layers, batches[:1]).shared == kept.shared == wide.shared
     assert all(torch.equal(a.to(torch.bfloat16), b) for name in wide.inputs
                for a, b in zip(wide.inputs[name], kept.inputs[name]))
     # A tensor written in place between two layers is copied again.
@@ -337,6 +342,7 @@ def test_captured_inputs_are_shared_by_layers_reading_one_tensor_and_kept_in_the
     seen = fp8.capture_inputs(nn.Sequential(first, second), {"0": first, "1": second}, [torch.ones(2, 8)], run,
                               max_tokens=4)
     assert torch.equal(seen.inputs["0"][0], torch.ones(2, 8)) and torch.equal(seen.inputs["1"][0], torch.ones(2, 8) * 10)
+    assert seen.shared == {}
     # Two layers reading one tensor, the second with more room left: it gets the rows the first had no room for.
     x = torch.arange(32.0).reshape(4, 8)
     calls = iter([["0"], ["0", "1"]])
@@ -414,6 +420,44 @@ def test_selection_puts_layers_that_gain_and_tolerate_fp8_in_it_each_with_its_re
                         r"errors [0-9.]+ s\)", measured.reasons[-1]), measured.reasons[-1]
 
 
+def test_layers_reading_one_input_join_those_of_them_in_fp8_when_not_slower():
+    """A block's query projection gains; its key and value projections (smaller) gain too little to pay on
+    their own, and join it in fp8 when not slower (so that a compiled backward keeps their input once, not in
+    bf16 and in fp8); slower, or where none of them gains, they stay."""
+    from adaptive_amp import zoo
+
+    quiet_torchao()
+    zm = zoo.build("llama", "tiny", seed=0)
+    batches = [zm.make_batch(2, seed=0)]
+    attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    n_q = zm.model.get_submodule(attn + "q_proj").out_features
+
+    def select(kv_gain, up_gain=1.02):
+        def gain_fn(layer, shape, kind):
+            if layer.out_features == layer.in_features == n_q:  # the query and output projections
+                return 1.2
+            if layer.in_features == n_q and layer.out_features < n_q:  # key and value
+                return kv_gain
+            return up_gain if layer.in_features == n_q else 1.0  # gate and up; down (and the head)
+        return fp8.select_fp8_layers(zm.model, batches, run=zm.loss, gain_fn=gain_fn)
+
+    choices = select(kv_gain=1.02)
+    for name in ("k_proj", "v_proj"):
+        choice = choices[attn + name]
+        assert choice.kind == "fp8-tensorwise", choice
+        assert choice.reason.startswith("gains 1.02x, error ") and choice.reason.endswith(
+            f"in fp8 with {attn}q_proj, which takes the same input, so that a compiled backward keeps it once")
+    assert choices[attn + "o_proj"].kind == "fp8-tensorwise"
+    # gate and up gain too little, and none of their input's layers is in fp8: both stay
+    assert choices[mlp + "gate_proj"].kind is choices[mlp + "up_proj"].kind is None
+    slower = select(kv_gain=0.98)
+    assert slower[attn + "k_proj"].kind is None and "too small to gain (0.98x < 1.05x" in slower[attn + "k_proj"].reason
+    # the error bound still holds for a layer that would join
+    strict = fp8.select_fp8_layers(zm.model, batches, run=zm.loss, gain_fn=lambda layer, shape, kind: 1.2 if
+                                   layer.out_features == n_q else 1.02, max_error=1e-3)
+    assert all(c.kind is None for c in strict.values())
+
+
 def test_selection_tries_the_finer_recipe_only_where_the_coarser_errs_too_much():
     model = _tiny_mlp()
     # Rows of very different sizes: one scale per tensor rounds the small rows' gradients coarsely (e5m2 in the
@@ -473,7 +517,10 @@ def test_selection_times_a_shapes_bf16_baseline_once(monkeypatch):
 
     run = lambda m, b: (m[0](b), m[1](b))  # noqa: E731
     assert measure_fp8_map(model, [torch.randn(32, 64)], run=run).saved_ms == 1.5
-    assert measure_fp8_map(model, [torch.randn(32, 64)], run=run, min_gain=1.3).saved_ms == 1.0
+    apart = lambda m, b: (m[0](b), m[1](b * 2))  # noqa: E731  (each layer its own input)
+    assert measure_fp8_map(model, [torch.randn(32, 64)], run=apart, min_gain=1.3).saved_ms == 1.0
+    # On one input, the layer gaining 1.2x < 1.3x joins the other in fp8.
+    assert measure_fp8_map(model, [torch.randn(32, 64)], run=run, min_gain=1.3).saved_ms == 1.5
     assert measure_fp8_map(model, [torch.randn(32, 64)], run=run, gain_fn=lambda *a: 1.5).saved_ms is None
 
 

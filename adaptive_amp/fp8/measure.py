@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -39,11 +39,14 @@ def _call(model: nn.Module, batch: Any):
 
 @dataclass
 class Captured:
-    """What :func:`capture_inputs` saw: each layer's inputs (at most `max_tokens` rows of them all together) and
-    the full shape of each input (what the layer's timing runs at)."""
+    """What :func:`capture_inputs` saw: each layer's inputs (at most `max_tokens` rows of them all together),
+    the full shape of each input (what the layer's timing runs at), and `shared`: each layer called on the same,
+    unchanged tensor as the layer called just before it (a block's key and value projections after its query's,
+    an MLP's up projection after its gate's), mapped to the first layer called on it."""
 
     inputs: Dict[str, List[torch.Tensor]]
     shapes: Dict[str, List[Tuple[int, ...]]]
+    shared: Dict[str, str] = field(default_factory=dict)
 
 
 def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iterable[Any],
@@ -67,8 +70,8 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
     run = run or _call
     out = Captured({}, {})
     # The last input seen (held, so that `is` cannot meet a recycled one), its version (a tensor written in place
-    # between two layers is copied again), and its copy.
-    last: List[Any] = [None, None, None]
+    # between two layers is another input), its copy (with max_tokens), and the first layer called on it.
+    last: List[Any] = [None, None, None, None]
     rows: Dict[str, int] = {}  # rows kept of each layer's inputs so far
 
     def hook_for(name):
@@ -76,16 +79,21 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
             if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
                 x = args[0].detach()
                 out.shapes.setdefault(name, []).append(tuple(x.shape))
+                same = last[0] is args[0] and last[1] == args[0]._version
+                if same:
+                    out.shared.setdefault(name, last[3])
+                else:
+                    last[:] = [args[0], args[0]._version, None, name]
                 if max_tokens is not None:
                     room = max_tokens - rows.get(name, 0)
                     if room <= 0:
                         return
                     flat = x.reshape(-1, x.shape[-1])
                     room = min(room, flat.shape[0])
-                    if last[0] is not args[0] or last[1] != args[0]._version or last[2].shape[0] < room:
+                    if last[2] is None or last[2].shape[0] < room:
                         kept = flat[:room]
                         wider = dtype is not None and kept.dtype.itemsize > dtype.itemsize
-                        last[:] = [args[0], args[0]._version, kept.to(dtype) if wider else kept.clone()]
+                        last[2] = kept.to(dtype) if wider else kept.clone()
                     x = last[2] if last[2].shape[0] == room else last[2][:room]
                     rows[name] = rows.get(name, 0) + x.shape[0]
                 out.inputs.setdefault(name, []).append(x)
