@@ -184,10 +184,10 @@ class AdaptiveMixedPrecision:
             to diagnose it). In an eager model each layer is measured as it
             runs (one launch per layer), so a statistics step keeps no
             activation alive; a compiled graph measures them the same way
-            inside it. With fp8 layers a statistics step also keeps 1024
-            rows of each fp8 layer's input for the guard until the step
-            ends (an 8B Llama on an H200: 0.8% above an ordinary step's
-            peak; bench/RESULTS.md): size a batch on a run that has one.
+            inside it. With fp8 layers a statistics step also copies 1024
+            rows of each fp8 layer's input for the guard, turned into its
+            statistics as the forward ends (none is held through the
+            backward, where a step peaks).
         track_grad_norm: without loss scaling or clipping, measure the
             gradient norm every step anyway (no sync), for the monitor's
             gradient-norm detector. adaptive_amp.optim's optimizers measure

@@ -177,9 +177,10 @@ class Fp8Watch:
     Args:
         guard: the Fp8Guard deciding (default: one with its defaults).
         max_rows: rows (tokens) of each input the rows are computed from (1024), copied at a statistics step:
-            a view would keep the whole input alive until the step ends, with it the activations that
+            a view would keep the whole input alive until the forward ends, with it the activations that
             checkpointing frees (on a Llama-3-8B shape at 8 x 2048 tokens with checkpointed blocks, about 26
-            GiB); 1024 rows of each fp8 layer's input there take 2.3 GiB.
+            GiB); 1024 rows of each fp8 layer's input there take 2.3 GiB, freed as the forward ends
+            (:meth:`settle`).
         error: measure each layer's output error against a float32 recompute (one extra matmul pair a
             layer at a statistics step).
     """
