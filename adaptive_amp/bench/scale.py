@@ -277,10 +277,11 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
 
 
 #: Steps between statistics steps in a batch search's tries: every step, so that each try's peak is a statistics
-#: step's with the optimizer's state (every step after the search's first). With fp8 layers such a step keeps rows
-#: of each fp8 input for the guard (bench/RESULTS.md, "Statistics steps and the peak"); a run's first statistics
-#: step, its first step, comes before that state, and the next after --stats-every steps (200 by default). A
-#: torchrun's try then compiles the statistics graph alone.
+#: step's with the optimizer's state (every step after the search's first). Such a step measures every layer, in a
+#: compiled graph of its own, and with fp8 layers copies rows of each fp8 input for the guard; on a Llama-3-8B it
+#: peaks as an ordinary step (bench/RESULTS.md, "Statistics steps and the peak"), on a model whose statistics graph
+#: saves more for the backward higher. A run's first statistics step, its first step, comes before that state, and
+#: the next after --stats-every steps (200 by default). A torchrun's try then compiles the statistics graph alone.
 SEARCH_STATS_EVERY = 1
 
 
@@ -815,8 +816,8 @@ def verdict(report: dict) -> List[str]:
     cadence = ours.get("stats_every")
     if cadence and ours.get("peak_gib") is not None and ours["steps"] <= cadence:
         lines.append(f"Peaks: ours ran {ours['steps']} steps, none of them a statistics step after the optimizer's "
-                     f"state existed (one every {cadence} steps, --stats-every), where fp8 layers keep rows of their "
-                     "inputs for the guard: over a longer run its peak memory can be higher.")
+                     f"state existed (one every {cadence} steps, --stats-every), which measures every layer: its "
+                     "peak memory leaves them out.")
     if torchao_best is not None:
         ratio = ours["steady_tokens_per_s"] / torchao_best["steady_tokens_per_s"]
         # (A sharded tensorwise run with --float8-all-gather off is not torchao's recipe as advised: named.)
