@@ -588,9 +588,11 @@ class AdaptiveMixedPrecision:
         collect = self._activations_due() and not self._collected_activations
         collector = self._collector
         collector.take()  # nothing from forwards run outside this context
-        watch = self._fp8_watch if self.adapt and self._stats_due() else None
-        if watch is not None and watch.settled:
-            watch = None  # (a later forward of the step, under gradient accumulation: the first one's rows serve)
+        # The fp8 guard reads a training forward's inputs: not an evaluation's (no gradients) at a statistics step,
+        # nor a later forward of the step (gradient accumulation), whose first forward's rows serve.
+        watch = self._fp8_watch if self.adapt and self._stats_due() and torch.is_grad_enabled() else None
+        if watch is not None and watch.settled_at == self._step:
+            watch = None
         if watch is not None:
             watch.armed = watch.due = True  # the fp8 layers keep a few rows of their inputs for the guard
         # A model compiled whole runs a statistics step with its blocks compiled instead (adaptive_amp.regional),
@@ -608,7 +610,7 @@ class AdaptiveMixedPrecision:
                 if watch is not None:
                     watch.armed = False
         if watch is not None and not self._removed:
-            watch.settle()  # (now, not after the step: the copies would be held through the backward, its peak)
+            watch.settle(self._step)  # (as the forward ends: no copy is held through the backward, its peak)
         if not collect or self._removed:
             return  # (removed inside the block: its hooks and records went with it)
         outputs, inputs = collector.stats()  # rows in forward order; eager layers were measured as they ran
@@ -1248,6 +1250,7 @@ class AdaptiveMixedPrecision:
                 self._owned.add(self._fp8_watch)
             self._fp8_watch.guard, self._fp8_watch.kinds = fp8_state[0], fp8_state[1]
         if self._fp8_watch is not None:
+            self._fp8_watch.drop()  # (rows of a forward before the load were made under the old kinds)
             self._fp8_watch.sync(self.adjuster)
         self.events, self.policy_history = parsed["events"], parsed["policy_history"]
         self._step = parsed["step"]

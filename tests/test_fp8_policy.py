@@ -306,12 +306,12 @@ def test_the_guard_keeps_a_copy_of_a_few_rows_of_each_fp8_input_in_zoo_models(fp
     amp._fp8_watch.max_rows = 3
     model = torch.compile(zm.model, backend="aot_eager") if compiled else zm.model
     assert amp._stats_due()
-    with torch.no_grad(), amp.autocast():
+    with amp.autocast():
         zm.loss(model, zm.make_batch(4, seed=0))
         for name, module in watched.items():
             kept = module.__dict__[_KEPT]
             assert kept.shape[0] == 3 and kept.untyped_storage().nbytes() == kept.numel() * kept.element_size(), name
-    assert not any(_KEPT in m.__dict__ for m in watched.values()) and amp._fp8_watch.settled
+    assert not any(_KEPT in m.__dict__ for m in watched.values()) and amp._fp8_watch.settled_at == 0
     assert [r["name"] for r in amp._fp8_watch.read()] == list(watched)
     amp.remove()
     torch._dynamo.reset()
@@ -351,7 +351,56 @@ def test_under_gradient_accumulation_the_first_forward_of_a_statistics_step_feed
         assert kept == ([True] * len(layers) + [False] * len(layers) if step % 2 == 0 else [False] * 2 * len(layers))
         if step == 0:
             assert [r["amax"] for r in amp._fp8_watch.rows] == [first[n]["amax"] for n in layers]
-    assert not amp._fp8_watch.settled
+    assert amp._fp8_watch.settled_at is None
+    amp.remove()
+
+
+def test_the_guard_reads_a_training_forward_not_an_evaluation_or_a_forward_without_fp8_layers(fp8_here):
+    """At a statistics step, an evaluation (no gradients) in amp.autocast() and a forward that calls no fp8 layer
+    (another model's) leave the guard to the training forward that follows; rows the step's guard did not read
+    (adapt turned off) are not taken for the next statistics step's."""
+    from adaptive_amp import AdaptiveMixedPrecision, zoo
+    from adaptive_amp.fp8.guard import fp8_layer_row
+
+    zm = zoo.build("llama", "tiny", seed=0)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise",
+                                 progress=False, stats_every=2)
+    layers = {n: m for n, m in zm.model.named_modules() if n in amp.adjuster.layer_kinds}
+    seen = {}
+    for name, module in layers.items():
+        module.register_forward_pre_hook(lambda m, args, name=name: seen.__setitem__(name, args[0].detach().clone()))
+    other = nn.Linear(4, 4)
+
+    def train(seed):
+        with amp.autocast():
+            loss = zm.loss(zm.model, zm.make_batch(4, seed=seed))
+        expected = {n: fp8_layer_row(n, layers[n], seen[n].reshape(-1, seen[n].shape[-1])[:1024])["amax"]
+                    for n in layers}
+        amp.backward(loss)
+        amp.step()
+        amp.zero_grad()
+        return expected
+    with torch.no_grad(), amp.autocast():
+        zm.loss(zm.model, zm.make_batch(4, seed=5))  # evaluation
+    with amp.autocast():
+        other(torch.randn(2, 4))  # no fp8 layer called
+    assert amp._fp8_watch.settled_at is None
+    expected = train(seed=1)
+    assert [r["amax"] for r in amp._fp8_watch.rows] == [expected[n] for n in layers]
+    train(seed=2)
+    with amp.autocast():  # step 2, a statistics step whose rows no guard reads (adaptation turned off meanwhile)
+        loss = zm.loss(zm.model, zm.make_batch(4, seed=3))
+    assert amp._fp8_watch.settled_at == 2
+    amp.adapt = False
+    amp.backward(loss)
+    amp.step()
+    amp.zero_grad()
+    train(seed=3)
+    assert amp._fp8_watch.settled_at == 2
+    amp.adapt = True
+    expected = train(seed=4)
+    assert [r["amax"] for r in amp._fp8_watch.rows] == [expected[n] for n in layers]
     amp.remove()
 
 
@@ -519,8 +568,8 @@ def test_a_step_that_ran_out_of_memory_leaves_no_fp8_inputs_behind(fp8_here, fam
     captured, failed_rows, failed_fp8_rows = [], [], []
 
     def before():  # what the forward captured and recorded, when backward fails
-        captured.append(amp._fp8_watch.settled and not any(_KEPT in m.__dict__ for m in fp8_layers))
-        failed_fp8_rows.extend(amp._fp8_watch._settled)
+        captured.append(amp._fp8_watch.settled_at == 0 and not any(_KEPT in m.__dict__ for m in fp8_layers))
+        failed_fp8_rows.extend(amp._fp8_watch._settled[1])
         failed_rows.extend(st.rows(sort_by=None) for s, kind, st in amp.monitor._pending_stats
                            if s == 0 and kind == "activation")
     oom, failed = out_of_memory_in_first_backward(before)
@@ -530,7 +579,7 @@ def test_a_step_that_ran_out_of_memory_leaves_no_fp8_inputs_behind(fp8_here, fam
         amp.train_step(lambda: oom(zm.loss(model, batches[failed()])))
     assert captured == [True] and fp8_layers and len(failed_rows) == 1
     assert not any(_KEPT in m.__dict__ for m in fp8_layers) and not amp._fp8_watch.due
-    assert not amp._fp8_watch.settled
+    assert amp._fp8_watch.settled_at is None
     amp.train_step(lambda: oom(zm.loss(model, batches[failed()])))
     assert len(amp._fp8_watch.rows) == len(fp8_layers) and amp.step_count == 1
     assert [r["amax"] for r in amp._fp8_watch.rows] != [r["amax"] for r in failed_fp8_rows]

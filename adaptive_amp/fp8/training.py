@@ -179,7 +179,7 @@ class Fp8Watch:
         max_rows: rows (tokens) of each input the rows are computed from (1024), copied at a statistics step:
             a view would keep the whole input alive until the forward ends, with it the activations that
             checkpointing frees (on a Llama-3-8B shape at 8 x 2048 tokens with checkpointed blocks, about 26
-            GiB); 1024 rows of each fp8 layer's input there take 2.3 GiB, freed as the forward ends
+            GiB); 1024 rows of each fp8 layer's input there take 2.4 GiB in bf16, freed as the forward ends
             (:meth:`settle`).
         error: measure each layer's output error against a float32 recompute (one extra matmul pair a
             layer at a statistics step).
@@ -194,7 +194,7 @@ class Fp8Watch:
         self.rows: List[dict] = []  # the last statistics step's rows
         self.armed = False
         self.due = False  # armed since the last settle(): the fp8 layers may hold inputs to read
-        self._settled: Optional[List[dict]] = None  # the rows settle() made, until read() takes them
+        self._settled: Optional[Tuple[Optional[int], List[dict]]] = None  # (step, rows) settle() made, until read
         self._hooks = OwnedHandles(self)
         self._modules: Dict[str, "weakref.ref[nn.Module]"] = {}
 
@@ -222,37 +222,34 @@ class Fp8Watch:
         return self.decide(step, self.read())
 
     @property
-    def settled(self) -> bool:
-        """Whether rows wait to be read: a forward of this step has settled its inputs (under gradient
-        accumulation, the later forwards of the step need not capture again)."""
-        return self._settled is not None
+    def settled_at(self) -> Optional[int]:
+        """The step whose forward settled the rows waiting to be read (None: none wait). Under gradient
+        accumulation the later forwards of that step need not capture again."""
+        return self._settled[0] if self._settled is not None else None
 
-    def settle(self) -> None:
+    def settle(self, step: Optional[int] = None) -> None:
         """Turn the inputs captured since the last call into rows now and free their copies: called as a
         forward ends, so that no copy is held through the backward, where a training step peaks (1024 rows of
-        every matmul's input of a Llama-3-8B take 2.4 GiB in bf16). The rows wait for :meth:`read`; a later settle replaces
-        them. Under FSDP2 each layer's whole weight is gathered for its recompute, on every rank for every
-        watched layer (a collective: a statistics step's forward is one on every rank)."""
+        every matmul's input of a Llama-3-8B take 2.4 GiB in bf16). The rows wait for :meth:`read`, dated
+        `step`; a later settle that captured anything replaces them, one that captured nothing (a forward that
+        called no fp8 layer) leaves them. Under FSDP2 each captured layer's whole weight is gathered for its
+        recompute (a collective: every rank's forward called the same layers)."""
         if not self.due:
             return
         self.due = False
-        rows = []
-        for name, kind in self.kinds.items():
-            module = self._modules[name]() if name in self._modules else None
-            if module is None:
-                continue
-            x = module.__dict__.pop(_KEPT, None)
-            layer = gathered_layer(module) if self.error else module
-            if x is not None:
-                rows.append(fp8_layer_row(name, layer, x, kind, error=self.error))
-        self._settled = rows
+        kept = {name: self._take(name) for name in self.kinds}  # (all taken first: none stays if a row fails)
+        rows = [fp8_layer_row(name, gathered_layer(module) if self.error else module, x, self.kinds[name],
+                              error=self.error)
+                for name, (module, x) in kept.items() if x is not None]
+        if rows:
+            self._settled = (step, rows)
 
     def read(self) -> Optional[List[dict]]:
         """The rows of the inputs captured since the last call (settled as the forward ended, or now), in the
         order of :attr:`kinds`; None when nothing was armed since (every step asks; only a statistics step has
         anything to read)."""
         self.settle()
-        rows, self._settled = self._settled, None
+        rows, self._settled = (self._settled[1] if self._settled is not None else None), None
         return rows
 
     def drop(self) -> None:
@@ -261,10 +258,13 @@ class Fp8Watch:
         held where it is short)."""
         self.due = False
         self._settled = None
-        for ref in self._modules.values():
-            module = ref()
-            if module is not None:
-                module.__dict__.pop(_KEPT, None)
+        for name in list(self._modules):
+            self._take(name)
+
+    def _take(self, name: str) -> Tuple[Optional[nn.Module], Optional[torch.Tensor]]:
+        """(the watched layer `name`, the copy it holds, removed from it); (None, None) when it is gone."""
+        module = self._modules[name]() if name in self._modules else None
+        return (module, module.__dict__.pop(_KEPT, None)) if module is not None else (None, None)
 
     def decide(self, step: int, rows: Optional[List[dict]]) -> List[Event]:
         """The guard's events from `rows` (:meth:`read`'s, or the same agreed over ranks)."""
@@ -284,7 +284,7 @@ class Fp8Watch:
         self._modules.clear()
 
 
-#: The attribute an fp8 layer keeps its input in from a statistics step's forward until the watch reads it.
+#: The attribute an fp8 layer keeps its input's copy in from a statistics step's forward until the watch settles it.
 _KEPT = "_fp8_watch_input"
 
 
