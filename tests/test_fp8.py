@@ -350,6 +350,12 @@ def test_captured_inputs_are_shared_by_layers_reading_one_tensor_and_kept_in_the
                               lambda m, b: [m[int(n)](b) for n in next(calls)], max_tokens=6)
     assert [t.shape[0] for t in both.inputs["0"]] == [4, 2] and [t.shape[0] for t in both.inputs["1"]] == [4]
     assert torch.equal(both.inputs["1"][0], x)
+    assert both.shared == {"1": "0"}  # (not "0" with itself: the second batch is the first one again)
+    with torch.inference_mode():  # (inference tensors have no version counter)
+        frozen = torch.ones(2, 8)
+    seen = fp8.capture_inputs(nn.Sequential(first, second), {"0": first, "1": second}, [frozen],
+                              lambda m, b: (m[0](b), m[1](b)))
+    assert seen.shared == {"1": "0"} and torch.equal(seen.inputs["1"][0], frozen)
     # What autocast's matmul reads anyway: the measured error is the same.
     layer = layers[attn + "q_proj"]
     assert fp8.layer_error(layer, wide.inputs[attn + "q_proj"]) == fp8.layer_error(layer, kept.inputs[attn + "q_proj"])
@@ -420,11 +426,13 @@ def test_selection_puts_layers_that_gain_and_tolerate_fp8_in_it_each_with_its_re
                         r"errors [0-9.]+ s\)", measured.reasons[-1]), measured.reasons[-1]
 
 
-def test_layers_reading_one_input_join_those_of_them_in_fp8_when_not_slower():
-    """A block's query projection gains; its key and value projections (smaller) gain too little to pay on
-    their own, and join it in fp8 when not slower (so that a compiled backward keeps their input once, not in
-    bf16 and in fp8); slower, or where none of them gains, they stay."""
+def test_layers_reading_one_input_join_those_of_them_in_fp8_when_not_slower(monkeypatch):
+    """A compiled block's query projection gains; its key and value projections (smaller) gain too little to pay
+    on their own, and join it in fp8 when not slower (so that a compiled backward keeps their input once, not in
+    bf16 and in fp8). Slower, eager (where torchao keeps the bf16 input anyway), erring too much, or where none of
+    their input's layers gains, they stay."""
     from adaptive_amp import zoo
+    from adaptive_amp.fp8 import select
 
     quiet_torchao()
     zm = zoo.build("llama", "tiny", seed=0)
@@ -432,30 +440,43 @@ def test_layers_reading_one_input_join_those_of_them_in_fp8_when_not_slower():
     attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
     n_q = zm.model.get_submodule(attn + "q_proj").out_features
 
-    def select(kv_gain, up_gain=1.02):
+    def select_with(kv_gain, **options):
         def gain_fn(layer, shape, kind):
             if layer.out_features == layer.in_features == n_q:  # the query and output projections
                 return 1.2
             if layer.in_features == n_q and layer.out_features < n_q:  # key and value
                 return kv_gain
-            return up_gain if layer.in_features == n_q else 1.0  # gate and up; down (and the head)
-        return fp8.select_fp8_layers(zm.model, batches, run=zm.loss, gain_fn=gain_fn)
+            return 1.02 if layer.in_features == n_q else 1.0  # gate and up; down (and the head)
+        return fp8.select_fp8_layers(zm.model, batches, run=zm.loss, gain_fn=gain_fn, **options)
 
-    choices = select(kv_gain=1.02)
+    choices = select_with(1.02, compiled=True)
     for name in ("k_proj", "v_proj"):
         choice = choices[attn + name]
         assert choice.kind == "fp8-tensorwise", choice
         assert choice.reason.startswith("gains 1.02x, error ") and choice.reason.endswith(
             f"in fp8 with {attn}q_proj, which takes the same input, so that a compiled backward keeps it once")
     assert choices[attn + "o_proj"].kind == "fp8-tensorwise"
-    # gate and up gain too little, and none of their input's layers is in fp8: both stay
+    # gate and up gain too little, and neither of their input's layers is in fp8: both stay
     assert choices[mlp + "gate_proj"].kind is choices[mlp + "up_proj"].kind is None
-    slower = select(kv_gain=0.98)
+    slower = select_with(0.98, compiled=True)
     assert slower[attn + "k_proj"].kind is None and "too small to gain (0.98x < 1.05x" in slower[attn + "k_proj"].reason
-    # the error bound still holds for a layer that would join
-    strict = fp8.select_fp8_layers(zm.model, batches, run=zm.loss, gain_fn=lambda layer, shape, kind: 1.2 if
-                                   layer.out_features == n_q else 1.02, max_error=1e-3)
-    assert all(c.kind is None for c in strict.values())
+    eager = select_with(1.02)
+    assert eager[attn + "q_proj"].kind == "fp8-tensorwise" and eager[attn + "k_proj"].kind is None
+    # a layer skipped for its error does not join, nor one that tolerates only a recipe its input's layers do not run
+    real_error = select.layer_error
+
+    def error(module, inputs, kind, **options):
+        err = real_error(module, inputs, kind, **options)
+        if module is zm.model.get_submodule(attn + "k_proj"):
+            return fp8.LayerError(*(1.0 for _ in range(3)), *(0.0 for _ in range(3)))
+        if module is zm.model.get_submodule(attn + "v_proj") and kind == "fp8-tensorwise":
+            return fp8.LayerError(*(1.0 for _ in range(3)), *(0.0 for _ in range(3)))
+        return err
+    monkeypatch.setattr(select, "layer_error", error)
+    erring = select_with(1.02, compiled=True)
+    assert erring[attn + "q_proj"].kind == "fp8-tensorwise"
+    assert erring[attn + "k_proj"].kind is None and erring[attn + "k_proj"].reason.startswith("skipped: error ")
+    assert erring[attn + "v_proj"].kind is None and "fp8-rowwise" in erring[attn + "v_proj"].gains
 
 
 def test_selection_tries_the_finer_recipe_only_where_the_coarser_errs_too_much():
@@ -517,10 +538,7 @@ def test_selection_times_a_shapes_bf16_baseline_once(monkeypatch):
 
     run = lambda m, b: (m[0](b), m[1](b))  # noqa: E731
     assert measure_fp8_map(model, [torch.randn(32, 64)], run=run).saved_ms == 1.5
-    apart = lambda m, b: (m[0](b), m[1](b * 2))  # noqa: E731  (each layer its own input)
-    assert measure_fp8_map(model, [torch.randn(32, 64)], run=apart, min_gain=1.3).saved_ms == 1.0
-    # On one input, the layer gaining 1.2x < 1.3x joins the other in fp8.
-    assert measure_fp8_map(model, [torch.randn(32, 64)], run=run, min_gain=1.3).saved_ms == 1.5
+    assert measure_fp8_map(model, [torch.randn(32, 64)], run=run, min_gain=1.3).saved_ms == 1.0
     assert measure_fp8_map(model, [torch.randn(32, 64)], run=run, gain_fn=lambda *a: 1.5).saved_ms is None
 
 

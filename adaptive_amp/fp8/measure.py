@@ -79,11 +79,12 @@ def capture_inputs(model: nn.Module, layers: Dict[str, nn.Module], batches: Iter
             if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
                 x = args[0].detach()
                 out.shapes.setdefault(name, []).append(tuple(x.shape))
-                same = last[0] is args[0] and last[1] == args[0]._version
-                if same:
+                version = None if args[0].is_inference() else args[0]._version  # (inference tensors have none)
+                same = last[0] is args[0] and last[1] == version
+                if same and last[3] != name:
                     out.shared.setdefault(name, last[3])
-                else:
-                    last[:] = [args[0], args[0]._version, None, name]
+                elif not same:
+                    last[:] = [args[0], version, None, name]
                 if max_tokens is not None:
                     room = max_tokens - rows.get(name, 0)
                     if room <= 0:

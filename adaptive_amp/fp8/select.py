@@ -23,10 +23,10 @@ against a baseline timed in an earlier call, not interleaved with it, which
 only a layer that errs too much in tensorwise meets.
 
 Layers called on one input (a block's query, key and value projections, an
-MLP's gate and up projections) go to fp8 together where they can: one that
-gains less than ``min_gain`` but is not slower in fp8 (and tolerates it)
-joins the others of its input in fp8, so that a compiled backward does not
-keep that input twice, in bf16 and in fp8.
+MLP's gate and up projections) go to fp8 together where they run compiled:
+one that gains less than ``min_gain`` but is not slower in fp8 (and
+tolerates it) joins those of its input in fp8 in the same recipe, so that a
+compiled backward does not keep that input twice, in bf16 and in fp8.
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
         :func:`~adaptive_amp.fp8.measure.capture_inputs`) and its error measured on them.
     kinds: the recipes to try, in order of preference (``"fp8-tensorwise"``, ``"fp8-rowwise"``): each layer
         is measured in a later one only where the earlier ones' error is above `max_error`.
-    min_gain: the smallest measured speed-up (bf16 ms / fp8 ms) that puts a layer in fp8 (default 1.05).
+    min_gain: the smallest measured speed-up (bf16 ms / fp8 ms) that puts a layer in fp8 (default 1.05); a
+        compiled layer not slower in fp8 (SHARED_MIN_GAIN) also goes there when a layer of its input does (see
+        the module's docs).
     max_error: the largest relative error of the output and of the input gradient against bf16 (default 0.1).
     dtype, warmup, iters, compiled: how the gain is timed (:func:`~adaptive_amp.fp8.measure.layer_gain`), at
         the largest input shape the layer saw. `compiled`: True or False for every layer, or ``(name) -> bool``
@@ -175,7 +177,7 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
         gain, saved_ms = gain_of(module, shape, kind, timed_compiled)
         gains = {kind: gain}
         if gain >= min_gain:
-            reason = f"gains {gain:.2f}x, error {errors[kind].worst:.1e} within {max_error:g}"
+            reason = _chosen(gain, errors[kind], max_error)
             choices[name] = LayerChoice(name, kind, reason, gains, errors, saved_ms)
             continue
         n_in, n_out = matmul_sizes(module)
@@ -186,7 +188,7 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
                   f"({gains[kind]:.2f}x < {min_gain:g}x in {kind}{eagerly})")
         choices[name] = LayerChoice(name, None, reason, gains, errors, saved_ms)
     if captured is not None:
-        _join_shared_inputs(choices, captured.shared, max_error)
+        _join_shared_inputs(choices, captured.shared, runs_compiled, max_error)
     if seconds is not None:
         seconds.update(spent, shapes=len(timed))
     return choices
@@ -197,29 +199,34 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
 SHARED_MIN_GAIN = 1.0
 
 
-def _join_shared_inputs(choices: Dict[str, LayerChoice], shared: Dict[str, str], max_error: float) -> None:
-    """Puts in fp8 a layer left in bf16 only for gaining too little (at least SHARED_MIN_GAIN, its error
-    tolerated) when a layer called on the same input runs in fp8. A compiled graph saves, for the backward, the
+def _join_shared_inputs(choices: Dict[str, LayerChoice], shared: Dict[str, str], runs_compiled: Callable[[str], bool],
+                        max_error: float) -> None:
+    """Puts in fp8 a compiled layer left in bf16 only for gaining too little (at least SHARED_MIN_GAIN) when a
+    layer called on the same input runs in the kind it tolerates. A compiled graph saves, for the backward, the
     fp8 layers' input in fp8 and the bf16 layers' in bf16: the same activation twice (a Llama-3-8B's decoder
     layer at 9 x 2048 tokens, its query projection in fp8 and its key and value projections in bf16: the
-    normalized input in bf16, 144 MiB, and in fp8, 72 MiB)."""
+    normalized input in bf16, 144 MiB, and in fp8, 72 MiB). Eagerly torchao's fp8 matmul saves its bf16 input
+    anyway: there is nothing to save."""
     groups: Dict[str, list] = {}
     for name, first in shared.items():
         groups.setdefault(first, [first]).append(name)
     for names in groups.values():
-        in_fp8 = [n for n in names if n in choices and choices[n].kind is not None]
-        if not in_fp8:
-            continue
+        in_fp8 = {choices[n].kind: n for n in reversed(names) if n in choices and choices[n].kind is not None}
         for name in names:
             choice = choices.get(name)
-            if choice is None or choice.kind is not None or not choice.gains or not choice.errors:
-                continue  # (chosen already, or skipped for its error or what it is: not for its gain)
-            kind, gain = next(iter(choice.gains.items()))
-            if gain < SHARED_MIN_GAIN or kind not in choice.errors or choice.errors[kind].worst > max_error:
+            # (a layer skipped for its error, or for what it is, has no gain: only one skipped for its gain joins)
+            if choice is None or choice.kind is not None or not choice.gains or not runs_compiled(name):
                 continue
-            reason = (f"gains {gain:.2f}x, error {choice.errors[kind].worst:.1e} within {max_error:g}; in fp8 with "
-                      f"{in_fp8[0]}, which takes the same input, so that a compiled backward keeps it once")
-            choices[name] = LayerChoice(name, kind, reason, choice.gains, choice.errors, choice.saved_ms)
+            kind, gain = next(iter(choice.gains.items()))
+            if gain >= SHARED_MIN_GAIN and kind in in_fp8:
+                reason = (f"{_chosen(gain, choice.errors[kind], max_error)}; in fp8 with {in_fp8[kind]}, which takes "
+                          "the same input, so that a compiled backward keeps it once")
+                choices[name] = LayerChoice(name, kind, reason, choice.gains, choice.errors, choice.saved_ms)
+
+
+def _chosen(gain: float, error: LayerError, max_error: float) -> str:
+    """The reason of a layer put in fp8: its gain and its error within the bound."""
+    return f"gains {gain:.2f}x, error {error.worst:.1e} within {max_error:g}"
 
 
 def _retyped(module: nn.Module, dtype: torch.dtype) -> nn.Module:
