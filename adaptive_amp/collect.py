@@ -69,7 +69,8 @@ then recomputes none of those uses in the backward but saves them. With
 the same effect of the fp8 guard's copies (adaptive_amp.fp8.training), a
 statistics step's graph saved 0.33 GiB more a decoder layer than the
 ordinary one's and peaked that much higher (an 8B Llama, 8 sequences of
-2048, fp8 MLPs, H200); 0.05 GiB, the guard's copies, with both mended.
+2048, fp8 MLPs, H200); measured at returns, and with the guard's copies
+made as below and freed as the forward ends, it peaks as an ordinary step.
 
 Blocks compiled one at a time (``block.compile()`` on each decoder layer,
 regional compilation) share one graph, as dynamo inlines modules and keeps
