@@ -187,7 +187,9 @@ class AdaptiveMixedPrecision:
             inside it. With fp8 layers a statistics step also copies 1024
             rows of each fp8 layer's input for the guard, turned into its
             statistics as the forward ends (none is held through the
-            backward, where a step peaks).
+            backward, where a step peaks). Both come from the step's first
+            forward with gradients: an evaluation in ``amp.autocast()`` under
+            ``torch.no_grad()`` is not measured.
         track_grad_norm: without loss scaling or clipping, measure the
             gradient norm every step anyway (no sync), for the monitor's
             gradient-norm detector. adaptive_amp.optim's optimizers measure
@@ -585,12 +587,14 @@ class AdaptiveMixedPrecision:
     def autocast(self):
         """The policy's autocast context; on statistics steps it also records each layer's input and
         output statistics (the inputs tell a layer that overflows from one that was handed infs)."""
-        collect = self._activations_due() and not self._collected_activations
+        # A statistics step's layer statistics and the fp8 guard's rows are a training forward's: not an
+        # evaluation's (no gradients) run at that step, nor a later forward of the step (gradient accumulation),
+        # whose first forward's serve.
+        training = torch.is_grad_enabled()
+        collect = training and self._activations_due() and not self._collected_activations
         collector = self._collector
         collector.take()  # nothing from forwards run outside this context
-        # The fp8 guard reads a training forward's inputs: not an evaluation's (no gradients) at a statistics step,
-        # nor a later forward of the step (gradient accumulation), whose first forward's rows serve.
-        watch = self._fp8_watch if self.adapt and self._stats_due() and torch.is_grad_enabled() else None
+        watch = self._fp8_watch if self.adapt and training and self._stats_due() else None
         if watch is not None and watch.settled_at == self._step:
             watch = None
         if watch is not None:

@@ -798,6 +798,26 @@ def test_statistics_steps_follow_stats_every_by_default_every_fourth_read_window
     assert sorted({ls.step for ls in amp.monitor.layer_stats if ls.kind == "gradient"}) == stats_at
 
 
+def test_an_evaluation_at_a_statistics_step_leaves_the_layer_statistics_to_the_training_forward():
+    """An evaluation (no gradients) in amp.autocast() at a statistics step: the step's layer statistics are its
+    training forward's, as in a run without the evaluation."""
+    def run(evaluate):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        amp = AdaptiveMixedPrecision(m, torch.optim.SGD(m.parameters(), lr=0.1), policy="float32", progress=False)
+        if evaluate:
+            with torch.no_grad(), amp.autocast():
+                m(torch.full((4, 8), 100.0))
+        with amp.autocast():
+            loss = m(torch.ones(4, 8)).pow(2).mean()
+        amp.backward(loss)
+        amp.step()
+        amp.monitor.read()
+        return [ls.rows for ls in amp.monitor.layer_stats if ls.kind == "activation"]
+    trained = run(evaluate=False)
+    assert len(trained) == 1 and run(evaluate=True) == trained
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"stats_every": 0}, "stats_every must be an int >= 1"),
     ({"stats_every": True}, "stats_every must be an int >= 1"),
