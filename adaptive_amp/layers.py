@@ -48,7 +48,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 def compiled_in_place(model: nn.Module) -> List[nn.Module]:
     """The modules of `model` compiled in place (``module.compile()``: each repeated block, or the whole model)."""
-    return [m for m in unwrap_model(model).modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    return [m for m in unwrap_model(model).modules() if _is_compiled_in_place(m)]
+
+
+def _is_compiled_in_place(module: nn.Module) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def compile_context(impl):
@@ -105,7 +109,7 @@ def compiled_parts(model: nn.Module) -> List[Tuple[str, nn.Module]]:
         return []
     return [(n, m._orig_mod if isinstance(m, eval_frame.OptimizedModule) else m)
             for n, m in unwrap_model(model).named_modules()
-            if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, eval_frame.OptimizedModule)]
+            if _is_compiled_in_place(m) or isinstance(m, eval_frame.OptimizedModule)]
 
 
 def compiled_layers(model: nn.Module) -> Union[bool, Callable[[str], bool]]:
