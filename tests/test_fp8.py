@@ -479,6 +479,36 @@ def test_layers_reading_one_input_join_those_of_them_in_fp8_when_not_slower(monk
     assert erring[attn + "v_proj"].kind is None and "fp8-rowwise" in erring[attn + "v_proj"].gains
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_layers_of_one_input_join_in_fp8_inside_blocks_compiled_in_place(family):
+    """The zoo's blocks compiled in place, each gain timed as its layer runs (adaptive_amp.layers.compiled_layers):
+    Llama's key and value projections join their query projection in fp8; GPT-2's fused Conv1D projections read
+    no input together; the head beside the blocks runs eagerly and joins nothing."""
+    from adaptive_amp import zoo
+    from adaptive_amp.layers import compiled_layers
+    from adaptive_amp.recipes import find_blocks
+
+    quiet_torchao()
+    torch._dynamo.reset()
+    zm = zoo.build(family, "tiny", seed=0)
+    for _, block in find_blocks(zm.model):
+        block.compile(backend="aot_eager")
+    n = zm.model.config.hidden_size
+    big = {"gpt2": (n, 3 * n), "llama": (n, n)}[family]  # GPT-2's fused projection; Llama's query and output ones
+
+    def gain_fn(layer, shape, kind):  # (those gain; every other layer too little)
+        return 1.2 if eligibility.matmul_sizes(layer) == big else 1.02
+    choices = fp8.select_fp8_layers(zm.model, [zm.make_batch(2, seed=0)], run=zm.loss, gain_fn=gain_fn,
+                                    compiled=compiled_layers(zm.model))
+    in_fp8 = sorted(n.split(".", 3)[-1] for n, c in choices.items() if c.kind is not None and ".0." in n)
+    expected = {"gpt2": ["attn.c_attn"],
+                "llama": ["self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]}
+    assert in_fp8 == expected[family]
+    head = next(c for n, c in choices.items() if n.endswith("lm_head"))
+    assert head.kind is None and "timed eagerly" in head.reason
+    torch._dynamo.reset()
+
+
 def test_selection_tries_the_finer_recipe_only_where_the_coarser_errs_too_much():
     model = _tiny_mlp()
     # Rows of very different sizes: one scale per tensor rounds the small rows' gradients coarsely (e5m2 in the

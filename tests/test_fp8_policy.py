@@ -404,6 +404,54 @@ def test_the_guard_reads_a_training_forward_not_an_evaluation_or_a_forward_witho
     amp.remove()
 
 
+def _step_zero(family, compiled, forwards):
+    """The fp8 guard's rows (amax) and the layer statistics of statistics step 0 of a zoo model with fp8 MLPs, where
+    ``forwards(amp, model, zm)`` runs the step's forwards and backwards."""
+    from adaptive_amp import AdaptiveMixedPrecision, zoo
+
+    torch._dynamo.reset()
+    zm = zoo.build(family, "tiny", seed=0)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise",
+                                 progress=False, stats_every=2)
+    model = torch.compile(zm.model, backend="aot_eager") if compiled else zm.model
+    forwards(amp, model, zm)
+    amp.step()
+    amp.monitor.read()
+    rows = [r["amax"] for r in amp._fp8_watch.rows]
+    stats = [ls.rows for ls in amp.monitor.layer_stats if ls.kind == "activation"]
+    amp.remove()
+    torch._dynamo.reset()
+    return rows, stats
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_statistics_step_measures_its_first_training_forward_in_zoo_models(fp8_here, family, compiled):
+    """transformers' GPT-2 (Conv1D) and Llama, eager and compiled: an evaluation (no gradients) or a forward calling
+    no fp8 layer before the training forward, or a second micro-batch after it, leave the step's fp8 guard rows
+    and layer statistics as the training forward alone gives them."""
+    def train(amp, model, zm, seed=1):
+        with amp.autocast():
+            loss = zm.loss(model, zm.make_batch(4, seed=seed))
+        amp.backward(loss)
+
+    def evaluate_first(amp, model, zm):
+        with torch.no_grad(), amp.autocast():
+            zm.loss(model, zm.make_batch(4, seed=5))
+        with amp.autocast():
+            nn.Linear(4, 4)(torch.randn(2, 4))
+        train(amp, model, zm)
+
+    def accumulate(amp, model, zm):
+        train(amp, model, zm)
+        train(amp, model, zm, seed=2)
+    alone = _step_zero(family, compiled, train)
+    assert alone[0] and alone[1]
+    assert _step_zero(family, compiled, evaluate_first) == alone
+    assert _step_zero(family, compiled, accumulate) == alone
+
+
 def test_a_resumed_run_keeps_the_guards_demotions_and_back_off(fp8_here, tmp_path):
     """A checkpoint taken while a layer is demoted: the resumed run holds it in bf16 and brings it back at the
     step the uninterrupted run does, with the same back-off."""
