@@ -9,6 +9,7 @@ import functools
 import logging
 import math
 import re
+import time
 
 import numpy as np
 import pytest
@@ -772,6 +773,47 @@ def test_fp8_on_the_gpu_matches_torchao_compiled_and_gains_on_a_large_layer():
     assert gain.bf16_ms > 0 and gain.fp8_ms > 0 and gain.gain > 1.0, gain  # H100/H200: about 1.25x
     ms = fp8.layer_times(linear, (8192, 4096), fp8.KINDS, bf16=False, compiled=True)
     assert set(ms) == set(fp8.KINDS) and all(v > 0 for v in ms.values()), ms
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_layer_times_time_the_gpus_work_not_the_hosts():
+    # A small layer's compiled call spends longer queuing (guards, autograd) than its kernels run: the events time
+    # the kernels alone, so the median is well under what a call takes the host.
+    _skip_without_fp8_gpu()
+    layer = nn.Linear(256, 256, bias=False, device="cuda")
+    ms = fp8.layer_times(layer, (64, 256), ["fp8-tensorwise"], compiled=True, iters=10)
+    calls, x = 50, torch.randn(64, 256, device="cuda", requires_grad=True)
+    run = torch.compile(lambda t: fp8.fp8_forward(layer, t), dynamic=False)
+    for _ in range(3):
+        torch.autograd.grad(run(x).sum(), x)
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(calls):
+        torch.autograd.grad(run(x).sum(), x)
+    torch.cuda.synchronize()
+    host_ms = (time.perf_counter() - began) * 1e3 / calls
+    assert ms["fp8-tensorwise"] < 0.5 * host_ms and ms["bf16"] < 0.5 * host_ms, (ms, host_ms)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_layers_are_timed_compiled_for_their_own_shapes(monkeypatch):
+    # After a first shape dynamo would make the next one's sizes symbolic: each layer's graph is compiled static,
+    # as a compiled model's is.
+    _skip_without_fp8_gpu()
+    asked = []
+    compile_ = torch.compile
+
+    def recording(fn, **kwargs):
+        asked.append(kwargs.get("dynamic"))
+        return compile_(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording)
+    for out_features in (512, 256):
+        fp8.layer_times(nn.Linear(512, out_features, bias=False, device="cuda"), (64, 512), compiled=True,
+                        warmup=1, iters=1)
+    assert asked == [False] * 4, asked
 
 
 @pytest.mark.cuda
