@@ -57,6 +57,46 @@ def test_scale_search_on_one_gpu_tries_with_a_statistics_step_every_second_step(
     assert found["batch"] == 4 and len(steps) == 2 * len(found["tried"]) and scale.SEARCH_STATS_EVERY == 1
 
 
+@pytest.mark.parametrize("recipe, chosen", [("bf16-pure+fp8", None), ("tune", "bf16-pure+fp8+ckpt"),
+                                            ("tune", "bf16-pure")])
+def test_scale_search_measures_an_fp8_map_at_each_tries_batch(monkeypatch, recipe, chosen):
+    """A recipe with an fp8 map (or a tuning that chose one) builds each try anew, its map measured on that try's
+    batches, as the run at that batch measures its own; other recipes keep one trainer for every try. The
+    record says which, and a kept search without it is searched again on one GPU."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+
+    made, closed, steps = [], [], []
+
+    def fake_make_trainer(recipe, shape, seed, device, args, tune_batches=None, choice=None):
+        rows = None if tune_batches is None else {b["input_ids"].shape[0] for b in tune_batches}
+        made.append((recipe, rows, args.checkpointing_now))
+        info = {"chosen": chosen} if recipe == "tune" else {"fp8_layers": 3}
+        return SimpleNamespace(step=steps.append, close=lambda: closed.append(recipe), info=info)
+    monkeypatch.setattr(scale, "make_trainer", fake_make_trainer)
+    monkeypatch.setattr(scale, "_free", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**30 * (1 + len(steps)))
+    args = argparse.Namespace(memory_fraction=0.95, max_batch=4, stats_every=None, checkpointing_now=False)
+    found = scale.search_batch(recipe, scale.TINY, torch.device("cpu"), args)
+    assert found["batch"] == 4 and sorted(found["tried"]) == [1, 2, 4]
+    if chosen == "bf16-pure":  # (no fp8 map: the tuned trainer trains every try)
+        assert made == [("tune", {1}, False)] and found["fp8_map"] == "none"
+    else:
+        tries = [m for m in made if m[0] == "bf16-pure+fp8"]
+        assert [m[1] for m in tries] == [{1}, {2}, {4}] and found["fp8_map"] == "each try's"
+        assert all(m[2] == (recipe == "tune") for m in tries)  # (the choice's checkpointing)
+        assert len(closed) == len(made) and args.checkpointing_now is False
+    kept = {k: v for k, v in found.items() if k != "fp8_map"}
+    kept["stats_every"] = scale.SEARCH_STATS_EVERY
+    assert not scale._reusable_search(recipe, kept, "s.json")
+    assert scale._reusable_search(recipe, kept, "s.json", sharded=True)
+    assert scale._reusable_search(recipe, {**kept, "fp8_map": found["fp8_map"]}, "s.json")
+
+
 def test_scale_stats_every_sets_our_controllers_statistics_steps(tmp_path, capsys):
     """--stats-every N: our recipes' statistics cadence, in each run's record; refused by name where nothing of
     ours runs, or not a whole number >= 1."""

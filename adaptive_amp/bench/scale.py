@@ -285,16 +285,23 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
 SEARCH_STATS_EVERY = 1
 
 
-def _reusable_search(recipe: str, search: dict, path: str) -> bool:
+def _reusable_search(recipe: str, search: dict, path: str, sharded: bool = False) -> bool:
     """Whether the batch search `search`, kept in the report at `path` (--resume), found a batch that holds for
-    `recipe`: ours searched with a statistics step in its tries (SEARCH_STATS_EVERY, recorded with it; said
-    where not); torch's and torchao's take none."""
+    `recipe`: ours searched with a statistics step in its tries (SEARCH_STATS_EVERY, recorded with it) and, on
+    one GPU, each try's fp8 map measured at its batch (``fp8_map`` recorded; a sharded try is a process of its
+    own, which always did); said where not. Torch's and torchao's take neither."""
     if not search.get("batch"):
         return False
-    if not is_ours(recipe) or search.get("stats_every") == SEARCH_STATS_EVERY:
+    if not is_ours(recipe):
         return True
-    print(f"-- {recipe}: the batch search in {path} tried no statistics step after the optimizer's state existed; "
-          f"searching again (its runs at batch {search['batch']} stay in the report)", flush=True)
+    if search.get("stats_every") != SEARCH_STATS_EVERY:
+        why = "tried no statistics step after the optimizer's state existed"
+    elif not sharded and "fp8_map" not in search:
+        why = "measured its tries' fp8 map at one sequence, not at each try's batch"
+    else:
+        return True
+    print(f"-- {recipe}: the batch search in {path} {why}; searching again (its runs at batch {search['batch']} "
+          "stay in the report)", flush=True)
     return False
 
 
@@ -384,24 +391,46 @@ def _extrapolated(fits, peaks: dict, pair: Tuple[int, int], good: int, max_batch
             pair = (b, guess)
 
 
+def _mapped_recipe(recipe: str, chosen: str = "") -> Optional[str]:
+    """The recipe whose fp8 map a batch search measures at each try's batch (None: no fp8 map): `recipe` itself,
+    or for ``tune`` the tuning's choice `chosen`, without "+ckpt"."""
+    name = chosen.removesuffix("+ckpt") if recipe == "tune" else recipe
+    return name if name in FP8_RECIPES else None
+
+
 def search_batch(recipe: str, shape: dict, device, args) -> dict:
-    """The largest batch at which `recipe` fits: {"batch", "tried": {batch: peak GiB or "out of memory"}}."""
+    """The largest batch at which `recipe` fits: {"batch", "tried": {batch: peak GiB or "out of memory"}}.
+
+    A recipe with an fp8 map (or a tuning that chose one) builds each try anew, its map measured on that try's
+    batches, as the run at that batch measures its own: the map depends on the batch (more layers gain from fp8
+    at more tokens), and with them the memory (Llama-3-8B on an H200: 96 layers in fp8 at one sequence, 224 at
+    eight)."""
     capacity = torch.cuda.get_device_properties(device).total_memory
     limit = args.memory_fraction * capacity
     tried: Dict[int, object] = {}
     seq = shape["seq_len"]
-    tune_batches = None
-    trainer = None
+    # (every step of a try a statistics step: from the search's second on, with the optimizer's state)
+    settings = argparse.Namespace(**{**vars(args), "stats_every": SEARCH_STATS_EVERY})
+    trainer, mapped = None, _mapped_recipe(recipe)
     try:
         if recipe == "tune":  # tuned once at one sequence a step; the search then grows the choice's batch
-            tune_batches = stream(shape, 1, 8, 0, device)
-        # (every step of a try a statistics step: from the search's second on, with the optimizer's state)
-        trainer = make_trainer(recipe, shape, 0, device, argparse.Namespace(**{**vars(args),
-                               "stats_every": SEARCH_STATS_EVERY}), tune_batches)
+            trainer = make_trainer(recipe, shape, 0, device, settings, stream(shape, 1, 8, 0, device))
+            chosen = trainer.info["chosen"]
+            mapped = _mapped_recipe(recipe, chosen)
+            settings.checkpointing_now = settings.checkpointing_now or (mapped is not None and chosen.endswith("+ckpt"))
+        elif mapped is None:
+            trainer = make_trainer(recipe, shape, 0, device, settings)
 
         def measure(b: int):
+            nonlocal trainer
             batches = stream(shape, b, 2, 0, device)
             try:
+                if mapped is not None:  # this try's own model, its fp8 map measured on this try's batches
+                    if trainer is not None:
+                        trainer.close()
+                        trainer = None
+                        _free(device)
+                    trainer = make_trainer(mapped, shape, 0, device, settings, batches)
                 torch.cuda.reset_peak_memory_stats(device)
                 for batch in batches:
                     trainer.step(batch)
@@ -409,23 +438,26 @@ def search_batch(recipe: str, shape: dict, device, args) -> dict:
                 peak = torch.cuda.max_memory_allocated(device)
             except torch.OutOfMemoryError:
                 tried[b] = "out of memory"
-                trainer.zm.model.zero_grad(set_to_none=True)  # what the failed step left, before the next try
+                if trainer is not None:
+                    trainer.zm.model.zero_grad(set_to_none=True)  # what the failed step left, before the next try
                 gc.collect()
                 torch.cuda.empty_cache()
                 return False, None
             finally:
                 del batches
             tried[b] = round(peak / 2**30, 2)
-            print(f"   {recipe}: batch {b} ({b * seq} tokens) peaks at {peak / 2**30:.1f} GiB", flush=True)
+            print(f"   {recipe}: batch {b} ({b * seq} tokens) peaks at {peak / 2**30:.1f} GiB"
+                  + (f" ({trainer.info['fp8_layers']} layers in fp8)" if mapped is not None else ""), flush=True)
             return peak <= limit, peak / 2**30
 
-        return {"batch": largest_batch(measure, args.max_batch, limit / 2**30), "tried": tried}
+        return {"batch": largest_batch(measure, args.max_batch, limit / 2**30), "tried": tried,
+                "fp8_map": "each try's" if mapped is not None else "none"}
     except torch.OutOfMemoryError as exc:  # building or tuning did not fit
         return {"batch": 0, "tried": tried, "error": f"out of memory before a step ran: {str(exc)[:600]}"}
     finally:
         if trainer is not None:
             trainer.close()
-        trainer = tune_batches = None
+        trainer = None
         _free(device)
 
 
@@ -645,7 +677,8 @@ def run_sharded(args, report_path: str, device, capacity_gib: Optional[float], e
                     out["search"][recipe] = {**found, "tuned": tuning}
                     resume = kept() or resume
                 batch = given
-                if batch is None and _reusable_search(recipe, found, args.json) and found.get("gpus") == args.gpus:
+                if batch is None and _reusable_search(recipe, found, args.json, sharded=True) and \
+                        found.get("gpus") == args.gpus:
                     batch, checkpointing = found["batch"], bool(found.get("checkpointing"))
                     print(f"-- {recipe}: batch {batch} a GPU, from the batch search already in {args.json}",
                           flush=True)
