@@ -55,8 +55,6 @@ model compiled and trained.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 

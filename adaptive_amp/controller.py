@@ -63,7 +63,7 @@ import copy
 import math
 import numbers
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 from torch import nn

@@ -377,7 +377,7 @@ def parse_policy_fields(s: str) -> dict:
         if dtype != torch.float32:
             name = dtype_name(dtype)
             short = {"bfloat16": "bf16", "float16": "fp16"}[name]
-            pure = (f"'bf16-pure' (or 'params=bfloat16,compute=bfloat16')" if dtype == torch.bfloat16 else
+            pure = ("'bf16-pure' (or 'params=bfloat16,compute=bfloat16')" if dtype == torch.bfloat16 else
                     "'params=float16,compute=float16'")
             raise ValueError(f"policy {s!r} is ambiguous: the recipe {short!r} is {short} autocast with float32 "
                              f"weights, write 'params=float32,compute={name}'; for the weights in {short} too, "

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _native, _sround
-from ._native import FLOAT32, INT32
+from ._native import INT32
 
 _TAGS = (torch.Tag.nondeterministic_seeded,)
 try:

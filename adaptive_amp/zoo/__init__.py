@@ -24,7 +24,7 @@ the CPU tests and of ``python -m adaptive_amp bench zoo``).
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict
 
 import torch
 
