@@ -28,7 +28,8 @@ The torchao recipes are skipped, with the reason, when torchao is missing or the
 
 Each recipe runs at the largest batch that fits (a short search: 1, 2, 4, ... sequences until the peak grows
 along a straight line, then the batch at which it reaches --memory-fraction of the GPU, checked by a try; see
-largest_batch), or at --batch (one number for every recipe, or ``recipe=N,...``). With --checkpointing auto,
+largest_batch; a recipe with an fp8 map measures it at each try's batch, as its run does), or at --batch (one
+number for every recipe, or ``recipe=N,...``). With --checkpointing auto,
 a recipe that does not fit one sequence retries with activation checkpointing (transformers'
 ``gradient_checkpointing_enable``). Then --steps steps per seed:
 tokens/s over the steps after warm-up and at steady state (the median of ten windows), peak memory, and the
