@@ -95,6 +95,35 @@ def test_scale_search_measures_an_fp8_map_at_each_tries_batch(monkeypatch, recip
     assert not scale._reusable_search(recipe, kept, "s.json")
     assert scale._reusable_search(recipe, kept, "s.json", sharded=True)
     assert scale._reusable_search(recipe, {**kept, "fp8_map": found["fp8_map"]}, "s.json")
+    assert scale._reusable_search("bf16-weights", kept, "s.json")  # (no fp8 map: nothing to measure again)
+
+
+def test_scale_search_takes_a_try_whose_fp8_map_runs_out_of_memory_as_not_fitting(monkeypatch):
+    """A try whose model or fp8 map runs out of memory while it is built does not fit; the search goes on below
+    it, each try built after the last one's memory is freed."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+
+    made, freed, steps = [], [], []
+
+    def fake_make_trainer(recipe, shape, seed, device, args, tune_batches=None, choice=None):
+        rows = tune_batches[0]["input_ids"].shape[0]
+        made.append(rows)
+        if rows >= 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (measuring the fp8 map)")
+        return SimpleNamespace(step=steps.append, close=lambda: None, info={"fp8_layers": 3})
+    monkeypatch.setattr(scale, "make_trainer", fake_make_trainer)
+    monkeypatch.setattr(scale, "_free", lambda device: freed.append(len(made)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**30 * (1 + len(steps)))
+    args = argparse.Namespace(memory_fraction=0.95, max_batch=8, stats_every=None, checkpointing_now=False)
+    found = scale.search_batch("bf16-pure+fp8", scale.TINY, torch.device("cpu"), args)
+    assert found["tried"] == {1: 3.0, 2: 5.0, 4: "out of memory", 3: 7.0}, found
+    assert found["batch"] == 3 and "error" not in found and found["fp8_map"] == "each try's"
+    assert freed[:len(made)] == list(range(len(made)))  # (freed before each try's build)
 
 
 def test_scale_stats_every_sets_our_controllers_statistics_steps(tmp_path, capsys):

@@ -79,7 +79,8 @@ import torch
 
 TORCH_RECIPES = ("torch-bf16",)
 TORCHAO_RECIPES = ("torchao-tensorwise", "torchao-rowwise")
-FP8_RECIPES = ("bf16+fp8", "bf16-weights+fp8", "bf16-pure+fp8", "bf16-pure+bf16-moments+fp8")
+FP8_RECIPES = ("bf16+fp8", "bf16-weights+fp8", "bf16-weights+bf16-moments+fp8", "bf16-pure+fp8",
+               "bf16-pure+bf16-moments+fp8")
 OUR_NAMED_RECIPES = ("bf16-weights", "bf16-pure", *FP8_RECIPES)
 RECIPES = (*TORCH_RECIPES, *TORCHAO_RECIPES, "tune", *OUR_NAMED_RECIPES)
 DEFAULT_RECIPES = ("torch-bf16", "torchao-tensorwise", "torchao-rowwise", "tune", "bf16-weights")
@@ -297,7 +298,7 @@ def _reusable_search(recipe: str, search: dict, path: str, sharded: bool = False
         return True
     if search.get("stats_every") != SEARCH_STATS_EVERY:
         why = "tried no statistics step after the optimizer's state existed"
-    elif not sharded and "fp8_map" not in search:
+    elif not sharded and "fp8_map" not in search and (recipe == "tune" or _mapped_recipe(recipe) is not None):
         why = "measured its tries' fp8 map at one sequence, not at each try's batch"
     else:
         return True
@@ -400,7 +401,8 @@ def _mapped_recipe(recipe: str, chosen: str = "") -> Optional[str]:
 
 
 def search_batch(recipe: str, shape: dict, device, args) -> dict:
-    """The largest batch at which `recipe` fits: {"batch", "tried": {batch: peak GiB or "out of memory"}}.
+    """The largest batch at which `recipe` fits: {"batch", "tried": {batch: peak GiB or "out of memory"},
+    "fp8_map": "each try's" or "none"} (with "error" where building or tuning ran out of memory).
 
     A recipe with an fp8 map (or a tuning that chose one) builds each try anew, its map measured on that try's
     batches, as the run at that batch measures its own: the map depends on the batch (more layers gain from fp8
@@ -418,19 +420,20 @@ def search_batch(recipe: str, shape: dict, device, args) -> dict:
             trainer = make_trainer(recipe, shape, 0, device, settings, stream(shape, 1, 8, 0, device))
             chosen = trainer.info["chosen"]
             mapped = _mapped_recipe(recipe, chosen)
-            settings.checkpointing_now = settings.checkpointing_now or (mapped is not None and chosen.endswith("+ckpt"))
+            if mapped is not None and chosen.endswith("+ckpt"):
+                settings.checkpointing_now = True
         elif mapped is None:
             trainer = make_trainer(recipe, shape, 0, device, settings)
 
         def measure(b: int):
             nonlocal trainer
-            batches = stream(shape, b, 2, 0, device)
+            batches, peak = stream(shape, b, 2, 0, device), None
             try:
                 if mapped is not None:  # this try's own model, its fp8 map measured on this try's batches
                     if trainer is not None:
                         trainer.close()
                         trainer = None
-                        _free(device)
+                    _free(device)  # (also what a try that ran out of memory while building left)
                     trainer = make_trainer(mapped, shape, 0, device, settings, batches)
                 torch.cuda.reset_peak_memory_stats(device)
                 for batch in batches:
@@ -438,14 +441,16 @@ def search_batch(recipe: str, shape: dict, device, args) -> dict:
                 _sync(device)
                 peak = torch.cuda.max_memory_allocated(device)
             except torch.OutOfMemoryError:
+                pass  # (freed below, once the error's traceback no longer holds the try's tensors)
+            finally:
+                del batches
+            if peak is None:
                 tried[b] = "out of memory"
                 if trainer is not None:
                     trainer.zm.model.zero_grad(set_to_none=True)  # what the failed step left, before the next try
                 gc.collect()
                 torch.cuda.empty_cache()
                 return False, None
-            finally:
-                del batches
             tried[b] = round(peak / 2**30, 2)
             print(f"   {recipe}: batch {b} ({b * seq} tokens) peaks at {peak / 2**30:.1f} GiB"
                   + (f" ({trainer.info['fp8_layers']} layers in fp8)" if mapped is not None else ""), flush=True)

@@ -10,9 +10,11 @@
 * :func:`layer_gain`: forward and backward of the layer at its own shapes,
   fp8 (quantization included) against bf16 autocast, timed with CUDA
   events after a warm-up, interleaved, medians; gain = bf16 time / fp8 time.
-  The events time the GPU's work alone (the GPU waits while the host queues
-  each call), and a compiled layer is compiled for its shapes: in a compiled
-  model a layer costs its kernels, and the host's overhead is the graph's.
+  A compiled layer is compiled for its own shapes, and its events time the
+  GPU's work alone (the GPU waits while the host queues each call): in a
+  compiled model a layer costs its kernels, and the host's overhead is the
+  whole graph's. An eager layer's events take the host's time in where it is
+  the longer, as an eager model's do.
   :func:`layer_times` gives the milliseconds themselves, for several kinds at
   once or without the bf16 baseline.
 """
@@ -249,6 +251,8 @@ _RECOMPILE_LIMIT = 256
 
 #: The GPU's clock as torch.cuda._sleep counts it, cycles a millisecond, by device index (measured once).
 _CYCLES_PER_MS: Dict[int, float] = {}
+#: The longest the GPU waits before a timed compiled call while the host queues it (milliseconds).
+_MAX_AHEAD_MS = 100.0
 
 
 def _cycles_per_ms(device: torch.device) -> float:
@@ -272,7 +276,8 @@ def layer_times(module: nn.Module, input_shape: Sequence[int], kinds: Sequence[s
     """Median forward+backward milliseconds of `module` on a random input of `input_shape`, in each fp8 kind of
     `kinds` and, when `bf16`, under `dtype` autocast (key ``"bf16"``): what :func:`layer_gain` compares, for
     several kinds at once, or without the baseline where it is already known (a selection times each shape's
-    bf16 baseline once, whatever the kinds)."""
+    bf16 baseline once, whatever the kinds). Compiled, each call's events time the GPU's work alone (the module's
+    docstring says why)."""
     kinds = [check_kind(k) for k in kinds]
     if not kinds and not bf16:
         raise ValueError("nothing to time: kinds is empty and bf16=False")
@@ -306,24 +311,30 @@ def layer_times(module: nn.Module, input_shape: Sequence[int], kinds: Sequence[s
     # Every call compiles the same lambdas, one graph per layer shape and kind: past dynamo's recompile limit
     # (8) the later shapes would run eagerly, their casts unfused, and fp8 would be judged too slow for them
     # (measured on an H200: a Llama-3-8B slice's down_proj and lm_head were skipped that way).
-    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-        host_ms = 0.0  # the longest the host took to queue one call, in the last warm-up round (compiled by then)
+    with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), torch.cuda.device(device):
         for _ in range(warmup):
+            for run in runs.values():
+                run()
+        ahead = 0
+        if compiled:
+            # Before each timed call the GPU spins twice as long as the host took to queue one (and 1 ms more),
+            # so that the events time the GPU's work alone. A small layer's compiled call takes longer on the host
+            # (guards, autograd) than on the GPU (H200, a 4096 x 1024 layer at 6,144 tokens compiled in bf16:
+            # 0.97 ms a call with the host's time, 0.29 ms without); in a compiled model that overhead is the whole
+            # graph's, once. (Eager, the host's time is the model's too: an eager model launches each kernel.)
+            # The host's time is read from one more round, after the warm-up has compiled.
             host_ms = 0.0
             for run in runs.values():
                 began = time.perf_counter()
                 run()
                 host_ms = max(host_ms, (time.perf_counter() - began) * 1e3)
-        # Before each timed call the GPU spins twice that (and 1 ms more) while the host queues the call, so that
-        # the events time the GPU's work alone. A small layer's compiled call takes longer on the host (guards,
-        # autograd) than on the GPU (H200, a 4096 x 1024 layer at 6,144 tokens compiled in bf16: 0.97 ms a call
-        # with the host's time, 0.29 ms without); in a compiled model that overhead is the whole graph's, once.
-        ahead = int(_cycles_per_ms(device) * (2 * host_ms + 1.0))
+            ahead = int(_cycles_per_ms(device) * min(2 * host_ms + 1.0, _MAX_AHEAD_MS))
         times: Dict[str, List[Any]] = {k: [] for k in runs}
         for _ in range(iters):  # interleaved: a clock that drifts moves every kind alike
             for name, run in runs.items():
                 start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(ahead)
+                if ahead:
+                    torch.cuda._sleep(ahead)
                 start.record()
                 run()
                 stop.record()
