@@ -459,8 +459,10 @@ def test_layers_reading_one_input_join_those_of_them_in_fp8_when_not_slower(monk
     assert choices[attn + "o_proj"].kind == "fp8-tensorwise"
     # gate and up gain too little, and neither of their input's layers is in fp8: both stay
     assert choices[mlp + "gate_proj"].kind is choices[mlp + "up_proj"].kind is None
-    slower = select_with(0.98, compiled=True)
-    assert slower[attn + "k_proj"].kind is None and "too small to gain (0.98x < 1.05x" in slower[attn + "k_proj"].reason
+    even = select_with(0.98, compiled=True)  # (within the timing's spread of 1.0x: joins)
+    assert even[attn + "k_proj"].kind == "fp8-tensorwise", even[attn + "k_proj"]
+    slower = select_with(0.95, compiled=True)
+    assert slower[attn + "k_proj"].kind is None and "too small to gain (0.95x < 1.05x" in slower[attn + "k_proj"].reason
     eager = select_with(1.02)
     assert eager[attn + "q_proj"].kind == "fp8-tensorwise" and eager[attn + "k_proj"].kind is None
     # a layer skipped for its error does not join, nor one that tolerates only a recipe its input's layers do not run
