@@ -93,8 +93,8 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
     kinds: the recipes to try, in order of preference (``"fp8-tensorwise"``, ``"fp8-rowwise"``): each layer
         is measured in a later one only where the earlier ones' error is above `max_error`.
     min_gain: the smallest measured speed-up (bf16 ms / fp8 ms) that puts a layer in fp8 (default 1.05); a
-        compiled layer not measurably slower in fp8 (SHARED_MIN_GAIN) also goes there when a layer of its input does (see
-        the module's docs).
+        compiled layer not measurably slower in fp8 (SHARED_MIN_GAIN) also goes there when a layer of its input
+        does (see the module's docs).
     max_error: the largest relative error of the output and of the input gradient against bf16 (default 0.1).
     dtype, warmup, iters, compiled: how the gain is timed (:func:`~adaptive_amp.fp8.measure.layer_gain`), at
         the largest input shape the layer saw. `compiled`: True or False for every layer, or ``(name) -> bool``
