@@ -644,6 +644,12 @@ class AdaptiveMixedPrecision:
         loss is not finite is skipped (see :meth:`step`)."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"backward(loss): loss must be a tensor, got {type(loss).__name__}")
+        watch = self._fp8_watch
+        if watch is not None and watch.armed:
+            # A backward inside amp.autocast() (Lightning's manual_backward runs in its step's context): the forward
+            # has ended, so the fp8 guard's rows are made now, and its copies not held through the backward.
+            watch.armed = False
+            watch.settle(self._step)
         value = loss.detach().float()
         if value.numel() != 1:  # (with backward's gradient=): the monitor keeps one number a step
             value = value.sum()

@@ -317,6 +317,41 @@ def test_the_guard_keeps_a_copy_of_a_few_rows_of_each_fp8_input_in_zoo_models(fp
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_backward_inside_autocast_frees_the_guards_copies_before_it_runs(fp8_here, family, compiled):
+    """Lightning's manual optimization calls the backward inside its step's context (the controller's autocast):
+    the statistics step's copies become the guard's rows as the backward starts, none held through it, and a
+    recompute in the backward (activation checkpointing) captures nothing."""
+    from adaptive_amp import AdaptiveMixedPrecision, zoo
+    from adaptive_amp.fp8.guard import fp8_layer_row
+    from adaptive_amp.fp8.training import _KEPT
+
+    torch._dynamo.reset()
+    zm = zoo.build(family, "tiny", seed=0)
+    zm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-3)
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="params=float32,compute=bfloat16,layers=*.mlp.*:fp8-tensorwise",
+                                 progress=False)
+    layers = {n: m for n, m in zm.model.named_modules() if n in amp.adjuster.layer_kinds}
+    seen, held = {}, []
+    for name, module in layers.items():
+        module.register_forward_pre_hook(lambda m, args, name=name: seen.setdefault(name, args[0].detach().clone()))
+        module.register_full_backward_pre_hook(
+            lambda m, grad: held.append(any(_KEPT in k.__dict__ for k in layers.values())))
+    model = torch.compile(zm.model, backend="aot_eager") if compiled else zm.model
+    with amp.autocast():
+        loss = zm.loss(model, zm.make_batch(4, seed=0))
+        assert all(_KEPT in m.__dict__ for m in layers.values())
+        amp.backward(loss)
+    assert held and not any(held)
+    assert not any(_KEPT in m.__dict__ for m in layers.values()) and amp._fp8_watch.settled_at == 0
+    first = [fp8_layer_row(n, layers[n], seen[n].reshape(-1, seen[n].shape[-1])[:1024]) for n in layers]
+    assert [r["amax"] for r in amp._fp8_watch.read()] == [r["amax"] for r in first]
+    amp.remove()
+    torch._dynamo.reset()
+
+
 def test_under_gradient_accumulation_the_first_forward_of_a_statistics_step_feeds_the_guard(fp8_here):
     """A statistics step of two micro-batches: the first forward's fp8 inputs become the guard's rows as it ends,
     the second captures nothing, and the step's guard reads the first's rows."""
