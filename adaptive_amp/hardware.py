@@ -189,6 +189,22 @@ def _rocm_formats(arch: str) -> Tuple[bool, bool, bool, bool]:
     return True, bf16, False, fp8
 
 
+def sleep_cycles_per_ms(device) -> float:
+    """Cycles of ``torch.cuda._sleep`` a millisecond on the CUDA device `device`, measured now (the clock varies):
+    how long to keep the GPU waiting while the host queues work, so that CUDA events around that work time the
+    GPU's alone."""
+    cycles = 20_000_000
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1)  # (its first launch loads the kernel: not inside the timed one)
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
 def measure_matmul_tflops(device: torch.device, caps: Capabilities, n: Optional[int] = None,
                           seconds: float = 0.05) -> Dict[str, float]:
     """Matmul TFLOP/s for float32 and each 16-bit format, on small square matrices.

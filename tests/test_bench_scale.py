@@ -33,6 +33,18 @@ def test_scale_smoke_compares_our_recipe_with_torch_and_says_so(tmp_path, capsys
     assert "torchao-rowwise did not run" in text
 
 
+def _search_on_a_fake_gpu(monkeypatch, steps):
+    """A batch search's memory readings faked on the CPU: a 1 TiB device whose peak grows 1 GiB a step taken
+    (`steps`: the steps' list)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**30 * (1 + len(steps)))
+
+
 def test_scale_search_on_one_gpu_tries_with_a_statistics_step_every_second_step(monkeypatch):
     """The one-GPU batch search trains its tries under a controller whose every step is a statistics step (from
     the search's second step on, with the optimizer's state: each try's peak is such a step's), on a copy of the
@@ -48,9 +60,7 @@ def test_scale_search_on_one_gpu_tries_with_a_statistics_step_every_second_step(
         made.append((recipe, args.stats_every, args.checkpointing_now))
         return SimpleNamespace(step=steps.append, close=lambda: None)
     monkeypatch.setattr(scale, "make_trainer", fake_make_trainer)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**30 * (1 + len(steps)))
+    _search_on_a_fake_gpu(monkeypatch, steps)
     args = argparse.Namespace(memory_fraction=0.95, max_batch=4, stats_every=None, checkpointing_now=True)
     found = scale.search_batch("bf16-pure", scale.TINY, torch.device("cpu"), args)
     assert made == [("bf16-pure", scale.SEARCH_STATS_EVERY, True)] and args.stats_every is None
@@ -77,9 +87,7 @@ def test_scale_search_measures_an_fp8_map_at_each_tries_batch(monkeypatch, recip
         return SimpleNamespace(step=steps.append, close=lambda: closed.append(recipe), info=info)
     monkeypatch.setattr(scale, "make_trainer", fake_make_trainer)
     monkeypatch.setattr(scale, "_free", lambda device: None)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**30 * (1 + len(steps)))
+    _search_on_a_fake_gpu(monkeypatch, steps)
     args = argparse.Namespace(memory_fraction=0.95, max_batch=4, stats_every=None, checkpointing_now=False)
     found = scale.search_batch(recipe, scale.TINY, torch.device("cpu"), args)
     assert found["batch"] == 4 and sorted(found["tried"]) == [1, 2, 4]
@@ -116,9 +124,7 @@ def test_scale_search_takes_a_try_whose_fp8_map_runs_out_of_memory_as_not_fittin
         return SimpleNamespace(step=steps.append, close=lambda: None, info={"fp8_layers": 3})
     monkeypatch.setattr(scale, "make_trainer", fake_make_trainer)
     monkeypatch.setattr(scale, "_free", lambda device: freed.append(len(made)))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=2**40))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 2**30 * (1 + len(steps)))
+    _search_on_a_fake_gpu(monkeypatch, steps)
     args = argparse.Namespace(memory_fraction=0.95, max_batch=8, stats_every=None, checkpointing_now=False)
     found = scale.search_batch("bf16-pure+fp8", scale.TINY, torch.device("cpu"), args)
     assert found["tried"] == {1: 3.0, 2: 5.0, 4: "out of memory", 3: 7.0}, found

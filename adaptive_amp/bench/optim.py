@@ -47,6 +47,7 @@ from typing import List
 
 import torch
 
+from ..hardware import sleep_cycles_per_ms
 from .kernels import Row, _ceilings, _gpu_setup, gpt2_small_shapes
 
 # Bytes moved per parameter by one step: (read, written).
@@ -125,20 +126,9 @@ class _WithSecondPassNorm:
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
 
 
-def _cycles_per_ms(device) -> float:
-    """GPU clock cycles per millisecond of torch.cuda._sleep, measured (the clock varies)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(device)
-    start.record()
-    torch.cuda._sleep(20_000_000)
-    end.record()
-    end.synchronize()
-    return 20_000_000 / start.elapsed_time(end)
-
-
 def time_steps(step, device, *, n=20, warmup=3, reps=10, cycles_per_ms=None):
     """(gpu_ms, wall_ms, host_ms) per step of ``step()``; see the module docstring."""
-    cycles_per_ms = cycles_per_ms or _cycles_per_ms(device)
+    cycles_per_ms = cycles_per_ms or sleep_cycles_per_ms(device)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize(device)
@@ -184,7 +174,7 @@ def optim_gpu(device="cuda", warmup=3, reps=10, n=20, progress=print) -> List[Op
     device, timer = _gpu_setup(device, 5, 30)
     numel = sum(torch.Size(s).numel() for s in gpt2_small_shapes())
     copy_gbps, _ = _ceilings(device, timer)
-    cycles = _cycles_per_ms(device)
+    cycles = sleep_cycles_per_ms(device)
     gen = torch.Generator(device=device).manual_seed(0)
     rows: List[OptimRow] = []
 

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .._process_group import world_group
+from ..hardware import sleep_cycles_per_ms
 from .config import check_kind
 from .execution import fp8_forward, plain_forward
 
@@ -249,25 +250,8 @@ class LayerGain:
 #: dynamo's recompile limit while layers are timed compiled: room for every shape and kind of a large model.
 _RECOMPILE_LIMIT = 256
 
-#: The GPU's clock as torch.cuda._sleep counts it, cycles a millisecond, by device index (measured once).
-_CYCLES_PER_MS: Dict[int, float] = {}
 #: The longest the GPU waits before a timed compiled call while the host queues it (milliseconds).
 _MAX_AHEAD_MS = 100.0
-
-
-def _cycles_per_ms(device: torch.device) -> float:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CYCLES_PER_MS:
-        cycles = 1_000_000
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.device(index):
-            torch.cuda._sleep(cycles)  # (the first call waits for the module's load)
-            start.record()
-            torch.cuda._sleep(cycles)
-            stop.record()
-            stop.synchronize()
-        _CYCLES_PER_MS[index] = cycles / max(start.elapsed_time(stop), 1e-3)
-    return _CYCLES_PER_MS[index]
 
 
 def layer_times(module: nn.Module, input_shape: Sequence[int], kinds: Sequence[str] = ("fp8-tensorwise",), *,
@@ -328,7 +312,7 @@ def layer_times(module: nn.Module, input_shape: Sequence[int], kinds: Sequence[s
                 began = time.perf_counter()
                 run()
                 host_ms = max(host_ms, (time.perf_counter() - began) * 1e3)
-            ahead = int(_cycles_per_ms(device) * min(2 * host_ms + 1.0, _MAX_AHEAD_MS))
+            ahead = int(sleep_cycles_per_ms(device) * min(2 * host_ms + 1.0, _MAX_AHEAD_MS))
         times: Dict[str, List[Any]] = {k: [] for k in runs}
         for _ in range(iters):  # interleaved: a clock that drifts moves every kind alike
             for name, run in runs.items():
