@@ -7,13 +7,19 @@ adaptive_amp and torch can use a CUDA device.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import math
 import os
+import shutil
 import tempfile
 
 # torch.compile's on-disk caches, private to this run: a cache shared with other processes compiling at the
 # same time crashed a compiled backward while it saved its entry (segfault in AOT autograd's cache pickling).
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="adaptive_amp_tests_inductor_"))
+# Removed when the run ends, so that repeated runs do not fill the temporary directory (tens of MB each).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="adaptive_amp_tests_inductor_")
+    atexit.register(functools.partial(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
