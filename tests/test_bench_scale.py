@@ -808,3 +808,31 @@ def test_scale_gpus_runs_each_recipe_under_torchrun(tmp_path):
     assert tuned["chosen"] == report["search"]["tune"]["tuned"]["chosen"] and tuned["tuning"]["trials"]
     assert tuned["tuned_batch"] == 1
     assert report["search"]["torch-bf16"]["batch"] == 1 and "bf16-pure" not in report["search"]
+
+
+def test_scale_starts_inductor_once_a_process_before_any_set_up(monkeypatch):
+    """A compiled run's process starts inductor before the first recipe's set-up, so that neither a tuning nor an
+    fp8 map (which compile first) carries inductor's start, which the same recipe run without them would not;
+    once a process, and not at all when nothing compiles."""
+    import argparse
+
+    import torch
+
+    calls = []
+    monkeypatch.setattr(scale, "_INDUCTOR_STARTED", {})
+    real_build = scale.build
+    monkeypatch.setattr(scale, "build", lambda *a, **k: calls.append("build") or real_build(*a, **k))
+    real_start = scale.start_inductor
+    monkeypatch.setattr(scale, "start_inductor", lambda device: calls.append("start") or real_start(device))
+    args = argparse.Namespace(checkpointing_now=False, compile="model", world=1, rank=0, lr=1e-4, stats_every=None)
+    cpu = torch.device("cpu")
+    first = scale.make_trainer("bf16-weights", scale.TINY, 0, cpu, args)
+    second = scale.make_trainer("bf16-weights", scale.TINY, 0, cpu, args)
+    assert calls == ["start", "build", "start", "build"]
+    assert first.info["inductor_start_seconds"] > 0 and "inductor_start_seconds" not in second.info
+    assert real_start(cpu) == 0.0  # started: nothing more to pay
+    first.close(), second.close()
+    calls.clear()
+    args.compile = "off"
+    scale.make_trainer("bf16-weights", scale.TINY, 0, cpu, args).close()
+    assert calls == ["build"]

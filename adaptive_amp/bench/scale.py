@@ -46,7 +46,10 @@ searched and run sharded as the tuned run, as a user would tune a model that FSD
 
 Compiled (--compile): ``blocks`` (the default on a GPU) compiles each decoder layer (``module.compile()``; the
 32 layers share one graph, so compiling takes the time of one layer, as torchtitan does), ``model`` the whole
-model (``torch.compile(model)``), ``off`` none. Every recipe is compiled the same way.
+model (``torch.compile(model)``), ``off`` none. Every recipe is compiled the same way. Each process starts
+inductor before its first recipe's set-up (a small function compiled with its backward; the time is printed
+and kept as ``inductor_start_seconds``): every compiled run pays it once a process, so it is left out of each
+recipe's set-up, tuning and first step alike.
 
 A full comparison takes longer than one sitting may allow: with --json PATH and --resume, the runs already in
 PATH are kept (a run of the same recipe, seed and batch is replaced), a recipe's batch search is reused, and
@@ -180,6 +183,31 @@ def compile_model(zm, mode: str):
     return torch.compile(zm.model) if mode == "model" else zm.model
 
 
+_INDUCTOR_STARTED: Dict[str, float] = {}
+
+
+def start_inductor(device) -> Optional[float]:
+    """Seconds to start torch.compile's inductor in this process on `device` (its imports, compile workers and
+    first kernels: a function with a backward compiled and run); 0.0 once started, None where it cannot start.
+    Any compiled run pays this once a process, whatever its recipe. Started before a recipe's set-up, it falls
+    in no recipe's measured seconds: else a tuning or an fp8 map, which compile first, would carry it and the
+    same recipe run without them would not (its first step finds inductor started)."""
+    key = str(device)
+    if key in _INDUCTOR_STARTED:
+        return 0.0
+    t0 = time.perf_counter()
+    try:
+        x = torch.ones(64, device=device, requires_grad=True)
+        torch.compile(lambda t: (t * 2).sin().sum(), dynamic=False)(x).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # noqa: BLE001 - the runs compile (and report) for themselves
+        print(f"   inductor did not start ahead of the recipes ({type(exc).__name__}: {str(exc)[:200]})", flush=True)
+        return None
+    _INDUCTOR_STARTED[key] = time.perf_counter() - t0
+    return _INDUCTOR_STARTED[key]
+
+
 def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches=None, choice=None) -> Trainer:
     """`recipe` on a fresh model of seed `seed` (compiled as --compile says); `choice`: tune only this
     candidate (seed 0's choice, for the other seeds' loss spread). ``tune`` with --tuned PATH (under --gpus)
@@ -188,12 +216,18 @@ def make_trainer(recipe: str, shape: dict, seed: int, device, args, tune_batches
     if tuned is not None:
         # (checkpointing is the batch search's to decide here: sharded, a recipe may fit without it)
         recipe = tuned["chosen"].removesuffix("+ckpt")
+    started = start_inductor(device) if args.compile != "off" else None
+    if started:
+        print(f"   inductor started in {started:.1f} s, before any set-up (a compiled run pays it once a process)",
+              flush=True)
     zm = build(shape, seed, device)
     if args.checkpointing_now:
         zm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cuda = device.type == "cuda"
     info: Dict[str, object] = {"parameters": zm.num_parameters(), "checkpointing": bool(args.checkpointing_now),
                                "compile": args.compile}
+    if started:
+        info["inductor_start_seconds"] = round(started, 2)
     sharded, float8_gather = args.world > 1, False
     if recipe in TORCHAO_RECIPES:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
