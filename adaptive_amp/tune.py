@@ -1642,11 +1642,13 @@ class Tuner:
         why_chosen = "" if chosen is best else f" (within {self.tie:.0%} of {best.name}, and safer)"
         # More in bf16 than autocast keeps must pay for itself by more than `state_margin` (module docstring,
         # step 5).
+        close_calls = []
         while _bf16_extent(recipes[chosen.name]):
             keeps_less = [t for t in ok if _bf16_extent(recipes[t.name]) < _bf16_extent(recipes[chosen.name])]
             if not keeps_less:
                 break
             _, alternative = self._fastest_or_safer(keeps_less)
+            close_calls += self._close_call(chosen, alternative)
             if alternative.step_time_ms > chosen.step_time_ms * (1 + self.state_margin):
                 break
             why_chosen = (f" (within state_margin={self.state_margin:.0%} of {chosen.name}, which keeps more "
@@ -1675,6 +1677,9 @@ class Tuner:
         recipe = recipes[chosen.name]
         reasons.append(f"tune: chose {chosen.name} ({recipe.describe()}): {_num(chosen.step_time_ms)} ms/step, "
                        f"memory {_bytes(chosen.memory_bytes)} ({chosen.memory_source})")
+        close_call = "; ".join(close_calls) or None
+        if close_call:
+            reasons.append(f"tune: a close call: {close_call}")
         for t in trials:
             reasons.append(f"trial {t.name}: {_trial_line(t)}")
         for name, why in self.skipped:
@@ -1683,7 +1688,25 @@ class Tuner:
         return TuneResult(policy=policy, recipe=recipe, trials=trials, skipped=list(self.skipped),
                           reference=reference.name, budget=self.budget, seconds=seconds,
                           device=str(self.device), compiled=self.compiled, phase_seconds=dict(self.phases),
-                          timing=timing)
+                          timing=timing, close_call=close_call)
+
+    def _close_call(self, lean: Trial, safe: Trial) -> List[str]:
+        """[why the choice between `lean` (keeping more in bf16, faster) and `safe` may fall the other way when
+        timed again, and how to decide] when `lean`'s speed-up lies within `tie` of `state_margin`, the speed-up
+        it must exceed to be chosen; else []. (On an H200 a Llama-3-8B's tunings at one batch timed bf16-pure
+        with fp8 9.7-11.4% faster than bf16 autocast with fp8: the choice, and 0.7x or 0.9x torch's memory,
+        changed from one tuning to the next.)"""
+        gain = safe.step_time_ms / lean.step_time_ms - 1
+        if abs(gain - self.state_margin) > self.tie:
+            return []
+        why = (f"{lean.name} was timed {gain:.1%} faster than {safe.name} ({_num(lean.step_time_ms)} against "
+               f"{_num(safe.step_time_ms)} ms/step), within tie={self.tie:.0%} of state_margin="
+               f"{self.state_margin:.0%}, the speed-up that keeping more in bf16 must exceed: timed again, the "
+               "choice may fall the other way")
+        if lean.memory_bytes is not None and safe.memory_bytes is not None and lean.memory_bytes < safe.memory_bytes:
+            why += (f"; {lean.name} took {_bytes(safe.memory_bytes - lean.memory_bytes)} less memory "
+                    f"({_bytes(lean.memory_bytes)} against {_bytes(safe.memory_bytes)})")
+        return [why + ". To decide: state_margin=0 takes the faster, a memory_budget what fits it"]
 
     def _timing(self) -> str:
         """How the step times were measured, for TuneResult.timing and the reasons."""
@@ -1852,6 +1875,7 @@ class TuneResult:
     compiled: bool
     phase_seconds: Dict[str, float] = field(default_factory=dict)  # where `seconds` went (Tuner._phase)
     timing: str = ""  # how the step times were measured (compiled: the eager screen, the compiled finalists)
+    close_call: Optional[str] = None  # why the choice may fall the other way when timed again (Tuner._close_call)
 
     @property
     def compile_seconds(self) -> float:
@@ -1886,6 +1910,7 @@ class TuneResult:
                 "policy": str(self.policy), "reference": self.reference, "budget_bytes": self.budget,
                 "seconds": self.seconds, "phase_seconds": dict(self.phase_seconds), "device": self.device,
                 "compiled": self.compiled, "timing": self.timing, "compile_seconds": self.compile_seconds,
+                "close_call": self.close_call,
                 "memory_source": chosen.memory_source, "trials": [t.to_dict() for t in self.trials],
                 "skipped": [{"name": n, "why": w} for n, w in self.skipped], "reasons": list(self.policy.reasons)}
 
@@ -1959,7 +1984,8 @@ def tuning_table(d: dict) -> str:
         head += (f"\ngrad dist: the first-step gradient's distance from the reference's, relative to its norm; one "
                  f"batch's sampling noise is {noise:.3g} (the reference's on two batches, over sqrt 2)")
     return (head + "\n" + comparison_table(tuning_rows(d)) +
-            f"\nchosen: {d['chosen']} ({d.get('describe') or d.get('policy')})")
+            f"\nchosen: {d['chosen']} ({d.get('describe') or d.get('policy')})" +
+            (f"\na close call: {d['close_call']}" if d.get("close_call") else ""))
 
 
 def plot_tuning(d: dict, path: str) -> str:

@@ -849,6 +849,46 @@ def test_bf16_training_state_must_be_faster_by_the_state_margin():
         _decided(times, state_margin=-0.1)
 
 
+def _close_call(times: dict, memory=None, **options):
+    """(name chosen, TuneResult.close_call) among agreeing trials with these step times (ms) and memory (bytes)."""
+    from adaptive_amp.tune import Trial, Tuner
+
+    zm, opt, batches = _setup()
+    recipes = {r.name: r for r in AdaptivePrecisionSelector().candidates(CPU, None, list(times))[0]}
+    tuner = Tuner(zm.model, opt, batches, zm.loss, CPU, list(recipes.values()), **options)
+    trials = [Trial(n, recipes[n].to_dict(), recipes[n].safety, step_times_ms=[ms], fits=True, agrees=True,
+                    peak_bytes=(memory or {}).get(n)) for n, ms in times.items()]
+    result = tuner._choose(trials, trials[0], recipes, 0.0)
+    assert result.to_dict()["close_call"] == result.close_call
+    if result.close_call:
+        assert "a close call: " + result.close_call in result.table()
+        assert "tune: a close call: " + result.close_call in result.policy.reasons
+    return result.recipe.name, result.close_call
+
+
+def test_a_choice_within_tie_of_the_state_margin_says_it_may_fall_the_other_way():
+    # H200, a Llama-3-8B at 3 sequences: tunings timed bf16-pure+fp8 9.7-11.4% faster than bf16+fp8 and chose
+    # either, at 0.7x or 0.9x torch's memory. Such a choice says so, with what each takes and how to decide.
+    gib = 2 ** 30
+    memory = {"fp32": 120 * gib, "bf16": 128 * gib, "bf16-pure": 107 * gib}
+    name, why = _close_call({"fp32": 1800.0, "bf16": 414.3, "bf16-pure": 377.2}, memory)  # 9.8%: bf16 kept
+    assert name == "bf16"
+    assert why.startswith("bf16-pure was timed 9.8% faster than bf16 (377.2 against 414.3 ms/step), within tie=1% "
+                          "of state_margin=10%")
+    assert "bf16-pure took 21.00 GiB less memory (107.00 GiB against 128.00 GiB)" in why
+    assert why.endswith("To decide: state_margin=0 takes the faster, a memory_budget what fits it")
+    name, why = _close_call({"fp32": 1800.0, "bf16": 425.2, "bf16-pure": 383.8}, memory)  # 10.8%: bf16-pure
+    assert name == "bf16-pure" and why.startswith("bf16-pure was timed 10.8% faster than bf16")
+    # Clear either way: nothing to say.
+    assert _close_call({"fp32": 1800.0, "bf16": 430.0, "bf16-pure": 380.0}, memory) == ("bf16-pure", None)
+    assert _close_call({"fp32": 1800.0, "bf16": 400.0, "bf16-pure": 380.0}, memory) == ("bf16", None)
+    # The window is tie wide on either side of the margin, and no memory is claimed where none was measured.
+    assert _close_call({"fp32": 1800.0, "bf16": 400.0, "bf16-pure": 360.0})[1] is None  # 11.1%
+    name, why = _close_call({"fp32": 1800.0, "bf16": 400.0, "bf16-pure": 360.0}, tie=0.03)
+    assert name == "bf16-pure" and "11.1% faster" in why and "tie=3%" in why and "less memory" not in why
+    assert _close_call({"fp32": 1800.0, "bf16": 400.0, "bf16-pure": 380.0}, state_margin=0.0)[1] is None
+
+
 def test_bf16_moments_are_chosen_for_memory_not_for_speed():
     # Measured (H200, Llama 1.1B eager 4x256, 2000 steps, two separate runs): bf16 weights and
     # moments ended 7% above torch's autocast; their trials agreed and were 12% faster than bf16-weights (68.96
