@@ -280,6 +280,16 @@ def test_scale_verdict_against_the_targets_in_words():
     assert once == ["Tuning (seed 0, batch 4): 168.0 s, 1.94% of 10,000 steps at its steady 867 ms; with the "
                     "compile counted once (+ its one-time 11.5 s - bf16-weights's run alone, 18.0 s): 161.5 s, 1.86%: "
                     "meets the 2% target."]
+    # Both started inductor ahead of their set-up (0.0: an earlier recipe of the process had): the same count. Only
+    # one of them: its one-time seconds would carry the start, and the count is not made.
+    started = [dict(x) for x in report["runs"]]
+    started[3]["inductor_start_seconds"] = 4.2
+    assert [x for x in scale.verdict(dict(report, runs=started + [dict(alone, inductor_start_seconds=0.0)]))
+            if x.startswith("Tuning")] == once
+    mixed = [x for x in scale.verdict(dict(report, runs=started + [alone])) if x.startswith("Tuning")]
+    assert mixed == ["Tuning (seed 0, batch 4): 168.0 s, 1.94% of 10,000 steps at its steady 867 ms; not counted "
+                     "once against bf16-weights's run alone: one of the two started inductor ahead of its set-up and "
+                     "the other did not (run both again for the count): meets the 2% target."]
 
 
 def test_scale_verdict_compares_losses_only_at_torchs_batch_and_the_same_steps():
@@ -829,10 +839,26 @@ def test_scale_starts_inductor_once_a_process_before_any_set_up(monkeypatch):
     first = scale.make_trainer("bf16-weights", scale.TINY, 0, cpu, args)
     second = scale.make_trainer("bf16-weights", scale.TINY, 0, cpu, args)
     assert calls == ["start", "build", "start", "build"]
-    assert first.info["inductor_start_seconds"] > 0 and "inductor_start_seconds" not in second.info
+    assert first.info["inductor_start_seconds"] > 0 and second.info["inductor_start_seconds"] == 0.0
     assert real_start(cpu) == 0.0  # started: nothing more to pay
     first.close(), second.close()
     calls.clear()
     args.compile = "off"
-    scale.make_trainer("bf16-weights", scale.TINY, 0, cpu, args).close()
-    assert calls == ["build"]
+    off = scale.make_trainer("bf16-weights", scale.TINY, 0, cpu, args)
+    assert calls == ["build"] and "inductor_start_seconds" not in off.info
+    off.close()
+
+
+def test_scale_inductor_that_cannot_start_is_said_once_and_recorded(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(scale, "_INDUCTOR_STARTED", {})
+
+    def broken(fn, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    cpu = torch.device("cpu")
+    assert scale.start_inductor(cpu) is None and scale.start_inductor(cpu) is None
+    out = capsys.readouterr().out
+    assert out.count("inductor did not start ahead of the recipes (RuntimeError: no C++ compiler)") == 1
