@@ -1715,7 +1715,7 @@ class Tuner:
             why += (f"; {lean.name} took {_bytes(abs(sm - lm))} {'less' if lm <= sm else 'more'} memory "
                     f"({_bytes(lm)} against {_bytes(sm)})")
             if lm < sm:
-                advice += f", a memory_budget under {_bytes(sm)} takes {lean.name}"
+                advice += f", a memory_budget from {_bytes(lm)} to under {_bytes(sm)} takes {lean.name}"
         return [f"{why}. To decide: {advice}"]
 
     def _timing(self) -> str:

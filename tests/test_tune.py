@@ -876,8 +876,8 @@ def test_a_choice_close_to_the_state_margin_says_it_may_fall_the_other_way():
     assert why.startswith("bf16-pure was timed 9.8% faster than bf16 (377.2 against 414.3 ms/step), within 2% of "
                           "state_margin=10%")
     assert "; bf16-pure took 21.00 GiB less memory (107.00 GiB against 128.00 GiB)." in why
-    assert why.endswith("To decide: state_margin=0 takes the faster, a memory_budget under 128.00 GiB takes "
-                        "bf16-pure")
+    assert why.endswith("To decide: state_margin=0 takes the faster, a memory_budget from 107.00 GiB to under "
+                        "128.00 GiB takes bf16-pure")
     name, why = _close_call({"fp32": 1800.0, "bf16": 416.9, "bf16-pure": 374.1}, memory)  # 11.4%: bf16-pure
     assert name == "bf16-pure" and why.startswith("bf16-pure was timed 11.4% faster than bf16")
     # Clear either way: nothing to say.

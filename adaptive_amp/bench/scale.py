@@ -48,8 +48,9 @@ Compiled (--compile): ``blocks`` (the default on a GPU) compiles each decoder la
 32 layers share one graph, so compiling takes the time of one layer, as torchtitan does), ``model`` the whole
 model (``torch.compile(model)``), ``off`` none. Every recipe is compiled the same way. Each process starts
 inductor before its first recipe's set-up (a small function compiled with its backward, and its compile workers
-waited for; the time is printed and kept as ``inductor_start_seconds``, 0.0 for the process's later recipes): every compiled run pays it once a process, so it is left out of each
-recipe's set-up, tuning and first step alike.
+waited for; the time is printed and kept as ``inductor_start_seconds``, 0.0 for the process's later recipes):
+every compiled run pays it once a process, so it is left out of each recipe's set-up, tuning and first step
+alike.
 
 A full comparison takes longer than one sitting may allow: with --json PATH and --resume, the runs already in
 PATH are kept (a run of the same recipe, seed and batch is replaced), a recipe's batch search is reused, and
@@ -937,12 +938,14 @@ def _tuning_lines(runs: List[dict]) -> List[str]:
         alone = next((a for a in runs if a["recipe"] == r.get("chosen") and a.get("batch") == r["batch"]
                       and a.get("seed") == r["seed"] and "error" not in a and a.get("one_time_seconds") is not None),
                      None)
-        if alone is not None and _started_first(alone) != _started_first(r):
+        if r.get("tuned_batch"):
+            pass  # (tuned on one GPU, trained sharded: no run alone is comparable)
+        elif alone is not None and _started_first(alone) != _started_first(r):
             # One of them carries inductor's start in its one-time seconds (a report of a version that did not
             # start it ahead): their difference would count it.
             line += (f"; not counted once against {alone['recipe']}'s run alone: one of the two started inductor "
                      "ahead of its set-up and the other did not (run both again for the count)")
-        elif alone is not None and r.get("one_time_seconds") is not None and not r.get("tuned_batch"):
+        elif alone is not None and r.get("one_time_seconds") is not None:
             once = seconds + r["one_time_seconds"] - alone["one_time_seconds"]
             share = once / steps_s
             line += (f"; with the compile counted once (+ its one-time {r['one_time_seconds']:.1f} s - "
