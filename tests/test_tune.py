@@ -812,17 +812,23 @@ def test_a_compiled_trial_runs_what_the_controller_then_runs(family, candidate):
     amp.remove()
 
 
-def _decided(times: dict, state_margin=0.1, tie=0.01, fits=()):
-    """The choice among agreeing trials with these step times (ms), as Tuner._choose makes it; all fit the
-    memory budget, or only those named in `fits`."""
+def _choice(times: dict, memory=None, fits=(), **options):
+    """(TuneResult, trials) of Tuner._choose among agreeing trials with these step times (ms) and peak memory
+    (bytes, by name; none measured otherwise); all fit the memory budget, or only those named in `fits`."""
     from adaptive_amp.tune import Trial, Tuner
 
     zm, opt, batches = _setup()
     recipes = {r.name: r for r in AdaptivePrecisionSelector().candidates(CPU, None, list(times))[0]}
-    tuner = Tuner(zm.model, opt, batches, zm.loss, CPU, list(recipes.values()), state_margin=state_margin, tie=tie)
+    tuner = Tuner(zm.model, opt, batches, zm.loss, CPU, list(recipes.values()), **options)
     trials = [Trial(n, recipes[n].to_dict(), recipes[n].safety, step_times_ms=[ms], fits=not fits or n in fits,
-                    agrees=True) for n, ms in times.items()]
-    result = tuner._choose(trials, trials[0], recipes, 0.0)
+                    agrees=True, peak_bytes=(memory or {}).get(n)) for n, ms in times.items()]
+    return tuner._choose(trials, trials[0], recipes, 0.0), trials
+
+
+def _decided(times: dict, state_margin=0.1, tie=0.01, fits=()):
+    """The choice among agreeing trials with these step times (ms), as Tuner._choose makes it, and each trial's
+    verdict."""
+    result, trials = _choice(times, fits=fits, state_margin=state_margin, tie=tie)
     return result.recipe.name, {t.name: t.verdict for t in trials}
 
 
@@ -851,14 +857,7 @@ def test_bf16_training_state_must_be_faster_by_the_state_margin():
 
 def _close_call(times: dict, memory=None, **options):
     """(name chosen, TuneResult.close_call) among agreeing trials with these step times (ms) and memory (bytes)."""
-    from adaptive_amp.tune import Trial, Tuner
-
-    zm, opt, batches = _setup()
-    recipes = {r.name: r for r in AdaptivePrecisionSelector().candidates(CPU, None, list(times))[0]}
-    tuner = Tuner(zm.model, opt, batches, zm.loss, CPU, list(recipes.values()), **options)
-    trials = [Trial(n, recipes[n].to_dict(), recipes[n].safety, step_times_ms=[ms], fits=True, agrees=True,
-                    peak_bytes=(memory or {}).get(n)) for n, ms in times.items()]
-    result = tuner._choose(trials, trials[0], recipes, 0.0)
+    result, _ = _choice(times, memory, **options)
     assert result.to_dict()["close_call"] == result.close_call
     if result.close_call:
         assert "a close call: " + result.close_call in result.table()

@@ -935,12 +935,11 @@ def _tuning_lines(runs: List[dict]) -> List[str]:
         where = (f", made in one process on one GPU at batch {r['tuned_batch']}" if r.get("tuned_batch") else "")
         line = (f"Tuning (seed {r['seed']}, batch {r['batch']}{where}): {seconds:.1f} s, {share:.2%} of 10,000 "
                 f"steps at its steady {r['steady_ms_per_step']:.0f} ms")
-        alone = next((a for a in runs if a["recipe"] == r.get("chosen") and a.get("batch") == r["batch"]
-                      and a.get("seed") == r["seed"] and "error" not in a and a.get("one_time_seconds") is not None),
-                     None)
-        if r.get("tuned_batch"):
-            pass  # (tuned on one GPU, trained sharded: no run alone is comparable)
-        elif alone is not None and _started_first(alone) != _started_first(r):
+        # (none for a tuning made on one GPU for a sharded run: no run alone is comparable)
+        alone = None if r.get("tuned_batch") else next(
+            (a for a in runs if a["recipe"] == r.get("chosen") and a.get("batch") == r["batch"]
+             and a.get("seed") == r["seed"] and "error" not in a and a.get("one_time_seconds") is not None), None)
+        if alone is not None and _started_first(alone) != _started_first(r):
             # One of them carries inductor's start in its one-time seconds (a report of a version that did not
             # start it ahead): their difference would count it.
             line += (f"; not counted once against {alone['recipe']}'s run alone: one of the two started inductor "
