@@ -186,6 +186,7 @@ from torch import nn
 
 from ._process_group import rank_zeros
 from .adjust import forget_compiled_graphs
+from .compile_cache import describe_graphs
 from .layers import compile_context, compiled_in_place, compiled_whole, is_sharded, unwrap_model
 from .recipes import AppliedRecipe, Recipe, convertible, find_blocks
 from .regional import compile_backend
@@ -1886,6 +1887,9 @@ class TuneResult:
     phase_seconds: Dict[str, float] = field(default_factory=dict)  # where `seconds` went (Tuner._phase)
     timing: str = ""  # how the step times were measured (compiled: the eager screen, the compiled finalists)
     close_call: Optional[str] = None  # why the choice may fall the other way when timed again (Tuner._close_call)
+    # What inductor compiled while tuning, and loaded from its on-disk cache (compile_cache.graphs_since; None:
+    # nothing): a machine that compiled the same graphs before tunes faster.
+    inductor_graphs: Optional[Dict[str, int]] = None
 
     @property
     def compile_seconds(self) -> float:
@@ -1920,7 +1924,7 @@ class TuneResult:
                 "policy": str(self.policy), "reference": self.reference, "budget_bytes": self.budget,
                 "seconds": self.seconds, "phase_seconds": dict(self.phase_seconds), "device": self.device,
                 "compiled": self.compiled, "timing": self.timing, "compile_seconds": self.compile_seconds,
-                "close_call": self.close_call,
+                "close_call": self.close_call, "inductor_graphs": self.inductor_graphs,
                 "memory_source": chosen.memory_source, "trials": [t.to_dict() for t in self.trials],
                 "skipped": [{"name": n, "why": w} for n, w in self.skipped], "reasons": list(self.policy.reasons)}
 
@@ -1988,6 +1992,8 @@ def tuning_table(d: dict) -> str:
     phases = d.get("phase_seconds") or {}
     if phases:
         head += " (" + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])) + ")"
+    if d.get("inductor_graphs"):
+        head += "; " + describe_graphs(d["inductor_graphs"])
     if d.get("compiled") and d.get("timing"):
         head += "\ntiming: " + d["timing"]
     if noise is not None:

@@ -81,6 +81,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..compile_cache import describe_graphs
+
 TORCH_RECIPES = ("torch-bf16",)
 TORCHAO_RECIPES = ("torchao-tensorwise", "torchao-rowwise")
 FP8_RECIPES = ("bf16+fp8", "bf16-weights+fp8", "bf16-weights+bf16-moments+fp8", "bf16-pure+fp8",
@@ -933,8 +935,11 @@ def _tuning_lines(runs: List[dict]) -> List[str]:
         steps_s = 10000 * r["steady_ms_per_step"] / 1e3
         share = seconds / steps_s
         where = (f", made in one process on one GPU at batch {r['tuned_batch']}" if r.get("tuned_batch") else "")
-        line = (f"Tuning (seed {r['seed']}, batch {r['batch']}{where}): {seconds:.1f} s, {share:.2%} of 10,000 "
-                f"steps at its steady {r['steady_ms_per_step']:.0f} ms")
+        # (a machine whose inductor cache holds the tuning's graphs, from an earlier run, tunes faster)
+        graphs = describe_graphs(tuning.get("inductor_graphs"))
+        line = (f"Tuning (seed {r['seed']}, batch {r['batch']}{where}): {seconds:.1f} s" +
+                (f" ({graphs})" if graphs else "") +
+                f", {share:.2%} of 10,000 steps at its steady {r['steady_ms_per_step']:.0f} ms")
         # (none for a tuning made on one GPU for a sharded run: no run alone is comparable)
         alone = None if r.get("tuned_batch") else next(
             (a for a in runs if a["recipe"] == r.get("chosen") and a.get("batch") == r["batch"]
