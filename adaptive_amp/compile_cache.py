@@ -29,9 +29,12 @@ def inductor_counts() -> Dict[str, int]:
 
 def graphs_since(before: Dict[str, int]) -> Optional[Dict[str, int]]:
     """What inductor compiled since :func:`inductor_counts` returned `before`: ``{"graphs": n, "from_cache":
-    k}`` (a forward and its backward count as two); None where it compiled nothing."""
+    k}`` (a forward and its backward count as two); None where it compiled nothing, or where the counters were
+    cleared since (``torch._dynamo.utils.counters.clear()``)."""
     now = inductor_counts()
     change = {k: now[k] - before.get(k, 0) for k in _KEYS}
+    if any(v < 0 for v in change.values()):  # the counters were cleared meanwhile: nothing can be said
+        return None
     graphs = sum(change.values())
     return {"graphs": graphs, "from_cache": change["hit"]} if graphs > 0 else None
 
