@@ -138,3 +138,17 @@ def test_bench_tune_compiled_judges_the_cost_and_never_a_loss_targets(tmp_path, 
     assert t["cost_within_target"] == (t["tuning_fraction_of_10k_steps_compile_once"] <= script.COST_TARGET)
     out = capsys.readouterr().out
     assert "the 3% target" in out and "0.99x never-a-loss target" in out and "fresh process" in out
+
+
+def test_bench_tune_says_what_inductor_compiled_and_loaded_while_tuning():
+    from adaptive_amp.bench import tuning as script
+
+    targets = {"tuning_compile_seconds": 7.6, "tuning_fraction_of_10k_steps_steady": 0.0168,
+               "cost_within_target": True, "tuned_vs_torch_bf16_steady": 1.3, "never_a_loss": True}
+    tuned = {"chosen": "bf16-pure", "setup_seconds": 63.8, "steady_ms_per_step": 380.0,
+             "tuning": {"timing": "", "inductor_graphs": {"graphs": 20, "from_cache": 20}}}
+    run = {"model": "llama", "mode": "compiled", "shape": "3x2048", "targets": targets, "tuned": {0: tuned}}
+    line = next(x for x in script.verdict(run) if "s of it compiling" in x)
+    assert "(7.6 s of it compiling; inductor loaded its 20 graphs from its on-disk cache) is 1.68%" in line
+    tuned["tuning"].pop("inductor_graphs")  # (a report written before the count was kept)
+    assert "(7.6 s of it compiling) is 1.68%" in next(x for x in script.verdict(run) if "s of it compiling" in x)

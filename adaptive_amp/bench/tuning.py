@@ -53,6 +53,7 @@ import time
 import torch
 
 from .. import AdaptiveMixedPrecision, zoo
+from ..compile_cache import describe_graphs
 from .e2e import MODELS as E2E_MODELS
 from ..policy import AdaptivePrecisionSelector
 from ..recipes import AppliedRecipe
@@ -304,8 +305,9 @@ def verdict(run: dict) -> list:
                      f"{100 * t['tuning_fraction_of_10k_steps']:.2f}% of 10,000 such steps.")
     if "cost_within_target" in t:
         timing = tuned0.get("tuning", {}).get("timing") or ""
+        graphs = describe_graphs(tuned0.get("tuning", {}).get("inductor_graphs"))
         lines.append(f"{name}: tuning {tuned0['setup_seconds']:.1f} s ({t['tuning_compile_seconds']:.1f} s of it "
-                     f"compiling) is {100 * t['tuning_fraction_of_10k_steps_steady']:.2f}% of 10,000 steps at the "
+                     f"compiling{'; ' + graphs if graphs else ''}) is {100 * t['tuning_fraction_of_10k_steps_steady']:.2f}% of 10,000 steps at the "
                      f"chosen recipe's {tuned0['steady_ms_per_step']:.2f} ms"
                      + ("" if "tuning_fraction_of_10k_steps_compile_once" in t else
                         f": {'within' if t['cost_within_target'] else 'over'} the {COST_TARGET:.0%} target")
