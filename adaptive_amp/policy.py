@@ -593,10 +593,10 @@ class AdaptivePrecisionSelector:
         ``.plot(path)``, ``.to_dict()`` are the A/B report. The model, the optimizer and the RNG states are
         left as they were, bitwise."""
         from ._process_group import rank_zeros
-        from .compile_cache import graphs_since, inductor_counts
+        from .compile_cache import GraphCount
         from .tune import Tuner, check_unsharded, trained_parameters
 
-        compiles = inductor_counts()  # (before the fp8 map, which compiles its layers' timings)
+        compiles = GraphCount()  # (before the fp8 map, which compiles its layers' timings)
 
         device = torch.device("cpu")
         if isinstance(model, torch.nn.Module):  # (else Tuner says why)
@@ -636,7 +636,7 @@ class AdaptivePrecisionSelector:
         saved = measured[0].saved_ms if measured and bool(fp8_options["compiled"]) == compiled else None
         result = Tuner(model, optimizer, batches, loss_fn, capabilities, recipes, skipped, steps=steps,
                        memory_budget=memory_budget, analysis=analysis, fp8_saved_ms=saved, **options).run()
-        result.inductor_graphs = graphs_since(compiles)
+        result.inductor_graphs = compiles.graphs()
         if measured:
             result.phase_seconds["fp8 selection"] = seconds[0]
             result.seconds += seconds[0]

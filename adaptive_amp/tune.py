@@ -1887,8 +1887,9 @@ class TuneResult:
     phase_seconds: Dict[str, float] = field(default_factory=dict)  # where `seconds` went (Tuner._phase)
     timing: str = ""  # how the step times were measured (compiled: the eager screen, the compiled finalists)
     close_call: Optional[str] = None  # why the choice may fall the other way when timed again (Tuner._close_call)
-    # What inductor compiled while tuning, and loaded from its on-disk cache (compile_cache.graphs_since; None:
-    # nothing): a machine that compiled the same graphs before tunes faster.
+    # What inductor compiled while tuning, and loaded from its on-disk cache (compile_cache.GraphCount; None: nothing
+    # counted), in the process that tuned (under torch.distributed, rank 0's, whose result every rank takes): a
+    # machine that compiled the same graphs before tunes faster.
     inductor_graphs: Optional[Dict[str, int]] = None
 
     @property

@@ -271,7 +271,7 @@ def test_scale_verdict_against_the_targets_in_words():
     warm = dict(report, runs=[dict(x) for x in report["runs"]])
     warm["runs"][3]["tuning"] = dict(warm["runs"][3]["tuning"], inductor_graphs={"graphs": 14, "from_cache": 14})
     assert [x for x in scale.verdict(warm) if x.startswith("Tuning")][0] == (
-        "Tuning (seed 0, batch 4): 168.0 s (inductor loaded its 14 graphs from its on-disk cache), 1.94% of 10,000 "
+        "Tuning (seed 0, batch 4): 168.0 s (14 graphs loaded from inductor's on-disk cache), 1.94% of 10,000 "
         "steps at its steady 867 ms: meets the 2% target.")
     # A seed's one-candidate tuning (it trains seed 0's choice) is not the tuning's cost.
     report["runs"][4]["tuning"]["trials"] = trials[1:]
