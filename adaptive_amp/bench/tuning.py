@@ -306,9 +306,10 @@ def verdict(run: dict) -> list:
     if "cost_within_target" in t:
         timing = tuned0.get("tuning", {}).get("timing") or ""
         graphs = describe_graphs(tuned0.get("tuning", {}).get("inductor_graphs"))
+        graphs = f"; {graphs}" if graphs else ""
         lines.append(f"{name}: tuning {tuned0['setup_seconds']:.1f} s ({t['tuning_compile_seconds']:.1f} s of it "
-                     f"compiling{'; ' + graphs if graphs else ''}) is {100 * t['tuning_fraction_of_10k_steps_steady']:.2f}% of 10,000 steps at the "
-                     f"chosen recipe's {tuned0['steady_ms_per_step']:.2f} ms"
+                     f"compiling{graphs}) is {100 * t['tuning_fraction_of_10k_steps_steady']:.2f}% of 10,000 steps "
+                     f"at the chosen recipe's {tuned0['steady_ms_per_step']:.2f} ms"
                      + ("" if "tuning_fraction_of_10k_steps_compile_once" in t else
                         f": {'within' if t['cost_within_target'] else 'over'} the {COST_TARGET:.0%} target")
                      + f"; its steady "
