@@ -1701,7 +1701,7 @@ class Tuner:
         """[why the choice between `lean` (keeping more in bf16, faster) and `safe` may fall the other way when
         timed again, the memory each took, and how to decide] when `lean`'s speed-up lies within
         :data:`CLOSE_CALL` of `state_margin`, the speed-up it must exceed to be chosen; else []."""
-        if self.state_margin <= 0 or not lean.step_time_ms or not safe.step_time_ms or lean.step_time_ms <= 0:
+        if self.state_margin <= 0 or not (lean.step_time_ms or 0) > 0 or not safe.step_time_ms:
             return []
         gain = safe.step_time_ms / lean.step_time_ms - 1
         if gain <= 0 or abs(gain - self.state_margin) > CLOSE_CALL:

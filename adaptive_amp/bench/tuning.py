@@ -304,8 +304,8 @@ def verdict(run: dict) -> list:
                      f"), the tuning took {tuned0['setup_seconds']:.1f} s, "
                      f"{100 * t['tuning_fraction_of_10k_steps']:.2f}% of 10,000 such steps.")
     if "cost_within_target" in t:
-        timing = tuned0.get("tuning", {}).get("timing") or ""
-        graphs = describe_graphs(tuned0.get("tuning", {}).get("inductor_graphs"))
+        tuning = tuned0.get("tuning", {})
+        timing, graphs = tuning.get("timing") or "", describe_graphs(tuning.get("inductor_graphs"))
         graphs = f"; {graphs}" if graphs else ""
         lines.append(f"{name}: tuning {tuned0['setup_seconds']:.1f} s ({t['tuning_compile_seconds']:.1f} s of it "
                      f"compiling{graphs}) is {100 * t['tuning_fraction_of_10k_steps_steady']:.2f}% of 10,000 steps "
