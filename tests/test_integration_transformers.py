@@ -206,6 +206,33 @@ def test_trainer_bf16_pure_and_auto(tmp_path):
     assert cb.amp.step_count == 2
 
 
+def test_trainer_tune_checkpoints_the_optimizer_its_choice_steps(tmp_path):
+    """policy="tune" choosing bf16-pure converts the Trainer's optimizer to its stochastic-rounding twin, which
+    takes the state: the Trainer's optimizer then wraps the twin, so that its checkpoints hold the moments that
+    train (they held an empty state), and a resume (which tunes again, from the restored weights) continues
+    bitwise."""
+    batches = [{"input_ids": b, "labels": b} for b in token_batches(2)]
+    tune = dict(batches=batches, loss_fn=lambda m, b: m(**b).loss, candidates=["bf16-pure"], steps=2)
+
+    straight = _trainer(tmp_path / "s", save_strategy="steps", save_steps=3)
+    cb_s = hf.attach(straight, "tune", tune=tune)
+    straight.train()
+    assert cb_s.amp.tuning.recipe.name == "bf16-pure"
+    twin = cb_s.amp.optimizers[0]
+    assert isinstance(twin, adaptive_amp.optim.AdamW) and straight.optimizer.optimizer is twin
+    ckpt = tmp_path / "s" / "checkpoint-3"
+    saved = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    assert len(saved["state"]) == len(list(straight.model.parameters()))
+
+    resumed = _trainer(tmp_path / "r")
+    cb_r = hf.attach(resumed, "tune", tune=tune)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert all(p.dtype == torch.bfloat16 for p in resumed.model.parameters())
+    _same_params(straight.model, resumed.model)
+    assert resumed.losses == straight.losses[3:]
+    assert cb_r.amp.step_count == 6
+
+
 def test_trainer_torch_compile_compiles_once_with_the_controllers_context_around_the_graph(tmp_path):
     """The Trainer compiles the model whole (its torch_compile): the controller takes the compiled wrapper and its
     context goes around the compiled forward. Inside it, traced, the context broke the graph into pieces and

@@ -41,6 +41,12 @@ What each Accelerate call becomes:
   rank resumes its own), and with FSDP2 the step that
   ``torch.distributed.checkpoint`` runs to create the optimizer's state
   before loading it is the optimizer's alone, not a training step.
+* ``policy="tune"`` (with ``tune=dict(batches=..., loss_fn=...)``) tunes when
+  the controller connects (the Trainer: as training begins; on a resume,
+  again, from the restored weights, and the saved controller state then
+  loads). Where the chosen recipe steps a stochastic-rounding twin of the
+  optimizer (bf16-pure, bf16-weights), the prepared optimizer wraps the twin
+  from then on, so that checkpoints hold the state that trains.
 
 Accelerate's FSDP (``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
 fsdp_version=2))``) and DDP strategies both work: the scaler all-reduces
@@ -108,9 +114,14 @@ class _ScaledLoss:
 
 
 def _raw_optimizer(optimizer):
-    while isinstance(optimizer, AcceleratedOptimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
+    return _innermost(optimizer).optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def _innermost(accelerated: AcceleratedOptimizer) -> AcceleratedOptimizer:
+    """The AcceleratedOptimizer that holds the optimizer itself."""
+    while isinstance(accelerated.optimizer, AcceleratedOptimizer):
+        accelerated = accelerated.optimizer
+    return accelerated
 
 
 class AcceleratorBridge:
@@ -163,7 +174,12 @@ class AcceleratorBridge:
             self.amp.remove()
         make = CollectiveAdaptiveMixedPrecision if world_group() is not None else AdaptiveMixedPrecision
         self.amp = make(outer, raw, self.policy, **self.controller_kwargs)
-        self._optimizer = raw
+        # A tuning may choose a recipe that steps a stochastic-rounding twin of the optimizer (it shares the
+        # param_groups and takes the state): the prepared optimizer then wraps the twin, so that what the
+        # Trainer and save_state checkpoint is the state that trains.
+        self._optimizer = self.amp.optimizers[0]
+        if self._optimizer is not raw:
+            _innermost(optimizer).optimizer = self._optimizer
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.amp.load_state_dict(state)
