@@ -8,6 +8,7 @@ MixedPrecision path where the arithmetic is the same.
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import pytest
@@ -25,7 +26,7 @@ from adaptive_amp.layers import is_compiled  # noqa: E402
 from pytorch_lightning.plugins.precision import MixedPrecision  # noqa: E402
 
 from _integ_models import lit_gpt2_class, tiny_gpt2, token_batches  # noqa: E402
-from conftest import counting_aot_eager, cuda_param  # noqa: E402
+from conftest import counting_aot_eager, cuda_param, requires_cuda  # noqa: E402
 
 FP16 = "params=float32,compute=float16,loss_scale=dynamic:1024:growth_interval=3"
 
@@ -139,6 +140,125 @@ def test_bf16_weights_with_sr_optimizer():
 def test_bf16_pure_refuses_a_plain_optimizer():
     with pytest.raises(TypeError, match="stochastically"):
         _fit(AdaptivePrecision("bf16-pure"), steps=1)
+
+
+def test_fp8_presets_measure_their_layers_through_the_plugin():
+    """policy="bf16-pure+fp8": the module is cast to bf16 before the optimizer exists, as for "bf16-pure", and
+    the controller measures each layer for fp8 when fit sets it up (on the CPU none can run in fp8: each layer
+    stays as it was, with why)."""
+    batch = token_batches(1)[0]
+    plugin = AdaptivePrecision("bf16-pure+fp8", sample_inputs=batch,
+                               fp8=dict(run=lambda module, b: module.model(input_ids=b)))
+    assert plugin.precision == "bf16-true"
+    _, module = _fit(plugin, steps=3, optimizer="sr", lr=1e-2)
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    assert str(plugin.amp.policy) == "params=bfloat16,compute=bfloat16"
+    measured = [r for r in plugin.amp.policy.reasons if r.startswith("layer model.transformer.h.0.mlp.c_fc")]
+    assert len(measured) == 1 and "not fp8" in measured[0], plugin.amp.policy.reasons
+    assert AdaptivePrecision("bf16+fp8").precision == "bf16-mixed"
+
+
+def test_a_bf16_fp8_preset_trains_its_measured_fp8_layers_in_the_trainer(fp8_here):
+    """Where fp8 can run (here: allowed on the CPU, with a table of gains), the layers measured to gain and
+    tolerate it go to fp8 when fit sets the module up, and the Trainer trains them so."""
+    gains = lambda layer, shape, kind: 1.4 if 128 in layer.weight.shape else 0.9  # the MLPs (32 <-> 128) # noqa: E731
+    plugin = AdaptivePrecision("bf16+fp8", sample_inputs=token_batches(1)[0],
+                               fp8=dict(gain_fn=gains, run=lambda module, b: module.model(input_ids=b)))
+    _, module = _fit(plugin, steps=4)
+    assert plugin.amp.adjuster.layer_kinds == {f"model.transformer.h.{i}.mlp.{n}": "fp8-tensorwise"
+                                               for i in (0, 1) for n in ("c_fc", "c_proj")}
+    assert "layers=model.transformer.h.*.mlp.c_fc:fp8-tensorwise" in str(plugin.amp.policy)
+    assert plugin.precision == "bf16-mixed"
+    assert all(math.isfinite(x) for x in module.losses) and plugin.amp.step_count == 4
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_a_compiled_module_takes_fp8_in_its_large_layers_on_the_gpu():
+    """On a GPU with fp8 matmuls, ``fit(torch.compile(module))`` with "bf16+fp8": the gains are timed compiled, as
+    the layers run, and the 4096-wide layers at 8,192 tokens (which gain about 1.25x on an H100 or H200) go to
+    fp8, the small head stays bf16; the module trains."""
+    from adaptive_amp import fp8
+
+    why = fp8.fp8_unavailable("cuda")
+    if why:
+        pytest.skip(why)
+
+    class Wide(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 4096))
+            self.head = torch.nn.Linear(4096, 16)
+            self.losses = []
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self(x).float(), y)
+            self.losses.append(loss.detach())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8192, 4096, generator=g), torch.randint(0, 16, (8192,), generator=g))] * 4
+    plugin = AdaptivePrecision("bf16+fp8", sample_inputs=data[0][0].cuda())
+    torch._dynamo.reset()
+    _, module = _fit(plugin, steps=8, module=torch.compile(Wide()), data=data, device="cuda")
+    assert plugin.amp.adjuster.layer_kinds == {"body.0": "fp8-tensorwise", "body.2": "fp8-tensorwise"}, \
+        plugin.amp.policy.reasons
+    losses = [float(x) for x in module.losses]
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], losses
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("policy, match", [("fp16+fp8", "fp8 stacks on"), ("bf16+fp8+ckpt", "one of"),
+                                           ("bf16-wieghts", "bf16-wieghts")])
+def test_a_policy_the_plugin_cannot_run_is_refused_at_construction(policy, match):
+    with pytest.raises(ValueError, match=match):
+        AdaptivePrecision(policy)
+
+
+def test_fabric_refuses_tune_naming_the_way():
+    with pytest.raises(ValueError, match="tune the model on its own first"):
+        AdaptiveFabricPrecision("tune")
+
+
+def test_tune_steps_and_checkpoints_the_optimizer_its_choice_converts(tmp_path):
+    """policy="tune" choosing bf16-pure converts the optimizer to its stochastic-rounding twin when fit sets up
+    the module: the Trainer steps and checkpoints the twin (its LR scheduler still sets the shared param_groups;
+    the checkpoints held an empty state), and a resume, which tunes again from the restored weights, trains on
+    with the saved moments. (Not bitwise: Lightning does not restore the RNG that stochastic rounding draws on.)"""
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    data = token_batches(3)
+    tune = dict(batches=data[:2], loss_fn=lambda m, b: m.model(input_ids=b, labels=b).loss,
+                candidates=["bf16-pure"], steps=2)
+    every3 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    straight = AdaptivePrecision("tune", tune=tune)
+    trainer, m_straight = _fit(straight, steps=6, data=data,
+                               trainer_kw={"enable_checkpointing": True, "callbacks": [every3]})
+    assert straight.amp.tuning.recipe.name == "bf16-pure" and straight.precision == "bf16-true"
+    twin = straight.amp.optimizers[0]
+    assert isinstance(twin, adaptive_amp.optim.AdamW) and trainer.optimizers == [twin]
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [g["lr"] for g in twin.param_groups]
+    ckpt = tmp_path / "epoch=0-step=3.ckpt"
+    saved = torch.load(ckpt, weights_only=True)
+    assert len(saved["optimizer_states"][0]["state"]) == len(list(m_straight.parameters()))
+
+    resumed = AdaptivePrecision("tune", tune=tune)
+    trainer, m_resumed = _fit(resumed, steps=3, ckpt_path=str(ckpt), data=data)  # restored, nothing to train
+    assert trainer.optimizers == resumed.amp.optimizers and resumed.amp.step_count == 3
+    loaded = resumed.amp.optimizers[0].state_dict()["state"]
+    assert loaded.keys() == saved["optimizer_states"][0]["state"].keys()
+    for index, state in saved["optimizer_states"][0]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded[index][key], state[key]), (index, key)
+    assert all(p.dtype == torch.bfloat16 for p in m_resumed.parameters())
+    assert all(torch.equal(p, saved["state_dict"][n]) for n, p in m_resumed.named_parameters())
 
 
 def test_clip_by_norm_goes_through_the_controller():

@@ -35,7 +35,8 @@ from ._lightning_packages import (FABRIC_PRECISION_BASES, GradClipAlgorithmType,
 
 from ..controller import AdaptiveMixedPrecision
 from ..distributed import CollectiveAdaptiveMixedPrecision, world_group
-from ..policy import PrecisionPolicy
+from ..names import fp8_preset
+from ..policy import PrecisionPolicy, recipe_policy
 from ..recipes import cast_for_policy
 
 __all__ = ["AdaptivePrecision", "AdaptiveFabricPrecision"]
@@ -54,11 +55,29 @@ def _lightning_name(policy, default: str) -> str:
 
 
 def _parse_policy(policy) -> Union[str, PrecisionPolicy]:
+    """The plugin's policy, checked before the Trainer starts: a PrecisionPolicy (also from its string form), or
+    the name of a policy the controller decides when it is built ("auto", "tune", a "+fp8" preset)."""
     if isinstance(policy, PrecisionPolicy):
         return policy
     if not isinstance(policy, str):
-        raise TypeError(f"policy must be 'auto', a PrecisionPolicy or its string form, got {type(policy).__name__}")
-    return "auto" if policy.strip().lower() == "auto" else PrecisionPolicy.from_string(policy)
+        raise TypeError("policy must be 'auto', 'tune', a '+fp8' preset ('bf16+fp8', 'bf16-weights+fp8', "
+                        f"'bf16-pure+fp8'), a PrecisionPolicy or its string form, got {type(policy).__name__}")
+    name = policy.strip().lower()
+    if name in ("auto", "tune"):
+        return name
+    if fp8_preset(policy) is not None:  # (refuses "+fp8" on a base it cannot stack on, naming the policy)
+        return policy.strip()
+    return PrecisionPolicy.from_string(policy)
+
+
+def _known_policy(policy) -> Optional[PrecisionPolicy]:
+    """What the plugin knows of the parameters and compute before the controller exists: the policy, or for a
+    "+fp8" preset its base recipe's (the fp8 layers are measured when the controller is built); None for
+    "auto" and "tune"."""
+    if isinstance(policy, PrecisionPolicy):
+        return policy
+    base = fp8_preset(policy)
+    return None if base is None else recipe_policy(base)
 
 
 def _handles_unscaling(optimizer) -> bool:
@@ -76,17 +95,16 @@ class _ControllerHost:
         self.amp: Optional[AdaptiveMixedPrecision] = None
         self._pending_state: Optional[dict] = None
         self._clip_norm: Optional[tuple] = None  # (max_norm, norm_type) for the next step
-        self.precision = _lightning_name(self.policy, "32-true")
-
-    def _casts_params(self) -> bool:
-        return isinstance(self.policy, PrecisionPolicy) and self.policy.param_dtype == torch.bfloat16
+        self.precision = _lightning_name(_known_policy(self.policy), "32-true")
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        # bf16-pure, bf16-weights: cast before the strategy wraps the module (DDP's buckets follow the
-        # parameters' dtype) and before the optimizer is built on it, so that its state is bf16-sized from the
-        # start; the cast the controller would make (all of the module, or its matmul layers' weights).
-        if self._casts_params():
-            cast_for_policy(module, self.policy)
+        # bf16-pure, bf16-weights (and their "+fp8" presets): cast before the strategy wraps the module (DDP's
+        # buckets follow the parameters' dtype) and before the optimizer is built on it, so that its state is
+        # bf16-sized from the start; the cast the controller would make (all of the module, or its matmul
+        # layers' weights).
+        known = _known_policy(self.policy)
+        if known is not None and known.param_dtype == torch.bfloat16:
+            cast_for_policy(module, known)
         return module
 
     def _build(self, module: nn.Module, optimizers: List[torch.optim.Optimizer]) -> AdaptiveMixedPrecision:
@@ -172,10 +190,20 @@ class AdaptivePrecision(_ControllerHost, *TRAINER_PRECISION_BASES):
         policy: ``"auto"`` (select from the hardware and the model), a
             :class:`adaptive_amp.PrecisionPolicy` or its string form
             (``"params=float32,compute=float16,loss_scale=dynamic"``,
-            ``"bf16-pure"``). With ``"bf16-pure"`` the module is cast to bf16
-            before the optimizers are created, and ``configure_optimizers``
-            must return :class:`adaptive_amp.optim.AdamW` or ``SGD`` with
-            ``stochastic_rounding=True``.
+            ``"bf16-pure"``), a ``"+fp8"`` preset (``"bf16+fp8"``,
+            ``"bf16-weights+fp8"``, ``"bf16-pure+fp8"``: its base recipe, and
+            fp8 in each layer measured to gain and tolerate it, on
+            ``sample_inputs`` or ``fp8=dict(batches=...)`` run through the
+            module's ``forward`` unless ``fp8`` has a ``run``), or ``"tune"``
+            (``tune=dict(batches=..., loss_fn=fn(module, batch))``: the
+            candidates are measured when ``fit`` sets up the module, and on a
+            resume again, from the restored weights). With ``"bf16-pure"``
+            (also with fp8) the module is cast to bf16 before the optimizers
+            are created, and ``configure_optimizers`` must return
+            :class:`adaptive_amp.optim.AdamW` or ``SGD`` with
+            ``stochastic_rounding=True``; a tuning that chooses such a recipe
+            converts the optimizer itself, and the Trainer then steps and
+            checkpoints the converted one.
         **controller_kwargs: passed to AdaptiveMixedPrecision (``sample_inputs``,
             ``overrides``, ``read_every``, ``adapt``, ``scaler_kwargs``, ...).
 
@@ -211,8 +239,10 @@ class AdaptivePrecision(_ControllerHost, *TRAINER_PRECISION_BASES):
         if self._eval_adjuster is not None:
             self._eval_adjuster.remove()
             self._eval_adjuster = None
-        self._build(module, list(optimizers))
-        return model, optimizers, lr_schedulers
+        amp = self._build(module, list(optimizers))
+        # (a tuning may step a stochastic-rounding twin of the optimizer: the Trainer then steps and checkpoints
+        # the twin, which shares the param_groups its LR schedulers set)
+        return model, list(amp.optimizers), lr_schedulers
 
     def _make_eval_adjuster(self, module: nn.Module):
         from ..adjust import DynamicPrecisionAdjuster
@@ -221,8 +251,8 @@ class AdaptivePrecision(_ControllerHost, *TRAINER_PRECISION_BASES):
 
         if self.amp is not None:
             return None  # after fit: the controller's policy, as it ended
-        policy = self.policy
-        if not isinstance(policy, PrecisionPolicy):
+        policy = _known_policy(self.policy)  # (a "+fp8" preset: its base; its layers are measured by fit)
+        if policy is None:
             device = next(module.parameters(), torch.empty(0)).device
             policy = AdaptivePrecisionSelector().select(module, HardwareDetector().detect(device), None,
                                                         self.controller_kwargs.get("overrides"))
@@ -300,6 +330,12 @@ class AdaptiveFabricPrecision(_ControllerHost, *FABRIC_PRECISION_BASES):
     _how_to_connect = "call precision.connect(model, optimizer) after fabric.setup(model, optimizer)"
 
     def __init__(self, policy: Union[str, PrecisionPolicy] = "auto", **controller_kwargs: Any) -> None:
+        if isinstance(policy, str) and policy.strip().lower() == "tune":
+            # (a tuning may convert the optimizer, and the one fabric.setup wrapped is what fabric.save saves)
+            raise ValueError("policy='tune' is not supported by AdaptiveFabricPrecision: tune the model on its own "
+                             "first (result = adaptive_amp.AdaptivePrecisionSelector().tune(model, optimizer, "
+                             "batches, loss_fn)), then pass result.policy here, with an adaptive_amp.optim "
+                             "optimizer with stochastic_rounding=True where that policy keeps bf16 weights")
         self._init_host(policy, controller_kwargs)
         self._module: Optional[nn.Module] = None
 
