@@ -79,7 +79,7 @@ from .optim import _Fused
 from .names import fp8_preset
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name, recipe_policy
 from .layer_precision import OwnedHandles
-from .recipes import cast_for_policy, policy_hooks, sharded_cast_refusal
+from .recipes import cast_for_policy, policy_hooks, cast_refusal
 from .regional import RegionalStatistics
 from .scaler import GradScaler, OptState, _takes_grad_scaler
 from .step_result import HostSlots, StepResult
@@ -198,8 +198,9 @@ class AdaptiveMixedPrecision:
         scaler_kwargs: extra GradScaler arguments (mode, hysteresis, ...).
         monitor: a StabilityMonitor to use instead of the default one.
         tune: with policy="tune", ``dict(batches=..., loss_fn=fn(model, batch))`` and any option of
-            AdaptivePrecisionSelector.tune; the chosen recipe may replace the optimizer by its
-            stochastic-rounding twin (``amp.optimizers``; it shares the original's param_groups).
+            AdaptivePrecisionSelector.tune; a chosen recipe with bf16 weights or moments converts the
+            optimizer in place to its stochastic-rounding twin (adaptive_amp.recipes.convert_optimizer_in_place:
+            its ``state_dict()`` holds the state that trains).
             ``amp.tuning`` holds the trials.
         memory_guard: an adaptive_amp.pressure.MemoryGuard: lighter recipes under memory pressure,
             and after an out-of-memory error in :meth:`train_step`.
@@ -385,7 +386,7 @@ class AdaptiveMixedPrecision:
         self.tuning = self._agree_tuning(AdaptivePrecisionSelector().tune(
             self.model, self.optimizers[0], options.pop("batches"), options.pop("loss_fn"),
             capabilities=self.capabilities, **options))
-        applied = AppliedRecipe(self.tuning.recipe, self.model, self.optimizers[0], precision=False)
+        applied = AppliedRecipe(self.tuning.recipe, self.model, self.optimizers[0], precision=False, in_place=True)
         self._owned.add(applied.checkpoint_undo)  # (the optimizer and the parameters' dtype stay: see remove())
         self.optimizers = [applied.optimizer]
         return self.tuning.policy
@@ -494,7 +495,7 @@ class AdaptiveMixedPrecision:
             raise ValueError("a policy with params=bfloat16 throughout (bf16-pure) cannot have fp32 islands: an "
                              "island computes in float32 and its weights would be bfloat16; use scope=matmul "
                              "(bf16-weights), whose islands keep fp32 weights, or params=float32")
-        why = sharded_cast_refusal(self.model, policy)
+        why = cast_refusal(self.model, policy)
         if why:
             raise ValueError(f"policy {policy}: {why}")
         from . import optim
@@ -986,8 +987,7 @@ class AdaptiveMixedPrecision:
             for (_, dtype), gs in groups.items()])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of every optimizer the controller steps (``amp.optimizers``, which a memory move
-        or the tuned recipe may have replaced)."""
+        """Clear the gradients of every optimizer the controller steps (``amp.optimizers``)."""
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 

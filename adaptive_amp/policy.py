@@ -24,7 +24,7 @@ import torch
 from .hardware import Capabilities, HardwareDetector
 from .layers import canonical_name, compiled_layers, expand_names, is_compiled
 from .names import CANDIDATES, format_name, recipe_names
-from .recipes import Recipe
+from .recipes import Recipe, cast_refusal
 
 # Canonical names are torch's (str(torch.float16) without "torch."); the other spellings are those of
 # adaptive_amp.names, the one table of names.
@@ -632,6 +632,11 @@ class AdaptivePrecisionSelector:
             return measured[0]
 
         recipes, skipped = candidate_recipes(capabilities, analysis, candidates, fp8=fp8_map)
+        if isinstance(model, torch.nn.Module):
+            # A recipe whose cast the model refuses (bf16 weights on a model DDP wraps in float32) is not tried.
+            refused = [(r.name, cast_refusal(model, r.policy)) for r in recipes]
+            recipes = [r for r, (_, why) in zip(recipes, refused) if why is None]
+            skipped = [*skipped, *((name, why) for name, why in refused if why is not None)]
         # (None where the user's fp8 options timed them otherwise)
         saved = measured[0].saved_ms if measured and bool(fp8_options["compiled"]) == compiled else None
         result = Tuner(model, optimizer, batches, loss_fn, capabilities, recipes, skipped, steps=steps,

@@ -51,7 +51,6 @@ headroom makes its move before an allocation fails.
 from __future__ import annotations
 
 import gc
-import weakref
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -59,8 +58,8 @@ import torch
 from ._process_group import world_group
 from .monitor import Event
 from .policy import dtype_name
-from .recipes import (cast_for_policy, checkpoint_blocks, convert_optimizer, convertible, find_blocks, policy_hooks,
-                      sharded_cast_refusal)
+from .recipes import (cast_for_policy, cast_refusal, checkpoint_blocks, convert_optimizer_in_place, convertible,
+                      find_blocks, policy_hooks)
 
 #: The moves, lightest-cost first (each keeps the data and the optimizer state).
 LADDER = ("bf16-moments", "bf16-weights", "checkpoint")
@@ -272,7 +271,7 @@ class MemoryGuard:
             if name == "bf16-weights" and amp.device.type == "cuda" and not amp.capabilities.bf16:
                 return f"bf16 is not native on {amp.capabilities.name}"
             if name == "bf16-weights":
-                why = sharded_cast_refusal(amp.model, _bf16_weights_policy(amp.policy))
+                why = cast_refusal(amp.model, _bf16_weights_policy(amp.policy))
                 if why:
                     return why
             for i, opt in enumerate(amp.optimizers):
@@ -288,7 +287,7 @@ class MemoryGuard:
         return None
 
     def _convert(self, amp, moment_dtype):
-        swaps = [_convert_in_place(opt, moment_dtype) for opt in amp.optimizers]
+        swaps = [convert_optimizer_in_place(opt, moment_dtype) for opt in amp.optimizers]
 
         def undo():
             for back in reversed(swaps):
@@ -341,62 +340,6 @@ class MemoryGuard:
 
 #: What an optimizer keeps of its own through an in-place conversion: hooks its user registered, the LR
 #: scheduler's "stepped" mark.
-_KEPT = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-         "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-         "_optimizer_load_state_dict_post_hooks", "_opt_called", "track_grad_norm")
-
-
-def _convert_in_place(optimizer, moment_dtype) -> Callable[[], None]:
-    """Make `optimizer` itself adaptive_amp.optim's (recipes.convert_optimizer's conversion, then its class and
-    attributes swapped in), so that the object its user holds (in a checkpoint call, an LR scheduler, a
-    framework) stays the live one. Returns the undo: the original class, attributes and state again."""
-    converted = convert_optimizer(optimizer, moment_dtype)
-    ours = converted.optimizer
-    if ours is optimizer:
-        return converted.undo
-    old_class, old_dict = type(optimizer), dict(optimizer.__dict__)
-    new_dict = dict(ours.__dict__)
-    for key in _KEPT:
-        if key in old_dict:
-            new_dict[key] = old_dict[key]
-    if "step" in old_dict:
-        # An LR scheduler wrapped the bound step of the old class (torch's patch_track_step_called): wrap ours.
-        new_dict["step"] = _scheduler_step(optimizer)
-    optimizer.__class__ = type(ours)
-    optimizer.__dict__.clear()
-    optimizer.__dict__.update(new_dict)
-    ours.state = optimizer.state  # (the conversion's own object is a husk from now on)
-
-    def undo():
-        live = dict(optimizer.__dict__)
-        ours.state = live["state"]  # what the optimizer holds now (also after a load_state_dict meanwhile)
-        ours.param_groups = live["param_groups"]
-        restored = dict(old_dict)
-        restored["param_groups"] = live["param_groups"]
-        for key in _KEPT:
-            if key in live and key != "track_grad_norm":
-                restored[key] = live[key]
-        if "step" in live:  # (also an LR scheduler created since)
-            restored["step"] = _scheduler_step(optimizer)
-        optimizer.__class__ = old_class
-        optimizer.__dict__.clear()
-        optimizer.__dict__.update(restored)
-        converted.undo()
-    return undo
-
-
-def _scheduler_step(optimizer):
-    ref = weakref.ref(optimizer)
-
-    def step(*args, **kwargs):
-        opt = ref()
-        opt._opt_called = True
-        return type(opt).step(opt, *args, **kwargs)
-
-    step._wrapped_by_lr_sched = True
-    return step
-
-
 def train_step(amp, closure: Callable[[], torch.Tensor], max_grad_norm=None, norm_type: float = 2.0):
     """One whole step: ``loss = closure()`` under the policy's autocast, backward, step, and the gradients
     cleared (``zero_grad(set_to_none=True)``: the next call starts from none). An out-of-memory error

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -230,6 +231,63 @@ def convert_optimizer(optimizer, moment_dtype: torch.dtype) -> ConvertedOptimize
     return ConvertedOptimizer(optimizer, ours, saved_groups, step_places)
 
 
+_KEPT = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+         "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+         "_optimizer_load_state_dict_post_hooks", "_opt_called", "track_grad_norm")
+
+
+def convert_optimizer_in_place(optimizer, moment_dtype: torch.dtype) -> Callable[[], None]:
+    """Make `optimizer` itself adaptive_amp.optim's (:func:`convert_optimizer`'s conversion, then its class and
+    attributes swapped in), so that the object its user holds (in a checkpoint call, an LR scheduler, a
+    framework's wrapper) stays the live one, and its ``state_dict()`` holds the state that trains. Returns the
+    undo: the original class, attributes and state again."""
+    converted = convert_optimizer(optimizer, moment_dtype)
+    ours = converted.optimizer
+    if ours is optimizer:
+        return converted.undo
+    old_class, old_dict = type(optimizer), dict(optimizer.__dict__)
+    new_dict = dict(ours.__dict__)
+    for key in _KEPT:
+        if key in old_dict:
+            new_dict[key] = old_dict[key]
+    if "step" in old_dict:
+        # An LR scheduler wrapped the bound step of the old class (torch's patch_track_step_called): wrap ours.
+        new_dict["step"] = _scheduler_step(optimizer)
+    optimizer.__class__ = type(ours)
+    optimizer.__dict__.clear()
+    optimizer.__dict__.update(new_dict)
+    ours.state = optimizer.state  # (the conversion's own object is a husk from now on)
+
+    def undo():
+        live = dict(optimizer.__dict__)
+        ours.state = live["state"]  # what the optimizer holds now (also after a load_state_dict meanwhile)
+        ours.param_groups = live["param_groups"]
+        restored = dict(old_dict)
+        restored["param_groups"] = live["param_groups"]
+        for key in _KEPT:
+            if key in live and key != "track_grad_norm":
+                restored[key] = live[key]
+        if "step" in live:  # (also an LR scheduler created since)
+            restored["step"] = _scheduler_step(optimizer)
+        optimizer.__class__ = old_class
+        optimizer.__dict__.clear()
+        optimizer.__dict__.update(restored)
+        converted.undo()
+    return undo
+
+
+def _scheduler_step(optimizer):
+    ref = weakref.ref(optimizer)
+
+    def step(*args, **kwargs):
+        opt = ref()
+        opt._opt_called = True
+        return type(opt).step(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    return step
+
+
 # ---------------------------------------------------------------------------- parameters
 
 
@@ -385,36 +443,65 @@ def float32_embeddings(model: nn.Module) -> HookHandles:
                        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)))
 
 
-def sharded_cast_refusal(model: nn.Module, policy) -> Optional[str]:
-    """Why :func:`cast_for_policy` cannot cast `model` for `policy` (None: it can). FSDP2 (``fully_shard``)
-    fixes each parameter's dtype when it shards it, and all-gathers a unit's parameters in one dtype: its
-    parameters (DTensors) cannot be cast afterwards, nor split into bf16 matmul weights and float32 norms."""
+def cast_refusal(model: nn.Module, policy) -> Optional[str]:
+    """Why :func:`cast_for_policy` cannot cast `model` for `policy` (None: it can).
+
+    FSDP2 (``fully_shard``) fixes each parameter's dtype when it shards it, and all-gathers a unit's parameters
+    in one dtype: its parameters (DTensors) cannot be cast afterwards, nor split into bf16 matmul weights and
+    float32 norms. DistributedDataParallel sets up its gradient all-reduce for the dtypes the parameters have
+    when it wraps the model: after a cast its hooks no longer average the gradients, and each rank would train
+    its replica on its own gradients, silently (measured: two gloo ranks' bf16 gradients differed after one
+    backward). A model cast before either wraps it casts nothing here, and is not refused."""
     if policy.param_dtype == torch.float32:
         return None
-    sharded = [(n, p) for n, p in unwrap_model(model).named_parameters() if is_sharded(p)]
-    if not sharded:
+    root = unwrap_model(model)
+    sharded = [(n, p) for n, p in root.named_parameters() if is_sharded(p)]
+    if sharded:
+        if policy.param_scope == "matmul":
+            return (f"{sharded[0][0]} is sharded by FSDP2 (a DTensor), and bf16 matmul weights beside float32 "
+                    "norms (bf16-weights) would be two dtypes in one sharded unit, which FSDP2 refuses; under FSDP2 "
+                    "keep a float32 policy and give fully_shard mp_policy=MixedPrecisionPolicy("
+                    "param_dtype=torch.bfloat16), or train bf16-pure")
+        wrong = [(n, p) for n, p in sharded if p.is_floating_point() and p.dtype != policy.param_dtype]
+        if wrong:
+            return (f"{wrong[0][0]} is sharded by FSDP2 (a DTensor) in {wrong[0][1].dtype}, and FSDP2 fixes a "
+                    f"parameter's dtype when fully_shard runs: cast the model before sharding it "
+                    f"(model.to({policy.param_dtype}), then fully_shard)")
+        return None
+    replicated = {id(p) for m in root.modules() if isinstance(m, nn.parallel.DistributedDataParallel)
+                  for p in m.parameters()}
+    if not replicated:
         return None
     if policy.param_scope == "matmul":
-        return (f"{sharded[0][0]} is sharded by FSDP2 (a DTensor), and bf16 matmul weights beside float32 norms "
-                "(bf16-weights) would be two dtypes in one sharded unit, which FSDP2 refuses; under FSDP2 keep a "
-                "float32 policy and give fully_shard mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16), "
-                "or train bf16-pure")
-    wrong = [(n, p) for n, p in sharded if p.is_floating_point() and p.dtype != policy.param_dtype]
-    if wrong:
-        return (f"{wrong[0][0]} is sharded by FSDP2 (a DTensor) in {wrong[0][1].dtype}, and FSDP2 fixes a "
-                f"parameter's dtype when fully_shard runs: cast the model before sharding it "
-                f"(model.to({policy.param_dtype}), then fully_shard)")
-    return None
+        islands, _ = expand_names(policy.islands, model)
+        kept = {id(p) for name in islands for p in root.get_submodule(name).parameters()}
+        names = {id(p): n for n, p in root.named_parameters()}
+        cast = [(names.get(id(p), layer), p) for layer, m in matmul_layers(model) for p in m._parameters.values()
+                if p is not None and id(p) not in kept]
+        how = ("cast the matmul layers' weights first (adaptive_amp.recipes.cast_matmul_weights(model, "
+               "torch.bfloat16)), then wrap it")
+    else:
+        cast = list(root.named_parameters())
+        how = f"cast it first (model.to({policy.param_dtype})), then wrap it"
+    wrong = next(((n, p) for n, p in cast if id(p) in replicated and p.is_floating_point()
+                  and p.dtype != policy.param_dtype), None)
+    if wrong is None:
+        return None
+    return (f"{wrong[0]} is in {wrong[1].dtype} in a model DistributedDataParallel wraps, and DDP averages "
+            "gradients in the dtypes the parameters had when it wrapped the model: cast afterwards, each rank would "
+            f"silently train its replica on its own gradients. {how[0].upper() + how[1:]} in "
+            "DistributedDataParallel; or keep a float32 policy")
 
 
 def cast_for_policy(model: nn.Module, policy) -> Callable[[], None]:
     """The cast a policy with bf16 parameters makes (returns its undo): param_scope "all" (bf16-pure) every
     parameter and buffer (:func:`cast_parameters`), "matmul" (bf16-weights) the matmul layers' weights but the
     islands' (:func:`cast_matmul_weights`). The controller, the trials and a recipe run alone all cast with this.
-    A model FSDP2 has sharded is refused with :func:`sharded_cast_refusal`'s reason, before anything changes."""
+    A model FSDP2 has sharded, or DDP wraps, is refused with :func:`cast_refusal`'s reason, before anything
+    changes."""
     if policy.param_dtype == torch.float32:
         return lambda: None
-    why = sharded_cast_refusal(model, policy)
+    why = cast_refusal(model, policy)
     if why:
         raise ValueError(f"policy {policy}: {why}")
     if policy.param_scope == "matmul":
@@ -499,24 +586,26 @@ def float8_available() -> Optional[str]:
 class AppliedRecipe:
     """A recipe applied to a model and an optimizer: what a training step needs, and :meth:`undo`.
 
-    ``optimizer`` is the one to step (the user's, or its stochastic-rounding conversion), ``scaler`` a
-    GradScaler (disabled without loss scaling), ``autocast()`` the policy's autocast with islands."""
+    ``optimizer`` is the one to step (the user's, or its stochastic-rounding conversion: with `in_place`, the
+    user's object itself, converted by :func:`convert_optimizer_in_place`, so that what the user and any
+    framework hold steps and checkpoints the state that trains), ``scaler`` a GradScaler (disabled without
+    loss scaling), ``autocast()`` the policy's autocast with islands."""
 
-    def __init__(self, recipe: Recipe, model: nn.Module, optimizer, precision: bool = True):
+    def __init__(self, recipe: Recipe, model: nn.Module, optimizer, precision: bool = True, in_place: bool = False):
         # precision=False: only the optimizer, parameter dtype and checkpointing (a controller applies the
         # policy's autocast, islands and fp8 layers, scaler and TF32 itself).
         self.recipe = recipe
         self.model = model
         self._undo: List[Callable[[], None]] = []
-        self.converted: Optional[ConvertedOptimizer] = None
         self.checkpoint_undo: Optional[Callable[[], None]] = None  # (the controller owns it: precision=False)
         try:
-            if recipe.moment_dtype is not None:
-                self.converted = convert_optimizer(optimizer, recipe.moment_dtype)
-                self._undo.append(self.converted.undo)
-                self.optimizer = self.converted.optimizer
-            else:
-                self.optimizer = optimizer
+            self.optimizer = optimizer
+            if recipe.moment_dtype is not None and in_place:
+                self._undo.append(convert_optimizer_in_place(optimizer, recipe.moment_dtype))
+            elif recipe.moment_dtype is not None:
+                converted = convert_optimizer(optimizer, recipe.moment_dtype)
+                self._undo.append(converted.undo)
+                self.optimizer = converted.optimizer
             if recipe.param_dtype != torch.float32:
                 # The controller's cast and hooks (it adds the hooks itself: precision=False), so that a trial
                 # runs what the controller runs.

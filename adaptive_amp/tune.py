@@ -1903,8 +1903,10 @@ class TuneResult:
         return next(t for t in self.trials if t.name == self.recipe.name)
 
     def apply(self, model: nn.Module, optimizer) -> AppliedRecipe:
-        """Apply the chosen recipe to `model` and `optimizer` (for a loop of your own); ``.undo()`` reverts."""
-        return AppliedRecipe(self.recipe, model, optimizer)
+        """Apply the chosen recipe to `model` and `optimizer` (for a loop of your own); ``.undo()`` reverts. A
+        recipe with adaptive_amp.optim's optimizer converts `optimizer` itself, in place, state included
+        (``.optimizer`` is `optimizer`): checkpoint it the usual way."""
+        return AppliedRecipe(self.recipe, model, optimizer, in_place=True)
 
     def table(self) -> str:
         """The A/B table: every candidate's step time, memory, loss agreement and verdict."""

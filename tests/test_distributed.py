@@ -568,3 +568,70 @@ def test_tuning_a_model_sharded_by_fsdp2_is_refused_by_name(one_rank_group):
                                          tune=dict(batches=batches, loss_fn=lambda m, b: m(b).pow(2).mean()))
     assert all(torch.equal(p.detach().to_local(), b) for p, b in zip(model.parameters(), before))
     assert not opt.state and all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("policy, how", [("bf16-pure", r"model.to\(torch.bfloat16\)"),
+                                         ("bf16-weights", r"cast_matmul_weights\(model, torch.bfloat16\)")])
+def test_a_bf16_cast_of_a_model_ddp_wraps_is_refused_before_anything_changes(one_rank_group, policy, how):
+    """DDP averages gradients in the dtypes the parameters had when it wrapped the model: cast afterwards, two
+    ranks' gradients were no longer averaged, and their replicas parted silently. The controller refuses, naming
+    the parameter and the cast to make first; a tuning lists such candidates as skipped, with why."""
+    from adaptive_amp import optim
+    from adaptive_amp.hardware import Capabilities
+    from adaptive_amp.policy import AdaptivePrecisionSelector
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1)))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=rf"module.0.weight is in torch.float32 in a model DistributedDataParallel "
+                                         rf"wraps.*{how}"):
+        CollectiveAdaptiveMixedPrecision(model, opt, policy, process_group=one_rank_group, progress=False)
+    assert all(p.dtype == torch.float32 and torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+    batches = [torch.randn(4, 8) for _ in range(2)]
+    result = AdaptivePrecisionSelector().tune(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), batches, lambda m, b: m(b).float().pow(2).mean(),
+        candidates=["fp32", policy], steps=2, capabilities=Capabilities(device_type="cpu", name="cpu", bf16=True))
+    assert result.recipe.name == "fp32" and [t.name for t in result.trials] == ["fp32"]
+    assert [(name, "DistributedDataParallel wraps" in why) for name, why in result.skipped] == [(policy, True)]
+
+
+def _bf16_pure_cast_before_ddp(rank, store, out):
+    import datetime
+    import json
+
+    from adaptive_amp import optim
+    from adaptive_amp.bench._dist_exit import finish
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+        net.to(torch.bfloat16)
+        model = torch.nn.parallel.DistributedDataParallel(net)
+        amp = CollectiveAdaptiveMixedPrecision(model, optim.AdamW(model.parameters(), lr=1e-2), "bf16-pure",
+                                               progress=False)
+        gen = torch.Generator().manual_seed(rank)  # each rank its own batches
+        for _ in range(3):
+            x = torch.randn(16, 8, generator=gen)
+            amp.train_step(lambda: model(x).float().pow(2).mean())
+        with open(out / f"rank{rank}.json", "w") as f:
+            json.dump([p.detach().float().flatten().tolist() for p in net.parameters()], f)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    finish(0)
+
+
+def test_bf16_pure_keeps_ddp_replicas_equal_when_the_model_is_cast_before_ddp_wraps_it(tmp_path):
+    """The way the refusal above names: cast, then wrap. Two gloo ranks on their own batches, stochastic rounding
+    drawn from each rank's generator, seeded alike: the replicas stay equal."""
+    import json
+
+    torch.multiprocessing.spawn(_bf16_pure_cast_before_ddp, args=(tmp_path / "store", tmp_path), nprocs=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]

@@ -222,16 +222,35 @@ def test_a_policy_the_plugin_cannot_run_is_refused_at_construction(policy, match
         AdaptivePrecision(policy)
 
 
-def test_fabric_refuses_tune_naming_the_way():
-    with pytest.raises(ValueError, match="tune the model on its own first"):
-        AdaptiveFabricPrecision("tune")
+def test_fabric_tune_converts_the_optimizer_fabric_saves():
+    """Fabric with policy="tune": a choice with bf16 weights converts the optimizer fabric.setup wrapped in place,
+    so that what fabric.save saves (the wrapper's state_dict) holds the moments that train."""
+    Fabric = pytest.importorskip("lightning_fabric").Fabric
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = token_batches(3)
+    precision = AdaptiveFabricPrecision("tune", tune=dict(
+        batches=batches[:2], loss_fn=lambda m, b: m(input_ids=b, labels=b).loss, candidates=["bf16-pure"], steps=2))
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[precision])
+    model, wrapped = fabric.setup(model, opt)
+    amp = precision.connect(model, wrapped)
+    assert amp.tuning.recipe.name == "bf16-pure" and amp.optimizers == [opt]
+    assert isinstance(opt, adaptive_amp.optim.AdamW)
+    for batch in batches:
+        fabric.backward(model(input_ids=batch, labels=batch).loss)
+        wrapped.step()
+        wrapped.zero_grad()
+    assert amp.step_count == 3 and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    state = wrapped.state_dict()["state"]
+    assert len(state) == len(list(model.parameters())) and all(float(s["step"]) == 3 for s in state.values())
 
 
 def test_tune_steps_and_checkpoints_the_optimizer_its_choice_converts(tmp_path):
-    """policy="tune" choosing bf16-pure converts the optimizer to its stochastic-rounding twin when fit sets up
-    the module: the Trainer steps and checkpoints the twin (its LR scheduler still sets the shared param_groups;
-    the checkpoints held an empty state), and a resume, which tunes again from the restored weights, trains on
-    with the saved moments. (Not bitwise: Lightning does not restore the RNG that stochastic rounding draws on.)"""
+    """policy="tune" choosing bf16-pure converts the optimizer in place when fit sets up the module: the Trainer
+    steps and checkpoints it (its LR scheduler still drives it), and a resume, which tunes again from the
+    restored weights, trains on with the saved moments. (Not bitwise: Lightning does not restore the RNG that
+    stochastic rounding draws on.)"""
     from pytorch_lightning.callbacks import ModelCheckpoint
 
     data = token_batches(3)
@@ -242,9 +261,10 @@ def test_tune_steps_and_checkpoints_the_optimizer_its_choice_converts(tmp_path):
     trainer, m_straight = _fit(straight, steps=6, data=data,
                                trainer_kw={"enable_checkpointing": True, "callbacks": [every3]})
     assert straight.amp.tuning.recipe.name == "bf16-pure" and straight.precision == "bf16-true"
-    twin = straight.amp.optimizers[0]
-    assert isinstance(twin, adaptive_amp.optim.AdamW) and trainer.optimizers == [twin]
-    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [g["lr"] for g in twin.param_groups]
+    converted = straight.amp.optimizers[0]
+    assert isinstance(converted, adaptive_amp.optim.AdamW) and trainer.optimizers == [converted]
+    assert trainer.lr_scheduler_configs[0].scheduler.optimizer is converted
+    assert trainer.lr_scheduler_configs[0].scheduler.get_last_lr() == [g["lr"] for g in converted.param_groups]
     ckpt = tmp_path / "epoch=0-step=3.ckpt"
     saved = torch.load(ckpt, weights_only=True)
     assert len(saved["optimizer_states"][0]["state"]) == len(list(m_straight.parameters()))

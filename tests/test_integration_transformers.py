@@ -207,9 +207,9 @@ def test_trainer_bf16_pure_and_auto(tmp_path):
 
 
 def test_trainer_tune_checkpoints_the_optimizer_its_choice_steps(tmp_path):
-    """policy="tune" choosing bf16-pure converts the Trainer's optimizer to its stochastic-rounding twin, which
-    takes the state: the Trainer's optimizer then wraps the twin, so that its checkpoints hold the moments that
-    train (they held an empty state), and a resume (which tunes again, from the restored weights) continues
+    """policy="tune" choosing bf16-pure converts the Trainer's optimizer in place to its stochastic-rounding twin,
+    state included, so that the Trainer's checkpoints hold the moments that train (with a new twin object they
+    held the original's emptied state), and a resume (which tunes again, from the restored weights) continues
     bitwise."""
     batches = [{"input_ids": b, "labels": b} for b in token_batches(2)]
     tune = dict(batches=batches, loss_fn=lambda m, b: m(**b).loss, candidates=["bf16-pure"], steps=2)
@@ -218,8 +218,8 @@ def test_trainer_tune_checkpoints_the_optimizer_its_choice_steps(tmp_path):
     cb_s = hf.attach(straight, "tune", tune=tune)
     straight.train()
     assert cb_s.amp.tuning.recipe.name == "bf16-pure"
-    twin = cb_s.amp.optimizers[0]
-    assert isinstance(twin, adaptive_amp.optim.AdamW) and straight.optimizer.optimizer is twin
+    converted = cb_s.amp.optimizers[0]
+    assert isinstance(converted, adaptive_amp.optim.AdamW) and straight.optimizer.optimizer is converted
     ckpt = tmp_path / "s" / "checkpoint-3"
     saved = torch.load(ckpt / "optimizer.pt", weights_only=True)
     assert len(saved["state"]) == len(list(straight.model.parameters()))

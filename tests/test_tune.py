@@ -8,6 +8,7 @@ import json
 import math
 import random
 import statistics
+import warnings
 
 import numpy as np
 import pytest
@@ -740,7 +741,7 @@ def test_controller_policy_tune_applies_the_choice(tmp_path):
     amp = AdaptiveMixedPrecision(zm.model, opt, policy="tune", capabilities=CPU, progress=False,
                                  tune=dict(batches=batches, loss_fn=zm.loss, candidates=["bf16-pure"], **FAST))
     assert amp.tuning.recipe.name == "bf16-pure" and str(amp.policy) == "params=bfloat16,compute=bfloat16"
-    assert isinstance(amp.optimizers[0], optim.AdamW) and amp.optimizers[0].param_groups is opt.param_groups
+    assert amp.optimizers == [opt] and isinstance(opt, optim.AdamW)  # (converted in place: next test)
     assert all(p.dtype == torch.bfloat16 for p in zm.model.parameters())
     losses = [float(amp.train_step(lambda b=b: zm.loss(zm.model, b))) for b in batches * 3]
     assert losses[-1] < losses[0]
@@ -751,6 +752,31 @@ def test_controller_policy_tune_applies_the_choice(tmp_path):
         assert (tmp_path / "tune.png").exists()
     with pytest.raises(ValueError, match="tune=dict\\(batches="):
         AdaptiveMixedPrecision(zm.model, opt, policy="tune", capabilities=CPU)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])])
+def test_a_tuned_recipe_converts_the_users_optimizer_in_place(device):
+    """A choice with bf16 weights converts the optimizer the user holds, state included: its state_dict() (what
+    a checkpoint saves, and what the transformers Trainer, Lightning and Fabric save) holds the moments that
+    train, and an LR scheduler made before the tuning drives it. (A new twin object left the user's optimizer
+    with an emptied state.)"""
+    zm = zoo.build("llama", "tiny", seed=0, device=device)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    batches = [zm.make_batch(4, seed=i) for i in range(3)]
+    amp = AdaptiveMixedPrecision(zm.model, opt, policy="tune", progress=False,
+                                 capabilities=CPU if device == "cpu" else None,
+                                 tune=dict(batches=batches, loss_fn=zm.loss, candidates=["bf16-pure"], **FAST))
+    assert amp.tuning.recipe.name == "bf16-pure" and amp.optimizers == [opt] and isinstance(opt, optim.AdamW)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the scheduler must see its optimizer step)
+        for b in batches:
+            amp.train_step(lambda b=b: zm.loss(zm.model, b))
+            sched.step()
+    saved = opt.state_dict()
+    assert len(saved["state"]) == len(list(zm.model.parameters()))
+    assert all(float(st["step"]) == 3 and st["exp_avg"].dtype == torch.float32 for st in saved["state"].values())
+    assert saved["param_groups"][0]["lr"] == pytest.approx(1e-2 * 0.5**3)
 
 
 @pytest.mark.parametrize("family", ["llama", "vit", "resnet"])

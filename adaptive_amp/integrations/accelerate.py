@@ -44,9 +44,9 @@ What each Accelerate call becomes:
 * ``policy="tune"`` (with ``tune=dict(batches=..., loss_fn=...)``) tunes when
   the controller connects (the Trainer: as training begins; on a resume,
   again, from the restored weights, and the saved controller state then
-  loads). Where the chosen recipe steps a stochastic-rounding twin of the
-  optimizer (bf16-pure, bf16-weights), the prepared optimizer wraps the twin
-  from then on, so that checkpoints hold the state that trains.
+  loads). A chosen recipe with bf16 weights or moments converts the optimizer
+  in place, so that the prepared optimizer, and the checkpoints, hold the
+  state that trains.
 
 Accelerate's FSDP (``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(
 fsdp_version=2))``) and DDP strategies both work: the scaler all-reduces
@@ -114,14 +114,9 @@ class _ScaledLoss:
 
 
 def _raw_optimizer(optimizer):
-    return _innermost(optimizer).optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
-
-
-def _innermost(accelerated: AcceleratedOptimizer) -> AcceleratedOptimizer:
-    """The AcceleratedOptimizer that holds the optimizer itself."""
-    while isinstance(accelerated.optimizer, AcceleratedOptimizer):
-        accelerated = accelerated.optimizer
-    return accelerated
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 class AcceleratorBridge:
@@ -174,12 +169,7 @@ class AcceleratorBridge:
             self.amp.remove()
         make = CollectiveAdaptiveMixedPrecision if world_group() is not None else AdaptiveMixedPrecision
         self.amp = make(outer, raw, self.policy, **self.controller_kwargs)
-        # A tuning may choose a recipe that steps a stochastic-rounding twin of the optimizer (it shares the
-        # param_groups and takes the state): the prepared optimizer then wraps the twin, so that what the
-        # Trainer and save_state checkpoint is the state that trains.
-        self._optimizer = self.amp.optimizers[0]
-        if self._optimizer is not raw:
-            _innermost(optimizer).optimizer = self._optimizer
+        self._optimizer = raw
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.amp.load_state_dict(state)

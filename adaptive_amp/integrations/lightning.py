@@ -202,8 +202,7 @@ class AdaptivePrecision(_ControllerHost, *TRAINER_PRECISION_BASES):
             are created, and ``configure_optimizers`` must return
             :class:`adaptive_amp.optim.AdamW` or ``SGD`` with
             ``stochastic_rounding=True``; a tuning that chooses such a recipe
-            converts the optimizer itself, and the Trainer then steps and
-            checkpoints the converted one.
+            converts the optimizer in place, state included.
         **controller_kwargs: passed to AdaptiveMixedPrecision (``sample_inputs``,
             ``overrides``, ``read_every``, ``adapt``, ``scaler_kwargs``, ...).
 
@@ -239,10 +238,8 @@ class AdaptivePrecision(_ControllerHost, *TRAINER_PRECISION_BASES):
         if self._eval_adjuster is not None:
             self._eval_adjuster.remove()
             self._eval_adjuster = None
-        amp = self._build(module, list(optimizers))
-        # (a tuning may step a stochastic-rounding twin of the optimizer: the Trainer then steps and checkpoints
-        # the twin, which shares the param_groups its LR schedulers set)
-        return model, list(amp.optimizers), lr_schedulers
+        self._build(module, list(optimizers))
+        return model, optimizers, lr_schedulers
 
     def _make_eval_adjuster(self, module: nn.Module):
         from ..adjust import DynamicPrecisionAdjuster
@@ -330,12 +327,6 @@ class AdaptiveFabricPrecision(_ControllerHost, *FABRIC_PRECISION_BASES):
     _how_to_connect = "call precision.connect(model, optimizer) after fabric.setup(model, optimizer)"
 
     def __init__(self, policy: Union[str, PrecisionPolicy] = "auto", **controller_kwargs: Any) -> None:
-        if isinstance(policy, str) and policy.strip().lower() == "tune":
-            # (a tuning may convert the optimizer, and the one fabric.setup wrapped is what fabric.save saves)
-            raise ValueError("policy='tune' is not supported by AdaptiveFabricPrecision: tune the model on its own "
-                             "first (result = adaptive_amp.AdaptivePrecisionSelector().tune(model, optimizer, "
-                             "batches, loss_fn)), then pass result.policy here, with an adaptive_amp.optim "
-                             "optimizer with stochastic_rounding=True where that policy keeps bf16 weights")
         self._init_host(policy, controller_kwargs)
         self._module: Optional[nn.Module] = None
 
