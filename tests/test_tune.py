@@ -763,7 +763,7 @@ def test_a_tuned_recipe_converts_the_users_optimizer_in_place(device):
     zm = zoo.build("llama", "tiny", seed=0, device=device)
     opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    batches = [zm.make_batch(4, seed=i) for i in range(3)]
+    batches = [zm.make_batch(4, seed=i, device=device) for i in range(3)]
     amp = AdaptiveMixedPrecision(zm.model, opt, policy="tune", progress=False,
                                  capabilities=CPU if device == "cpu" else None,
                                  tune=dict(batches=batches, loss_fn=zm.loss, candidates=["bf16-pure"], **FAST))
