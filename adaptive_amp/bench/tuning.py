@@ -178,9 +178,13 @@ def recipe_alone(zm, model, opt, batches, steps, device, recipe):
 
 
 def tuned(zm, model, opt, tune_batches, batches, steps, device, tune_options, out_dir=None):
-    """policy="tune" through the controller, then its own train_step for `steps` steps."""
+    """policy="tune" through the controller, then its own train_step for `steps` steps. The controller gets a copy
+    of `opt` (its hyperparameters and state): a recipe with bf16 weights or moments converts the optimizer it is
+    given in place, and the torch and alone runs after this one reuse `opt` as torch's."""
+    own = type(opt)(zm.model.parameters())
+    own.load_state_dict(opt.state_dict())  # (its groups' hyperparameters too)
     t0 = time.perf_counter()
-    amp = AdaptiveMixedPrecision(model, opt, policy="tune", progress=False,
+    amp = AdaptiveMixedPrecision(model, own, policy="tune", progress=False,
                                  tune=dict(batches=tune_batches, loss_fn=zm.loss, **tune_options))
     setup_s = time.perf_counter() - t0
     try:
