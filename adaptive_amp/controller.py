@@ -291,6 +291,7 @@ class AdaptiveMixedPrecision:
         # A MemoryGuard (adaptive_amp.pressure): lighter recipes under memory pressure or out of memory.
         self.memory_guard = memory_guard
         self.adjuster = None
+        self._tuned_undo = None  # policy="tune": its recipe's optimizer conversion and cast, if construction fails
         try:
             self.policy = self._resolve_policy(policy, sample_inputs, loss_fn, overrides, progress)
             # Everything that can refuse the arguments runs before the model is changed (the bf16 cast of
@@ -301,7 +302,10 @@ class AdaptiveMixedPrecision:
             self._cast_params(self.policy)
         except BaseException:
             self._undo_setup()  # a refused construction leaves the model as it was
+            if self._tuned_undo is not None:
+                self._tuned_undo()  # (and the optimizer)
             raise
+        self._tuned_undo = None  # (constructed: the tuned recipe stays)
         self._tf32_before = self._apply_tf32(self.policy.tf32)
         self._warned_no_records = False
         self._removed = False  # remove() ran: a statistics step it ends early has nothing to warn about
@@ -388,6 +392,7 @@ class AdaptiveMixedPrecision:
             capabilities=self.capabilities, **options))
         applied = AppliedRecipe(self.tuning.recipe, self.model, self.optimizers[0], precision=False, in_place=True)
         self._owned.add(applied.checkpoint_undo)  # (the optimizer and the parameters' dtype stay: see remove())
+        self._tuned_undo = applied.undo
         self.optimizers = [applied.optimizer]
         return self.tuning.policy
 
@@ -542,7 +547,8 @@ class AdaptiveMixedPrecision:
     def remove(self) -> None:
         """Take the policy off the model (islands, statistics and policy hooks, checkpointing off; TF32 settings
         restored). Also done when the controller is garbage collected. A model whose policy kept
-        parameters in bf16 ("bf16-pure", "bf16-weights") keeps them: they are the only copy."""
+        parameters in bf16 ("bf16-pure", "bf16-weights") keeps them: they are the only copy; so does an
+        optimizer that a tuned recipe converted to stochastic rounding (it holds their state)."""
         self._removed = True
         self._undo_setup()
         if self._tf32_before is not None:

@@ -338,8 +338,6 @@ class MemoryGuard:
         return undo
 
 
-#: What an optimizer keeps of its own through an in-place conversion: hooks its user registered, the LR
-#: scheduler's "stepped" mark.
 def train_step(amp, closure: Callable[[], torch.Tensor], max_grad_norm=None, norm_type: float = 2.0):
     """One whole step: ``loss = closure()`` under the policy's autocast, backward, step, and the gradients
     cleared (``zero_grad(set_to_none=True)``: the next call starts from none). An out-of-memory error

@@ -16,6 +16,9 @@ The conversions change a live model and optimizer and can be undone:
   scheduler built on the user's optimizer still drives it) and takes over its
   state; undoing gives the state back (fp32 moments bitwise, bf16 moments
   upcast) and removes the keys it added to the groups.
+  :func:`convert_optimizer_in_place` makes the user's optimizer object itself
+  that conversion (a tuned recipe, a memory-guard move), so that what the
+  user and a framework hold steps and checkpoints the state that trains.
 * :func:`cast_parameters`: parameters and floating buffers to bf16 in place
   (the Parameter objects, which the optimizers hold, stay the same) and back,
   tables such as rotary frequencies left float32 (:func:`derived_buffers`);
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib.util
 import weakref
 from dataclasses import dataclass
@@ -209,6 +213,9 @@ def convert_optimizer(optimizer, moment_dtype: torch.dtype) -> ConvertedOptimize
         for key, value in ours.defaults.items():
             group.setdefault(key, value)
     ours.param_groups = optimizer.param_groups
+    # The user's defaults, from which a group added later (add_param_group) takes what it does not give.
+    ours.defaults.update({k: v for k, v in optimizer.defaults.items()
+                          if k in ours.defaults and k not in ("stochastic_rounding", "moment_dtype")})
     ours.state.clear()
     step_places = {}
     moment_keys = ours_cls._moment_keys
@@ -231,6 +238,8 @@ def convert_optimizer(optimizer, moment_dtype: torch.dtype) -> ConvertedOptimize
     return ConvertedOptimizer(optimizer, ours, saved_groups, step_places)
 
 
+#: What an optimizer keeps of its own through an in-place conversion: hooks its user registered, the LR
+#: scheduler's "stepped" mark.
 _KEPT = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
          "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
          "_optimizer_load_state_dict_post_hooks", "_opt_called", "track_grad_norm")
@@ -243,8 +252,6 @@ def convert_optimizer_in_place(optimizer, moment_dtype: torch.dtype) -> Callable
     undo: the original class, attributes and state again."""
     converted = convert_optimizer(optimizer, moment_dtype)
     ours = converted.optimizer
-    if ours is optimizer:
-        return converted.undo
     old_class, old_dict = type(optimizer), dict(optimizer.__dict__)
     new_dict = dict(ours.__dict__)
     for key in _KEPT:
@@ -468,29 +475,41 @@ def cast_refusal(model: nn.Module, policy) -> Optional[str]:
                     f"parameter's dtype when fully_shard runs: cast the model before sharding it "
                     f"(model.to({policy.param_dtype}), then fully_shard)")
         return None
-    replicated = {id(p) for m in root.modules() if isinstance(m, nn.parallel.DistributedDataParallel)
-                  for p in m.parameters()}
-    if not replicated:
-        return None
     if policy.param_scope == "matmul":
         islands, _ = expand_names(policy.islands, model)
         kept = {id(p) for name in islands for p in root.get_submodule(name).parameters()}
         names = {id(p): n for n, p in root.named_parameters()}
         cast = [(names.get(id(p), layer), p) for layer, m in matmul_layers(model) for p in m._parameters.values()
                 if p is not None and id(p) not in kept]
-        how = ("cast the matmul layers' weights first (adaptive_amp.recipes.cast_matmul_weights(model, "
-               "torch.bfloat16)), then wrap it")
     else:
         cast = list(root.named_parameters())
-        how = f"cast it first (model.to({policy.param_dtype})), then wrap it"
-    wrong = next(((n, p) for n, p in cast if id(p) in replicated and p.is_floating_point()
-                  and p.dtype != policy.param_dtype), None)
-    if wrong is None:
+    wrong = [(n, p) for n, p in cast if p.is_floating_point() and p.dtype != policy.param_dtype]
+    held = _replicated(root, [p for _, p in wrong]) if wrong else set()
+    first = next(((n, p) for n, p in wrong if id(p) in held), None)
+    if first is None:
         return None
-    return (f"{wrong[0]} is in {wrong[1].dtype} in a model DistributedDataParallel wraps, and DDP averages "
+    if policy.param_scope == "matmul":
+        keep = [n[len("module."):] if n.startswith("module.") else n for n in islands]
+        how = ("cast the matmul layers' weights first (adaptive_amp.recipes.cast_matmul_weights(model, "
+               f"torch.bfloat16{f', keep={keep}' if keep else ''})), then wrap it")
+    else:
+        how = f"cast it first (model.to({policy.param_dtype})), then wrap it"
+    return (f"{first[0]} is in {first[1].dtype} in a model DistributedDataParallel wraps, and DDP averages "
             "gradients in the dtypes the parameters had when it wrapped the model: cast afterwards, each rank would "
             f"silently train its replica on its own gradients. {how[0].upper() + how[1:]} in "
             "DistributedDataParallel; or keep a float32 policy")
+
+
+def _replicated(root: nn.Module, params: Sequence[torch.Tensor]) -> set:
+    """The ids of those of `params` a DistributedDataParallel wrapper holds: one inside `root`, or one around it
+    (the framework integrations, and a user who hands the controller ``ddp.module``, give it the module DDP
+    wraps; DDP marks neither the module nor its parameters, so the wrappers alive are looked for)."""
+    ids = {id(p) for p in params}
+    ddp = nn.parallel.DistributedDataParallel
+    wrappers = [m for m in root.modules() if isinstance(m, ddp)]
+    if not wrappers and torch.distributed.is_available() and torch.distributed.is_initialized():
+        wrappers = [o for o in gc.get_objects() if isinstance(o, ddp)]
+    return {id(p) for w in wrappers for p in w.parameters() if id(p) in ids}
 
 
 def cast_for_policy(model: nn.Module, policy) -> Callable[[], None]:

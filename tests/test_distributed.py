@@ -572,20 +572,24 @@ def test_tuning_a_model_sharded_by_fsdp2_is_refused_by_name(one_rank_group):
 
 @pytest.mark.parametrize("policy, how", [("bf16-pure", r"model.to\(torch.bfloat16\)"),
                                          ("bf16-weights", r"cast_matmul_weights\(model, torch.bfloat16\)")])
-def test_a_bf16_cast_of_a_model_ddp_wraps_is_refused_before_anything_changes(one_rank_group, policy, how):
+@pytest.mark.parametrize("given", ["ddp", "its module"])
+def test_a_bf16_cast_of_a_model_ddp_wraps_is_refused_before_anything_changes(one_rank_group, policy, how, given):
     """DDP averages gradients in the dtypes the parameters had when it wrapped the model: cast afterwards, two
     ranks' gradients were no longer averaged, and their replicas parted silently. The controller refuses, naming
-    the parameter and the cast to make first; a tuning lists such candidates as skipped, with why."""
+    the parameter and the cast to make first, whether it is given the DDP wrapper or the module it wraps (as the
+    framework integrations give it); a tuning lists such candidates as skipped, with why."""
     from adaptive_amp import optim
     from adaptive_amp.hardware import Capabilities
     from adaptive_amp.policy import AdaptivePrecisionSelector
 
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(
+    ddp = torch.nn.parallel.DistributedDataParallel(
         torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1)))
+    model = ddp if given == "ddp" else ddp.module
+    name = "module.0.weight" if given == "ddp" else "0.weight"
     before = [p.detach().clone() for p in model.parameters()]
     opt = optim.AdamW(model.parameters(), lr=1e-2)
-    with pytest.raises(ValueError, match=rf"module.0.weight is in torch.float32 in a model DistributedDataParallel "
+    with pytest.raises(ValueError, match=rf"{name} is in torch.float32 in a model DistributedDataParallel "
                                          rf"wraps.*{how}"):
         CollectiveAdaptiveMixedPrecision(model, opt, policy, process_group=one_rank_group, progress=False)
     assert all(p.dtype == torch.float32 and torch.equal(p, b) for p, b in zip(model.parameters(), before))
@@ -596,7 +600,20 @@ def test_a_bf16_cast_of_a_model_ddp_wraps_is_refused_before_anything_changes(one
         model, torch.optim.AdamW(model.parameters(), lr=1e-3), batches, lambda m, b: m(b).float().pow(2).mean(),
         candidates=["fp32", policy], steps=2, capabilities=Capabilities(device_type="cpu", name="cpu", bf16=True))
     assert result.recipe.name == "fp32" and [t.name for t in result.trials] == ["fp32"]
-    assert [(name, "DistributedDataParallel wraps" in why) for name, why in result.skipped] == [(policy, True)]
+    assert [(n, "DistributedDataParallel wraps" in why) for n, why in result.skipped] == [(policy, True)]
+
+
+def test_the_refusal_under_ddp_names_the_islands_to_keep_in_float32(one_rank_group):
+    """bf16-weights with an fp32 island: the cast to make before DDP wraps the model keeps the island's weights
+    float32 (without keep=, the island's float32 input met a bf16 weight at the first step)."""
+    from adaptive_amp.policy import PrecisionPolicy
+    from adaptive_amp.recipes import cast_refusal
+
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
+    policy = PrecisionPolicy.from_string("bf16-weights").replace(islands=("module.1",))
+    assert "cast_matmul_weights(model, torch.bfloat16, keep=['1'])" in cast_refusal(ddp, policy)
+    inner = PrecisionPolicy.from_string("bf16-weights").replace(islands=("1",))
+    assert "keep=['1']" in cast_refusal(ddp.module, inner)
 
 
 def _bf16_pure_cast_before_ddp(rank, store, out):

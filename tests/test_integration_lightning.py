@@ -222,6 +222,28 @@ def test_a_policy_the_plugin_cannot_run_is_refused_at_construction(policy, match
         AdaptivePrecision(policy)
 
 
+def test_under_ddp_a_tuning_skips_the_casts_ddp_cannot_take_and_a_cast_preset_trains():
+    """strategy="ddp": the plugin's controller gets the module DDP wraps. A tuning skips the recipes that would cast
+    its float32 weights to bf16 after DDP wrapped them (its gradients would no longer be averaged); "bf16-pure"
+    casts in convert_module, before the strategy wraps the module, and trains."""
+    batches = token_batches(2)
+    tune = dict(batches=batches, loss_fn=lambda m, b: m.model(input_ids=b, labels=b).loss,
+                candidates=["fp32", "bf16-pure"], steps=2)
+    try:
+        plugin = AdaptivePrecision("tune", tune=tune)
+        _fit(plugin, steps=2, trainer_kw={"strategy": "ddp"})
+        assert torch.distributed.is_initialized()  # (the plugin ran under DDP)
+        assert plugin.amp.tuning.recipe.name == "fp32"
+        assert [(n, "DistributedDataParallel wraps" in why) for n, why in plugin.amp.tuning.skipped] == \
+            [("bf16-pure", True)]
+        plugin = AdaptivePrecision("bf16-pure")
+        _, module = _fit(plugin, steps=2, optimizer="sr", trainer_kw={"strategy": "ddp"})
+        assert all(p.dtype == torch.bfloat16 for p in module.parameters()) and plugin.amp.step_count == 2
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def test_fabric_tune_converts_the_optimizer_fabric_saves():
     """Fabric with policy="tune": a choice with bf16 weights converts the optimizer fabric.setup wrapped in place,
     so that what fabric.save saves (the wrapper's state_dict) holds the moments that train."""

@@ -761,7 +761,7 @@ def test_a_tuned_recipe_converts_the_users_optimizer_in_place(device):
     train, and an LR scheduler made before the tuning drives it. (A new twin object left the user's optimizer
     with an emptied state.)"""
     zm = zoo.build("llama", "tiny", seed=0, device=device)
-    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(zm.model.parameters(), lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     batches = [zm.make_batch(4, seed=i, device=device) for i in range(3)]
     amp = AdaptiveMixedPrecision(zm.model, opt, policy="tune", progress=False,
@@ -777,6 +777,8 @@ def test_a_tuned_recipe_converts_the_users_optimizer_in_place(device):
     assert len(saved["state"]) == len(list(zm.model.parameters()))
     assert all(float(st["step"]) == 3 and st["exp_avg"].dtype == torch.float32 for st in saved["state"].values())
     assert saved["param_groups"][0]["lr"] == pytest.approx(1e-2 * 0.5**3)
+    # A group added later takes the user's defaults, not the conversion's own (its betas, its weight decay).
+    assert (opt.defaults["lr"], opt.defaults["betas"], opt.defaults["weight_decay"]) == (1e-2, (0.8, 0.9), 0.1)
 
 
 @pytest.mark.parametrize("family", ["llama", "vit", "resnet"])

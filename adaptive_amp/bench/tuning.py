@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import subprocess
@@ -182,7 +183,7 @@ def tuned(zm, model, opt, tune_batches, batches, steps, device, tune_options, ou
     of `opt` (its hyperparameters and state): a recipe with bf16 weights or moments converts the optimizer it is
     given in place, and the torch and alone runs after this one reuse `opt` as torch's."""
     own = type(opt)(zm.model.parameters())
-    own.load_state_dict(opt.state_dict())  # (its groups' hyperparameters too)
+    own.load_state_dict(copy.deepcopy(opt.state_dict()))  # (its groups' hyperparameters too; no tensor shared)
     t0 = time.perf_counter()
     amp = AdaptiveMixedPrecision(model, own, policy="tune", progress=False,
                                  tune=dict(batches=tune_batches, loss_fn=zm.loss, **tune_options))
