@@ -781,6 +781,23 @@ def test_a_tuned_recipe_converts_the_users_optimizer_in_place(device):
     assert (opt.defaults["lr"], opt.defaults["betas"], opt.defaults["weight_decay"]) == (1e-2, (0.8, 0.9), 0.1)
 
 
+def test_a_construction_that_fails_after_the_tuning_gives_the_optimizer_and_weights_back(monkeypatch):
+    """The tuned recipe converts the optimizer and casts the weights; a construction that fails after that (here:
+    making the scaler) converts the optimizer back and the weights back to float32 (holding the bf16 rounding: a
+    cast cannot be undone bitwise)."""
+    zm, opt, batches = _setup("llama")
+    weights = {n: p.detach().clone() for n, p in zm.model.named_parameters()}
+
+    def refuse(self, policy):
+        raise RuntimeError("refused after the tuning")
+    monkeypatch.setattr(AdaptiveMixedPrecision, "_make_scaler", refuse)
+    with pytest.raises(RuntimeError, match="refused after the tuning"):
+        AdaptiveMixedPrecision(zm.model, opt, policy="tune", capabilities=CPU, progress=False,
+                               tune=dict(batches=batches, loss_fn=zm.loss, candidates=["bf16-pure"], **FAST))
+    assert type(opt) is torch.optim.AdamW and "stochastic_rounding" not in opt.param_groups[0]
+    assert all(torch.equal(p, weights[n].bfloat16().float()) for n, p in zm.model.named_parameters())
+
+
 @pytest.mark.parametrize("family", ["llama", "vit", "resnet"])
 @pytest.mark.parametrize("candidate", ["bf16-pure", "bf16", "bf16-weights"])
 def test_a_trial_runs_what_the_controller_then_runs(family, candidate):
