@@ -708,8 +708,14 @@ def test_tune_compiled_model():
     _assert_same(before, after)
     assert result.compiled and all(t.activation_bytes is None and t.error is None for t in result.trials)
     assert result.trials[0].memory_source == "state only (compiled)"
-    # One finalist is chosen without compiling: the screen ran eagerly, and inductor's count says nothing compiled.
-    assert "no compiled timing" in result.timing and result.inductor_graphs is None
+    # The screen runs eagerly: inductor compiles only finalists' blocks, and its count says so. (Which candidates
+    # are finalists follows the eager step times, which differ between CPUs: one finalist is chosen without a
+    # compile, two are compiled and timed.)
+    if "no compiled timing" in result.timing:
+        assert result.inductor_graphs is None
+    else:
+        assert "fp32, bf16-pure timed with the blocks compiled" in result.timing
+        assert result.inductor_graphs["graphs"] > 0
     eager = tune(zm.model, opt, batches, zm.loss, capabilities=CPU, candidates=["fp32"], steps=2, rounds=1,
                  timed_steps=1)
     assert result.trials[0].losses == pytest.approx(eager.trials[0].losses, rel=1e-4)
