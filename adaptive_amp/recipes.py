@@ -508,7 +508,8 @@ def _replicated(root: nn.Module, params: Sequence[torch.Tensor]) -> set:
     ddp = nn.parallel.DistributedDataParallel
     wrappers = [m for m in root.modules() if isinstance(m, ddp)]
     if not wrappers and torch.distributed.is_available() and torch.distributed.is_initialized():
-        wrappers = [o for o in gc.get_objects() if isinstance(o, ddp)]
+        # (type(): isinstance of a dead weak proxy among the objects raises)
+        wrappers = [o for o in gc.get_objects() if issubclass(type(o), ddp)]
     return {id(p) for w in wrappers for p in w.parameters() if id(p) in ids}
 
 
