@@ -79,7 +79,7 @@ from .optim import _Fused
 from .names import fp8_preset
 from .policy import AdaptivePrecisionSelector, PrecisionPolicy, dtype_name, recipe_policy
 from .layer_precision import OwnedHandles
-from .recipes import cast_for_policy, policy_hooks, cast_refusal
+from .recipes import cast_for_policy, cast_refusal, policy_hooks
 from .regional import RegionalStatistics
 from .scaler import GradScaler, OptState, _takes_grad_scaler
 from .step_result import HostSlots, StepResult
