@@ -63,6 +63,17 @@ def _dynamo_hook_guards_restored():
     config.skip_nnmodule_hook_guards = saved
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Lightning's DDP strategy sets MASTER_ADDR, WORLD_SIZE, LOCAL_RANK and the like in os.environ and leaves
+    them; the transformers Trainer that runs next reads them, starts a process group and wraps its model in DDP.
+    Each test starts with the environment the one before it found."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def cuda_ok() -> bool:
     """True when adaptive_amp's CUDA kernels and torch's CUDA are both usable."""
     try:
