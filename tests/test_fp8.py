@@ -420,7 +420,8 @@ def test_selection_puts_layers_that_gain_and_tolerate_fp8_in_it_each_with_its_re
     # Where the time went, and the map's reasons say it.
     spent = {}
     fp8.select_fp8_layers(model, batches, gain_fn=gain_fn, max_tokens=16, seconds=spent)
-    assert set(spent) == {"inputs", "gains", "errors", "shapes"} and spent["shapes"] == 2
+    assert set(spent) == {"inputs", "gains", "errors", "shapes", "inferred"} and spent["shapes"] == 2
+    assert spent["inferred"] == 0  # (a gain_fn's gains are not inferred)
     assert all(spent[k] >= 0 for k in ("inputs", "gains", "errors")) and spent["errors"] > 0
     measured = fp8.measure_fp8_map(model, batches, gain_fn=gain_fn, max_tokens=16)
     assert re.fullmatch(r"fp8: 3 layers measured in [0-9.]+ s \(inputs [0-9.]+ s, 2 gains timed in [0-9.]+ s, "
@@ -573,6 +574,58 @@ def test_selection_times_a_shapes_bf16_baseline_once(monkeypatch):
     assert measure_fp8_map(model, [torch.randn(32, 64)], run=run).saved_ms == 1.5
     assert measure_fp8_map(model, [torch.randn(32, 64)], run=run, min_gain=1.3).saved_ms == 1.0
     assert measure_fp8_map(model, [torch.randn(32, 64)], run=run, gain_fn=lambda *a: 1.5).saved_ms is None
+
+
+class _ThreeMatmuls(nn.Module):
+    """A 64 x 64, a 64 x 256 and a 256 x 64 layer, each called on 32 rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.small, self.wide, self.deep = nn.Linear(64, 64), nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.deep(self.wide(x)) + self.small(x)
+
+
+@pytest.mark.parametrize("wide_gain, infer, timed", [(0.9, True, ["wide", "deep"]),
+                                                     (0.9, False, ["small", "wide", "deep"]),
+                                                     (1.0, True, ["wide", "deep", "small"])])
+def test_a_shape_no_larger_than_one_that_gained_too_little_is_judged_from_it(monkeypatch, wide_gain, infer, timed):
+    """The largest shapes are timed first; the 64 x 64 layer, no larger either way than the 64 x 256 one, is not
+    timed where that one gained less than 0.97x (it could neither be chosen nor join a layer of its input), and
+    its reason names the larger shape. The 256 x 64 one is larger one way, and is timed. infer_smaller=False
+    times every shape, in module order; a gain at 1.0x (the sharing floor) leaves the smaller shape timed."""
+    from adaptive_amp.fp8 import select
+
+    model = _ThreeMatmuls()
+    names = {(64, 64): "small", (64, 256): "wide", (256, 64): "deep"}
+    gains = {"small": 0.5, "wide": wide_gain, "deep": 1.2}
+    asked = []
+
+    def fake_times(layer, shape, kinds, *, bf16=True, **options):
+        name = names[(layer.in_features, layer.out_features)]
+        asked.append(name)
+        return {**({"bf16": 1.0} if bf16 else {}), **{k: 1.0 / gains[name] for k in kinds}}
+
+    monkeypatch.setattr(select, "layer_times", fake_times)
+    monkeypatch.setattr(select, "eligible_layers", lambda root, check_device: eligibility.eligible_layers(root, check_device=False))
+    spent = {}
+    choices = select.select_fp8_layers(model, [torch.randn(32, 64)], infer_smaller=infer, seconds=spent)
+    assert asked == timed
+    assert list(choices) == ["small", "wide", "deep"]  # (module order, whatever the timing's)
+    assert choices["deep"].kind == "fp8-tensorwise" and choices["wide"].kind is None
+    small = choices["small"]
+    assert small.kind is None and spent["shapes"] == len(timed) and spent["inferred"] == 3 - len(timed)
+    if "small" in timed:
+        assert small.gains == {"fp8-tensorwise": 0.5} and "(0.50x < 1.05x in fp8-tensorwise)" in small.reason
+    else:
+        assert not small.gains and small.saved_ms is None and small.errors
+        assert small.reason == ("skipped: 64 x 64 on 32 tokens too small to gain: 64 x 256 on 32 tokens, no smaller "
+                                "either way, gained 0.90x in fp8-tensorwise")
+    from adaptive_amp.fp8.training import measure_fp8_map
+
+    reasons = measure_fp8_map(model, [torch.randn(32, 64)], infer_smaller=infer).reasons
+    assert ("1 judged from a larger shape" in reasons[-1]) == ("small" not in timed), reasons[-1]
 
 
 def test_selection_names_bad_arguments_and_layers_not_called():

@@ -20,7 +20,11 @@ either (on an H200, torchao's rowwise Llama-3-8B trained 13% fewer tokens/s
 than its tensorwise). Layers of the same class and shapes are timed once, and
 their bf16 baseline once whatever the recipes: a later recipe's time is set
 against a baseline timed in an earlier call, not interleaved with it, which
-only a layer that errs too much in tensorwise meets.
+only a layer that errs too much in tensorwise meets. The largest shapes are
+timed first, and a shape no larger either way than one that gained too little
+is judged from it rather than timed (``infer_smaller``): a compiled timing
+costs two graphs to compile, and a smaller matmul has less work to amortize
+fp8's casts over.
 
 Layers called on one input (a block's query, key and value projections, an
 MLP's gate and up projections) go to fp8 together where they run compiled:
@@ -84,7 +88,7 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
                       dtype: torch.dtype = torch.bfloat16, warmup: int = 5, iters: int = 20,
                       compiled: Union[bool, Callable[[str], bool]] = False, max_tokens: Optional[int] = 8192,
                       gain_fn: Optional[GainFn] = None,
-                      weight_dtype: Optional[torch.dtype] = None,
+                      weight_dtype: Optional[torch.dtype] = None, infer_smaller: bool = True,
                       seconds: Optional[Dict[str, float]] = None) -> Dict[str, LayerChoice]:
     """name -> :class:`LayerChoice` for every nn.Linear and Conv1D of `model` (module order).
 
@@ -107,8 +111,13 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
     weight_dtype: the dtype the layers' weights will train in, when not the one they have now (bfloat16 for
         bf16-weights and bf16-pure): each gain is then timed on a copy of the layer with its parameters in it
         (the bf16 baseline then casts no weight, and fp8 casts from bf16, as in that training run).
+    infer_smaller: time the largest shapes first, and judge a shape no larger either way (tokens, in, out) than
+        one timed, alike, to gain less than ``min(min_gain, SHARED_MIN_GAIN)`` from it, without timing it (its
+        reason names the larger shape); False times every shape. A smaller matmul has less work to amortize
+        fp8's casts over, and every shape timed compiled is two graphs to compile. Not with a `gain_fn`.
     seconds: a dict to fill with where the time went: ``inputs`` (capturing them), ``gains`` (timing each
-        distinct shape and kind), ``errors`` (every layer's), and ``shapes``, how many gains were timed.
+        distinct shape and kind), ``errors`` (every layer's), ``shapes``, how many gains were timed, and
+        ``inferred``, how many shapes were judged from a larger one.
 
     Nothing on the model changes. When fp8 cannot run here (torchao missing, no GPU with fp8 matmuls) and no
     `gain_fn` is given, every layer is skipped with that reason."""
@@ -130,31 +139,39 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
 
     runs_compiled = compiled if callable(compiled) else (lambda name: bool(compiled))
 
-    def gain_of(module, shape, kind, compiled) -> Tuple[float, Optional[float]]:
-        """(gain, milliseconds saved) of the layer's shape in `kind`, timed compiled or eagerly."""
-        base = (type(module), matmul_sizes(module), module.bias is not None, tuple(shape),
+    def timing_key(module, shape, compiled) -> tuple:
+        """What a gain's timing depends on but the kind: layers alike in it are timed once."""
+        return (type(module), matmul_sizes(module), module.bias is not None, tuple(shape),
                 weight_dtype or module.weight.dtype, str(module.weight.device), compiled)
+
+    def gain_of(module, base, kind) -> Tuple[float, Optional[float]]:
+        """(gain, milliseconds saved) of the layer's shape in `kind`, timed compiled or eagerly."""
         key = base + (kind,)
         if key not in timed:
             began = time.perf_counter()
             layer = module if weight_dtype in (None, module.weight.dtype) else _retyped(module, weight_dtype)
             if gain_fn is not None:
-                timed[key], saved[key] = float(gain_fn(layer, shape, kind)), None
+                timed[key], saved[key] = float(gain_fn(layer, base[3], kind)), None
             else:
-                ms = layer_times(layer, shape, [kind], bf16=base not in baseline, dtype=dtype, warmup=warmup,
-                                 iters=iters, compiled=compiled)
+                ms = layer_times(layer, base[3], [kind], bf16=base not in baseline, dtype=dtype, warmup=warmup,
+                                 iters=iters, compiled=base[-1])
                 baseline.setdefault(base, ms.get("bf16"))
                 timed[key] = baseline[base] / ms[kind] if ms[kind] > 0 else math.inf
                 saved[key] = baseline[base] - ms[kind]
             spent["gains"] += time.perf_counter() - began
         return timed[key], saved[key]
 
+    order = []  # every decided layer's name, in module order
+    pending: Dict[str, tuple] = {}  # name -> (timing key, kind, errors): tolerated, its gain to judge
+    layer_of: Dict[tuple, nn.Module] = {}  # timing key -> the first layer of it (under FSDP2, gathered)
     for name, module in root.named_modules():
         if name in found.skipped:
+            order.append(name)
             choices[name] = LayerChoice(name, None, f"skipped: {found.skipped[name]}")
             continue
         if name not in found.layers:
             continue
+        order.append(name)
         # Under FSDP2 the layer's whole weight, gathered here, on every rank for the same layers (a collective).
         module = gathered_layer(module)
         xs = captured.inputs.get(name) if captured is not None else None
@@ -174,25 +191,68 @@ def select_fp8_layers(model: nn.Module, batches: Iterable[Any], *,
             reason = f"skipped: error {errors[least].worst:.1e} above {max_error:g} in {least}"
             choices[name] = LayerChoice(name, None, reason, {}, errors)
             continue
-        timed_compiled = runs_compiled(name)
-        gain, saved_ms = gain_of(module, shape, kind, timed_compiled)
+        key = timing_key(module, shape, runs_compiled(name))
+        layer_of.setdefault(key, module)
+        pending[name] = (key, kind, errors)
+    # The largest shapes first: a shape no larger either way than one timed to gain less than `floor` is judged
+    # from it, not compiled and timed (a smaller matmul has less work to amortize fp8's casts over: on an H200,
+    # GPT-2 medium's 1024 x 4096 gained 0.92x, its 1024 x 3072 0.85x, its 1024 x 1024 0.77x). Below `floor` it
+    # could neither be chosen nor join the layers of its input.
+    floor = min(min_gain, SHARED_MIN_GAIN)
+    larger: Dict[tuple, tuple] = {}  # (timing key, kind) -> the (timing key, kind) it was judged from
+    if gain_fn is None and infer_smaller:
+        low = []  # (timing key, kind) timed below floor
+        for key, kind in sorted(dict.fromkeys((k, kind) for k, kind, _ in pending.values()), key=_work,
+                               reverse=True):
+            above = next((d for d in low if _within(key, kind, *d)), None)
+            if above is not None:
+                larger[(key, kind)] = above
+            elif gain_of(layer_of[key], key, kind)[0] < floor:
+                low.append((key, kind))
+    for name, (key, kind, errors) in pending.items():
+        n_in, n_out = key[1]
+        tokens = torch.Size(key[3][:-1]).numel()
+        eagerly = ", timed eagerly: it runs outside the compiled modules" if callable(compiled) and not key[-1] \
+            else ""
+        if (key, kind) in larger:
+            big, _ = larger[(key, kind)]
+            reason = (f"skipped: {n_in} x {n_out} on {tokens} tokens too small to gain: "
+                      f"{big[1][0]} x {big[1][1]} on {torch.Size(big[3][:-1]).numel()} tokens, no smaller either "
+                      f"way, gained {timed[big + (kind,)]:.2f}x in {kind}{eagerly}")
+            choices[name] = LayerChoice(name, None, reason, {}, errors)
+            continue
+        gain, saved_ms = gain_of(layer_of[key], key, kind)
         gains = {kind: gain}
         if gain >= min_gain:
-            reason = _chosen(gain, errors[kind], max_error)
-            choices[name] = LayerChoice(name, kind, reason, gains, errors, saved_ms)
+            choices[name] = LayerChoice(name, kind, _chosen(gain, errors[kind], max_error), gains, errors, saved_ms)
             continue
-        n_in, n_out = matmul_sizes(module)
-        tokens = torch.Size(shape[:-1]).numel()
-        eagerly = ", timed eagerly: it runs outside the compiled modules" if callable(compiled) and not timed_compiled \
-            else ""
         reason = (f"skipped: {n_in} x {n_out} on {tokens} tokens too small to gain "
-                  f"({gains[kind]:.2f}x < {min_gain:g}x in {kind}{eagerly})")
+                  f"({gain:.2f}x < {min_gain:g}x in {kind}{eagerly})")
         choices[name] = LayerChoice(name, None, reason, gains, errors, saved_ms)
+    choices = {name: choices[name] for name in order}
     if captured is not None:
         _join_shared_inputs(choices, captured.shared, runs_compiled, max_error)
     if seconds is not None:
-        seconds.update(spent, shapes=len(timed))
+        seconds.update(spent, shapes=len(timed), inferred=len(larger))
     return choices
+
+
+def _work(item) -> int:
+    """A (timing key, kind)'s multiply-adds: tokens x in x out."""
+    key, _ = item
+    n_in, n_out = key[1]
+    return torch.Size(key[3][:-1]).numel() * n_in * n_out
+
+
+def _within(key: tuple, kind: str, big: tuple, big_kind: str) -> bool:
+    """Whether `key`'s matmul is no larger either way (tokens, in, out) than `big`'s, timed alike: the same
+    kind, layer class, bias, weight dtype, device and compiling."""
+    (cls, (n_in, n_out), bias, shape, wdtype, device, compiled) = key
+    (big_cls, (big_in, big_out), big_bias, big_shape, big_wdtype, big_device, big_compiled) = big
+    return (kind, cls, bias, wdtype, device, compiled) == (big_kind, big_cls, big_bias, big_wdtype, big_device,
+                                                            big_compiled) \
+        and n_in <= big_in and n_out <= big_out \
+        and torch.Size(shape[:-1]).numel() <= torch.Size(big_shape[:-1]).numel()
 
 
 #: The smallest gain at which a layer joins the fp8 layers it shares its input with (below MIN_GAIN: its own

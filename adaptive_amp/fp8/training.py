@@ -88,7 +88,9 @@ def measure_fp8_map(model: nn.Module, batches: Iterable[Any], **options) -> Fp8M
                     + ("; ..." if len(reasons) > 3 else "") + ")")
     total = spent["inputs"] + spent["gains"] + spent["errors"]
     reasons.append(f"fp8: {len(choices)} layers measured in {total:.1f} s (inputs {spent['inputs']:.1f} s, "
-                   f"{spent['shapes']} gains timed in {spent['gains']:.1f} s, errors {spent['errors']:.1f} s)")
+                   f"{spent['shapes']} gains timed in {spent['gains']:.1f} s"
+                   + (f", {spent['inferred']} judged from a larger shape" if spent.get("inferred") else "")
+                   + f", errors {spent['errors']:.1f} s)")
     # A repeated block's layers that all went the same way are one pattern entry: the policy string of a
     # 32-layer model then reads as its block does, not as 225 names.
     chosen = [c.saved_ms for c in choices.values() if c.kind is not None]
@@ -106,7 +108,7 @@ def measured_policy(model: nn.Module, base, batches: Iterable[Any], **options):
 
 #: select_fp8_layers' options a tuning takes (its `fp8=`): its batches and run are the tuning's.
 _TUNING_OPTIONS = ("kinds", "min_gain", "max_error", "dtype", "warmup", "iters", "compiled", "max_tokens",
-                   "gain_fn", "weight_dtype")
+                   "gain_fn", "weight_dtype", "infer_smaller")
 
 
 def check_tuning_options(fp8) -> dict:
